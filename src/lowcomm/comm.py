@@ -1,0 +1,334 @@
+"""Communication layer: flat fp32 buckets, asynchronous all-reduce on a process group, counters.
+
+Every algorithm in lowcomm sends through a :class:`Communicator`. It flattens tensors into a
+few contiguous fp32 buckets (one collective per bucket, never one per parameter), launches
+``all_reduce(SUM)`` asynchronously and divides by the group size when the caller waits, which is
+reproducible on every backend. Algorithms own the buckets they pass in: a collective never
+writes into live parameters.
+
+Counters (:class:`CommStats`), per worker:
+
+* ``payload_bytes``: bytes handed to collectives;
+* ``wire_bytes``: what a ring all-reduce puts on the wire, ``2 (N - 1) / N`` x payload;
+* ``blocked_s``: time spent blocked in :meth:`Handle.wait`;
+* ``in_flight_s``: time from launch to completion of each collective, summed;
+* ``hidden_fraction``: ``1 - blocked / in_flight``, the share of communication time that was
+  overlapped with compute.
+
+Example::
+
+    comm = Communicator()                      # WORLD
+    buckets = FlatBuckets.for_tensors(list(model.parameters()))
+    buckets.copy_from(list(model.parameters()))
+    handle = comm.all_reduce_mean_async(buckets.buffers)
+    ...                                        # keep computing
+    handle.wait()                              # buckets now hold the mean over ranks
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommStats",
+    "Communicator",
+    "DDPCommMeter",
+    "FlatBuckets",
+    "Handle",
+    "ring_wire_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``payload_bytes``: 2 (N - 1) / N x payload."""
+    if world_size <= 1:
+        return 0
+    return int(round(2 * (world_size - 1) * payload_bytes / world_size))
+
+
+@dataclass
+class CommStats:
+    """Per-worker communication counters. See the module docstring for the definitions."""
+
+    collectives: int = 0
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+    blocked_s: float = 0.0
+    in_flight_s: float = 0.0
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        """``1 - blocked / in_flight``; ``None`` before anything was communicated."""
+        if self.in_flight_s <= 0.0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.blocked_s / self.in_flight_s))
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        out: dict[str, float | int | None] = asdict(self)
+        out["hidden_fraction"] = self.hidden_fraction
+        return out
+
+    def reset(self) -> None:
+        self.collectives = 0
+        self.payload_bytes = 0
+        self.wire_bytes = 0
+        self.blocked_s = 0.0
+        self.in_flight_s = 0.0
+
+
+class FlatBuckets:
+    """Contiguous fp32 buffers holding a list of tensors, with one view per tensor.
+
+    Tensors are packed in order into buckets of at most ``bucket_cap_mb`` (a tensor larger than
+    the cap gets a bucket of its own). ``views[i]`` has the shape of tensor ``i`` and aliases its
+    bucket, so ``torch._foreach_*`` over ``views`` and one collective per ``buffers`` entry see
+    the same memory.
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; 25 is a good default")
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.bucket_cap_mb = bucket_cap_mb
+        self.device = torch.device(device)
+        self.dtype = dtype
+        cap = max(1, int(bucket_cap_mb * 1024 * 1024) // torch.finfo(dtype).bits * 8)
+        # layout: list of (bucket index, offset, numel) per tensor
+        self.layout: list[tuple[int, int, int]] = []
+        sizes: list[int] = []
+        for shape in self.shapes:
+            n = shape.numel()
+            if not sizes or (sizes[-1] > 0 and sizes[-1] + n > cap):
+                sizes.append(0)
+            self.layout.append((len(sizes) - 1, sizes[-1], n))
+            sizes[-1] += n
+        self.buffers: list[torch.Tensor] = [
+            torch.zeros(n, device=self.device, dtype=dtype) for n in sizes
+        ]
+        self.views: list[torch.Tensor] = [
+            self.buffers[b].narrow(0, off, n).view(shape)
+            for (b, off, n), shape in zip(self.layout, self.shapes)
+        ]
+
+    @classmethod
+    def for_tensors(
+        cls, tensors: Sequence[torch.Tensor], *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    ) -> FlatBuckets:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return cls([t.shape for t in tensors], bucket_cap_mb=bucket_cap_mb, device=device)
+
+    def like(self) -> FlatBuckets:
+        """New zeroed buckets with the same layout."""
+        return FlatBuckets(
+            self.shapes, bucket_cap_mb=self.bucket_cap_mb, device=self.device, dtype=self.dtype
+        )
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:
+        assert len(tensors) == len(self.views)
+        torch._foreach_copy_(self.views, [t.detach() for t in tensors])
+
+    def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
+        assert len(tensors) == len(self.views)
+        with torch.no_grad():
+            torch._foreach_copy_(list(tensors), self.views)
+
+
+class Handle:
+    """An in-flight mean all-reduce over a list of buffers. :meth:`wait` is idempotent."""
+
+    def __init__(
+        self,
+        works: list[dist.Work],
+        buffers: list[torch.Tensor],
+        divisor: int,
+        stats: CommStats,
+        *,
+        handle_id: int = 0,
+    ) -> None:
+        self.works = works
+        self.buffers = buffers
+        self.divisor = divisor
+        self.stats = stats
+        self.handle_id = handle_id
+        self.t_launch = time.perf_counter()
+        self._t_done: list[float] = []
+        self._lock = threading.Lock()
+        self._done = False
+        for w in works:
+            try:
+                w.get_future().add_done_callback(self._on_done)
+            except (RuntimeError, AttributeError):  # backends without futures: time at wait()
+                pass
+
+    def _on_done(self, _fut: object) -> None:
+        with self._lock:
+            self._t_done.append(time.perf_counter())
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every bucket is reduced; divide by the group size; return the buffers."""
+        if self._done:
+            return self.buffers
+        t0 = time.perf_counter()
+        for w in self.works:
+            w.wait()
+        t1 = time.perf_counter()
+        with self._lock:
+            # A callback may still be queued when wait() returns; completion is then "now".
+            t_done = max(self._t_done) if len(self._t_done) == len(self.works) else t1
+        if self.divisor > 1:
+            torch._foreach_div_(self.buffers, float(self.divisor))
+        self.stats.blocked_s += t1 - t0
+        self.stats.in_flight_s += max(0.0, min(t_done, t1) - self.t_launch)
+        self._done = True
+        return self.buffers
+
+
+class _DoneWork:
+    """Stand-in for a completed collective (world size 1, or a handle restored from a checkpoint)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class Communicator:
+    """Mean all-reduce of flat buckets on one process group, with counters.
+
+    Args:
+        process_group: the group to reduce over; ``None`` means WORLD. Passing a subgroup is how
+            hierarchical set-ups run lowcomm across nodes and DDP inside them.
+
+    Subclasses may override :meth:`_launch` (one async collective on one tensor) to instrument
+    or emulate the transport; everything else stays the same.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) before creating a lowcomm algorithm "
+                "(or launch with torchrun / `lowcomm train`)"
+            )
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.stats = CommStats()
+        self._next_id = 0
+
+    def _launch(self, tensor: torch.Tensor) -> dist.Work:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        assert work is not None
+        return work
+
+    def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
+        """Launch SUM all-reduces over ``buffers`` (in place); :meth:`Handle.wait` divides by N."""
+        handle_id = self._next_id
+        self._next_id += 1
+        payload = sum(b.numel() * b.element_size() for b in buffers)
+        self.stats.collectives += len(buffers)
+        self.stats.payload_bytes += payload
+        self.stats.wire_bytes += ring_wire_bytes(payload, self.world_size)
+        if self.world_size == 1:
+            works: list = [_DoneWork() for _ in buffers]
+        else:
+            works = [self._launch(b) for b in buffers]
+        return Handle(works, buffers, self.world_size, self.stats, handle_id=handle_id)
+
+    def all_reduce_mean(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Blocking mean all-reduce (counted the same way)."""
+        return self.all_reduce_mean_async(buffers).wait()
+
+    def completed(self, buffers: list[torch.Tensor]) -> Handle:
+        """A handle whose result is already in ``buffers`` (restored from a checkpoint)."""
+        h = Handle([_DoneWork() for _ in buffers], buffers, 1, CommStats())
+        h.wait()
+        return h
+
+
+class DDPCommMeter:
+    """Counts the gradient all-reduces of a ``DistributedDataParallel`` model, for comparison.
+
+    Registers a communication hook that does what DDP's default hook does (divide by N, then
+    all-reduce SUM asynchronously) and records payload and ring wire bytes, and each bucket's
+    time in flight. DDP overlaps bucket all-reduces with the rest of backward; after the last
+    bucket is launched backward only waits, so the time blocked is measured as the time from the
+    last launch until ``backward()`` returns: call :meth:`backward_done` right after it.
+    """
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+        self._last_launch: float | None = None
+        self._world_size = 1
+        self._group: dist.ProcessGroup | None = None
+
+    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        self._group = ddp_model.process_group
+        self._world_size = dist.get_world_size(self._group)
+        ddp_model.register_comm_hook(self, DDPCommMeter._hook)
+
+    @staticmethod
+    def _hook(
+        meter: DDPCommMeter, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        tensor = bucket.buffer()
+        n = meter._world_size
+        payload = tensor.numel() * tensor.element_size()
+        meter.stats.collectives += 1
+        meter.stats.payload_bytes += payload
+        meter.stats.wire_bytes += ring_wire_bytes(payload, n)
+        tensor.div_(n)
+        t_launch = time.perf_counter()
+        meter._last_launch = t_launch
+        fut = dist.all_reduce(tensor, group=meter._group, async_op=True).get_future()
+
+        def _done(f: torch.futures.Future) -> torch.Tensor:
+            meter.stats.in_flight_s += time.perf_counter() - t_launch
+            return f.value()[0]
+
+        return fut.then(_done)
+
+    def backward_done(self) -> None:
+        """Record the time blocked at the end of this step's backward."""
+        if self._last_launch is not None:
+            self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
+            self._last_launch = None
