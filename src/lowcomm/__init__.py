@@ -1,3 +1,21 @@
-"""lowcomm: data-parallel training over slow links."""
+"""lowcomm: data-parallel training over slow links.
+
+Workers train locally and exchange model deltas rarely and in the background. See the README
+for the algorithms and the ``lowcomm train`` job.
+"""
+
+from lowcomm.comm import CommStats, Communicator
+from lowcomm.outer import ALGORITHMS, CO2, DiLoCo, LocalSGD, SlowMo
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ALGORITHMS",
+    "CO2",
+    "CommStats",
+    "Communicator",
+    "DiLoCo",
+    "LocalSGD",
+    "SlowMo",
+    "__version__",
+]

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -105,7 +106,9 @@ class FlatBuckets:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; 25 is a good default")
+            raise ValueError(
+                f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; 25 is a good default"
+            )
         self.shapes = [torch.Size(s) for s in shapes]
         self.bucket_cap_mb = bucket_cap_mb
         self.device = torch.device(device)
@@ -181,10 +184,9 @@ class Handle:
         self._lock = threading.Lock()
         self._done = False
         for w in works:
-            try:
+            # Backends without futures are timed at wait() instead.
+            with contextlib.suppress(RuntimeError, AttributeError):
                 w.get_future().add_done_callback(self._on_done)
-            except (RuntimeError, AttributeError):  # backends without futures: time at wait()
-                pass
 
     def _on_done(self, _fut: object) -> None:
         with self._lock:
@@ -217,7 +219,7 @@ class Handle:
 
 
 class _DoneWork:
-    """Stand-in for a completed collective (world size 1, or a handle restored from a checkpoint)."""
+    """A collective that has already completed (world size 1, or restored from a checkpoint)."""
 
     def wait(self) -> bool:
         return True
@@ -307,9 +309,7 @@ class DDPCommMeter:
         ddp_model.register_comm_hook(self, DDPCommMeter._hook)
 
     @staticmethod
-    def _hook(
-        meter: DDPCommMeter, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
+    def _hook(meter: DDPCommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         tensor = bucket.buffer()
         n = meter._world_size
         payload = tensor.numel() * tensor.element_size()

@@ -1,0 +1,31 @@
+"""Training data: the embedded corpus, a byte tokenizer and deterministic batch sampling."""
+
+from lowcomm.data.corpus import (
+    EMBEDDED_SOURCE,
+    MIN_TEXT_BYTES,
+    TEXT_SUFFIXES,
+    BatchSampler,
+    ByteTokenizer,
+    Corpus,
+    embedded_text,
+    eval_batches,
+    get_batch,
+    load_corpus,
+    load_text,
+    make_generator,
+)
+
+__all__ = [
+    "EMBEDDED_SOURCE",
+    "MIN_TEXT_BYTES",
+    "TEXT_SUFFIXES",
+    "BatchSampler",
+    "ByteTokenizer",
+    "Corpus",
+    "embedded_text",
+    "eval_batches",
+    "get_batch",
+    "load_corpus",
+    "load_text",
+    "make_generator",
+]

@@ -1,0 +1,16 @@
+"""Outer-loop algorithms: one module each, a pure update function plus a stateful class."""
+
+from lowcomm.outer.base import OuterAlgorithm
+from lowcomm.outer.co2 import CO2
+from lowcomm.outer.diloco import DiLoCo, SlowMo
+from lowcomm.outer.local_sgd import LocalSGD
+
+ALGORITHMS: dict[str, type[OuterAlgorithm]] = {
+    "co2": CO2,
+    "diloco": DiLoCo,
+    "localsgd": LocalSGD,
+    "slowmo": SlowMo,
+}
+"""The algorithms by the names the CLI uses for them."""
+
+__all__ = ["ALGORITHMS", "CO2", "DiLoCo", "LocalSGD", "OuterAlgorithm", "SlowMo"]

@@ -1,0 +1,267 @@
+"""Shared machinery of the outer-loop algorithms: parameters, step counting, anchors, hooks, state.
+
+An algorithm is driven by :meth:`OuterAlgorithm.step`, called once after every inner
+``optimizer.step()``; every ``sync_every`` (H) calls it ends a round with :meth:`_end_round`,
+which subclasses implement. Subclasses also implement :meth:`_finish` (drain in-flight work) and
+extend :meth:`_extra_state` / :meth:`_load_extra_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import warnings
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OuterAlgorithm"]
+
+
+def _check_positive_int(name: str, value: Any, example: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; e.g. {name}={example}")
+
+
+def _check_positive_float(name: str, value: Any, example: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{name} must be a finite number > 0, got {value!r}; e.g. {name}={example}"
+        )
+
+
+def _check_momentum(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not 0 <= value < 1
+    ):
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}; e.g. {name}=0.9")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+class OuterAlgorithm:
+    """Base class: see the module docstring. Not used directly."""
+
+    name: ClassVar[str] = "outer"
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        self.params = self._collect_params(model_or_params)
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"inner_optimizer must be a torch.optim.Optimizer, got "
+                f"{type(inner_optimizer).__name__}; pass the optimizer you call .step() on"
+            )
+        self.inner = inner_optimizer
+        self.sync_every = int(sync_every)
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.comm = (
+            process_group
+            if isinstance(process_group, Communicator)
+            else Communicator(process_group)
+        )
+        self.local_step = 0
+        """Inner steps taken (calls to :meth:`step`)."""
+        self.rounds = 0
+        """Rounds completed (every ``sync_every`` inner steps)."""
+        self._hook = None
+        self._profile_tag = f"lowcomm::{self.name}"
+
+    # -- argument checks ---------------------------------------------------------------------
+
+    @classmethod
+    def validate(cls, **kwargs: Any) -> None:
+        """Raise ``ValueError`` for bad keyword arguments (the constructor's, less model,
+        optimizer and process group). The CLI calls this before launching workers."""
+        if "sync_every" in kwargs:
+            _check_positive_int("sync_every", kwargs["sync_every"], 12)
+        if "bucket_cap_mb" in kwargs:
+            _check_positive_float("bucket_cap_mb", kwargs["bucket_cap_mb"], 25.0)
+
+    @staticmethod
+    def _collect_params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(model_or_params, nn.Module):
+            params = [p for p in model_or_params.parameters() if p.requires_grad]
+        elif isinstance(model_or_params, torch.Tensor):
+            raise ValueError(
+                "model_or_params must be an nn.Module or an iterable of parameters, got a single "
+                "tensor; wrap it in a list: [param]"
+            )
+        else:
+            try:
+                params = [p for p in model_or_params if p.requires_grad]
+            except TypeError as e:
+                raise ValueError(
+                    f"model_or_params must be an nn.Module or an iterable of parameters, got "
+                    f"{type(model_or_params).__name__}"
+                ) from e
+        if not params:
+            raise ValueError(
+                "no trainable parameters: model_or_params has no tensor with requires_grad=True"
+            )
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"all parameters must be on one device, found {sorted(map(str, devices))}; "
+                "pass the parameters of one device (one algorithm per device group)"
+            )
+        if any(not p.is_floating_point() for p in params):
+            raise ValueError("all trainable parameters must be floating point")
+        return params
+
+    def _new_buckets(self) -> FlatBuckets:
+        return FlatBuckets.for_tensors(self.params, bucket_cap_mb=self.bucket_cap_mb)
+
+    # -- driving -----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> CommStats:
+        """Communication counters of this worker (bytes, time blocked and in flight)."""
+        return self.comm.stats
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def step(self) -> None:
+        """Call once after every inner ``optimizer.step()``; ends a round every H calls."""
+        self.local_step += 1
+        if self.local_step % self.sync_every == 0:
+            with torch.no_grad(), record_function(f"{self._profile_tag}::round"):
+                self._end_round()
+            self.rounds += 1
+
+    def finish(self) -> None:
+        """Drain in-flight communication and apply it; afterwards θ equals the anchor on every
+        rank. Idempotent. Inner steps taken since the last round boundary are not
+        synchronised and are discarded (a warning says how many)."""
+        partial = self.local_step % self.sync_every
+        if partial:
+            warnings.warn(
+                f"{type(self).__name__}.finish() discards {partial} inner step(s) taken since "
+                f"the last round boundary; make the number of steps a multiple of "
+                f"sync_every={self.sync_every} to keep them",
+                stacklevel=2,
+            )
+        with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
+            self._finish()
+
+    def _end_round(self) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    # -- hook form ---------------------------------------------------------------------------
+
+    def __enter__(self) -> OuterAlgorithm:
+        """Register an inner-optimizer step post-hook so the loop needs no ``algo.step()``."""
+        if self._hook is not None:
+            raise ValueError(f"{type(self).__name__} is already active as a context manager")
+        self._hook = self.inner.register_step_post_hook(lambda *_: self.step())
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        # On an exception the other ranks may be gone: waiting on a collective could hang.
+        if exc_type is None:
+            self.finish()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: counters, anchors, outer state, in-flight results.
+
+        In-flight all-reduces are waited for (not applied) so their averaged result can be
+        stored; resuming then gives the same numbers as not stopping.
+        """
+        state: dict[str, Any] = {
+            "algorithm": self.name,
+            "sync_every": self.sync_every,
+            "world_size": self.world_size,
+            "local_step": self.local_step,
+            "rounds": self.rounds,
+        }
+        state.update(self._extra_state())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; refuses state from another configuration."""
+        for key, mine in (
+            ("algorithm", self.name),
+            ("sync_every", self.sync_every),
+            ("world_size", self.world_size),
+        ):
+            if key not in state:
+                raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
+            if state[key] != mine:
+                raise ValueError(
+                    f"state_dict was saved with {key}={state[key]!r} but this "
+                    f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
+                )
+        self.local_step = int(state["local_step"])
+        self.rounds = int(state["rounds"])
+        self._load_extra_state(state)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _load_tensors(self, state: dict[str, Any], key: str, into: Sequence[torch.Tensor]) -> None:
+        if key not in state:
+            raise ValueError(f"{type(self).__name__} state_dict is missing {key!r}")
+        src = state[key]
+        if len(src) != len(into):
+            raise ValueError(
+                f"state_dict[{key!r}] has {len(src)} tensors but the model has {len(into)} "
+                "trainable parameters; load it into the same model"
+            )
+        for i, (s, d) in enumerate(zip(src, into)):
+            if s.shape != d.shape:
+                raise ValueError(
+                    f"state_dict[{key!r}][{i}] has shape {tuple(s.shape)} but parameter {i} "
+                    f"has shape {tuple(d.shape)}; load it into the same model"
+                )
+        torch._foreach_copy_(list(into), [s.to(d.device) for s, d in zip(src, into)])
+
+
+def clone_views(buckets: FlatBuckets) -> list[torch.Tensor]:
+    """Per-parameter copies of a bucket set, for state dicts that survive a bucket-size change."""
+    return [v.detach().clone() for v in buckets.views]

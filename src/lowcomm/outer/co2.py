@@ -1,0 +1,236 @@
+"""CO2: local updates with an outer all-reduce that overlaps a whole round of compute.
+
+Paper: Sun et al., "CO2: Efficient Distributed Training with Full Communication-Computation
+Overlap", ICLR 2024 (https://arxiv.org/abs/2403.16125). Staleness gap penalty in Gap-Aware form:
+Barkai et al., "Gap-Aware Mitigation of Gradient Staleness", ICLR 2020
+(https://arxiv.org/abs/1909.10802).
+
+Round t ends after H inner steps:
+
+1. Dᵢᵗ ← A_t − θᵢ into a send buffer; launch its all-reduce asynchronously. Do not wait.
+2. If a previous round is in flight: wait for it → Δ̄ᵗ⁻¹ (it had a whole round to finish) and
+   take one outer step (:func:`~lowcomm.outer.functional.co2_outer_update_`): gap penalty Λ,
+   momentum m ← β·m + Λ ⊙ Δ̄ᵗ⁻¹, clipping to φ, A_{t+1} = A_t − α·m. At t = 0: A_1 = A_0.
+3. θᵢ ← A_{t+1}.
+
+``finish()`` waits for the last all-reduce, applies it, and leaves θ = A on every rank.
+
+Paper symbols → arguments: H ``sync_every`` (the paper's τ), α ``outer_lr``, β
+``outer_momentum``, φ ``clip``, Λ ``gap_penalty``.
+
+Example::
+
+    algo = lowcomm.CO2(model, inner, sync_every=12)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        inner.step(); inner.zero_grad()
+        algo.step()
+    algo.finish()
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, FlatBuckets, Handle
+from lowcomm.outer.base import (
+    OuterAlgorithm,
+    _check_bool,
+    _check_momentum,
+    _check_positive_float,
+    clone_views,
+)
+from lowcomm.outer.functional import co2_outer_update_, pseudo_gradient_
+
+__all__ = ["CO2"]
+
+CLIP_MODES = ("value", "norm")
+
+
+class CO2(OuterAlgorithm):
+    """CO2: one-round-stale, fully overlapped outer updates with staleness gap penalty and
+    outer momentum clipping.
+
+    Args:
+        model_or_params: an ``nn.Module`` or an iterable of parameters.
+        inner_optimizer: the optimizer whose ``step()`` drives the rounds.
+        sync_every: H, inner steps per round (the paper's τ; default 12).
+        outer_lr: α, the outer learning rate (default 1.0).
+        outer_momentum: β, the outer momentum (default 0.5).
+        nesterov: A ← A − α(Λ⊙Δ̄ + β·m) instead of A ← A − α·m (default False).
+        clip: φ, the outer momentum clipping threshold; ``None`` disables clipping (default 1.0).
+        clip_mode: ``"value"`` clamps m elementwise to [−φ, φ]; ``"norm"`` scales m to global
+            L2 norm ≤ φ.
+        gap_penalty: Λ: ``"gap_aware"`` (default; Λ = 1 / max(1, |g| / (c + ε)), g the gap
+            between the anchor and the stale average model, c a running mean of |Δ̄|),
+            ``"none"`` (Λ = 1), or a float λ ≥ 1 (Λ = 1/λ, a constant divisor).
+        process_group: the group to reduce over; ``None`` is WORLD.
+        bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+    """
+
+    name = "co2"
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int = 12,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.5,
+        nesterov: bool = False,
+        clip: float | None = 1.0,
+        clip_mode: str = "value",
+        gap_penalty: str | float = "gap_aware",
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        self.validate(
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            clip=clip,
+            clip_mode=clip_mode,
+            gap_penalty=gap_penalty,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        super().__init__(
+            model_or_params,
+            inner_optimizer,
+            sync_every=sync_every,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.nesterov = bool(nesterov)
+        self.clip = None if clip is None else float(clip)
+        self.clip_mode = clip_mode
+        self.gap_penalty: str | float = (
+            gap_penalty if isinstance(gap_penalty, str) else float(gap_penalty)
+        )
+        self.anchor = self._new_buckets()
+        self.anchor.copy_from(self.params)
+        self.momentum = self.anchor.like()
+        self.gap_stat = self.anchor.like()
+        self.last_update = self.anchor.like()
+        self.outer_updates = 0
+        """Outer updates applied so far (the first one seeds the gap statistic)."""
+        # Two send buffers: the one in flight is never touched while the other is filled.
+        self._send = [self.anchor.like(), self.anchor.like()]
+        self._send_next = 0
+        self._pending: tuple[Handle, FlatBuckets] | None = None
+
+    @classmethod
+    def validate(cls, **kwargs: Any) -> None:
+        super().validate(**kwargs)
+        if "outer_lr" in kwargs:
+            _check_positive_float("outer_lr", kwargs["outer_lr"], 1.0)
+        if "outer_momentum" in kwargs:
+            _check_momentum("outer_momentum", kwargs["outer_momentum"])
+        if "nesterov" in kwargs:
+            _check_bool("nesterov", kwargs["nesterov"])
+        if kwargs.get("clip") is not None:
+            _check_positive_float("clip", kwargs["clip"], 1.0)
+        if "clip_mode" in kwargs and kwargs["clip_mode"] not in CLIP_MODES:
+            raise ValueError(f"clip_mode must be 'value' or 'norm', got {kwargs['clip_mode']!r}")
+        if "gap_penalty" in kwargs:
+            gp = kwargs["gap_penalty"]
+            if isinstance(gp, str):
+                if gp not in ("gap_aware", "none"):
+                    raise ValueError(
+                        f"gap_penalty must be 'gap_aware', 'none' or a number >= 1, got {gp!r}"
+                    )
+            elif (
+                isinstance(gp, bool)
+                or not isinstance(gp, numbers.Real)
+                or not math.isfinite(gp)
+                or gp < 1
+            ):
+                raise ValueError(
+                    f"gap_penalty as a constant divisor λ must be a finite number >= 1 "
+                    f"(Λ = 1/λ ∈ (0, 1]), got {gp!r}; or use 'gap_aware' / 'none'"
+                )
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an all-reduce launched by an earlier round has not been applied yet."""
+        return self._pending is not None
+
+    def _apply(self, handle: Handle) -> None:
+        avg_delta_buffers = handle.wait()
+        assert avg_delta_buffers is not None
+        buckets = self._pending[1] if self._pending is not None else None
+        assert buckets is not None and buckets.buffers is handle.buffers
+        with record_function(f"{self._profile_tag}::outer"):
+            co2_outer_update_(
+                self.anchor.views,
+                self.momentum.views,
+                self.gap_stat.views,
+                self.last_update.views,
+                buckets.views,
+                lr=self.outer_lr,
+                beta=self.outer_momentum,
+                nesterov=self.nesterov,
+                clip=self.clip,
+                clip_mode=self.clip_mode,
+                gap_penalty=self.gap_penalty,
+                first=self.outer_updates == 0,
+            )
+        self.outer_updates += 1
+
+    def _end_round(self) -> None:
+        send = self._send[self._send_next]
+        self._send_next ^= 1
+        with record_function(f"{self._profile_tag}::launch"):
+            pseudo_gradient_(send.views, self.anchor.views, self.params)
+            handle = self.comm.all_reduce_mean_async(send.buffers)
+        if self._pending is not None:
+            with record_function(f"{self._profile_tag}::wait"):
+                self._apply(self._pending[0])
+        self._pending = (handle, send)
+        self.anchor.copy_to(self.params)
+
+    def _finish(self) -> None:
+        if self._pending is not None:
+            with record_function(f"{self._profile_tag}::wait"):
+                self._apply(self._pending[0])
+            self._pending = None
+        self.anchor.copy_to(self.params)
+
+    def _extra_state(self) -> dict[str, Any]:
+        pending = None
+        if self._pending is not None:
+            # Completing (not applying) the all-reduce lets us store its result exactly.
+            self._pending[0].wait()
+            pending = clone_views(self._pending[1])
+        return {
+            "anchor": clone_views(self.anchor),
+            "momentum": clone_views(self.momentum),
+            "gap_stat": clone_views(self.gap_stat),
+            "last_update": clone_views(self.last_update),
+            "outer_updates": self.outer_updates,
+            "pending_avg_delta": pending,
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._load_tensors(state, "anchor", self.anchor.views)
+        self._load_tensors(state, "momentum", self.momentum.views)
+        self._load_tensors(state, "gap_stat", self.gap_stat.views)
+        self._load_tensors(state, "last_update", self.last_update.views)
+        self.outer_updates = int(state.get("outer_updates", 0))
+        self._pending = None
+        if state.get("pending_avg_delta") is not None:
+            buckets = self._send[self._send_next]
+            self._send_next ^= 1
+            self._load_tensors(state, "pending_avg_delta", buckets.views)
+            self._pending = (self.comm.completed(buckets.buffers), buckets)

@@ -1,0 +1,207 @@
+"""DiLoCo and SlowMo: an outer optimizer stepped on averaged pseudo-gradients every H steps.
+
+DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+2023 (https://arxiv.org/abs/2311.08105). SlowMo: Wang et al., "SlowMo: Improving
+Communication-Efficient Distributed SGD with Slow Momentum", ICLR 2020
+(https://arxiv.org/abs/1910.00643).
+
+Every H inner steps: Δ̄ ← mean over workers of (A − θᵢ); ``A.grad = Δ̄``; one step of the outer
+optimizer on the anchor A; θᵢ ← A. Blocking. The inner optimizer's state is never touched.
+
+Example::
+
+    algo = lowcomm.DiLoCo(model, inner, sync_every=50)   # Nesterov SGD, lr 0.7, momentum 0.9
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        inner.step(); inner.zero_grad()
+        algo.step()
+    algo.finish()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.outer.base import (
+    OuterAlgorithm,
+    _check_bool,
+    _check_momentum,
+    _check_positive_float,
+    clone_views,
+)
+from lowcomm.outer.functional import pseudo_gradient_
+
+__all__ = ["DiLoCo", "SlowMo"]
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class DiLoCo(OuterAlgorithm):
+    """DiLoCo: outer optimizer on the anchor, stepped with the averaged pseudo-gradient.
+
+    Args:
+        model_or_params: an ``nn.Module`` or an iterable of parameters.
+        inner_optimizer: the optimizer whose ``step()`` drives the rounds (AdamW in the paper).
+        sync_every: H, inner steps per round.
+        outer_lr: α, the outer learning rate (default 0.7).
+        outer_momentum: β, the outer momentum (default 0.9).
+        nesterov: Nesterov momentum for the outer SGD (default True).
+        outer_optimizer: a factory ``params -> torch.optim.Optimizer`` building the outer
+            optimizer over the anchor tensors; overrides ``outer_lr``/``outer_momentum``/
+            ``nesterov``.
+        process_group: the group to average over; ``None`` is WORLD.
+        bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+    """
+
+    name = "diloco"
+    _default_nesterov = True
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        self.validate(
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            outer_optimizer=outer_optimizer,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        super().__init__(
+            model_or_params,
+            inner_optimizer,
+            sync_every=sync_every,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.anchor = self._new_buckets()
+        self.anchor.copy_from(self.params)
+        self._delta = self.anchor.like()
+        if outer_optimizer is None:
+            lr, beta, nest = float(outer_lr), float(outer_momentum), bool(nesterov)
+
+            def outer_optimizer(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+                return torch.optim.SGD(ps, lr=lr, momentum=beta, nesterov=nest)
+
+        self.outer = outer_optimizer(self.anchor.views)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise ValueError(
+                "outer_optimizer must return a torch.optim.Optimizer built over the params it "
+                f"is given, got {type(self.outer).__name__}"
+            )
+
+    @classmethod
+    def validate(cls, **kwargs: Any) -> None:
+        super().validate(**kwargs)
+        if "outer_lr" in kwargs:
+            _check_positive_float("outer_lr", kwargs["outer_lr"], 0.7)
+        if "outer_momentum" in kwargs:
+            _check_momentum("outer_momentum", kwargs["outer_momentum"])
+        nesterov = kwargs.get("nesterov", cls._default_nesterov)
+        _check_bool("nesterov", nesterov)
+        if nesterov and kwargs.get("outer_momentum", 1) == 0:
+            raise ValueError(
+                "nesterov=True needs outer_momentum > 0; set outer_momentum (e.g. 0.9) or "
+                "nesterov=False"
+            )
+        factory = kwargs.get("outer_optimizer")
+        if factory is not None and not callable(factory):
+            raise ValueError(
+                "outer_optimizer must be a callable params -> torch.optim.Optimizer, e.g. "
+                "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
+            )
+
+    def _scale_outer_grads(self, avg_delta: Sequence[torch.Tensor]) -> None:
+        """Hook for presets that rescale Δ̄ before the outer step (SlowMo). Default: none."""
+
+    def _end_round(self) -> None:
+        with record_function(f"{self._profile_tag}::sync"):
+            pseudo_gradient_(self._delta.views, self.anchor.views, self.params)
+            self.comm.all_reduce_mean(self._delta.buffers)
+        with record_function(f"{self._profile_tag}::outer"):
+            self._scale_outer_grads(self._delta.views)
+            for a, d in zip(self.anchor.views, self._delta.views):
+                a.grad = d
+            self.outer.step()
+            for a in self.anchor.views:
+                a.grad = None
+            self.anchor.copy_to(self.params)
+
+    def _finish(self) -> None:
+        # Rounds are blocking; only a partial round's local progress remains, and it is dropped.
+        self.anchor.copy_to(self.params)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"anchor": clone_views(self.anchor), "outer_optimizer": self.outer.state_dict()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._load_tensors(state, "anchor", self.anchor.views)
+        if "outer_optimizer" not in state:
+            raise ValueError(f"{type(self).__name__} state_dict is missing 'outer_optimizer'")
+        self.outer.load_state_dict(state["outer_optimizer"])
+
+
+class SlowMo(DiLoCo):
+    """SlowMo as a DiLoCo preset: heavy-ball outer SGD with the 1/γ scaling.
+
+    With γ the inner optimizer's current learning rate (``param_groups[0]["lr"]``), every round:
+    m ← β·m + Δ̄/γ; A ← A − α·γ·m — i.e. DiLoCo with ``SGD(lr=α·γ, momentum=β)`` stepped on Δ̄/γ.
+
+    Args:
+        outer_lr: α, the slow learning rate (default 1.0).
+        outer_momentum: β, the slow momentum (default 0.5).
+        Other arguments as :class:`DiLoCo`.
+    """
+
+    name = "slowmo"
+    _default_nesterov = False
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.5,
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        super().__init__(
+            model_or_params,
+            inner_optimizer,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=False,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.slow_lr = float(outer_lr)
+
+    def _scale_outer_grads(self, avg_delta: Sequence[torch.Tensor]) -> None:
+        gamma = float(self.inner.param_groups[0]["lr"])
+        if gamma <= 0:
+            raise ValueError(
+                f"SlowMo divides by the inner learning rate, which is {gamma}; use a positive lr"
+            )
+        torch._foreach_div_(list(avg_delta), gamma)
+        for group in self.outer.param_groups:
+            group["lr"] = self.slow_lr * gamma

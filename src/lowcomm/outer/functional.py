@@ -1,0 +1,134 @@
+"""Pure outer-loop updates over tensor lists (``torch._foreach_*``), testable without any
+process group.
+
+Every function here takes lists of tensors with matching shapes (per parameter, or flat
+buckets) and keyword-only hyperparameters, and updates its outputs in place. The stateful
+algorithm classes own the tensors and call these; the tests call them directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "GAP_EPS",
+    "clip_momentum_",
+    "co2_outer_update_",
+    "gap_aware_penalty",
+    "pseudo_gradient_",
+]
+
+Tensors = Sequence[torch.Tensor]
+
+GAP_EPS = 1e-8
+"""ε of the Gap-Aware penalty Λ = 1 / max(1, |g| / (c + ε))."""
+
+GAP_STAT_DECAY = 0.9
+GAP_STAT_NEW = 0.1
+"""c ← 0.9·c + 0.1·|Δ̄|: the running mean of |Δ̄| the gap is compared with."""
+
+
+def pseudo_gradient_(out: Tensors, anchor: Tensors, params: Tensors) -> None:
+    """``out ← anchor − params`` in ``out``'s dtype (fp32): Δᵢ = A − θᵢ.
+
+    ``params`` may have another dtype (bf16 weights); they are cast by the copy. Computed as
+    ``−(θ − A)``, which is bitwise equal to ``A − θ`` in IEEE arithmetic.
+    """
+    torch._foreach_copy_(list(out), [p.detach() for p in params])
+    torch._foreach_sub_(list(out), list(anchor))
+    torch._foreach_neg_(list(out))
+
+
+def gap_aware_penalty(
+    avg_delta: Tensors,
+    last_update: Tensors,
+    gap_stat: Tensors,
+    *,
+    first: bool,
+    eps: float = GAP_EPS,
+) -> list[torch.Tensor]:
+    """CO2's staleness gap penalty in Gap-Aware form (Barkai et al. 2019), elementwise.
+
+    Updates the running mean ``gap_stat`` (c) with ``|avg_delta|`` first (``c ← |Δ̄|`` when
+    ``first``, else ``c ← 0.9·c + 0.1·|Δ̄|``), then returns
+    Λ = 1 / max(1, |g| / (c + ε)) with the gap g = Δ̄ + u, u = ``last_update`` (A_t − A_{t−1}).
+    Λ ∈ (0, 1].
+    """
+    abs_delta = torch._foreach_abs(list(avg_delta))
+    if first:
+        torch._foreach_copy_(list(gap_stat), abs_delta)
+    else:
+        torch._foreach_mul_(list(gap_stat), GAP_STAT_DECAY)
+        torch._foreach_add_(list(gap_stat), abs_delta, alpha=GAP_STAT_NEW)
+    gap = torch._foreach_add(list(avg_delta), list(last_update))
+    torch._foreach_abs_(gap)
+    denom = torch._foreach_add(list(gap_stat), eps)
+    torch._foreach_div_(gap, denom)
+    torch._foreach_clamp_min_(gap, 1.0)
+    torch._foreach_reciprocal_(gap)
+    return gap
+
+
+def clip_momentum_(momentum: Tensors, *, clip: float | None, clip_mode: str) -> None:
+    """Outer momentum clipping: clamp each element to [−φ, φ] (``"value"``) or scale the whole
+    list to global L2 norm ≤ φ (``"norm"``, the ``clip_grad_norm_`` rule). ``None``: no-op."""
+    if clip is None:
+        return
+    m = list(momentum)
+    if clip_mode == "value":
+        torch._foreach_clamp_min_(m, -clip)
+        torch._foreach_clamp_max_(m, clip)
+    elif clip_mode == "norm":
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(m)))
+        scale = torch.clamp(clip / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(m, scale)
+    else:
+        raise ValueError(f"clip_mode must be 'value' or 'norm', got {clip_mode!r}")
+
+
+def co2_outer_update_(
+    anchor: Tensors,
+    momentum: Tensors,
+    gap_stat: Tensors,
+    last_update: Tensors,
+    avg_delta: Tensors,
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    clip: float | None,
+    clip_mode: str,
+    gap_penalty: str | float,
+    first: bool,
+) -> None:
+    """One CO2 outer step with the one-round-stale average Δ̄ᵗ⁻¹, in place.
+
+    With Λ from ``gap_penalty`` (``"gap_aware"``: :func:`gap_aware_penalty`; ``"none"``: 1;
+    a float λ ≥ 1: the constant divisor 1/λ)::
+
+        m ← β·m + Λ ⊙ Δ̄;  m ← clip(m, φ)
+        A ← A − α·m                    (nesterov: A ← A − α·(Λ ⊙ Δ̄ + β·m))
+        u ← A_new − A_old              (``last_update``, used by the next gap)
+
+    ``first`` marks the first update of a run (it seeds the gap statistic c).
+    """
+    a, m, u = list(anchor), list(momentum), list(last_update)
+    if gap_penalty == "gap_aware":
+        penalty = gap_aware_penalty(avg_delta, u, gap_stat, first=first)
+        scaled = torch._foreach_mul(penalty, list(avg_delta))
+    elif gap_penalty == "none":
+        scaled = [d.clone() for d in avg_delta]
+    else:
+        assert isinstance(gap_penalty, float) and math.isfinite(gap_penalty) and gap_penalty >= 1
+        scaled = torch._foreach_div(list(avg_delta), gap_penalty)
+    torch._foreach_mul_(m, beta)
+    torch._foreach_add_(m, scaled)
+    clip_momentum_(m, clip=clip, clip_mode=clip_mode)
+    step = torch._foreach_add(scaled, m, alpha=beta) if nesterov else m
+    torch._foreach_copy_(u, a)
+    torch._foreach_add_(a, step, alpha=-lr)
+    torch._foreach_sub_(u, a)
+    torch._foreach_neg_(u)

@@ -1,0 +1,97 @@
+"""LocalSGD: every H inner steps, replace each worker's parameters by the mean over workers.
+
+Paper: Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020
+(https://arxiv.org/abs/1808.07217); Stich, "Local SGD Converges Fast and Communicates Little"
+(https://arxiv.org/abs/1805.09767).
+
+Blocking: the round waits for its all-reduce. Buffers are not averaged. ``finish()`` averages
+once more if steps were taken since the last round.
+
+Example::
+
+    algo = lowcomm.LocalSGD(model, inner, sync_every=8)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        inner.step(); inner.zero_grad()
+        algo.step()
+    algo.finish()
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.outer.base import OuterAlgorithm
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD(OuterAlgorithm):
+    """θᵢ ← mean(θ) every ``sync_every`` (H) inner steps.
+
+    Args:
+        model_or_params: an ``nn.Module`` or an iterable of parameters.
+        inner_optimizer: the optimizer whose ``step()`` drives the rounds.
+        sync_every: H, inner steps per round.
+        process_group: the group to average over; ``None`` is WORLD.
+        bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+    """
+
+    name = "localsgd"
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        self.validate(sync_every=sync_every, bucket_cap_mb=bucket_cap_mb)
+        if sync_every == 1:
+            warnings.warn(
+                "LocalSGD with sync_every=1 averages parameters after every step; "
+                "DistributedDataParallel does the same with less work",
+                stacklevel=2,
+            )
+        super().__init__(
+            model_or_params,
+            inner_optimizer,
+            sync_every=sync_every,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self._buf = self._new_buckets()
+        self._last_sync = 0
+
+    def _end_round(self) -> None:
+        with record_function(f"{self._profile_tag}::average"):
+            self._buf.copy_from(self.params)
+            self.comm.all_reduce_mean(self._buf.buffers)
+            self._buf.copy_to(self.params)
+        self._last_sync = self.local_step
+
+    def finish(self) -> None:
+        """Average once more if steps were taken since the last round, so that every rank
+        holds the same parameters and no local work is lost. Idempotent."""
+        if self.local_step != self._last_sync:
+            with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
+                self._end_round()
+
+    def _finish(self) -> None:
+        pass
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"last_sync": self._last_sync}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._last_sync = int(state.get("last_sync", self.local_step))

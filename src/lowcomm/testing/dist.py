@@ -1,0 +1,103 @@
+"""Run a function on N real processes joined by a gloo process group on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_workers"]
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out_dir: str,
+    timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            result = fn(rank, world_size, *args)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # report any failure to the parent, which raises it
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo
+    WORLD group bound to 127.0.0.1; return the per-rank results (saved with ``torch.save``).
+
+    ``fn`` must be importable (a module-level function). A failure on any rank raises
+    ``RuntimeError`` with that rank's traceback; processes still running after ``timeout_s``
+    are terminated (only the ones started here) and ``TimeoutError`` is raised.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="lowcomm-test-") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(rank, world_size, store.port, fn, args, out_dir, timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.terminate()
+        for p in alive:
+            p.join(5)
+        results: list[Any] = []
+        errors: list[str] = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
+                continue
+            rec = torch.load(path, weights_only=False)
+            if rec["ok"]:
+                results.append(rec["result"])
+            else:
+                errors.append(f"rank {rank}:\n{rec['error']}")
+        if alive:
+            raise TimeoutError(
+                f"{len(alive)} of {world_size} workers still running after {timeout_s} s; "
+                + "\n".join(errors)
+            )
+        if errors:
+            raise RuntimeError("distributed workers failed:\n" + "\n".join(errors))
+        return results

@@ -1,0 +1,272 @@
+"""Single-process N-worker references of every algorithm: the same math, no communication.
+
+The references are written per tensor, straight from the formulas in the design notes, and
+independently of the algorithm classes (which work on flat buckets with ``torch._foreach_*``).
+A real multi-process run of an algorithm (:func:`distributed_run`) must match
+:func:`reference_run` on the same toy problem: bitwise where the order of floating-point
+operations is the same (2 ranks), else to 1e-6.
+
+A scenario is a plain dict::
+
+    {"algo": "co2", "workers": 2, "sync_every": 3, "steps": 12, "inner": "sgd",
+     "hyper": {"clip": 0.5, "clip_mode": "norm"}, "bucket_cap_mb": 0.0002, "seed": 0}
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW
+
+__all__ = [
+    "ReferenceRun",
+    "distributed_run",
+    "make_inner",
+    "reference_run",
+    "toy_batch",
+    "toy_model",
+]
+
+ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "localsgd": {},
+    "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
+    "slowmo": {"outer_lr": 1.0, "outer_momentum": 0.5},
+    "co2": {
+        "outer_lr": 1.0,
+        "outer_momentum": 0.5,
+        "nesterov": False,
+        "clip": 1.0,
+        "clip_mode": "value",
+        "gap_penalty": "gap_aware",
+    },
+}
+
+
+def toy_model(seed: int = 0) -> nn.Module:
+    """A small MLP with parameters of several shapes (so buckets split them)."""
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def toy_batch(worker: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``worker``'s batch at inner step ``step``: different on every worker and step."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * worker + step)
+    x = torch.randn(4, 6, generator=g)
+    y = torch.randn(4, 3, generator=g)
+    return x, y
+
+
+def make_inner(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01)
+    raise ValueError(f"unknown inner optimizer {kind!r}")
+
+
+def _inner_step(
+    model: nn.Module, inner: torch.optim.Optimizer, worker: int, step: int, seed: int
+) -> None:
+    x, y = toy_batch(worker, step, seed)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum in rank order, then divide by N (what SUM all-reduce + divide computes)."""
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total = total + t
+    return total / len(tensors)
+
+
+@dataclass
+class ReferenceRun:
+    """Parameters after every round (as every worker holds them) and after ``finish()``."""
+
+    rounds: list[list[torch.Tensor]] = field(default_factory=list)
+    final: list[torch.Tensor] = field(default_factory=list)
+
+
+def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
+    """Simulate ``scenario["workers"]`` workers in one process with no communication."""
+    algo = scenario["algo"]
+    n = scenario["workers"]
+    h = scenario["sync_every"]
+    seed = scenario.get("seed", 0)
+    hyper = {**ALGO_DEFAULTS[algo], **scenario.get("hyper", {})}
+    models = [toy_model(seed) for _ in range(n)]
+    inners = [make_inner(scenario.get("inner", "sgd"), m.parameters()) for m in models]
+    thetas = [_params(m) for m in models]
+    anchor = [p.detach().clone().float() for p in thetas[0]]
+    out = ReferenceRun()
+
+    outer = None
+    if algo == "diloco":
+        outer = torch.optim.SGD(
+            anchor,
+            lr=hyper["outer_lr"],
+            momentum=hyper["outer_momentum"],
+            nesterov=hyper["nesterov"],
+        )
+    slow_m: list[torch.Tensor] | None = None
+    co2 = {
+        "m": [torch.zeros_like(a) for a in anchor],
+        "c": [torch.zeros_like(a) for a in anchor],
+        "u": [torch.zeros_like(a) for a in anchor],
+        "pending": None,
+        "updates": 0,
+    }
+
+    def set_all(values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for th in thetas:
+                for p, v in zip(th, values):
+                    p.copy_(v)
+
+    def co2_apply(avg: list[torch.Tensor]) -> None:
+        first = co2["updates"] == 0
+        beta, gp = hyper["outer_momentum"], hyper["gap_penalty"]
+        scaled = []
+        for d, m, c, u in zip(avg, co2["m"], co2["c"], co2["u"]):
+            if gp == "gap_aware":
+                if first:
+                    c.copy_(d.abs())
+                else:
+                    c.mul_(GAP_STAT_DECAY).add_(d.abs(), alpha=GAP_STAT_NEW)
+                lam = 1.0 / ((d + u).abs() / (c + GAP_EPS)).clamp(min=1.0)
+                scaled.append(lam * d)
+            elif gp == "none":
+                scaled.append(d.clone())
+            else:
+                scaled.append(d / float(gp))
+            m.mul_(beta).add_(scaled[-1])
+        clip = hyper["clip"]
+        if clip is not None and hyper["clip_mode"] == "value":
+            for m in co2["m"]:
+                m.clamp_(-clip, clip)
+        elif clip is not None:
+            total = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(m) for m in co2["m"]])
+            )
+            scale = torch.clamp(clip / (total + 1e-6), max=1.0)
+            for m in co2["m"]:
+                m.mul_(scale)
+        for a, m, s, u in zip(anchor, co2["m"], scaled, co2["u"]):
+            step = torch.add(s, m, alpha=beta) if hyper["nesterov"] else m
+            old = a.clone()
+            a.add_(step, alpha=-hyper["outer_lr"])
+            u.copy_(a - old)
+        co2["updates"] += 1
+
+    for step in range(1, scenario["steps"] + 1):
+        for w in range(n):
+            _inner_step(models[w], inners[w], w, step, seed)
+        if step % h:
+            continue
+        with torch.no_grad():
+            if algo == "localsgd":
+                mean = [_mean([th[j].float() for th in thetas]) for j in range(len(anchor))]
+                set_all(mean)
+            elif algo in ("diloco", "slowmo"):
+                avg = [
+                    _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
+                ]
+                if algo == "diloco":
+                    assert outer is not None
+                    for a, d in zip(anchor, avg):
+                        a.grad = d
+                    outer.step()
+                    for a in anchor:
+                        a.grad = None
+                else:
+                    gamma = inners[0].param_groups[0]["lr"]
+                    g = [d / gamma for d in avg]
+                    if slow_m is None:
+                        slow_m = [gi.clone() for gi in g]
+                    else:
+                        for m, gi in zip(slow_m, g):
+                            m.mul_(hyper["outer_momentum"]).add_(gi)
+                    for a, m in zip(anchor, slow_m):
+                        a.add_(m, alpha=-(hyper["outer_lr"] * gamma))
+                set_all(anchor)
+            elif algo == "co2":
+                launched = [
+                    _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
+                ]
+                if co2["pending"] is not None:
+                    co2_apply(co2["pending"])
+                co2["pending"] = launched
+                set_all(anchor)
+            else:
+                raise ValueError(f"no reference for {algo!r}")
+        out.rounds.append([p.detach().clone() for p in thetas[0]])
+
+    with torch.no_grad():
+        if algo == "co2" and co2["pending"] is not None:
+            co2_apply(co2["pending"])
+        if algo != "localsgd":
+            set_all(anchor)
+        elif scenario["steps"] % h:
+            set_all([_mean([th[j].float() for th in thetas]) for j in range(len(anchor))])
+    out.final = [p.detach().clone() for p in thetas[0]]
+    return out
+
+
+def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> list[dict]:
+    """Worker function for :func:`lowcomm.testing.run_workers`: run each scenario with the real
+    algorithm class on this rank and return, per scenario, the parameters after every round,
+    after ``finish()``, the schedule of the recording communicator and the counters."""
+    from lowcomm.outer import ALGORITHMS
+    from lowcomm.testing.recording import RecordingCommunicator
+
+    results = []
+    for sc in scenarios:
+        assert sc["workers"] == world_size
+        seed = sc.get("seed", 0)
+        model = toy_model(seed)
+        inner = make_inner(sc.get("inner", "sgd"), model.parameters())
+        comm = RecordingCommunicator()
+        algo = ALGORITHMS[sc["algo"]](
+            model,
+            inner,
+            sync_every=sc["sync_every"],
+            process_group=comm,
+            bucket_cap_mb=sc.get("bucket_cap_mb", 25.0),
+            **sc.get("hyper", {}),
+        )
+        comm.clock = lambda algo=algo: algo.local_step
+        rounds = []
+        for step in range(1, sc["steps"] + 1):
+            _inner_step(model, inner, rank, step, seed)
+            algo.step()
+            if step % sc["sync_every"] == 0:
+                rounds.append([p.detach().clone() for p in _params(model)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a partial last round is part of some scenarios
+            algo.finish()
+        results.append(
+            {
+                "rounds": rounds,
+                "final": [p.detach().clone() for p in _params(model)],
+                "events": list(comm.events),
+                "stats": algo.stats.as_dict(),
+                "buckets": len(algo._new_buckets().buffers),
+            }
+        )
+    return results

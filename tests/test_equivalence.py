@@ -1,0 +1,201 @@
+"""Real multi-process gloo runs of every algorithm against the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from lowcomm.testing import run_workers
+from lowcomm.testing.reference import distributed_run, reference_run
+
+SMALL_BUCKETS = 0.0002  # ~52 floats: the toy model spans several buckets
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "localsgd": {"algo": "localsgd"},
+    "diloco": {"algo": "diloco", "inner": "adamw"},
+    "diloco-avg-h1": {
+        "algo": "diloco",
+        "sync_every": 1,
+        "steps": 5,
+        "hyper": {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False},
+    },
+    "localsgd-h1": {"algo": "localsgd", "sync_every": 1, "steps": 5},
+    "slowmo": {"algo": "slowmo"},
+    "co2-gap-value": {"algo": "co2", "hyper": {"clip": 0.05, "clip_mode": "value"}},
+    "co2-gap-norm": {"algo": "co2", "hyper": {"clip": 0.1, "clip_mode": "norm"}},
+    "co2-none-noclip": {"algo": "co2", "hyper": {"gap_penalty": "none", "clip": None}},
+    "co2-const-nesterov": {
+        "algo": "co2",
+        "hyper": {"gap_penalty": 2.0, "nesterov": True, "clip": 0.05},
+    },
+    "co2-adamw": {"algo": "co2", "inner": "adamw", "hyper": {"outer_momentum": 0.9}},
+}
+
+
+def _scenario(name: str, workers: int) -> dict[str, Any]:
+    sc = {"sync_every": 3, "steps": 13, "bucket_cap_mb": SMALL_BUCKETS, "seed": 1}
+    sc.update(copy.deepcopy(SCENARIOS[name]))
+    sc["workers"] = workers
+    return sc
+
+
+def _run_all(workers: int) -> dict[str, list[dict]]:
+    names = list(SCENARIOS)
+    per_rank = run_workers(
+        distributed_run, workers, [_scenario(n, workers) for n in names], timeout_s=240
+    )
+    return {n: [per_rank[r][i] for r in range(workers)] for i, n in enumerate(names)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list[dict]]:
+    return _run_all(2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list[dict]]:
+    return _run_all(4)
+
+
+def _assert_ranks_identical(results: list[dict]) -> None:
+    for r in results[1:]:
+        assert len(r["rounds"]) == len(results[0]["rounds"]) > 0
+        for mine, theirs in zip(
+            r["rounds"] + [r["final"]], results[0]["rounds"] + [results[0]["final"]]
+        ):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+def _compare(results: list[dict], ref: Any, *, exact: bool) -> None:
+    got = results[0]["rounds"] + [results[0]["final"]]
+    want = ref.rounds + [ref.final]
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        for a, b in zip(g, w):
+            if exact:
+                assert torch.equal(a, b), f"round {k}: max diff {(a - b).abs().max()}"
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_match_reference_bitwise(two_ranks: dict, name: str) -> None:
+    results = two_ranks[name]
+    _assert_ranks_identical(results)
+    _compare(results, reference_run(_scenario(name, 2)), exact=True)
+    assert results[0]["buckets"] > 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_four_ranks_match_reference(four_ranks: dict, name: str) -> None:
+    results = four_ranks[name]
+    _assert_ranks_identical(results)
+    _compare(results, reference_run(_scenario(name, 4)), exact=False)
+
+
+def test_diloco_with_h1_lr1_no_momentum_is_parameter_averaging() -> None:
+    avg = reference_run(_scenario("diloco-avg-h1", 3))
+    local = reference_run(_scenario("localsgd-h1", 3))
+    for a_round, l_round in zip(avg.rounds, local.rounds):
+        for a, b in zip(a_round, l_round):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_scenarios_exercise_penalty_and_clipping() -> None:
+    """The CO2 scenarios are only meaningful if the penalty and the clip actually bind."""
+    base = _scenario("co2-none-noclip", 2)
+    plain = reference_run(base).final
+    for hyper in ({"clip": 0.05}, {"clip": 0.1, "clip_mode": "norm"}, {"clip": None}):
+        sc = copy.deepcopy(base)
+        sc["hyper"] = {"gap_penalty": "none", "clip": None}
+        sc["hyper"].update(hyper)
+        if hyper == {"clip": None}:
+            sc["hyper"]["gap_penalty"] = "gap_aware"
+        other = reference_run(sc).final
+        assert any(not torch.allclose(a, b) for a, b in zip(plain, other)), hyper
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("co2")])
+def test_co2_never_waits_in_the_round_it_launched(two_ranks: dict, name: str) -> None:
+    h = _scenario(name, 2)["sync_every"]
+    steps = _scenario(name, 2)["steps"]
+    for r in two_ranks[name]:
+        launched: dict[int, int] = {}
+        waited: dict[int, int] = {}
+        for event, hid, step in r["events"]:
+            if event == "launch":
+                launched.setdefault(hid, step)
+            else:
+                assert hid in launched, "wait on a collective that was never launched"
+                waited.setdefault(hid, step)
+        assert sorted(launched) == list(range(steps // h))
+        for hid, at in launched.items():
+            assert at % h == 0
+            # waited a full round later, never in the round that launched it
+            assert waited[hid] == at + h or (hid == max(launched) and waited[hid] == steps)
+            assert waited[hid] > at
+
+
+@pytest.mark.timeout(300)
+def test_blocking_algorithms_wait_in_the_same_round(two_ranks: dict) -> None:
+    for r in two_ranks["diloco"]:
+        for event, _hid, step in r["events"]:
+            assert step % 3 == 0, event
+        waits = {hid: s for e, hid, s in r["events"] if e == "wait"}
+        launches = {hid: s for e, hid, s in r["events"] if e == "launch"}
+        assert waits == launches
+
+
+def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict:
+    """Run 12 steps uninterrupted, and again with a save/restore into fresh objects at ``cut``."""
+    import io
+
+    from lowcomm.outer import ALGORITHMS
+    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+
+    def build() -> tuple:
+        model = toy_model(3)
+        inner = make_inner("adamw", model.parameters())
+        return model, inner, ALGORITHMS[algo_name](model, inner, sync_every=3)
+
+    model, inner, algo = build()
+    for step in range(1, 13):
+        _inner_step(model, inner, rank, step, 3)
+        algo.step()
+    algo.finish()
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, inner, algo = build()
+    for step in range(1, cut + 1):
+        _inner_step(model, inner, rank, step, 3)
+        algo.step()
+    was_in_flight = getattr(algo, "in_flight", False)
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "i": inner.state_dict(), "a": algo.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, inner, algo = build()
+    model.load_state_dict(saved["m"])
+    inner.load_state_dict(saved["i"])
+    algo.load_state_dict(saved["a"])
+    for step in range(cut + 1, 13):
+        _inner_step(model, inner, rank, step, 3)
+        algo.step()
+    algo.finish()
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return {"straight": straight, "resumed": resumed, "in_flight": was_in_flight}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algo_name,cut", [("co2", 6), ("co2", 7), ("diloco", 4), ("slowmo", 6)])
+def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
+    for r in run_workers(_resume_worker, 2, algo_name, cut):
+        assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
+        if algo_name == "co2":
+            assert r["in_flight"]  # the checkpoint held an all-reduce that was in flight
