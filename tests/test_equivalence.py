@@ -199,3 +199,34 @@ def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
         if algo_name == "co2":
             assert r["in_flight"]  # the checkpoint held an all-reduce that was in flight
+
+
+def _subgroup_worker(rank: int, world_size: int) -> dict:
+    """Two 'nodes' of two ranks; CO2 runs inside each node's subgroup only."""
+    import torch.distributed as dist
+
+    from lowcomm.outer import CO2
+    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    model = toy_model(5)
+    inner = make_inner("sgd", model.parameters())
+    algo = CO2(model, inner, sync_every=2, process_group=mine)
+    for step in range(1, 9):
+        _inner_step(model, inner, rank, step, 5)
+        algo.step()
+    algo.finish()
+    return {"params": [p.detach().clone() for p in model.parameters()], "n": algo.world_size}
+
+
+@pytest.mark.timeout(180)
+def test_process_group_scopes_the_algorithm_to_a_subgroup() -> None:
+    res = run_workers(_subgroup_worker, 4)
+    assert [r["n"] for r in res] == [2, 2, 2, 2]
+
+    def same(a: dict, b: dict) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+    assert same(res[0], res[1]) and same(res[2], res[3])
+    assert not same(res[0], res[2])
