@@ -31,12 +31,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests examples benchmarks
-	$(VENV)/bin/ruff check --fix src tests examples benchmarks
+	$(VENV)/bin/ruff format src tests examples
+	$(VENV)/bin/ruff check --fix src tests examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

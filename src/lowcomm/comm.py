@@ -308,8 +308,10 @@ class DDPCommMeter:
         self._world_size = dist.get_world_size(self._group)
         ddp_model.register_comm_hook(self, DDPCommMeter._hook)
 
+    # No annotations: DDP's register_comm_hook compares them with the real types, and this
+    # module's postponed (string) annotations would not compare equal.
     @staticmethod
-    def _hook(meter: DDPCommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _hook(meter, bucket):  # type: ignore[no-untyped-def]
         tensor = bucket.buffer()
         n = meter._world_size
         payload = tensor.numel() * tensor.element_size()

@@ -1,7 +1,7 @@
 """CO2: local updates with an outer all-reduce that overlaps a whole round of compute.
 
 Paper: Sun et al., "CO2: Efficient Distributed Training with Full Communication-Computation
-Overlap", ICLR 2024 (https://arxiv.org/abs/2403.16125). Staleness gap penalty in Gap-Aware form:
+Overlap", ICLR 2024 (https://arxiv.org/abs/2401.16265). Staleness gap penalty in Gap-Aware form:
 Barkai et al., "Gap-Aware Mitigation of Gradient Staleness", ICLR 2020
 (https://arxiv.org/abs/1909.10802).
 

@@ -1,0 +1,258 @@
+"""The ``lowcomm`` command line (also ``python -m lowcomm``).
+
+The CLI owns the terminal: it configures logging for the ``lowcomm`` loggers, prints user errors
+as one line (exit 2), a failed worker as one line (exit 1), and the final summary table.
+Library code only logs.
+
+    lowcomm train                                   # CO2, 2 local workers, embedded corpus
+    lowcomm train --algo diloco --workers 4 --steps 300
+    lowcomm train --config co2.toml --sync-every 24 # flags override the file
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+logger = logging.getLogger("lowcomm.cli")
+
+
+class _UsageError(Exception):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line with a ``--help`` hint, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, message)
+
+
+def _fail(prog: str, message: str, code: int = 2) -> int:
+    hint = f" (see {prog} --help)" if code == 2 else ""
+    one_line = " ".join(str(message).split())
+    print(f"{prog}: error: {one_line}{hint}", file=sys.stderr)
+    return code
+
+
+# --- `lowcomm train` --------------------------------------------------------------------------
+
+
+def _clip_value(text: str) -> float | str:
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number > 0 or 'none' (no clipping), got {text!r}"
+        ) from None
+
+
+def _gap_penalty_value(text: str) -> float | str:
+    if text in ("gap_aware", "none"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'gap_aware', 'none' or a number >= 1, got {text!r}"
+        ) from None
+
+
+_SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {
+    "clip": _clip_value,
+    "gap_penalty": _gap_penalty_value,
+}
+_METAVARS = {
+    "algo": "{co2,diloco,localsgd,slowmo,ddp}",
+    "backend": "{auto,gloo,nccl}",
+    "clip_mode": "{value,norm}",
+    "lr_schedule": "{cosine,constant}",
+    "clip": "PHI|none",
+    "gap_penalty": "{gap_aware,none,LAMBDA}",
+    "data": "PATH",
+    "out": "DIR",
+}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _add_train(subparsers: Any) -> None:
+    from lowcomm.train.config import TrainConfig, field_docs
+
+    p = subparsers.add_parser(
+        "train",
+        help="train a small GPT with a communication-efficient algorithm",
+        description=(
+            "Train a small GPT on local worker processes (or under torchrun) with CO2, DiLoCo, "
+            "LocalSGD, SlowMo or synchronous DDP, and write metrics, a checkpoint, a loss plot "
+            "and a summary to the output folder. Precedence: defaults < --config file < flags."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="TOML file with any of the keys below (flat, underscores: sync_every = 12)",
+    )
+    docs = field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        text = docs.get(f.name, "")
+        if f.default is not None and f.default is not dataclasses.MISSING:
+            text += f" (default: {f.default})"
+        kwargs: dict[str, Any] = {"help": text.replace("%", "%%"), "default": argparse.SUPPRESS}
+        annotation = str(f.type)
+        if f.name in _SPECIAL_TYPES:
+            kwargs["type"] = _SPECIAL_TYPES[f.name]
+        elif annotation.startswith("bool"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif annotation.startswith("int"):
+            kwargs["type"] = int
+        elif annotation.startswith("float"):
+            kwargs["type"] = float
+        else:
+            kwargs["type"] = str
+        if "action" not in kwargs:
+            default_metavar = {int: "N", float: "X"}.get(kwargs["type"], "TEXT")
+            kwargs["metavar"] = _METAVARS.get(f.name, default_metavar)
+        p.add_argument(_flag(f.name), dest=f.name, **kwargs)
+    p.set_defaults(_run=_run_train)
+
+
+def _describe_key(key: str, sources: dict[str, str]) -> str:
+    source = sources.get(key)
+    if source is not None and source != "cli":
+        return f"{key} in {source}"
+    return _flag(key)
+
+
+def _run_train(args: argparse.Namespace, prog: str) -> int:
+    from lowcomm.train.config import ConfigError, config_from_dict, read_toml
+    from lowcomm.train.launcher import WorkerFailed, check_environment, launch, under_torchrun
+    from lowcomm.train.report import format_summary
+
+    explicit = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "config"}
+    sources: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    try:
+        if getattr(args, "config", None):
+            file_values = read_toml(args.config)
+            values.update(file_values)
+            sources.update(dict.fromkeys(file_values, args.config))
+        values.update(explicit)
+        sources.update(dict.fromkeys(explicit, "cli"))
+        cfg = config_from_dict(values, source=getattr(args, "config", None) or "config")
+        cfg = cfg.with_paths()
+        check_environment(cfg)
+    except ConfigError as e:
+        if e.key is not None:
+            return _fail(prog, f"{_describe_key(e.key, sources)} {e.problem}")
+        return _fail(prog, str(e))
+    except ValueError as e:
+        return _fail(prog, str(e))
+
+    for key in cfg.ignored_outer_keys():
+        logger.warning(
+            "%s does not apply to --algo %s and is ignored", _describe_key(key, sources), cfg.algo
+        )
+    if cfg.algo != "ddp" and cfg.steps % cfg.sync_every:
+        logger.warning(
+            "--steps %d is not a multiple of --sync-every %d: the last %d step(s) are not "
+            "synchronised and are discarded at the end",
+            cfg.steps,
+            cfg.sync_every,
+            cfg.steps % cfg.sync_every,
+        )
+
+    t0 = time.perf_counter()
+    try:
+        summary = launch(cfg)
+    except WorkerFailed as e:
+        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
+        return _fail(prog, f"worker rank {e.rank} failed: {e.error}{where}", code=1)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    total_s = time.perf_counter() - t0
+    if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
+    summary_path = os.path.join(cfg.out or ".", "summary.json")
+    with open(summary_path, encoding="utf-8") as fh:
+        summary = json.load(fh)
+    command_s = None if under_torchrun() else total_s
+    print(format_summary(summary, command_s=command_s))
+    return 0
+
+
+# --- entry point ------------------------------------------------------------------------------
+
+
+def _build_parser() -> _Parser:
+    from lowcomm import __version__
+
+    parser = _Parser(
+        prog="lowcomm",
+        description="Data-parallel training over slow links: CO2, DiLoCo, LocalSGD, SlowMo.",
+    )
+    parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
+    subparsers = parser.add_subparsers(dest="_command", metavar="COMMAND")
+    _add_train(subparsers)
+    return parser
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of the record (tests swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("lowcomm")
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lowcomm`` command; returns the process exit code."""
+    parser = _build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except _UsageError as e:
+        return _fail(e.prog, e.message)
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else 0
+    run = getattr(args, "_run", None)
+    if run is None:
+        if extra:
+            return _fail(parser.prog, f"unrecognized arguments: {' '.join(extra)}")
+        return _fail(parser.prog, "choose a command: train")
+    prog = f"{parser.prog} {args._command}"
+    if extra:
+        return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")
+    _setup_logging()
+    return int(run(args, prog))

@@ -1,0 +1,493 @@
+"""The per-worker training loop of ``lowcomm train``.
+
+Every rank builds the same model (seeded with ``seed``), draws its own batches (generator seeded
+with ``(seed, rank)``), and runs plain PyTorch steps: forward, backward, inner AdamW step,
+``zero_grad``, then ``algo.step()``. ``--algo ddp`` instead wraps the model in
+``DistributedDataParallel`` (gradients all-reduced every step) as the synchronous baseline, with a
+:class:`~lowcomm.comm.DDPCommMeter` counting its traffic.
+
+Validation loss is measured at step 0, every ``eval_interval`` steps (a multiple of
+``sync_every``, right after a round boundary, where the live parameters equal the consensus
+anchor on every rank) and at the end after ``algo.finish()``. Every rank evaluates the same
+batches, which keeps the ranks in step (a rank evaluating alone would make the others wait in
+their next collective and distort the blocked-time counters); rank 0 records.
+
+Rank 0 writes the run folder (see :mod:`lowcomm.train.metrics`) and shows the progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowcomm.train.config import TrainConfig
+from lowcomm.train.metrics import MetricsWriter, plot_losses, save_checkpoint, write_json
+
+__all__ = ["resolve_backend", "run_worker", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``nccl`` when CUDA is available, else ``gloo``."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def _loopback_interface() -> str | None:
+    """Name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover - platforms without if_nameindex
+        return None
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _setup_worker_logging(rank: int) -> None:
+    # Spawned workers start with a fresh interpreter: configure the lowcomm loggers again.
+    # Under torchrun the CLI in this same process has configured them already.
+    root = logging.getLogger("lowcomm")
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    fmt = "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.propagate = False
+
+
+def run_worker(
+    config: dict[str, Any], launched_locally: bool, failure_dir: str | None = None
+) -> dict[str, Any] | None:
+    """Entry point of one worker process: set up ``torch.distributed`` from the environment
+    (torchrun / elastic launch variables), train, tear down.
+
+    Args:
+        config: a :class:`TrainConfig` as a plain dict (``TrainConfig.to_dict()``), with
+            ``name`` and ``out`` already resolved.
+        launched_locally: ``True`` when ``lowcomm train`` launched this worker on this machine;
+            gloo is then bound to the loopback interface.
+        failure_dir: where to record an exception (``failure-rank<r>.json``: error, traceback,
+            time), so the launcher can tell the first failure from its knock-on effects.
+
+    Returns:
+        The run summary on global rank 0, ``None`` elsewhere.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _run_worker(config, launched_locally, rank)
+    except BaseException as e:
+        if failure_dir is not None:
+            _record_failure(failure_dir, rank, e)
+        raise
+
+
+def _record_failure(folder: str, rank: int, error: BaseException) -> None:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "error": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
+        "traceback": traceback.format_exc(),
+    }
+    path = os.path.join(folder, f"failure-rank{rank}.json")
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    except OSError:  # the launcher falls back to torch elastic's own record
+        pass
+
+
+def _run_worker(config: dict[str, Any], launched_locally: bool, rank: int) -> dict[str, Any] | None:
+    cfg = TrainConfig(**config)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    _setup_worker_logging(rank)
+    # Workers on one machine share its cores; oversubscribing them slows everyone down.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+    backend = resolve_backend(cfg.backend)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        if launched_locally:
+            lo = _loopback_interface()
+            if lo is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    dist.init_process_group(backend)
+    try:
+        summary = train(cfg, device=device)
+        # Leave together: a rank tearing down its process group while rank 0 is still writing
+        # the run folder can abort in gloo's connection threads at interpreter exit.
+        dist.barrier()
+        return summary
+    finally:
+        dist.destroy_process_group()
+
+
+def _inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # nanoGPT's grouping: decay weight matrices and embeddings, not biases or LayerNorm gains.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    """Inner learning rate for 1-based step ``step``: linear warm-up over ``warmup`` steps, then
+    constant or a cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step <= cfg.warmup:
+        return cfg.lr * step / cfg.warmup
+    if cfg.lr_schedule == "constant" or cfg.steps <= cfg.warmup:
+        return cfg.lr
+    progress = (step - cfg.warmup) / (cfg.steps - cfg.warmup)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        _, loss = model(x, y)
+        total += float(loss)
+    model.train(was_training)
+    return total / len(batches)
+
+
+def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
+    """Run the training job on an initialised default process group; see the module docstring.
+
+    Returns the run summary on rank 0, ``None`` elsewhere.
+    """
+    from lowcomm.comm import DDPCommMeter
+    from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
+    from lowcomm.models.gpt import GPT, GPTConfig
+
+    assert cfg.out is not None and cfg.name is not None, "call TrainConfig.with_paths() first"
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    is_main = rank == 0
+
+    corpus = load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)  # identical initial model on every rank
+    gpt = GPT(
+        GPTConfig(
+            vocab_size=corpus.vocab_size,
+            block_size=cfg.block_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            dropout=cfg.dropout,
+        )
+    ).to(device)
+    inner = _inner_optimizer(gpt, cfg)
+
+    algo = None
+    meter = None
+    if cfg.algo == "ddp":
+        ddp_kwargs: dict[str, Any] = {"bucket_cap_mb": cfg.bucket_cap_mb}
+        if device.type == "cuda":
+            ddp_kwargs["device_ids"] = [device.index]
+        model: nn.Module = nn.parallel.DistributedDataParallel(gpt, **ddp_kwargs)
+        meter = DDPCommMeter()
+        meter.register(model)  # type: ignore[arg-type]
+        stats = meter.stats
+    else:
+        from lowcomm.outer import ALGORITHMS
+
+        model = gpt
+        algo = ALGORITHMS[cfg.algo](gpt, inner, **cfg.algorithm_kwargs())
+        stats = algo.stats
+
+    gen = make_generator(cfg.seed, rank)
+    val = [
+        (x.to(device), y.to(device))
+        for x, y in eval_batches(corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches)
+    ]
+    tokens_per_step = cfg.batch_size * cfg.block_size * world
+    eval_interval = cfg.eval_interval
+
+    progress: _Progress | None = None
+    if is_main:
+        os.makedirs(cfg.out, exist_ok=True)
+        write_json(os.path.join(cfg.out, "config.json"), _resolved_config(cfg, world, corpus))
+        logger.info(
+            "lowcomm train: %s, %d workers (%s), %.2f M parameters, corpus %s "
+            "(%d train / %d val tokens), %d steps of %d tokens per worker",
+            cfg.algo,
+            world,
+            dist.get_backend(),
+            gpt.num_parameters() / 1e6,
+            corpus.source,
+            len(corpus.train),
+            len(corpus.val),
+            cfg.steps,
+            cfg.batch_size * cfg.block_size,
+        )
+        progress = _Progress(cfg, world, tokens_per_step, stats)
+
+    def rounds() -> int:
+        return int(getattr(algo, "rounds", 0)) if algo is not None else 0
+
+    def evaluate(step: int) -> float:
+        t0 = time.perf_counter()
+        val_loss = _evaluate(gpt, val)
+        if progress is not None:
+            progress.eval(step, val_loss, rounds(), time.perf_counter() - t0)
+        return val_loss
+
+    t_start = time.perf_counter()
+    if progress is not None:
+        progress.start(t_start)
+    val_start = evaluate(0)
+    for step in range(1, cfg.steps + 1):
+        lr = _lr_at(step, cfg)
+        for group in inner.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, gen)
+        x, y = x.to(device), y.to(device)
+        _, loss = model(x, y)
+        loss.backward()
+        if meter is not None:
+            meter.backward_done()
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        if algo is not None:
+            algo.step()
+        if progress is not None:
+            progress.step(step, float(loss.detach()), lr)
+        if step % eval_interval == 0 and step < cfg.steps:
+            evaluate(step)
+
+    if algo is not None:
+        algo.finish()
+    val_end = evaluate(cfg.steps)
+    wall_s = time.perf_counter() - t_start
+    if progress is not None:
+        progress.close()
+
+    per_rank = {"rank": rank, "rounds": rounds(), **stats.as_dict()}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, per_rank)
+
+    if not is_main:
+        return None
+    assert progress is not None
+    eval_s = progress.eval_s
+    train_s = wall_s - eval_s
+    model_state = {k: v.detach().cpu() for k, v in gpt.state_dict().items()}
+    save_checkpoint(
+        os.path.join(cfg.out, "checkpoint.pt"),
+        {
+            "step": cfg.steps,
+            "config": cfg.to_dict(),
+            "world_size": world,
+            "model": model_state,
+            "optimizer": inner.state_dict(),
+            "algorithm": algo.state_dict() if algo is not None else None,
+        },
+    )
+    tokens = cfg.steps * tokens_per_step
+    summary = _summary(
+        cfg,
+        world=world,
+        tokens=tokens,
+        wall_s=wall_s,
+        train_s=train_s,
+        eval_s=eval_s,
+        val_start=val_start,
+        val_end=val_end,
+        per_rank=gathered,
+        n_params=gpt.num_parameters(),
+    )
+    write_json(os.path.join(cfg.out, "summary.json"), summary)
+    plot_losses(
+        os.path.join(cfg.out, "metrics.jsonl"),
+        os.path.join(cfg.out, "loss.png"),
+        title=f"{cfg.name}: {cfg.algo}, {world} workers",
+    )
+    return summary
+
+
+class _Progress:
+    """Rank 0's reporting: ``metrics.jsonl`` records, and a tqdm bar on a terminal (a log line
+    per evaluation otherwise, so logs stay readable)."""
+
+    def __init__(self, cfg: TrainConfig, world: int, tokens_per_step: int, stats: Any) -> None:
+        self.cfg = cfg
+        self.tokens_per_step = tokens_per_step
+        self.stats = stats
+        self.writer = MetricsWriter(os.path.join(cfg.out or ".", "metrics.jsonl"))
+        self.t_start = time.perf_counter()
+        self.eval_s = 0.0
+        self.loss = float("nan")
+        self.val = float("nan")
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=cfg.steps, desc=f"{cfg.algo} x{world}", unit="step", dynamic_ncols=True
+            )
+
+    def start(self, t_start: float) -> None:
+        self.t_start = t_start
+
+    def _tokens_per_s(self, step: int) -> float:
+        train_s = time.perf_counter() - self.t_start - self.eval_s
+        return step * self.tokens_per_step / max(train_s, 1e-9)
+
+    def _postfix(self, step: int) -> dict[str, str]:
+        hidden = self.stats.hidden_fraction
+        return {
+            "loss": f"{self.loss:.3f}",
+            "val": f"{self.val:.3f}",
+            "tok/s": f"{self._tokens_per_s(step):,.0f}",
+            "hidden": "-" if hidden is None else f"{hidden:.0%}",
+        }
+
+    def step(self, step: int, loss: float, lr: float) -> None:
+        self.loss = loss
+        self.writer.write(
+            {
+                "kind": "step",
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "tokens": step * self.tokens_per_step,
+                "elapsed_s": time.perf_counter() - self.t_start,
+            }
+        )
+        if self.bar is not None:
+            self.bar.set_postfix(self._postfix(step), refresh=False)
+            self.bar.update(1)
+
+    def eval(self, step: int, val_loss: float, rounds: int, eval_s: float) -> None:
+        self.eval_s += eval_s
+        self.val = val_loss
+        self.writer.write(
+            {
+                "kind": "eval",
+                "step": step,
+                "val_loss": val_loss,
+                "tokens": step * self.tokens_per_step,
+                "elapsed_s": time.perf_counter() - self.t_start,
+                "rounds": rounds,
+                **self.stats.as_dict(),
+            }
+        )
+        if self.bar is not None:
+            self.bar.set_postfix(self._postfix(max(step, 1)), refresh=False)
+        elif step > 0:
+            p = self._postfix(step)
+            logger.info(
+                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s",
+                step,
+                self.cfg.steps,
+                p["loss"],
+                p["val"],
+                p["tok/s"],
+                p["hidden"],
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
+
+
+def _resolved_config(cfg: TrainConfig, world: int, corpus: Any) -> dict[str, Any]:
+    out = cfg.to_dict()
+    out["resolved"] = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "eval_interval": cfg.eval_interval,
+        "algorithm_kwargs": cfg.algorithm_kwargs(),
+        "corpus": str(corpus.source),
+        "vocab_size": int(corpus.vocab_size),
+        "torch": torch.__version__,
+    }
+    return out
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _summary(
+    cfg: TrainConfig,
+    *,
+    world: int,
+    tokens: int,
+    wall_s: float,
+    train_s: float,
+    eval_s: float,
+    val_start: float,
+    val_end: float,
+    per_rank: list[dict[str, Any]],
+    n_params: int,
+) -> dict[str, Any]:
+    workers = []
+    for r in sorted(per_rank, key=lambda d: d["rank"]):
+        workers.append(
+            {
+                **r,
+                "payload_bytes_per_step": r["payload_bytes"] / cfg.steps,
+                "wire_bytes_per_step": r["wire_bytes"] / cfg.steps,
+            }
+        )
+    keys = (
+        "collectives",
+        "payload_bytes",
+        "wire_bytes",
+        "payload_bytes_per_step",
+        "wire_bytes_per_step",
+        "blocked_s",
+        "in_flight_s",
+        "hidden_fraction",
+        "rounds",
+    )
+    mean = {k: _mean([w[k] for w in workers]) for k in keys}
+    return {
+        "algo": cfg.algo,
+        "name": cfg.name,
+        "out": cfg.out,
+        "workers": world,
+        "steps": cfg.steps,
+        "sync_every": cfg.sync_every if cfg.algo != "ddp" else 1,
+        "parameters": n_params,
+        "tokens": tokens,
+        "wall_time_s": wall_s,
+        "train_time_s": train_s,
+        "eval_time_s": eval_s,
+        "tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "val_loss_initial": val_start,
+        "val_loss_final": val_end,
+        "comm_mean": mean,
+        "comm_per_worker": workers,
+    }

@@ -1,0 +1,135 @@
+"""What a ``lowcomm train`` run leaves in its folder, and how it is written.
+
+* ``config.json``: the resolved configuration;
+* ``metrics.jsonl``: one JSON object per line, ``{"kind": "step", "step", "loss", "lr",
+  "tokens", "elapsed_s"}`` per inner step (rank 0's training loss) and ``{"kind": "eval",
+  "step", "val_loss", "tokens", "elapsed_s", "rounds", <rank 0's CommStats>}`` per evaluation;
+* ``checkpoint.pt``: model, inner optimizer and algorithm state of rank 0, config and step;
+  plain dicts, tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it;
+* ``loss.png``: training and validation loss against step;
+* ``summary.json``: totals, throughput, validation loss start and end, communication counters per
+  worker and their mean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from typing import Any
+
+import torch
+
+__all__ = ["MetricsWriter", "plot_losses", "read_metrics", "save_checkpoint", "write_json"]
+
+
+def _json_safe(value: Any) -> Any:
+    # JSON has no NaN/inf; write null rather than an unparseable token.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` and flushes it, so a crashed run keeps its
+    metrics up to the crash."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(_json_safe(record)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _atomic_write(path: str, write: Any) -> None:
+    """Write through a temporary file in the same folder, fsync, then ``os.replace``: readers see
+    the old file or the new one, never a torn one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable; not possible on every platform
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically."""
+    data = (json.dumps(_json_safe(obj), indent=2) + "\n").encode()
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def save_checkpoint(path: str, checkpoint: dict[str, Any]) -> None:
+    """``torch.save`` atomically (temporary file in the same folder, fsync, ``os.replace``)."""
+    _atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+
+def plot_losses(metrics_path: str, png_path: str, *, title: str | None = None) -> None:
+    """Training loss (raw and smoothed) and validation loss against step, to ``png_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    steps = [r["step"] for r in records if r["kind"] == "step" and r["loss"] is not None]
+    losses = [r["loss"] for r in records if r["kind"] == "step" and r["loss"] is not None]
+    ev = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
+    smooth: list[float] = []
+    for loss in losses:
+        smooth.append(loss if not smooth else 0.9 * smooth[-1] + 0.1 * loss)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if steps:
+        ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (rank 0)")
+        ax.plot(steps, smooth, color="tab:blue", linewidth=1.5, label="train, smoothed")
+    if ev:
+        ax.plot(
+            [s for s, _ in ev],
+            [v for _, v in ev],
+            color="tab:orange",
+            marker="o",
+            markersize=3.5,
+            linewidth=1.5,
+            label="validation",
+        )
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.set_xlabel("inner step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)

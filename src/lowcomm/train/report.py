@@ -1,0 +1,48 @@
+"""The final summary table ``lowcomm train`` prints, built from ``summary.json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["format_summary"]
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f} MB"
+
+
+def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
+    """A small two-column table of a run's ``summary.json``.
+
+    Args:
+        summary: the parsed ``summary.json``.
+        command_s: wall time of the whole command including start-up, if known.
+    """
+    comm = summary.get("comm_mean") or {}
+    algo = summary["algo"]
+    sync = "every step" if algo == "ddp" else f"every {summary.get('sync_every')} steps"
+    hidden = comm.get("hidden_fraction")
+    tps = summary.get("tokens_per_s")
+    wall = f"{summary['wall_time_s']:.1f} s training loop"
+    if command_s is not None:
+        wall += f", {command_s:.1f} s with start-up"
+    rows = [
+        ("algorithm", f"{algo} (sync {sync})"),
+        ("workers", str(summary["workers"])),
+        ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
+        ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
+        (
+            "val loss",
+            f"{summary['val_loss_initial']:.3f} -> {summary['val_loss_final']:.3f}",
+        ),
+        ("payload / worker", _mb(comm.get("payload_bytes"))),
+        ("wire / worker", _mb(comm.get("wire_bytes"))),
+        ("blocked / worker", f"{comm.get('blocked_s') or 0.0:.2f} s"),
+        ("hidden fraction", "-" if hidden is None else f"{hidden:.1%}"),
+        ("wall time", wall),
+        ("output", str(summary.get("out"))),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"lowcomm train: {summary.get('name')} finished"]
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)

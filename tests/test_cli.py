@@ -1,0 +1,252 @@
+"""`lowcomm train` from the command line: one-line errors, flag precedence, real 2-worker runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from lowcomm.cli import main
+from lowcomm.train import launcher
+from lowcomm.train.config import TrainConfig
+from lowcomm.train.launcher import WorkerFailed
+
+TINY = [
+    "--steps", "6", "--sync-every", "3", "--eval-every", "3", "--eval-batches", "2",
+    "--batch-size", "2", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
+    "--n-embd", "32", "--warmup", "2", "--workers", "2",
+]  # fmt: skip
+
+
+def _one_error_line(capsys: Any) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    assert "usage:" not in captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--sync-every", "0"], "lowcomm train: error: --sync-every must be >= 1, got 0"),
+        (["--lr", "-0.001"], "lowcomm train: error: --lr must be a finite number > 0, got -0.001"),
+        (["--lr=-1e-3"], "lowcomm train: error: --lr must be a finite number > 0, got -0.001"),
+        (["--clip", "0"], "lowcomm train: error: --clip must be a finite number > 0"),
+        (["--clip", "-2"], "lowcomm train: error: --clip must be a finite number > 0"),
+        (["--clip", "big"], "lowcomm train: error: argument --clip: must be a number > 0"),
+        (["--algo", "sgd"], "lowcomm train: error: --algo must be one of co2, diloco"),
+        (["--data", "/no/such/corpus.txt"], "lowcomm train: error: --data path"),
+        (["--steps", "ten"], "lowcomm train: error: argument --steps: invalid int value"),
+        (["--gap-penalty", "0.5"], "lowcomm train: error: --gap-penalty must be"),
+        (["--outer-momentum", "1.5"], "lowcomm train: error: --outer-momentum must be in [0, 1)"),
+        (["--block-size", "1000000"], "lowcomm train: error: --block-size (1000000) is too long"),
+        (["--no-such-flag"], "lowcomm train: error: unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_user_errors_are_one_line_exit_2(argv: list[str], expected: str, capsys: Any) -> None:
+    assert main(["train", *argv]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(expected), line
+    assert line.endswith("(see lowcomm train --help)")
+
+
+def test_missing_command_and_unknown_command(capsys: Any) -> None:
+    assert main([]) == 2
+    assert _one_error_line(capsys).startswith("lowcomm: error: choose a command")
+    assert main(["fly"]) == 2
+    assert _one_error_line(capsys).startswith("lowcomm: error:")
+
+
+def test_help_exits_0(capsys: Any) -> None:
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--sync-every", "--outer-lr", "--clip", "--gap-penalty", "--no-nesterov"):
+        assert flag in out
+
+
+def test_malformed_toml(tmp_path: Any, capsys: Any) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("algo = co2\n")  # unquoted string
+    assert main(["train", "--config", str(path)]) == 2
+    assert "is not valid TOML" in _one_error_line(capsys)
+
+
+def test_unknown_toml_key(tmp_path: Any, capsys: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text("learning_rate = 0.1\n")
+    assert main(["train", "--config", str(path)]) == 2
+    line = _one_error_line(capsys)
+    assert "unknown key 'learning_rate'" in line and "valid keys: algo, workers" in line
+
+
+def test_bad_toml_value_names_the_file(tmp_path: Any, capsys: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text("sync_every = 0\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert _one_error_line(capsys).startswith(
+        f"lowcomm train: error: sync_every in {path} must be >= 1, got 0"
+    )
+
+
+def test_flags_override_toml(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text('algo = "diloco"\nsteps = 48\nsync_every = 6\nouter_lr = 0.5\n')
+    seen: list[TrainConfig] = []
+
+    def fake_launch(cfg: TrainConfig, **_: Any) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    argv = ["train", "--config", str(path), "--steps", "24", "--no-nesterov"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    (cfg,) = seen
+    assert (cfg.algo, cfg.steps, cfg.sync_every, cfg.outer_lr, cfg.nesterov) == (
+        "diloco",
+        24,
+        6,
+        0.5,
+        False,
+    )
+    assert cfg.name is not None and cfg.name.startswith("diloco-")
+    assert cfg.out == str(tmp_path / "run")
+
+
+def test_inapplicable_outer_flag_is_ignored_with_a_warning(monkeypatch: Any, capsys: Any) -> None:
+    monkeypatch.setattr(launcher, "launch", lambda cfg, **_: None)
+    assert main(["train", "--algo", "localsgd", "--clip", "0.5", "--out", "unused"]) == 0
+    assert "--clip does not apply to --algo localsgd" in capsys.readouterr().err
+
+
+def test_worker_failure_is_one_line_exit_1(monkeypatch: Any, capsys: Any) -> None:
+    def fail(cfg: TrainConfig, **_: Any) -> None:
+        raise WorkerFailed(1, "RuntimeError: boom", None)
+
+    monkeypatch.setattr(launcher, "launch", fail)
+    assert main(["train", "--algo", "ddp", "--out", "unused"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines == ["lowcomm train: error: worker rank 1 failed: RuntimeError: boom"]
+
+
+@pytest.mark.timeout(120)
+def test_launch_reports_the_failed_rank(tmp_path: Any) -> None:
+    # rank 0 cannot create its output folder where a file already is.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    cfg = TrainConfig(
+        algo="ddp",
+        steps=2,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=2,
+        eval_batches=1,
+        out=str(blocker / "run"),
+    ).with_paths()
+    with pytest.raises(WorkerFailed) as info:
+        launcher.launch(cfg)
+    assert info.value.rank == 0
+    assert "NotADirectoryError" in info.value.error or "FileExistsError" in info.value.error
+
+
+@pytest.mark.timeout(120)
+def test_launch_keeps_the_worker_traceback(tmp_path: Any) -> None:
+    # Bypass the parent's corpus check: every worker then fails loading a too-short text.
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    out = tmp_path / "run"
+    cfg = TrainConfig(algo="ddp", steps=2, data=str(short), out=str(out)).with_paths()
+    with pytest.raises(WorkerFailed) as info:
+        launcher.launch(cfg)
+    assert info.value.error.startswith("ValueError: Corpus at")
+    assert info.value.traceback_path is not None
+    with open(info.value.traceback_path) as f:
+        assert "Traceback" in f.read()
+
+
+# --- real runs -------------------------------------------------------------------------------
+
+
+def _check_run(out: str, algo: str, steps: int = 6) -> dict[str, Any]:
+    for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "loss.png", "summary.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    step_records = [r for r in records if r["kind"] == "step"]
+    eval_records = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in step_records] == list(range(1, steps + 1))
+    assert [r["step"] for r in eval_records] == [0, 3, 6]
+    for r in step_records:
+        assert {"loss", "lr", "tokens", "elapsed_s"} <= set(r)
+    for r in eval_records:
+        assert {"val_loss", "payload_bytes", "wire_bytes", "blocked_s", "in_flight_s"} <= set(r)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["algo"] == algo and summary["workers"] == 2 and summary["steps"] == steps
+    assert summary["val_loss_final"] < summary["val_loss_initial"]
+    assert len(summary["comm_per_worker"]) == 2
+    mean = summary["comm_mean"]
+    for key in ("payload_bytes", "wire_bytes", "payload_bytes_per_step", "blocked_s"):
+        assert key in mean
+    assert mean["payload_bytes"] > 0 and mean["wire_bytes"] > 0
+    assert "hidden_fraction" in mean
+    ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+    assert ckpt["step"] == steps and ckpt["config"]["algo"] == algo
+    assert "wte.weight" in ckpt["model"] and "state" in ckpt["optimizer"]
+    return summary
+
+
+@pytest.mark.timeout(180)
+def test_train_ddp_end_to_end(tmp_path: Any, capsys: Any) -> None:
+    out = str(tmp_path / "ddp")
+    assert main(["train", "--algo", "ddp", *TINY, "--out", out]) == 0
+    summary = _check_run(out, "ddp")
+    # DDP all-reduces every gradient every step.
+    per_step = summary["comm_mean"]["payload_bytes_per_step"]
+    assert per_step >= 4 * summary["parameters"]
+    printed = capsys.readouterr().out
+    assert "val loss" in printed and out in printed
+
+
+@pytest.mark.timeout(180)
+def test_train_co2_end_to_end(tmp_path: Any, capsys: Any) -> None:
+    out = str(tmp_path / "co2")
+    assert main(["train", "--algo", "co2", *TINY, "--out", out]) == 0
+    summary = _check_run(out, "co2")
+    assert summary["comm_mean"]["rounds"] == 2
+    ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+    assert ckpt["algorithm"]["rounds"] == 2
+    assert "hidden fraction" in capsys.readouterr().out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(180)
+def test_under_torchrun_the_worker_runs_in_process(tmp_path: Any) -> None:
+    out = str(tmp_path / "torchrun")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        "--local-addr", "127.0.0.1",
+        "-m", "lowcomm", "train", "--algo", "localsgd", *TINY, "--workers", "7", "--out", out,
+    ]  # fmt: skip
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _check_run(out, "localsgd")
+    assert summary["workers"] == 2  # torchrun's world size, not --workers 7
+    assert "--workers is ignored" in proc.stderr
+    assert proc.stdout.count("val loss") == 1  # only rank 0 prints the table

@@ -1,0 +1,248 @@
+"""TrainConfig: validation messages, TOML loading, outer keyword routing. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from typing import Any
+
+import pytest
+
+from lowcomm.train.config import (
+    ALGORITHM_CHOICES,
+    OUTER_KEYS,
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    field_docs,
+    load_toml,
+    read_toml,
+)
+
+
+def test_defaults_are_valid_and_json_safe() -> None:
+    cfg = TrainConfig()
+    assert cfg.algo == "co2" and cfg.workers == 2 and cfg.sync_every == 12
+    assert cfg.steps % cfg.sync_every == 0, "default steps should end on a round boundary"
+    json.dumps(cfg.to_dict())
+
+
+def test_every_field_has_a_docstring() -> None:
+    docs = field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        assert docs.get(f.name), f"TrainConfig.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("algo", "adam", "must be one of co2, diloco, localsgd, slowmo, ddp, got 'adam'"),
+        ("workers", 0, "must be >= 1, got 0"),
+        ("steps", -5, "must be >= 1, got -5"),
+        ("sync_every", 0, "must be >= 1, got 0"),
+        ("sync_every", 1.5, "must be an integer, got 1.5"),
+        ("sync_every", True, "must be an integer, got True"),
+        ("batch_size", 0, "must be >= 1"),
+        ("block_size", 0, "must be >= 1"),
+        ("n_layer", 0, "must be >= 1"),
+        ("eval_every", 0, "must be >= 1"),
+        ("eval_batches", 0, "must be >= 1"),
+        ("seed", -1, "must be >= 0"),
+        ("warmup", -1, "must be >= 0"),
+        ("lr", 0.0, "must be a finite number > 0, got 0.0"),
+        ("lr", -3e-4, "must be a finite number > 0"),
+        ("lr", float("nan"), "must be a finite number > 0"),
+        ("lr", "fast", "must be a number, got 'fast'"),
+        ("weight_decay", -0.1, "must be a finite number >= 0"),
+        ("dropout", 1.0, "must be < 1"),
+        ("bucket_cap_mb", 0, "must be a finite number > 0"),
+        ("backend", "mpi", "must be one of auto, gloo, nccl, got 'mpi'"),
+        ("lr_schedule", "linear", "must be one of cosine, constant, got 'linear'"),
+        ("min_lr_ratio", 1.5, "must be <= 1, got 1.5"),
+        ("outer_lr", 0.0, "must be a finite number > 0"),
+        ("outer_momentum", 1.0, "must be in [0, 1), got 1.0"),
+        ("outer_momentum", -0.1, "must be a finite number >= 0"),
+        ("nesterov", "yes", "must be true or false"),
+        ("clip", 0.0, "must be a finite number > 0 or 'none' to disable, got 0.0"),
+        ("clip", -1.0, "must be a finite number > 0"),
+        ("clip", "off", "must be a number > 0 or 'none'"),
+        ("clip_mode", "l1", "must be one of value, norm, got 'l1'"),
+        ("gap_penalty", 0.5, "must be a finite number >= 1 or 'gap_aware' / 'none', got 0.5"),
+        ("gap_penalty", "adaptive", "must be 'gap_aware', 'none' or a number >= 1"),
+        ("name", "a/b", "must be a plain folder name"),
+        ("out", "", "must be a non-empty string"),
+    ],
+)
+def test_bad_value_names_key_value_and_fix(key: str, value: Any, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**{key: value})
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.key == key
+    assert fragment in err.problem
+    assert str(err) == f"{key} {err.problem}"
+
+
+def test_head_divisibility_suggests_a_width() -> None:
+    with pytest.raises(ConfigError, match=r"n_embd \(130\) must be divisible by n_head \(4\)"):
+        TrainConfig(n_embd=130, n_head=4)
+
+
+def test_missing_data_path(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        TrainConfig(data=str(tmp_path / "nope.txt"))
+    assert info.value.key == "data"
+    (tmp_path / "ok.txt").write_text("hello")
+    assert TrainConfig(data=str(tmp_path / "ok.txt")).data is not None
+
+
+def test_clip_none_disables_clipping() -> None:
+    cfg = TrainConfig(clip="None")
+    assert cfg.clip == "none"
+    assert cfg.algorithm_kwargs()["clip"] is None
+    assert TrainConfig(clip=0.5).algorithm_kwargs()["clip"] == 0.5
+
+
+def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
+    # co2's job default outer_lr (JOB_OUTER_DEFAULTS) is passed; a value the user set wins
+    assert TrainConfig().algorithm_kwargs() == {
+        "sync_every": 12,
+        "bucket_cap_mb": 25.0,
+        "outer_lr": 0.5,
+    }
+    assert TrainConfig(outer_lr=1.0).algorithm_kwargs()["outer_lr"] == 1.0
+    cfg = TrainConfig(algo="diloco", outer_lr=0.5, clip=2.0, gap_penalty="none", nesterov=False)
+    assert cfg.algorithm_kwargs() == {
+        "sync_every": 12,
+        "bucket_cap_mb": 25.0,
+        "outer_lr": 0.5,
+        "nesterov": False,
+    }
+    assert cfg.ignored_outer_keys() == ["clip", "gap_penalty"]
+    assert TrainConfig(algo="ddp", outer_lr=0.5).algorithm_kwargs() == {}
+    assert TrainConfig(algo="localsgd", sync_every=4).algorithm_kwargs() == {
+        "sync_every": 4,
+        "bucket_cap_mb": 25.0,
+    }
+
+
+def test_outer_keys_table_matches_choices() -> None:
+    assert set(OUTER_KEYS) == set(ALGORITHM_CHOICES)
+
+
+def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> None:
+    import lowcomm.outer as outer
+
+    seen: list[dict[str, Any]] = []
+
+    class Fake:
+        @classmethod
+        def validate(cls, **kwargs: Any) -> None:
+            seen.append(kwargs)
+            if kwargs.get("outer_lr") == 123.0:
+                raise ValueError("outer_lr 123 is silly; e.g. outer_lr=0.7")
+
+    monkeypatch.setitem(outer.ALGORITHMS, "slowmo", Fake)
+    TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
+    assert seen == [{"sync_every": 12, "bucket_cap_mb": 25.0, "outer_momentum": 0.3}]
+    with pytest.raises(ConfigError, match="outer_lr 123 is silly"):
+        TrainConfig(algo="slowmo", outer_lr=123.0)
+
+
+def test_ddp_does_not_consult_the_outer_algorithms(monkeypatch: Any) -> None:
+    import lowcomm.outer as outer
+
+    monkeypatch.setattr(outer, "ALGORITHMS", {})
+    TrainConfig(algo="ddp")
+
+
+def test_eval_interval_rounds_up_to_a_round_boundary() -> None:
+    assert TrainConfig(eval_every=50, sync_every=12).eval_interval == 60
+    assert TrainConfig(eval_every=48, sync_every=12).eval_interval == 48
+    assert TrainConfig(eval_every=5, sync_every=12).eval_interval == 12
+    assert TrainConfig(algo="ddp", eval_every=50).eval_interval == 50
+
+
+def test_with_paths_fills_name_and_out() -> None:
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    cfg = TrainConfig(algo="diloco").with_paths(now)
+    assert cfg.name == "diloco-20260102-030405"
+    assert cfg.out == os.path.join("runs", "diloco-20260102-030405")
+    cfg = TrainConfig(name="exp1").with_paths(now)
+    assert cfg.out == os.path.join("runs", "exp1")
+    cfg = TrainConfig(name="exp1", out="/tmp/x").with_paths(now)
+    assert (cfg.name, cfg.out) == ("exp1", "/tmp/x")
+
+
+# --- TOML ------------------------------------------------------------------------------------
+
+
+def test_toml_fills_config_and_overrides_win(tmp_path: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text(
+        'algo = "diloco"\nsteps = 36\nsync_every = 6\nlr = 1\nnesterov = false\nclip = "none"\n'
+    )
+    cfg = load_toml(str(path))
+    assert (cfg.algo, cfg.steps, cfg.sync_every, cfg.nesterov, cfg.clip) == (
+        "diloco",
+        36,
+        6,
+        False,
+        "none",
+    )
+    assert cfg.lr == 1
+    cfg = load_toml(str(path), overrides={"steps": 12, "algo": "co2"})
+    assert (cfg.algo, cfg.steps, cfg.sync_every) == ("co2", 12, 6)
+
+
+def test_toml_unknown_key_lists_valid_keys(tmp_path: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text("sync_evry = 12\n")
+    with pytest.raises(ConfigError) as info:
+        read_toml(str(path))
+    message = str(info.value)
+    assert "unknown key 'sync_evry'" in message
+    assert "valid keys:" in message and "sync_every" in message and "gap_penalty" in message
+
+
+def test_toml_malformed(tmp_path: Any) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("steps = = 3\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        read_toml(str(path))
+
+
+def test_toml_missing_file_and_tables(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        read_toml(str(tmp_path / "missing.toml"))
+    path = tmp_path / "nested.toml"
+    path.write_text("[model]\nn_layer = 2\n")
+    with pytest.raises(ConfigError, match="unknown key 'model'"):
+        read_toml(str(path))
+
+
+def test_toml_bad_value_is_a_config_error(tmp_path: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text('steps = "many"\n')
+    with pytest.raises(ConfigError, match="must be an integer") as info:
+        load_toml(str(path))
+    assert info.value.key == "steps"
+
+
+def test_config_from_dict_rejects_unknown_keys() -> None:
+    with pytest.raises(ConfigError, match="unknown key 'epochs'"):
+        config_from_dict({"epochs": 3})
+
+
+def test_inner_lr_schedule() -> None:
+    from lowcomm.train.loop import _lr_at
+
+    cfg = TrainConfig(lr=1e-3, warmup=10, steps=110, min_lr_ratio=0.1)
+    assert _lr_at(1, cfg) == pytest.approx(1e-4)
+    assert _lr_at(10, cfg) == pytest.approx(1e-3)
+    assert _lr_at(60, cfg) == pytest.approx(0.55e-3)  # half-way down the cosine
+    assert _lr_at(110, cfg) == pytest.approx(1e-4)
+    flat = TrainConfig(lr=1e-3, warmup=0, steps=110, lr_schedule="constant")
+    assert {_lr_at(s, flat) for s in (1, 50, 110)} == {1e-3}
