@@ -33,6 +33,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format src tests examples

@@ -167,7 +167,7 @@ class Handle:
 
     def __init__(
         self,
-        works: list[dist.Work],
+        works: Sequence[dist.Work | _DoneWork],
         buffers: list[torch.Tensor],
         divisor: int,
         stats: CommStats,
@@ -270,8 +270,9 @@ class Communicator:
         self.stats.collectives += len(buffers)
         self.stats.payload_bytes += payload
         self.stats.wire_bytes += ring_wire_bytes(payload, self.world_size)
+        works: list[dist.Work | _DoneWork]
         if self.world_size == 1:
-            works: list = [_DoneWork() for _ in buffers]
+            works = [_DoneWork() for _ in buffers]
         else:
             works = [self._launch(b) for b in buffers]
         return Handle(works, buffers, self.world_size, self.stats, handle_id=handle_id)
@@ -311,7 +312,7 @@ class DDPCommMeter:
     # No annotations: DDP's register_comm_hook compares them with the real types, and this
     # module's postponed (string) annotations would not compare equal.
     @staticmethod
-    def _hook(meter, bucket):  # type: ignore[no-untyped-def]
+    def _hook(meter, bucket):
         tensor = bucket.buffer()
         n = meter._world_size
         payload = tensor.numel() * tensor.element_size()

@@ -158,6 +158,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         for block in self.blocks:
+            assert isinstance(block, Block)
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets
 
@@ -29,7 +30,7 @@ __all__ = ["OuterAlgorithm"]
 
 
 def _check_positive_int(name: str, value: Any, example: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}; e.g. {name}={example}")
 
 
@@ -50,7 +51,7 @@ def _check_momentum(name: str, value: Any) -> None:
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
         or not math.isfinite(value)
-        or not 0 <= value < 1
+        or not 0 <= float(value) < 1
     ):
         raise ValueError(f"{name} must be in [0, 1), got {value!r}; e.g. {name}=0.9")
 
@@ -92,7 +93,7 @@ class OuterAlgorithm:
         """Inner steps taken (calls to :meth:`step`)."""
         self.rounds = 0
         """Rounds completed (every ``sync_every`` inner steps)."""
-        self._hook = None
+        self._hook: RemovableHandle | None = None
         self._profile_tag = f"lowcomm::{self.name}"
 
     # -- argument checks ---------------------------------------------------------------------
@@ -108,6 +109,7 @@ class OuterAlgorithm:
 
     @staticmethod
     def _collect_params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        params: list[torch.Tensor]
         if isinstance(model_or_params, nn.Module):
             params = [p for p in model_or_params.parameters() if p.requires_grad]
         elif isinstance(model_or_params, torch.Tensor):

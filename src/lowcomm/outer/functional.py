@@ -69,7 +69,7 @@ def gap_aware_penalty(
     torch._foreach_div_(gap, denom)
     torch._foreach_clamp_min_(gap, 1.0)
     torch._foreach_reciprocal_(gap)
-    return gap
+    return list(gap)
 
 
 def clip_momentum_(momentum: Tensors, *, clip: float | None, clip_mode: str) -> None:
@@ -116,14 +116,15 @@ def co2_outer_update_(
     ``first`` marks the first update of a run (it seeds the gap statistic c).
     """
     a, m, u = list(anchor), list(momentum), list(last_update)
+    scaled: list[torch.Tensor]
     if gap_penalty == "gap_aware":
         penalty = gap_aware_penalty(avg_delta, u, gap_stat, first=first)
-        scaled = torch._foreach_mul(penalty, list(avg_delta))
+        scaled = list(torch._foreach_mul(penalty, list(avg_delta)))
     elif gap_penalty == "none":
         scaled = [d.clone() for d in avg_delta]
     else:
         assert isinstance(gap_penalty, float) and math.isfinite(gap_penalty) and gap_penalty >= 1
-        scaled = torch._foreach_div(list(avg_delta), gap_penalty)
+        scaled = list(torch._foreach_div(list(avg_delta), gap_penalty))
     torch._foreach_mul_(m, beta)
     torch._foreach_add_(m, scaled)
     clip_momentum_(m, clip=clip, clip_mode=clip_mode)

@@ -14,6 +14,7 @@ A scenario is a plain dict::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,15 @@ def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass
+class _CO2State:
+    m: list[torch.Tensor]
+    c: list[torch.Tensor]
+    u: list[torch.Tensor]
+    pending: list[torch.Tensor] | None = None
+    updates: int = 0
+
+
+@dataclass
 class ReferenceRun:
     """Parameters after every round (as every worker holds them) and after ``finish()``."""
 
@@ -125,13 +135,11 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             nesterov=hyper["nesterov"],
         )
     slow_m: list[torch.Tensor] | None = None
-    co2 = {
-        "m": [torch.zeros_like(a) for a in anchor],
-        "c": [torch.zeros_like(a) for a in anchor],
-        "u": [torch.zeros_like(a) for a in anchor],
-        "pending": None,
-        "updates": 0,
-    }
+    co2 = _CO2State(
+        m=[torch.zeros_like(a) for a in anchor],
+        c=[torch.zeros_like(a) for a in anchor],
+        u=[torch.zeros_like(a) for a in anchor],
+    )
 
     def set_all(values: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -140,10 +148,10 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     p.copy_(v)
 
     def co2_apply(avg: list[torch.Tensor]) -> None:
-        first = co2["updates"] == 0
+        first = co2.updates == 0
         beta, gp = hyper["outer_momentum"], hyper["gap_penalty"]
         scaled = []
-        for d, m, c, u in zip(avg, co2["m"], co2["c"], co2["u"]):
+        for d, m, c, u in zip(avg, co2.m, co2.c, co2.u):
             if gp == "gap_aware":
                 if first:
                     c.copy_(d.abs())
@@ -158,21 +166,21 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             m.mul_(beta).add_(scaled[-1])
         clip = hyper["clip"]
         if clip is not None and hyper["clip_mode"] == "value":
-            for m in co2["m"]:
+            for m in co2.m:
                 m.clamp_(-clip, clip)
         elif clip is not None:
             total = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(m) for m in co2["m"]])
+                torch.stack([torch.linalg.vector_norm(m) for m in co2.m])
             )
             scale = torch.clamp(clip / (total + 1e-6), max=1.0)
-            for m in co2["m"]:
+            for m in co2.m:
                 m.mul_(scale)
-        for a, m, s, u in zip(anchor, co2["m"], scaled, co2["u"]):
+        for a, m, s, u in zip(anchor, co2.m, scaled, co2.u):
             step = torch.add(s, m, alpha=beta) if hyper["nesterov"] else m
             old = a.clone()
             a.add_(step, alpha=-hyper["outer_lr"])
             u.copy_(a - old)
-        co2["updates"] += 1
+        co2.updates += 1
 
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
@@ -209,17 +217,17 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 launched = [
                     _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
                 ]
-                if co2["pending"] is not None:
-                    co2_apply(co2["pending"])
-                co2["pending"] = launched
+                if co2.pending is not None:
+                    co2_apply(co2.pending)
+                co2.pending = launched
                 set_all(anchor)
             else:
                 raise ValueError(f"no reference for {algo!r}")
         out.rounds.append([p.detach().clone() for p in thetas[0]])
 
     with torch.no_grad():
-        if algo == "co2" and co2["pending"] is not None:
-            co2_apply(co2["pending"])
+        if algo == "co2" and co2.pending is not None:
+            co2_apply(co2.pending)
         if algo != "localsgd":
             set_all(anchor)
         elif scenario["steps"] % h:
@@ -250,7 +258,7 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
             bucket_cap_mb=sc.get("bucket_cap_mb", 25.0),
             **sc.get("hyper", {}),
         )
-        comm.clock = lambda algo=algo: algo.local_step
+        comm.clock = functools.partial(getattr, algo, "local_step")
         rounds = []
         for step in range(1, sc["steps"] + 1):
             _inner_step(model, inner, rank, step, seed)
