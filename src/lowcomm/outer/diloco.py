@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,19 +28,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, FlatBuckets
 from lowcomm.outer.base import (
     OuterAlgorithm,
     _check_bool,
     _check_momentum,
     _check_positive_float,
-    clone_views,
 )
-from lowcomm.outer.functional import pseudo_gradient_
+from lowcomm.outer.fragment import Fragment, OuterOptimizerFactory
 
 __all__ = ["DiLoCo", "SlowMo"]
-
-OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 class DiLoCo(OuterAlgorithm):
@@ -91,21 +88,18 @@ class DiLoCo(OuterAlgorithm):
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
         )
-        self.anchor = self._new_buckets()
-        self.anchor.copy_from(self.params)
-        self._delta = self.anchor.like()
         if outer_optimizer is None:
-            lr, beta, nest = float(outer_lr), float(outer_momentum), bool(nesterov)
+            outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
+        self.fragment = Fragment(self.params, outer_optimizer, bucket_cap_mb=self.bucket_cap_mb)
 
-            def outer_optimizer(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
-                return torch.optim.SGD(ps, lr=lr, momentum=beta, nesterov=nest)
+    @property
+    def anchor(self) -> FlatBuckets:
+        """A: the global parameters, bit-identical on every rank."""
+        return self.fragment.anchor
 
-        self.outer = outer_optimizer(self.anchor.views)
-        if not isinstance(self.outer, torch.optim.Optimizer):
-            raise ValueError(
-                "outer_optimizer must return a torch.optim.Optimizer built over the params it "
-                f"is given, got {type(self.outer).__name__}"
-            )
+    @property
+    def outer(self) -> torch.optim.Optimizer:
+        return self.fragment.outer
 
     @classmethod
     def validate(cls, **kwargs: Any) -> None:
@@ -128,20 +122,14 @@ class DiLoCo(OuterAlgorithm):
                 "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
             )
 
-    def _scale_outer_grads(self, avg_delta: Sequence[torch.Tensor]) -> None:
+    def _scale_outer_grads(self, avg_delta: list[torch.Tensor]) -> None:
         """Hook for presets that rescale Δ̄ before the outer step (SlowMo). Default: none."""
 
     def _end_round(self) -> None:
         with record_function(f"{self._profile_tag}::sync"):
-            pseudo_gradient_(self._delta.views, self.anchor.views, self.params)
-            self.comm.all_reduce_mean(self._delta.buffers)
+            self.fragment.launch(self.comm)
         with record_function(f"{self._profile_tag}::outer"):
-            self._scale_outer_grads(self._delta.views)
-            for a, d in zip(self.anchor.views, self._delta.views):
-                a.grad = d
-            self.outer.step()
-            for a in self.anchor.views:
-                a.grad = None
+            self.fragment.outer_step(self._scale_outer_grads)
             self.anchor.copy_to(self.params)
 
     def _finish(self) -> None:
@@ -149,13 +137,17 @@ class DiLoCo(OuterAlgorithm):
         self.anchor.copy_to(self.params)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"anchor": clone_views(self.anchor), "outer_optimizer": self.outer.state_dict()}
+        return self.fragment.state_dict()
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._load_tensors(state, "anchor", self.anchor.views)
-        if "outer_optimizer" not in state:
-            raise ValueError(f"{type(self).__name__} state_dict is missing 'outer_optimizer'")
-        self.outer.load_state_dict(state["outer_optimizer"])
+        self.fragment.load_state_dict(state, self.comm, self._load_tensors)
+
+
+def _sgd_factory(lr: float, momentum: float, nesterov: bool) -> OuterOptimizerFactory:
+    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
+
+    return factory
 
 
 class SlowMo(DiLoCo):
@@ -196,7 +188,7 @@ class SlowMo(DiLoCo):
         )
         self.slow_lr = float(outer_lr)
 
-    def _scale_outer_grads(self, avg_delta: Sequence[torch.Tensor]) -> None:
+    def _scale_outer_grads(self, avg_delta: list[torch.Tensor]) -> None:
         gamma = float(self.inner.param_groups[0]["lr"])
         if gamma <= 0:
             raise ValueError(

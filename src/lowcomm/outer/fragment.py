@@ -1,0 +1,100 @@
+"""One synchronised piece of the model: its anchor, pseudo-gradient buffer and outer optimizer.
+
+DiLoCo syncs one fragment (the whole model) every round; Streaming DiLoCo and CoCoDC sync one of
+P fragments at each sync point. Both are schedules over the same two phases (torchft's
+``prepare_sync`` / ``perform_sync``): :meth:`Fragment.launch` takes Δ = A − θ and starts its
+all-reduce; :meth:`Fragment.outer_step` waits for it and steps the outer optimizer on A.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lowcomm.comm import Communicator, FlatBuckets, Handle
+from lowcomm.outer.functional import pseudo_gradient_
+
+__all__ = ["Fragment", "OuterOptimizerFactory"]
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class Fragment:
+    """Anchor A (fp32 flat buckets), the Δ buffer the all-reduce runs in, and an outer optimizer
+    built by ``factory`` over the anchor's per-parameter views."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        factory: OuterOptimizerFactory,
+        *,
+        bucket_cap_mb: float,
+    ) -> None:
+        self.params = list(params)
+        self.anchor = FlatBuckets.for_tensors(self.params, bucket_cap_mb=bucket_cap_mb)
+        self.anchor.copy_from(self.params)
+        self.delta = self.anchor.like()
+        self.outer = factory(self.anchor.views)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise ValueError(
+                "outer_optimizer must return a torch.optim.Optimizer built over the params it "
+                f"is given, got {type(self.outer).__name__}"
+            )
+        self.pending: Handle | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.anchor.numel
+
+    def launch(self, comm: Communicator) -> None:
+        """Δ ← A − θ into the Δ buffer and start its mean all-reduce (not waited for)."""
+        assert self.pending is None, "a fragment has at most one all-reduce in flight"
+        pseudo_gradient_(self.delta.views, self.anchor.views, self.params)
+        self.pending = comm.all_reduce_mean_async(self.delta.buffers)
+
+    def outer_step(
+        self, scale: Callable[[list[torch.Tensor]], None] | None = None
+    ) -> list[torch.Tensor]:
+        """Wait for the all-reduce, optionally rescale Δ̄ in place, set ``A.grad = Δ̄`` and step
+        the outer optimizer: A ← Â. Returns Δ̄ (per-parameter views)."""
+        assert self.pending is not None, "outer_step() without a launched all-reduce"
+        self.pending.wait()
+        self.pending = None
+        avg = self.delta.views
+        if scale is not None:
+            scale(avg)
+        for a, d in zip(self.anchor.views, avg):
+            a.grad = d
+        self.outer.step()
+        for a in self.anchor.views:
+            a.grad = None
+        return avg
+
+    def state_dict(self) -> dict[str, Any]:
+        """Anchor, outer optimizer and, if an all-reduce is in flight, its completed result."""
+        pending = None
+        if self.pending is not None:
+            self.pending.wait()  # completed, not applied: resuming gives the same numbers
+            pending = [v.detach().clone() for v in self.delta.views]
+        return {
+            "anchor": [v.detach().clone() for v in self.anchor.views],
+            "outer_optimizer": self.outer.state_dict(),
+            "pending_avg_delta": pending,
+        }
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        comm: Communicator,
+        load_tensors: Callable[[dict[str, Any], str, Sequence[torch.Tensor]], None],
+    ) -> None:
+        load_tensors(state, "anchor", self.anchor.views)
+        if "outer_optimizer" not in state:
+            raise ValueError("fragment state_dict is missing 'outer_optimizer'")
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.pending = None
+        if state.get("pending_avg_delta") is not None:
+            load_tensors(state, "pending_avg_delta", self.delta.views)
+            self.pending = comm.completed(self.delta.buffers)
