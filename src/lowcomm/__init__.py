@@ -5,7 +5,7 @@ for the algorithms and the ``lowcomm train`` job.
 """
 
 from lowcomm.comm import CommStats, Communicator
-from lowcomm.outer import ALGORITHMS, CO2, DiLoCo, LocalSGD, SlowMo
+from lowcomm.outer import ALGORITHMS, CO2, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
 
 __version__ = "0.1.0"
 
@@ -17,5 +17,6 @@ __all__ = [
     "DiLoCo",
     "LocalSGD",
     "SlowMo",
+    "StreamingDiLoCo",
     "__version__",
 ]

@@ -104,23 +104,7 @@ class DiLoCo(OuterAlgorithm):
     @classmethod
     def validate(cls, **kwargs: Any) -> None:
         super().validate(**kwargs)
-        if "outer_lr" in kwargs:
-            _check_positive_float("outer_lr", kwargs["outer_lr"], 0.7)
-        if "outer_momentum" in kwargs:
-            _check_momentum("outer_momentum", kwargs["outer_momentum"])
-        nesterov = kwargs.get("nesterov", cls._default_nesterov)
-        _check_bool("nesterov", nesterov)
-        if nesterov and kwargs.get("outer_momentum", 1) == 0:
-            raise ValueError(
-                "nesterov=True needs outer_momentum > 0; set outer_momentum (e.g. 0.9) or "
-                "nesterov=False"
-            )
-        factory = kwargs.get("outer_optimizer")
-        if factory is not None and not callable(factory):
-            raise ValueError(
-                "outer_optimizer must be a callable params -> torch.optim.Optimizer, e.g. "
-                "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
-            )
+        validate_outer_sgd(kwargs, default_nesterov=cls._default_nesterov)
 
     def _scale_outer_grads(self, avg_delta: list[torch.Tensor]) -> None:
         """Hook for presets that rescale Δ̄ before the outer step (SlowMo). Default: none."""
@@ -141,6 +125,27 @@ class DiLoCo(OuterAlgorithm):
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.fragment.load_state_dict(state, self.comm, self._load_tensors)
+
+
+def validate_outer_sgd(kwargs: dict[str, Any], *, default_nesterov: bool) -> None:
+    """Checks of the outer-optimizer keywords shared by DiLoCo, SlowMo and Streaming DiLoCo."""
+    if "outer_lr" in kwargs:
+        _check_positive_float("outer_lr", kwargs["outer_lr"], 0.7)
+    if "outer_momentum" in kwargs:
+        _check_momentum("outer_momentum", kwargs["outer_momentum"])
+    nesterov = kwargs.get("nesterov", default_nesterov)
+    _check_bool("nesterov", nesterov)
+    if nesterov and kwargs.get("outer_momentum", 1) == 0:
+        raise ValueError(
+            "nesterov=True needs outer_momentum > 0; set outer_momentum (e.g. 0.9) or "
+            "nesterov=False"
+        )
+    factory = kwargs.get("outer_optimizer")
+    if factory is not None and not callable(factory):
+        raise ValueError(
+            "outer_optimizer must be a callable params -> torch.optim.Optimizer, e.g. "
+            "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
+        )
 
 
 def _sgd_factory(lr: float, momentum: float, nesterov: bool) -> OuterOptimizerFactory:

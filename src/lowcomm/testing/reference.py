@@ -37,6 +37,13 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "localsgd": {},
     "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
     "slowmo": {"outer_lr": 1.0, "outer_momentum": 0.5},
+    "streaming": {
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "overlap": 0,
+        "mix": 0.0,
+    },
     "co2": {
         "outer_lr": 1.0,
         "outer_momentum": 0.5,
@@ -107,10 +114,11 @@ class _CO2State:
 
 @dataclass
 class ReferenceRun:
-    """Parameters after every round (as every worker holds them) and after ``finish()``."""
+    """Every worker's parameters after every round (``rounds[t][worker][param]``) and after
+    ``finish()`` (``final[worker][param]``)."""
 
-    rounds: list[list[torch.Tensor]] = field(default_factory=list)
-    final: list[torch.Tensor] = field(default_factory=list)
+    rounds: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    final: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
@@ -135,6 +143,34 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             nesterov=hyper["nesterov"],
         )
     slow_m: list[torch.Tensor] | None = None
+    frags: list[list[int]] = scenario.get("fragments", [list(range(len(anchor)))])
+    interval = h // len(frags)
+    stream_outer = [
+        torch.optim.SGD(
+            [anchor[j] for j in idx],
+            lr=hyper["outer_lr"],
+            momentum=hyper["outer_momentum"],
+            nesterov=hyper["nesterov"],
+        )
+        for idx in frags
+        if algo == "streaming"
+    ]
+    stream_pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+
+    def stream_sync(k: int) -> None:
+        f, avg = stream_pending.pop(k)
+        idx = frags[f]
+        for j, d in zip(idx, avg):
+            anchor[j].grad = d
+        stream_outer[f].step()
+        for j in idx:
+            anchor[j].grad = None
+        for th in thetas:
+            for j in idx:
+                local = th[j].detach().clone()
+                th[j].copy_(anchor[j])
+                th[j].lerp_(local, float(hyper["mix"]))
+
     co2 = _CO2State(
         m=[torch.zeros_like(a) for a in anchor],
         c=[torch.zeros_like(a) for a in anchor],
@@ -185,6 +221,18 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
             _inner_step(models[w], inners[w], w, step, seed)
+        if algo == "streaming":
+            with torch.no_grad():
+                tau = hyper["overlap"]
+                if (step + tau) % interval == 0:
+                    k = (step + tau) // interval
+                    f = (k - 1) % len(frags)
+                    stream_pending[k] = (
+                        f,
+                        [_mean([anchor[j] - th[j].float() for th in thetas]) for j in frags[f]],
+                    )
+                if step % interval == 0 and step - tau >= 1:
+                    stream_sync(step // interval)
         if step % h:
             continue
         with torch.no_grad():
@@ -213,6 +261,8 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     for a, m in zip(anchor, slow_m):
                         a.add_(m, alpha=-(hyper["outer_lr"] * gamma))
                 set_all(anchor)
+            elif algo == "streaming":
+                pass  # synced above, fragment by fragment
             elif algo == "co2":
                 launched = [
                     _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
@@ -223,16 +273,18 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 set_all(anchor)
             else:
                 raise ValueError(f"no reference for {algo!r}")
-        out.rounds.append([p.detach().clone() for p in thetas[0]])
+        out.rounds.append([[p.detach().clone() for p in th] for th in thetas])
 
     with torch.no_grad():
         if algo == "co2" and co2.pending is not None:
             co2_apply(co2.pending)
+        for k in sorted(stream_pending):
+            stream_sync(k)
         if algo != "localsgd":
             set_all(anchor)
         elif scenario["steps"] % h:
             set_all([_mean([th[j].float() for th in thetas]) for j in range(len(anchor))])
-    out.final = [p.detach().clone() for p in thetas[0]]
+    out.final = [[p.detach().clone() for p in th] for th in thetas]
     return out
 
 
@@ -250,6 +302,10 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
         model = toy_model(seed)
         inner = make_inner(sc.get("inner", "sgd"), model.parameters())
         comm = RecordingCommunicator()
+        extra: dict[str, Any] = {}
+        if "fragments" in sc:
+            params = _params(model)
+            extra["fragments"] = [[params[i] for i in idx] for idx in sc["fragments"]]
         algo = ALGORITHMS[sc["algo"]](
             model,
             inner,
@@ -257,6 +313,7 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
             process_group=comm,
             bucket_cap_mb=sc.get("bucket_cap_mb", 25.0),
             **sc.get("hyper", {}),
+            **extra,
         )
         comm.clock = functools.partial(getattr, algo, "local_step")
         rounds = []

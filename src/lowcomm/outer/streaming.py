@@ -1,0 +1,353 @@
+"""Streaming DiLoCo: DiLoCo over P fragments, one synced at a time, with overlapped all-reduces.
+
+Paper: Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+Distributed Free Lunch", 2025 (https://arxiv.org/abs/2501.18512). The schedule is torchft's
+``DiLoCo(model_fragments, sync_every, fragment_sync_delay, fragment_update_alpha)``:
+
+* sync points every H/P inner steps; the k-th (k = 1, 2, …) syncs fragment (k − 1) mod P;
+* fragment p's pseudo-gradient Δ_p = A_p − θ_p is taken and its all-reduce launched ``overlap``
+  (τ) inner steps before its sync point;
+* at the sync point: Â_p = OuterOpt_p(A_p, Δ̄_p); θ_p ← (1 − mix)·Â_p + mix·θ_p; A_p ← Â_p.
+
+torchft keeps at most one fragment in flight (τ < H/P). Here τ may be anything below H: with
+τ ≥ H/P the next fragment's all-reduce is launched while earlier ones are still running, which
+hides more of a slow link at the price of staler pseudo-gradients. The first sync points, whose
+launch would then fall before the first step, are skipped.
+
+Paper symbols → arguments: H ``sync_every``, P ``num_fragments``, τ ``overlap``, α ``mix``
+(the paper's mixing factor), outer α/β ``outer_lr``/``outer_momentum``.
+
+Example::
+
+    algo = lowcomm.StreamingDiLoCo(model, inner, sync_every=48, num_fragments=4, overlap=2)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        inner.step(); inner.zero_grad()
+        algo.step()
+    algo.finish()
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.outer.base import (
+    OuterAlgorithm,
+    _check_positive_int,
+)
+from lowcomm.outer.diloco import _sgd_factory, validate_outer_sgd
+from lowcomm.outer.fragment import Fragment, OuterOptimizerFactory
+
+__all__ = ["StreamingDiLoCo", "split_by_blocks"]
+
+
+def _find_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The ``nn.ModuleList`` with the most children: the transformer blocks of usual models."""
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and (best is None or len(module) > len(best)):
+            best = module
+    return best
+
+
+def split_by_blocks(model: nn.Module, num_fragments: int) -> list[list[torch.Tensor]]:
+    """Automatic fragments, strided by transformer block as in the Streaming DiLoCo paper.
+
+    Block j of the model's largest ``nn.ModuleList`` goes to fragment j mod P (blocks are
+    interleaved across fragments). Every other trainable parameter (embeddings, final norm,
+    head) goes, in ``named_parameters()`` order, to the fragment with the fewest elements so
+    far (ties: the lowest index), which keeps the fragments' sizes — and so the bursts on the
+    link — close to each other. Deterministic: every rank computes the same split.
+    """
+    blocks = _find_blocks(model)
+    if blocks is None or len(blocks) < num_fragments:
+        found = 0 if blocks is None else len(blocks)
+        raise ValueError(
+            f"automatic fragments need at least num_fragments={num_fragments} transformer "
+            f"blocks in an nn.ModuleList, found {found}; pass fragments=[module, ...] instead"
+        )
+    groups: list[list[torch.Tensor]] = [[] for _ in range(num_fragments)]
+    in_blocks: set[int] = set()
+    for j, block in enumerate(blocks):
+        for p in block.parameters():
+            if p.requires_grad and id(p) not in in_blocks:
+                groups[j % num_fragments].append(p)
+                in_blocks.add(id(p))
+    sizes = [sum(p.numel() for p in g) for g in groups]
+    seen: set[int] = set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in in_blocks or id(p) in seen:
+            continue
+        seen.add(id(p))
+        i = min(range(num_fragments), key=lambda f: (sizes[f], f))
+        groups[i].append(p)
+        sizes[i] += p.numel()
+    return groups
+
+
+class StreamingDiLoCo(OuterAlgorithm):
+    """Streaming DiLoCo: P fragments synced in turn, each all-reduce overlapped with τ steps.
+
+    Args:
+        model_or_params: an ``nn.Module`` (needed for automatic fragments) or parameters.
+        inner_optimizer: the optimizer whose ``step()`` drives the schedule.
+        sync_every: H: each fragment is synced once every H inner steps; a multiple of P.
+        num_fragments: P, for automatic fragments (:func:`split_by_blocks`). Default 1.
+        fragments: explicit fragments instead: a list of modules or of parameter lists that
+            together hold every trainable parameter exactly once.
+        overlap: τ, inner steps between launching a fragment's all-reduce and applying it
+            (0 ≤ τ < H; τ ≥ H/P keeps several fragments in flight).
+        mix: α of the paper, θ_p ← (1 − α)·Â_p + α·θ_p at the sync point (0 ≤ α ≤ 1).
+        outer_lr, outer_momentum, nesterov, outer_optimizer: the outer optimizer of every
+            fragment, as :class:`~lowcomm.DiLoCo` (one optimizer per fragment).
+        process_group: the group to average over; ``None`` is WORLD.
+        bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+
+    ``finish()`` applies every all-reduce still in flight and then resets every fragment to
+    its anchor, so all ranks agree; local progress since a fragment's last sync is dropped.
+    """
+
+    name = "streaming"
+    _default_nesterov = True
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        num_fragments: int | None = None,
+        fragments: Sequence[nn.Module | Iterable[torch.Tensor]] | None = None,
+        overlap: int = 0,
+        mix: float = 0.0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        if fragments is not None and num_fragments is not None and num_fragments != len(fragments):
+            raise ValueError(
+                f"num_fragments={num_fragments} but {len(fragments)} fragments were given; "
+                "pass one of the two"
+            )
+        if not isinstance(model_or_params, nn.Module):
+            # iterated twice (all parameters, then fragments): a generator would run dry
+            model_or_params = list(model_or_params)
+        self.validate(
+            sync_every=sync_every,
+            num_fragments=len(fragments) if fragments is not None else (num_fragments or 1),
+            overlap=overlap,
+            mix=mix,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            outer_optimizer=outer_optimizer,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        super().__init__(
+            model_or_params,
+            inner_optimizer,
+            sync_every=sync_every,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        groups = self._fragment_groups(model_or_params, num_fragments, fragments)
+        if outer_optimizer is None:
+            outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
+        self.fragments = [
+            Fragment(g, outer_optimizer, bucket_cap_mb=self.bucket_cap_mb) for g in groups
+        ]
+        self.num_fragments = len(self.fragments)
+        self.interval = self.sync_every // self.num_fragments
+        """Inner steps between sync points: H / P."""
+        self.overlap = int(overlap)
+        self.mix = float(mix)
+        self.sync_points = 0
+        """Sync points completed."""
+        self._in_flight: dict[int, int] = {}  # sync index k -> fragment index
+
+    @classmethod
+    def validate(cls, **kwargs: Any) -> None:
+        super().validate(**kwargs)
+        validate_outer_sgd(kwargs, default_nesterov=cls._default_nesterov)
+        p = kwargs.get("num_fragments", 1)
+        if p is not None:
+            _check_positive_int("num_fragments", p, 4)
+        h = kwargs.get("sync_every")
+        if h is not None and p is not None and h % p:
+            raise ValueError(
+                f"sync_every={h} must be a multiple of num_fragments={p} (a sync point every "
+                f"H/P steps); e.g. sync_every={p * max(1, round(h / p))}"
+            )
+        if "overlap" in kwargs:
+            tau = kwargs["overlap"]
+            if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or int(tau) < 0:
+                raise ValueError(f"overlap must be an integer >= 0, got {tau!r}")
+            if h is not None and int(tau) >= h:
+                raise ValueError(
+                    f"overlap={tau} must be < sync_every={h}: a fragment's all-reduce must "
+                    "land before the same fragment is launched again"
+                )
+        if "mix" in kwargs:
+            mix = kwargs["mix"]
+            if (
+                isinstance(mix, bool)
+                or not isinstance(mix, numbers.Real)
+                or not 0 <= float(mix) <= 1
+            ):
+                raise ValueError(f"mix must be in [0, 1], got {mix!r}; 0 keeps the global model")
+
+    def _fragment_groups(
+        self,
+        model_or_params: nn.Module | list[torch.Tensor],
+        num_fragments: int | None,
+        fragments: Sequence[nn.Module | Iterable[torch.Tensor]] | None,
+    ) -> list[list[torch.Tensor]]:
+        if fragments is None:
+            p = num_fragments or 1
+            if p == 1:
+                return [self.params]
+            if not isinstance(model_or_params, nn.Module):
+                raise ValueError(
+                    "automatic fragments (num_fragments > 1) need the model as an nn.Module; "
+                    "pass the module, or fragments=[...]"
+                )
+            groups = split_by_blocks(model_or_params, p)
+        else:
+            groups = [
+                [q for q in (f.parameters() if isinstance(f, nn.Module) else f) if q.requires_grad]
+                for f in fragments
+            ]
+        mine = {id(q) for q in self.params}
+        seen: set[int] = set()
+        for i, g in enumerate(groups):
+            if not g:
+                raise ValueError(f"fragment {i} has no trainable parameters")
+            for q in g:
+                if id(q) in seen:
+                    raise ValueError(f"a parameter appears in two fragments (again in {i})")
+                if id(q) not in mine:
+                    raise ValueError(f"fragment {i} holds a parameter that is not in the model")
+                seen.add(id(q))
+        if len(seen) != len(mine):
+            raise ValueError(
+                f"{len(mine) - len(seen)} trainable parameter(s) are in no fragment and would "
+                "never be synchronised; give every parameter to a fragment"
+            )
+        return groups
+
+    # -- schedule ----------------------------------------------------------------------------
+
+    def _choose_fragment(self, k: int) -> int:
+        """Fragment synced at the k-th sync point (round-robin; CoCoDC overrides)."""
+        return (k - 1) % self.num_fragments
+
+    def _launch(self, k: int) -> None:
+        f = self._choose_fragment(k)
+        assert f not in self._in_flight.values()
+        with record_function(f"{self._profile_tag}::launch"):
+            self._before_launch(f)
+            self.fragments[f].launch(self.comm)
+        self._in_flight[k] = f
+
+    def _before_launch(self, f: int) -> None:
+        """Hook: called just before fragment ``f``'s pseudo-gradient is taken."""
+
+    def _sync(self, k: int) -> None:
+        f = self._in_flight.pop(k)
+        frag = self.fragments[f]
+        with record_function(f"{self._profile_tag}::outer"):
+            frag.outer_step()
+            self._merge(f)
+        self.sync_points += 1
+
+    def _merge(self, f: int) -> None:
+        """θ_p ← (1 − mix)·Â_p + mix·θ_p (Â_p is now the fragment's anchor)."""
+        frag = self.fragments[f]
+        if self.mix == 0.0:
+            frag.anchor.copy_to(frag.params)
+            return
+        local = [p.detach().clone() for p in frag.params]
+        frag.anchor.copy_to(frag.params)
+        torch._foreach_lerp_([p.detach() for p in frag.params], local, self.mix)
+
+    def step(self) -> None:
+        """Call once after every inner ``optimizer.step()``."""
+        self.local_step += 1
+        s = self.local_step
+        with torch.no_grad():
+            # Launch before syncing: with τ = 0 both concern the same fragment at this step.
+            if (s + self.overlap) % self.interval == 0:
+                self._launch((s + self.overlap) // self.interval)
+            # With τ ≥ H/P the first sync points would have launched before step 1: skipped.
+            if s % self.interval == 0 and s - self.overlap >= 1:
+                self._sync(s // self.interval)
+        if s % self.sync_every == 0:
+            self.rounds += 1
+
+    def finish(self) -> None:
+        """Apply every all-reduce still in flight, then reset every fragment to its anchor so
+        that all ranks agree. Idempotent."""
+        with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
+            for k in sorted(self._in_flight):
+                self._sync(k)
+            for frag in self.fragments:
+                frag.anchor.copy_to(frag.params)
+
+    def _end_round(self) -> None:  # pragma: no cover - step() is overridden
+        raise AssertionError("StreamingDiLoCo schedules its own sync points")
+
+    def _finish(self) -> None:  # pragma: no cover - finish() is overridden
+        raise AssertionError("StreamingDiLoCo.finish() is overridden")
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def anchor_views(self) -> list[torch.Tensor]:
+        """A for every trainable parameter, in model order (for checks and evaluation)."""
+        by_id = {
+            id(p): v for frag in self.fragments for p, v in zip(frag.params, frag.anchor.views)
+        }
+        return [by_id[id(p)] for p in self.params]
+
+    def _extra_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "num_fragments": self.num_fragments,
+            "overlap": self.overlap,
+            "sync_points": self.sync_points,
+            "in_flight": [[k, f] for k, f in sorted(self._in_flight.items())],
+        }
+        for i, frag in enumerate(self.fragments):
+            state[f"fragment_{i}"] = frag.state_dict()
+        return state
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        for key, mine in (("num_fragments", self.num_fragments), ("overlap", self.overlap)):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"state_dict was saved with {key}={state.get(key)!r} but this "
+                    f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
+                )
+        self.sync_points = int(state["sync_points"])
+        for i, frag in enumerate(self.fragments):
+            key = f"fragment_{i}"
+            if key not in state:
+                raise ValueError(f"{type(self).__name__} state_dict is missing {key!r}")
+            frag.load_state_dict(state[key], self.comm, self._load_tensors)
+        self._in_flight = {int(k): int(f) for k, f in state["in_flight"]}
+        for k, f in self._in_flight.items():
+            if self.fragments[f].pending is None:
+                raise ValueError(
+                    f"state_dict lists sync point {k} (fragment {f}) in flight but holds no "
+                    "result for it; the checkpoint is inconsistent"
+                )
