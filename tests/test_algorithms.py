@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -127,7 +128,6 @@ def test_one_rank_co2_is_stale_by_exactly_one_round() -> None:
     for step in range(1, 4):
         _inner_step(model, inner, 0, step, 2)
         algo.step()
-    local_round1 = None
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
     local_round1 = [a - s for a, s in zip(start, algo._send[0].views)]  # θ at the end of round 1
     for step in range(4, 7):
@@ -135,6 +135,62 @@ def test_one_rank_co2_is_stale_by_exactly_one_round() -> None:
         algo.step()
     for p, want in zip(model.parameters(), local_round1):
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_finish_warns_once_and_localsgd_finish_twice_communicates_once() -> None:
+    model, inner, algo = _build(lowcomm.CO2)
+    for step in range(1, 5):
+        _inner_step(model, inner, 0, step, 2)
+        algo.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        algo.finish()
+        algo.finish()
+    assert len(caught) == 1
+    model, inner, algo = _build(lowcomm.LocalSGD)
+    for step in range(1, 5):
+        _inner_step(model, inner, 0, step, 2)
+        algo.step()
+    algo.finish()
+    done = algo.stats.collectives
+    algo.finish()
+    assert algo.stats.collectives == done
+
+
+def test_exception_inside_the_context_removes_the_hook_without_finishing() -> None:
+    model, inner, algo = _build(lowcomm.CO2)
+    with pytest.raises(RuntimeError, match="boom"), algo:
+        for step in range(1, 7):
+            _inner_step(model, inner, 0, step, 2)
+        raise RuntimeError("boom")
+    assert not inner._optimizer_step_post_hooks
+    assert algo.in_flight  # finish() was not called: other ranks may be gone
+
+
+@pytest.mark.parametrize(
+    "cls", [lowcomm.DiLoCo, lowcomm.SlowMo, lowcomm.CO2, lowcomm.StreamingDiLoCo]
+)
+def test_state_dict_is_a_snapshot(cls: type) -> None:
+    model, inner, algo = _build(cls)
+    for step in range(1, 7):
+        _inner_step(model, inner, 0, step, 2)
+        algo.step()
+    saved = algo.state_dict()
+    frozen = copy.deepcopy(saved)
+    for step in range(7, 13):
+        _inner_step(model, inner, 0, step, 2)
+        algo.step()
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    assert same(saved, frozen)
 
 
 def test_state_dict_refuses_other_configurations() -> None:

@@ -72,4 +72,4 @@ def test_mean_all_reduce_on_real_gloo_ranks() -> None:
         s = r["stats"]
         assert s["collectives"] == 2 and s["payload_bytes"] == 32
         assert s["wire_bytes"] == ring_wire_bytes(32, 4)
-        assert s["in_flight_s"] >= 0 and s["blocked_s"] >= 0
+        assert s["in_flight_s"] > 0 and s["blocked_s"] > 0  # timed from launch / in wait()

@@ -24,6 +24,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "localsgd-h1": {"algo": "localsgd", "sync_every": 1, "steps": 5},
     "slowmo": {"algo": "slowmo"},
+    "slowmo-decaying-lr": {"algo": "slowmo", "inner": "adamw", "lr_decay": 0.8},
     "co2-gap-value": {"algo": "co2", "hyper": {"clip": 0.05, "clip_mode": "value"}},
     "co2-gap-norm": {"algo": "co2", "hyper": {"clip": 0.1, "clip_mode": "norm"}},
     "co2-none-noclip": {"algo": "co2", "hyper": {"gap_penalty": "none", "clip": None}},
@@ -32,6 +33,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "hyper": {"gap_penalty": 2.0, "nesterov": True, "clip": 0.05},
     },
     "co2-adamw": {"algo": "co2", "inner": "adamw", "hyper": {"outer_momentum": 0.9}},
+    "co2-eager": {"algo": "co2", "hyper": {"eager": True, "clip": 0.05}},
+    "co2-eager-nesterov-adamw": {
+        "algo": "co2",
+        "inner": "adamw",
+        "hyper": {"eager": True, "nesterov": True, "gap_penalty": "none", "clip_mode": "norm"},
+    },
     "streaming": {"algo": "streaming", "sync_every": 4, "fragments": [[0, 1], [2, 3]]},
     "streaming-overlap-mix": {
         "algo": "streaming",
@@ -74,6 +81,12 @@ def four_ranks() -> dict[str, list[dict]]:
     return _run_all(4)
 
 
+def _ranks_agree_every_round(name: str) -> bool:
+    """Streaming DiLoCo's unsynced fragments and eager CO2's anchors are per rank."""
+    sc = SCENARIOS[name]
+    return sc["algo"] != "streaming" and not sc.get("hyper", {}).get("eager", False)
+
+
 def _assert_ranks_identical(results: list[dict], *, every_round: bool) -> None:
     """Ranks agree after finish(); and after every round, except Streaming DiLoCo, whose
     fragments other than the one just synced carry each rank's own local progress."""
@@ -104,7 +117,7 @@ def _compare(results: list[dict], ref: Any, *, exact: bool) -> None:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_match_reference_bitwise(two_ranks: dict, name: str) -> None:
     results = two_ranks[name]
-    _assert_ranks_identical(results, every_round=SCENARIOS[name]["algo"] != "streaming")
+    _assert_ranks_identical(results, every_round=_ranks_agree_every_round(name))
     _compare(results, reference_run(_scenario(name, 2)), exact=True)
     assert results[0]["buckets"] > 1
 
@@ -113,7 +126,7 @@ def test_two_ranks_match_reference_bitwise(two_ranks: dict, name: str) -> None:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_four_ranks_match_reference(four_ranks: dict, name: str) -> None:
     results = four_ranks[name]
-    _assert_ranks_identical(results, every_round=SCENARIOS[name]["algo"] != "streaming")
+    _assert_ranks_identical(results, every_round=_ranks_agree_every_round(name))
     _compare(results, reference_run(_scenario(name, 4)), exact=False)
 
 
@@ -153,6 +166,11 @@ def test_co2_never_waits_in_the_round_it_launched(two_ranks: dict, name: str) ->
             else:
                 assert hid in launched, "wait on a collective that was never launched"
                 waited.setdefault(hid, step)
+        if SCENARIOS[name].get("hyper", {}).get("eager"):
+            # eager finish() averages the per-rank anchors: one blocking all-reduce at the end
+            last = max(launched)
+            assert launched[last] == waited[last] == steps
+            del launched[last]
         assert sorted(launched) == list(range(steps // h))
         for hid, at in launched.items():
             assert at % h == 0
@@ -181,6 +199,12 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
     def build() -> tuple:
         model = toy_model(3)
         inner = make_inner("adamw", model.parameters())
+        if algo_name == "co2-eager":
+            return model, inner, ALGORITHMS["co2"](model, inner, sync_every=3, eager=True)
+        if algo_name == "streaming":
+            params = list(model.parameters())
+            kw = {"fragments": [params[:2], params[2:]], "overlap": 1, "mix": 0.25}
+            return model, inner, ALGORITHMS[algo_name](model, inner, sync_every=4, **kw)
         return model, inner, ALGORITHMS[algo_name](model, inner, sync_every=3)
 
     model, inner, algo = build()
@@ -212,11 +236,22 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algo_name,cut", [("co2", 6), ("co2", 7), ("diloco", 4), ("slowmo", 6)])
+@pytest.mark.parametrize(
+    "algo_name,cut",
+    [
+        ("co2", 6),
+        ("co2", 7),
+        ("co2-eager", 6),
+        ("diloco", 4),
+        ("slowmo", 6),
+        ("localsgd", 5),
+        ("streaming", 5),
+    ],
+)
 def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
     for r in run_workers(_resume_worker, 2, algo_name, cut):
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
-        if algo_name == "co2":
+        if algo_name.startswith("co2"):
             assert r["in_flight"]  # the checkpoint held an all-reduce that was in flight
 
 
@@ -231,6 +266,12 @@ def _subgroup_worker(rank: int, world_size: int) -> dict:
     mine = groups[rank // 2]
     model = toy_model(5)
     inner = make_inner("sgd", model.parameters())
+    try:
+        CO2(model, inner, sync_every=2, process_group=groups[1 - rank // 2])
+    except ValueError as e:
+        assert "not a member of process_group" in str(e)
+    else:
+        raise AssertionError("an algorithm on a group without this rank must be refused")
     algo = CO2(model, inner, sync_every=2, process_group=mine)
     for step in range(1, 9):
         _inner_step(model, inner, rank, step, 5)

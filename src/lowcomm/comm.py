@@ -28,7 +28,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -45,8 +44,6 @@ __all__ = [
     "Handle",
     "ring_wire_bytes",
 ]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -79,13 +76,6 @@ class CommStats:
         out: dict[str, float | int | None] = asdict(self)
         out["hidden_fraction"] = self.hidden_fraction
         return out
-
-    def reset(self) -> None:
-        self.collectives = 0
-        self.payload_bytes = 0
-        self.wire_bytes = 0
-        self.blocked_s = 0.0
-        self.in_flight_s = 0.0
 
 
 class FlatBuckets:
@@ -171,14 +161,11 @@ class Handle:
         buffers: list[torch.Tensor],
         divisor: int,
         stats: CommStats,
-        *,
-        handle_id: int = 0,
     ) -> None:
         self.works = works
         self.buffers = buffers
         self.divisor = divisor
         self.stats = stats
-        self.handle_id = handle_id
         self.t_launch = time.perf_counter()
         self._t_done: list[float] = []
         self._lock = threading.Lock()
@@ -192,13 +179,6 @@ class Handle:
         with self._lock:
             self._t_done.append(time.perf_counter())
 
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self.works)
-
     def wait(self) -> list[torch.Tensor]:
         """Block until every bucket is reduced; divide by the group size; return the buffers."""
         if self._done:
@@ -206,6 +186,10 @@ class Handle:
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
+        if self.buffers and self.buffers[0].is_cuda:
+            # NCCL's wait() only orders the current stream; block the host so that the time
+            # blocked (and what follows on the host) is real.
+            torch.cuda.current_stream(self.buffers[0].device).synchronize()
         t1 = time.perf_counter()
         with self._lock:
             # A callback may still be queued when wait() returns; completion is then "now".
@@ -254,8 +238,12 @@ class Communicator:
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        if self.rank < 0:
+            raise ValueError(
+                "this rank is not a member of process_group; create the algorithm only on the "
+                "ranks of the group it should average over"
+            )
         self.stats = CommStats()
-        self._next_id = 0
 
     def _launch(self, tensor: torch.Tensor) -> dist.Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -264,8 +252,6 @@ class Communicator:
 
     def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
         """Launch SUM all-reduces over ``buffers`` (in place); :meth:`Handle.wait` divides by N."""
-        handle_id = self._next_id
-        self._next_id += 1
         payload = sum(b.numel() * b.element_size() for b in buffers)
         self.stats.collectives += len(buffers)
         self.stats.payload_bytes += payload
@@ -275,7 +261,7 @@ class Communicator:
             works = [_DoneWork() for _ in buffers]
         else:
             works = [self._launch(b) for b in buffers]
-        return Handle(works, buffers, self.world_size, self.stats, handle_id=handle_id)
+        return Handle(works, buffers, self.world_size, self.stats)
 
     def all_reduce_mean(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Blocking mean all-reduce (counted the same way)."""
@@ -333,5 +319,7 @@ class DDPCommMeter:
     def backward_done(self) -> None:
         """Record the time blocked at the end of this step's backward."""
         if self._last_launch is not None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.current_stream().synchronize()  # NCCL: wait for the real end
             self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
             self._last_launch = None

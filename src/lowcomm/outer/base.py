@@ -8,7 +8,6 @@ extend :meth:`_extra_state` / :meth:`_load_extra_state`.
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 import warnings
@@ -23,8 +22,6 @@ from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["OuterAlgorithm"]
 
@@ -94,6 +91,7 @@ class OuterAlgorithm:
         self.rounds = 0
         """Rounds completed (every ``sync_every`` inner steps)."""
         self._hook: RemovableHandle | None = None
+        self._warned_partial_at = -1
         self._profile_tag = f"lowcomm::{self.name}"
 
     # -- argument checks ---------------------------------------------------------------------
@@ -166,7 +164,8 @@ class OuterAlgorithm:
         rank. Idempotent. Inner steps taken since the last round boundary are not
         synchronised and are discarded (a warning says how many)."""
         partial = self.local_step % self.sync_every
-        if partial:
+        if partial and self._warned_partial_at != self.local_step:
+            self._warned_partial_at = self.local_step
             warnings.warn(
                 f"{type(self).__name__}.finish() discards {partial} inner step(s) taken since "
                 f"the last round boundary; make the number of steps a multiple of "
@@ -185,7 +184,13 @@ class OuterAlgorithm:
     # -- hook form ---------------------------------------------------------------------------
 
     def __enter__(self) -> OuterAlgorithm:
-        """Register an inner-optimizer step post-hook so the loop needs no ``algo.step()``."""
+        """Register an inner-optimizer step post-hook so the loop needs no ``algo.step()``.
+
+        The hook fires only when ``optimizer.step()`` runs. If a rank may skip a step (AMP's
+        ``GradScaler`` skips steps with inf/NaN gradients, decided per rank without DDP), the
+        ranks' step counts drift apart and their collectives no longer match: call
+        :meth:`step` explicitly after every iteration instead.
+        """
         if self._hook is not None:
             raise ValueError(f"{type(self).__name__} is already active as a context manager")
         self._hook = self.inner.register_step_post_hook(lambda *_: self.step())
@@ -236,9 +241,10 @@ class OuterAlgorithm:
                     f"state_dict was saved with {key}={state[key]!r} but this "
                     f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
                 )
+        self._load_extra_state(state)
+        # counters last: a state_dict refused half-way leaves them as they were
         self.local_step = int(state["local_step"])
         self.rounds = int(state["rounds"])
-        self._load_extra_state(state)
 
     def _extra_state(self) -> dict[str, Any]:
         return {}

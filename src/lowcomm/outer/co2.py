@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, FlatBuckets, Handle
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, Handle
 from lowcomm.outer.base import (
     OuterAlgorithm,
     _check_bool,
@@ -90,6 +90,7 @@ class CO2(OuterAlgorithm):
         clip: float | None = 1.0,
         clip_mode: str = "value",
         gap_penalty: str | float = "gap_aware",
+        eager: bool = False,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
@@ -101,6 +102,7 @@ class CO2(OuterAlgorithm):
             clip=clip,
             clip_mode=clip_mode,
             gap_penalty=gap_penalty,
+            eager=eager,
             bucket_cap_mb=bucket_cap_mb,
         )
         super().__init__(
@@ -128,7 +130,10 @@ class CO2(OuterAlgorithm):
         # Two send buffers: the one in flight is never touched while the other is filled.
         self._send = [self.anchor.like(), self.anchor.like()]
         self._send_next = 0
-        self._pending: tuple[Handle, FlatBuckets] | None = None
+        self._pending: tuple[Handle, int] | None = None  # (handle, index into _send)
+        self.eager = bool(eager)
+        # Eager: this rank's own Δᵢ of each send buffer, kept before the all-reduce sums it.
+        self._own = [self.anchor.like(), self.anchor.like()] if self.eager else []
 
     @classmethod
     def validate(cls, **kwargs: Any) -> None:
@@ -139,6 +144,8 @@ class CO2(OuterAlgorithm):
             _check_momentum("outer_momentum", kwargs["outer_momentum"])
         if "nesterov" in kwargs:
             _check_bool("nesterov", kwargs["nesterov"])
+        if "eager" in kwargs:
+            _check_bool("eager", kwargs["eager"])
         if kwargs.get("clip") is not None:
             _check_positive_float("clip", kwargs["clip"], 1.0)
         if "clip_mode" in kwargs and kwargs["clip_mode"] not in CLIP_MODES:
@@ -166,18 +173,14 @@ class CO2(OuterAlgorithm):
         """Whether an all-reduce launched by an earlier round has not been applied yet."""
         return self._pending is not None
 
-    def _apply(self, handle: Handle) -> None:
-        avg_delta_buffers = handle.wait()
-        assert avg_delta_buffers is not None
-        buckets = self._pending[1] if self._pending is not None else None
-        assert buckets is not None and buckets.buffers is handle.buffers
+    def _outer_update(self, avg_delta: list[torch.Tensor]) -> None:
         with record_function(f"{self._profile_tag}::outer"):
             co2_outer_update_(
                 self.anchor.views,
                 self.momentum.views,
                 self.gap_stat.views,
                 self.last_update.views,
-                buckets.views,
+                avg_delta,
                 lr=self.outer_lr,
                 beta=self.outer_momentum,
                 nesterov=self.nesterov,
@@ -188,41 +191,83 @@ class CO2(OuterAlgorithm):
             )
         self.outer_updates += 1
 
+    def _wait_pending(self) -> tuple[list[torch.Tensor], int] | None:
+        """Wait for the all-reduce launched last round: its Δ̄ (views) and buffer index."""
+        if self._pending is None:
+            return None
+        handle, idx = self._pending
+        self._pending = None
+        with record_function(f"{self._profile_tag}::wait"):
+            handle.wait()
+        return self._send[idx].views, idx
+
+    def _eager_delta(
+        self, fresh: int | None, stale: tuple[list[torch.Tensor], int] | None
+    ) -> list[torch.Tensor]:
+        """Δᵢᵗ/N (own, fresh) + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N) (others', stale); a missing part counts 0."""
+        n = float(self.world_size)
+        if fresh is not None:
+            out = list(torch._foreach_div(self._own[fresh].views, n))
+        else:
+            out = [torch.zeros_like(v) for v in self.anchor.views]
+        if stale is not None:
+            avg, idx = stale
+            others = torch._foreach_sub(avg, torch._foreach_div(self._own[idx].views, n))
+            torch._foreach_add_(out, others)
+        return out
+
     def _end_round(self) -> None:
-        send = self._send[self._send_next]
+        idx = self._send_next
+        send = self._send[idx]
         self._send_next ^= 1
         with record_function(f"{self._profile_tag}::launch"):
             pseudo_gradient_(send.views, self.anchor.views, self.params)
+            if self.eager:
+                torch._foreach_copy_(self._own[idx].views, send.views)
             handle = self.comm.all_reduce_mean_async(send.buffers)
-        if self._pending is not None:
-            with record_function(f"{self._profile_tag}::wait"):
-                self._apply(self._pending[0])
-        self._pending = (handle, send)
+        stale = self._wait_pending()
+        if self.eager:
+            self._outer_update(self._eager_delta(idx, stale))
+        elif stale is not None:
+            self._outer_update(stale[0])
+        self._pending = (handle, idx)
         self.anchor.copy_to(self.params)
 
     def _finish(self) -> None:
-        if self._pending is not None:
-            with record_function(f"{self._profile_tag}::wait"):
-                self._apply(self._pending[0])
-            self._pending = None
+        stale = self._wait_pending()
+        if stale is not None:
+            self._outer_update(self._eager_delta(None, stale) if self.eager else stale[0])
+            if self.eager:
+                # Eager anchors differ a little across ranks (each applied its own fresh Δᵢ
+                # through the nonlinear momentum, clip and penalty): agree on their mean.
+                self.comm.all_reduce_mean(self.anchor.buffers)
         self.anchor.copy_to(self.params)
 
     def _extra_state(self) -> dict[str, Any]:
-        pending = None
+        pending = own = None
         if self._pending is not None:
             # Completing (not applying) the all-reduce lets us store its result exactly.
-            self._pending[0].wait()
-            pending = clone_views(self._pending[1])
+            handle, idx = self._pending
+            handle.wait()
+            pending = clone_views(self._send[idx])
+            own = clone_views(self._own[idx]) if self.eager else None
         return {
+            "eager": self.eager,
             "anchor": clone_views(self.anchor),
             "momentum": clone_views(self.momentum),
             "gap_stat": clone_views(self.gap_stat),
             "last_update": clone_views(self.last_update),
             "outer_updates": self.outer_updates,
             "pending_avg_delta": pending,
+            "pending_own_delta": own,
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if bool(state.get("eager", False)) != self.eager:
+            raise ValueError(
+                f"state_dict was saved with eager={state.get('eager')!r} but this CO2 has "
+                f"eager={self.eager!r}; resume with the same settings"
+            )
         self._load_tensors(state, "anchor", self.anchor.views)
         self._load_tensors(state, "momentum", self.momentum.views)
         self._load_tensors(state, "gap_stat", self.gap_stat.views)
@@ -230,7 +275,9 @@ class CO2(OuterAlgorithm):
         self.outer_updates = int(state.get("outer_updates", 0))
         self._pending = None
         if state.get("pending_avg_delta") is not None:
-            buckets = self._send[self._send_next]
+            idx = self._send_next
             self._send_next ^= 1
-            self._load_tensors(state, "pending_avg_delta", buckets.views)
-            self._pending = (self.comm.completed(buckets.buffers), buckets)
+            self._load_tensors(state, "pending_avg_delta", self._send[idx].views)
+            if self.eager:
+                self._load_tensors(state, "pending_own_delta", self._own[idx].views)
+            self._pending = (self.comm.completed(self._send[idx].buffers), idx)

@@ -8,6 +8,7 @@ all-reduce; :meth:`Fragment.outer_step` waits for it and steps the outer optimiz
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,7 +81,8 @@ class Fragment:
             pending = [v.detach().clone() for v in self.delta.views]
         return {
             "anchor": [v.detach().clone() for v in self.anchor.views],
-            "outer_optimizer": self.outer.state_dict(),
+            # a snapshot: the optimizer's own state_dict refers to its live tensors
+            "outer_optimizer": copy.deepcopy(self.outer.state_dict()),
             "pending_avg_delta": pending,
         }
 

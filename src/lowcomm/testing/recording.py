@@ -43,10 +43,12 @@ class RecordingCommunicator(Communicator):
         super().__init__(process_group)
         self.events: list[tuple[str, int, int]] = []
         self.clock: Callable[[], int] = lambda: -1
+        self._launched = 0
         self._current_id = -1
 
     def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
-        self._current_id = self._next_id
+        self._current_id = self._launched
+        self._launched += 1
         return super().all_reduce_mean_async(buffers)
 
     def _launch(self, tensor: torch.Tensor) -> dist.Work:

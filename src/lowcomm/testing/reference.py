@@ -51,6 +51,7 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
         "clip": 1.0,
         "clip_mode": "value",
         "gap_penalty": "gap_aware",
+        "eager": False,
     },
 }
 
@@ -89,6 +90,16 @@ def _inner_step(
     loss.backward()
     inner.step()
     inner.zero_grad()
+
+
+def _schedule_lr(inner: torch.optim.Optimizer, step: int, scenario: dict[str, Any]) -> None:
+    """``scenario["lr_decay"]``: the inner lr becomes base · decay^step (SlowMo reads it)."""
+    decay = scenario.get("lr_decay")
+    if decay is None:
+        return
+    for group in inner.param_groups:
+        base = group.setdefault("base_lr", group["lr"])
+        group["lr"] = base * decay**step
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -177,13 +188,28 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         u=[torch.zeros_like(a) for a in anchor],
     )
 
+    eager_a = [[a.clone() for a in anchor] for _ in range(n)]
+    eager_st = [
+        _CO2State(
+            m=[torch.zeros_like(a) for a in anchor],
+            c=[torch.zeros_like(a) for a in anchor],
+            u=[torch.zeros_like(a) for a in anchor],
+        )
+        for _ in range(n)
+    ]
+    eager_own: list[list[torch.Tensor]] = []
+
     def set_all(values: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for th in thetas:
                 for p, v in zip(th, values):
                     p.copy_(v)
 
-    def co2_apply(avg: list[torch.Tensor]) -> None:
+    def co2_apply(
+        avg: list[torch.Tensor],
+        anchor: list[torch.Tensor] = anchor,
+        co2: _CO2State = co2,
+    ) -> None:
         first = co2.updates == 0
         beta, gp = hyper["outer_momentum"], hyper["gap_penalty"]
         scaled = []
@@ -220,6 +246,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
 
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
+            _schedule_lr(inners[w], step, scenario)
             _inner_step(models[w], inners[w], w, step, seed)
         if algo == "streaming":
             with torch.no_grad():
@@ -263,6 +290,21 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 set_all(anchor)
             elif algo == "streaming":
                 pass  # synced above, fragment by fragment
+            elif algo == "co2" and hyper["eager"]:
+                # every worker has its own anchor: Δᵢ/N fresh + (Δ̄ − Δᵢ_prev/N) stale
+                own = [
+                    [a[j] - th[j].float() for j in range(len(a))] for a, th in zip(eager_a, thetas)
+                ]
+                launched = [_mean([o[j] for o in own]) for j in range(len(anchor))]
+                for w in range(n):
+                    e = [d / n for d in own[w]]
+                    if co2.pending is not None:
+                        e = [x + (p - q / n) for x, p, q in zip(e, co2.pending, eager_own[w])]
+                    co2_apply(e, eager_a[w], eager_st[w])
+                    for p, a in zip(thetas[w], eager_a[w]):
+                        p.copy_(a)
+                eager_own[:] = own
+                co2.pending = launched
             elif algo == "co2":
                 launched = [
                     _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
@@ -276,7 +318,17 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         out.rounds.append([[p.detach().clone() for p in th] for th in thetas])
 
     with torch.no_grad():
-        if algo == "co2" and co2.pending is not None:
+        if algo == "co2" and hyper["eager"]:
+            if co2.pending is not None:
+                for w in range(n):
+                    e = [p - q / n for p, q in zip(co2.pending, eager_own[w])]
+                    co2_apply(e, eager_a[w], eager_st[w])
+                mean = [_mean([wa[j] for wa in eager_a]) for j in range(len(anchor))]
+                for wa in eager_a:
+                    for x, v in zip(wa, mean):
+                        x.copy_(v)
+            anchor = eager_a[0]
+        elif algo == "co2" and co2.pending is not None:
             co2_apply(co2.pending)
         for k in sorted(stream_pending):
             stream_sync(k)
@@ -318,6 +370,7 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
         comm.clock = functools.partial(getattr, algo, "local_step")
         rounds = []
         for step in range(1, sc["steps"] + 1):
+            _schedule_lr(inner, step, sc)
             _inner_step(model, inner, rank, step, seed)
             algo.step()
             if step % sc["sync_every"] == 0:
