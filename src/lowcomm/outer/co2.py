@@ -15,6 +15,12 @@ Round t ends after H inner steps:
 
 ``finish()`` waits for the last all-reduce, applies it, and leaves θ = A on every rank.
 
+Eager updates (``eager=True``; Kale et al., "Eager Updates For Overlapped Communication and
+Computation in DiLoCo", 2025, https://arxiv.org/abs/2502.12996): step 2 uses
+Δᵢᵗ/N + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N) — this rank's own fresh delta and the others' stale part — instead of
+Δ̄ᵗ⁻¹ (a missing part counts as 0, so round 0 already applies Δᵢ⁰/N). Anchors then differ a
+little across ranks; ``finish()`` replaces them by their mean so that all ranks agree.
+
 Paper symbols → arguments: H ``sync_every`` (the paper's τ), α ``outer_lr``, β
 ``outer_momentum``, φ ``clip``, Λ ``gap_penalty``.
 
@@ -72,6 +78,7 @@ class CO2(OuterAlgorithm):
         gap_penalty: Λ: ``"gap_aware"`` (default; Λ = 1 / max(1, |g| / (c + ε)), g the gap
             between the anchor and the stale average model, c a running mean of |Δ̄|),
             ``"none"`` (Λ = 1), or a float λ ≥ 1 (Λ = 1/λ, a constant divisor).
+        eager: eager updates (see the module docstring; default False).
         process_group: the group to reduce over; ``None`` is WORLD.
         bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
     """
