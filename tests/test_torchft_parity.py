@@ -40,7 +40,8 @@ def _world_manager(world_size: int) -> Any:
 
     Everything torchft's DiLoCo calls on the manager besides ``allreduce`` (quorum, commit,
     state-dict locking and registration) is an autospec no-op or a fixed return value: one
-    healthy quorum of ``world_size`` participants at step 0 that always commits.
+    healthy quorum of ``world_size`` participants that always commits, each commit advancing
+    ``current_step()`` by one as in the real manager.
     """
     import torch.distributed as dist
     from torchft.manager import Manager
@@ -53,8 +54,16 @@ def _world_manager(world_size: int) -> Any:
     manager.errored.return_value = None
     manager.num_participants.return_value = world_size
     manager.is_participating.return_value = True
-    manager.current_step.return_value = 0  # one fragment: always fragment 0
-    manager.should_commit.return_value = True
+    # As the real Manager: current_step() counts the successful should_commit() calls. torchft's
+    # Streaming DiLoCo picks the fragment to prepare and to sync by current_step() % P.
+    step = [0]
+
+    def should_commit(timeout: Any = None) -> bool:
+        step[0] += 1
+        return True
+
+    manager.current_step.side_effect = lambda: step[0]
+    manager.should_commit.side_effect = should_commit
 
     def allreduce(tensor: torch.Tensor, should_quantize: bool = False, **kw: Any) -> Any:
         return Manager.allreduce(manager, tensor, should_quantize, **kw)
@@ -185,3 +194,199 @@ def test_diloco_matches_torchft_bitwise(
     final = results[0]["lowcomm"]["final"]
     assert all(torch.isfinite(p).all() for p in final)
     assert not all(torch.equal(p, q) for p, q in zip(final, initial)), "training did not move"
+
+
+# -- Streaming DiLoCo ------------------------------------------------------------------------
+#
+# lowcomm.StreamingDiLoCo(fragments=[model[0], model[2]], sync_every=H, overlap=τ, mix=α)
+# against torchft's DiLoCo([model[0], model[2]], sync_every=H, fragment_sync_delay=τ,
+# fragment_update_alpha=α) with one Nesterov SGD outer optimizer per fragment (lowcomm builds one
+# per fragment too). With H = 4 and P = 2 there is a sync point every 2 inner steps, alternating
+# fragments 0, 1, 0, … (torchft: manager.current_step() % P, the stand-in's step advancing on
+# every commit); with τ = 1 the fragment's pseudo-gradient is taken and all-reduced one step
+# before its sync point.
+#
+# What is compared, and when: at every sync point (and so after the last step, itself a sync
+# point) the live parameters θ of the whole model — the synced fragment's mixed θ and the other
+# fragment's locally trained θ — and the global model A of every fragment (torchft's per-fragment
+# backup ``original_parameters``, lowcomm's anchors). The live θ are compared BEFORE lowcomm's
+# finish(): finish() resets every fragment to its anchor (dropping local progress, and undoing
+# the mix of the fragment synced last), while torchft has no finish and leaves local weights. So
+# after finish() lowcomm's θ are compared with torchft's A instead, which is what finish()
+# promises: every rank holds the global model.
+STREAM_SYNC_EVERY = 4
+STREAM_FRAGMENTS = 2
+STREAM_INTERVAL = STREAM_SYNC_EVERY // STREAM_FRAGMENTS  # inner steps between sync points
+STREAM_STEPS = 12  # a multiple of STREAM_SYNC_EVERY: the last step is a sync point
+STREAM_SYNC_POINTS = STREAM_STEPS // STREAM_INTERVAL
+
+
+def _torchft_anchors(diloco: Any, model: torch.nn.Module) -> list[torch.Tensor]:
+    """torchft's global model A (each fragment's ``original_parameters``) in model order."""
+    by_id: dict[int, torch.Tensor] = {}
+    for frag in diloco._fragments:
+        for name, p in frag._model_fragment.named_parameters():
+            by_id[id(p)] = frag.original_parameters[name].detach().clone()
+    return [by_id[id(p)] for p in model.parameters()]
+
+
+def _streaming_worker(
+    rank: int,
+    world_size: int,
+    inner_kind: str,
+    overlap: int,
+    mix: float,
+    bucket_cap_mb: float,
+    torchft_buckets: bool,
+) -> dict:
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    import lowcomm
+    from lowcomm.testing.reference import _inner_step, make_inner
+
+    out: dict[str, Any] = {}
+
+    # (a) torchft: one outer optimizer per fragment module.
+    model = toy_model(SEED)
+    inner = make_inner(inner_kind, model.parameters())
+    fragments = [model[0], model[2]]
+    outers = [
+        torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments
+    ]
+    manager = _world_manager(world_size)
+    points = []
+    with TorchftDiLoCo(
+        manager,
+        fragments,
+        inner,
+        outers,
+        sync_every=STREAM_SYNC_EVERY,
+        backup_device=torch.device("cpu"),
+        pin_memory=False,
+        use_bucketization=torchft_buckets,
+        should_quantize=False,
+        fragment_sync_delay=overlap,
+        fragment_update_alpha=mix,
+    ) as diloco:
+        for step in range(1, STREAM_STEPS + 1):
+            _inner_step(model, inner, rank, step, SEED)
+            if step % STREAM_INTERVAL == 0:
+                points.append(
+                    {"theta": _snapshot(model), "anchor": _torchft_anchors(diloco, model)}
+                )
+    out["torchft"] = {
+        "points": points,
+        "allreduce_calls": manager.allreduce.call_count,
+        "commits": manager.should_commit.call_count,
+        "final_step": manager.current_step(),
+    }
+
+    # (b) lowcomm, same fragments, same hook form.
+    model = toy_model(SEED)
+    inner = make_inner(inner_kind, model.parameters())
+    algo = lowcomm.StreamingDiLoCo(
+        model,
+        inner,
+        sync_every=STREAM_SYNC_EVERY,
+        fragments=[model[0], model[2]],
+        overlap=overlap,
+        mix=mix,
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    points = []
+    with algo:
+        for step in range(1, STREAM_STEPS + 1):
+            _inner_step(model, inner, rank, step, SEED)
+            if step % STREAM_INTERVAL == 0:
+                points.append(
+                    {
+                        "theta": _snapshot(model),
+                        "anchor": [v.detach().clone() for v in algo.anchor_views],
+                    }
+                )
+    in_flight_before_finish = len(algo._in_flight)
+    algo.finish()
+    out["lowcomm"] = {
+        "points": points,
+        "after_finish": _snapshot(model),
+        "sync_points": algo.sync_points,
+        "in_flight_before_finish": in_flight_before_finish,
+    }
+    return out
+
+
+# The buffer layouts of the DiLoCo test above apply per fragment: with 3 ranks, torchft's
+# per-parameter all-reduces against lowcomm with one bucket per parameter, or torchft's
+# ``use_bucketization=True`` (one flat buffer per fragment, its parameters packed in order)
+# against lowcomm's default 25 MB bucket (one flat bucket per fragment, same packing).
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("world_size", "inner_kind", "overlap", "mix", "bucket_cap_mb", "torchft_buckets"),
+    [
+        (2, "adamw", 0, 0.0, 25.0, False),
+        (2, "adamw", 1, 0.0, 25.0, False),
+        (2, "adamw", 0, 0.5, 25.0, False),
+        (2, "adamw", 1, 0.5, 25.0, False),
+        (3, "adamw", 1, 0.5, 1e-9, False),
+        (3, "adamw", 1, 0.5, 25.0, True),
+    ],
+    ids=[
+        "2ranks-delay0-alpha0",
+        "2ranks-delay1-alpha0",
+        "2ranks-delay0-alpha0.5",
+        "2ranks-delay1-alpha0.5",
+        "3ranks-delay1-alpha0.5-perparam",
+        "3ranks-delay1-alpha0.5-onebucket",
+    ],
+)
+def test_streaming_diloco_matches_torchft_bitwise(
+    world_size: int,
+    inner_kind: str,
+    overlap: int,
+    mix: float,
+    bucket_cap_mb: float,
+    torchft_buckets: bool,
+) -> None:
+    results = run_workers(
+        _streaming_worker,
+        world_size,
+        inner_kind,
+        overlap,
+        mix,
+        bucket_cap_mb,
+        torchft_buckets,
+        timeout_s=150,
+    )
+    model = toy_model(SEED)
+    frag_of = [0] * len(list(model[0].parameters())) + [1] * len(list(model[2].parameters()))
+    params_per_frag = [frag_of.count(0), frag_of.count(1)]
+    initial = [p.detach() for p in model.parameters()]
+    for rank, res in enumerate(results):
+        ft, lc = res["torchft"], res["lowcomm"]
+        # torchft synced at every sync point, alternating fragments, and every sync committed.
+        assert ft["commits"] == ft["final_step"] == STREAM_SYNC_POINTS
+        calls = [1 if torchft_buckets else n for n in params_per_frag]
+        expected_calls = sum(calls[k % STREAM_FRAGMENTS] for k in range(STREAM_SYNC_POINTS))
+        assert ft["allreduce_calls"] == expected_calls
+        assert lc["sync_points"] == STREAM_SYNC_POINTS
+        assert lc["in_flight_before_finish"] == 0  # the last step was a sync point
+        assert len(ft["points"]) == len(lc["points"]) == STREAM_SYNC_POINTS
+        previous = initial
+        for k, (a, b) in enumerate(zip(ft["points"], lc["points"])):
+            where = f"rank {rank}, sync point {k + 1} (step {(k + 1) * STREAM_INTERVAL})"
+            _assert_bitwise(a["theta"], b["theta"], f"{where}, live parameters")
+            _assert_bitwise(a["anchor"], b["anchor"], f"{where}, global model A")
+            # Round robin: sync point k + 1 moved fragment k mod P's A and no other.
+            synced = k % STREAM_FRAGMENTS
+            for i, (now, before) in enumerate(zip(b["anchor"], previous)):
+                moved = not torch.equal(now, before)
+                assert moved == (frag_of[i] == synced), f"{where}, A of param {i}"
+            previous = b["anchor"]
+            # Every rank holds the same global model after every sync point.
+            _assert_bitwise(
+                b["anchor"], results[0]["lowcomm"]["points"][k]["anchor"], f"{where} vs rank 0"
+            )
+        # finish() resets lowcomm to A, which is torchft's A after the last sync point.
+        _assert_bitwise(ft["points"][-1]["anchor"], lc["after_finish"], f"rank {rank}, finish")
+    final = results[0]["lowcomm"]["after_finish"]
+    assert all(torch.isfinite(p).all() for p in final)
