@@ -42,6 +42,13 @@ def _build(cls: type, **kw: Any) -> tuple:
         (lowcomm.DiLoCo, {"outer_optimizer": "sgd"}, "outer_optimizer must be a callable"),
         (lowcomm.SlowMo, {"outer_momentum": -0.5}, "outer_momentum"),
         (lowcomm.CO2, {"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        (lowcomm.CO2, {"eager": 1}, "eager must be True or False"),
+        (lowcomm.StreamingDiLoCo, {"sync_every": 6, "num_fragments": 4}, "multiple of"),
+        (lowcomm.StreamingDiLoCo, {"overlap": 4}, "overlap=4 must be < sync_every=4"),
+        (lowcomm.StreamingDiLoCo, {"overlap": -1}, "overlap must be an integer >= 0"),
+        (lowcomm.StreamingDiLoCo, {"mix": 1.5}, r"mix must be in \[0, 1\]"),
+        (lowcomm.CoCoDC, {"lambda0": -0.1}, "lambda0 must be a finite number >= 0"),
+        (lowcomm.CoCoDC, {"max_wait": 0}, "max_wait must be a positive integer"),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_fix(cls: type, kwargs: dict, match: str) -> None:
@@ -168,7 +175,7 @@ def test_exception_inside_the_context_removes_the_hook_without_finishing() -> No
 
 
 @pytest.mark.parametrize(
-    "cls", [lowcomm.DiLoCo, lowcomm.SlowMo, lowcomm.CO2, lowcomm.StreamingDiLoCo]
+    "cls", [lowcomm.DiLoCo, lowcomm.SlowMo, lowcomm.CO2, lowcomm.StreamingDiLoCo, lowcomm.CoCoDC]
 )
 def test_state_dict_is_a_snapshot(cls: type) -> None:
     model, inner, algo = _build(cls)
@@ -215,3 +222,34 @@ def test_state_dict_is_weights_only_loadable(tmp_path: Any) -> None:
     torch.save(algo.state_dict(), tmp_path / "s.pt")
     state = torch.load(tmp_path / "s.pt", weights_only=True)
     assert state["algorithm"] == "co2" and state["pending_avg_delta"] is not None
+
+
+def test_automatic_fragments_stride_blocks_and_balance_the_rest() -> None:
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.outer.streaming import split_by_blocks
+
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16))
+    groups = split_by_blocks(gpt, 2)
+    ids = [{id(p) for p in g} for g in groups]
+    for j, block in enumerate(gpt.blocks):
+        assert all(id(p) in ids[j % 2] for p in block.parameters())
+    assert sorted(id(p) for g in groups for p in g) == sorted(id(p) for p in gpt.parameters())
+    sizes = [sum(p.numel() for p in g) for g in groups]
+    assert abs(sizes[0] - sizes[1]) <= max(p.numel() for p in gpt.parameters())
+    inner = torch.optim.SGD(gpt.parameters(), lr=0.1)
+    algo = lowcomm.StreamingDiLoCo(gpt, inner, sync_every=4, num_fragments=2)
+    assert [len(f.params) for f in algo.fragments] == [len(g) for g in groups]
+    with pytest.raises(ValueError, match="at least num_fragments=8 transformer blocks"):
+        split_by_blocks(gpt, 8)
+
+
+def test_fragments_must_cover_every_parameter_once() -> None:
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    ps = list(model.parameters())
+    with pytest.raises(ValueError, match="in no fragment"):
+        lowcomm.StreamingDiLoCo(model, inner, sync_every=4, fragments=[ps[:2], ps[2:3]])
+    with pytest.raises(ValueError, match="two fragments"):
+        lowcomm.StreamingDiLoCo(model, inner, sync_every=4, fragments=[ps[:3], ps[2:]])
+    with pytest.raises(ValueError, match="need the model as an nn.Module"):
+        lowcomm.StreamingDiLoCo(ps, inner, sync_every=4, num_fragments=2)

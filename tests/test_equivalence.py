@@ -47,6 +47,25 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fragments": [[0, 3], [1, 2]],
         "hyper": {"overlap": 1, "mix": 0.5},
     },
+    "cocodc": {
+        "algo": "cocodc",
+        "sync_every": 4,
+        "inner": "adamw",
+        "fragments": [[0, 1], [2, 3]],
+        "hyper": {"overlap": 1},
+    },
+    "cocodc-degenerate": {
+        "algo": "cocodc",
+        "sync_every": 4,
+        "fragments": [[0, 1], [2, 3]],
+        "hyper": {"overlap": 1, "lambda0": 0.0, "adaptive": False},
+    },
+    "cocodc-starving": {
+        "algo": "cocodc",
+        "sync_every": 6,
+        "fragments": [[0], [1, 2], [3]],
+        "hyper": {"overlap": 3, "max_wait": 1, "lambda0": 1.0},
+    },
     "streaming-two-in-flight": {
         "algo": "streaming",
         "sync_every": 6,
@@ -84,7 +103,7 @@ def four_ranks() -> dict[str, list[dict]]:
 def _ranks_agree_every_round(name: str) -> bool:
     """Streaming DiLoCo's unsynced fragments and eager CO2's anchors are per rank."""
     sc = SCENARIOS[name]
-    return sc["algo"] != "streaming" and not sc.get("hyper", {}).get("eager", False)
+    return sc["algo"] not in ("streaming", "cocodc") and not sc.get("hyper", {}).get("eager")
 
 
 def _assert_ranks_identical(results: list[dict], *, every_round: bool) -> None:
@@ -201,9 +220,11 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
         inner = make_inner("adamw", model.parameters())
         if algo_name == "co2-eager":
             return model, inner, ALGORITHMS["co2"](model, inner, sync_every=3, eager=True)
-        if algo_name == "streaming":
+        if algo_name in ("streaming", "cocodc"):
             params = list(model.parameters())
-            kw = {"fragments": [params[:2], params[2:]], "overlap": 1, "mix": 0.25}
+            kw: dict = {"fragments": [params[:2], params[2:]], "overlap": 1}
+            if algo_name == "streaming":
+                kw["mix"] = 0.25
             return model, inner, ALGORITHMS[algo_name](model, inner, sync_every=4, **kw)
         return model, inner, ALGORITHMS[algo_name](model, inner, sync_every=3)
 
@@ -246,6 +267,7 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
         ("slowmo", 6),
         ("localsgd", 5),
         ("streaming", 5),
+        ("cocodc", 5),
     ],
 )
 def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
@@ -290,3 +312,23 @@ def test_process_group_scopes_the_algorithm_to_a_subgroup() -> None:
 
     assert same(res[0], res[1]) and same(res[2], res[3])
     assert not same(res[0], res[2])
+
+
+def test_cocodc_without_overlap_or_priority_is_streaming_diloco() -> None:
+    """τ = 0 makes the snapshot the live parameters (g = 0): CoCoDC's merge is θ ← Â, Streaming
+    DiLoCo's with mix 0; round-robin makes the schedules equal."""
+    base = {"sync_every": 4, "steps": 13, "fragments": [[0, 1], [2, 3]], "workers": 2, "seed": 4}
+    cocodc = reference_run({**base, "algo": "cocodc", "hyper": {"adaptive": False}})
+    streaming = reference_run({**base, "algo": "streaming"})
+    for a_round, b_round in zip(
+        cocodc.rounds + [cocodc.final], streaming.rounds + [streaming.final]
+    ):
+        for a, b in zip(a_round, b_round):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_cocodc_adaptive_priority_changes_the_schedule() -> None:
+    base = {"sync_every": 6, "steps": 24, "fragments": [[0], [1, 2], [3]], "workers": 2}
+    adaptive = reference_run({**base, "algo": "cocodc", "hyper": {"overlap": 1}})
+    fixed = reference_run({**base, "algo": "cocodc", "hyper": {"overlap": 1, "adaptive": False}})
+    assert any(not torch.equal(a, b) for a, b in zip(adaptive.final[0], fixed.final[0]))

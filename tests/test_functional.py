@@ -13,6 +13,7 @@ from lowcomm.outer.functional import (
     GAP_EPS,
     clip_momentum_,
     co2_outer_update_,
+    delay_compensation_,
     gap_aware_penalty,
     pseudo_gradient_,
 )
@@ -178,3 +179,28 @@ def test_properties_penalty_in_unit_interval_and_clip_bounds(
         assert m[0].abs().max().item() <= clip * (1 + 1e-6)
     else:
         assert torch.linalg.vector_norm(m[0]).item() <= clip * (1 + 1e-5)
+
+
+def test_delay_compensation_matches_its_formula_per_tensor() -> None:
+    now, snap, new = _rand(6, 4), _rand(6, 4), _rand(6, 4)
+    params = [t.clone() for t in now]
+    delay_compensation_(params, new, snap, lambda0=0.2)
+    for p, n0, s, a in zip(params, now, snap, new):
+        g = s - n0
+        h = g * g * (a - s)
+        lam = 0.2 * g.norm() / h.norm()
+        torch.testing.assert_close(p, a - (g + lam * h), rtol=1e-6, atol=1e-6)
+    # λ is per tensor: the correction has norm λ₀‖g‖ in every tensor
+    for p, n0, s, a in zip(params, now, snap, new):
+        correction = (a - (s - n0)) - p
+        assert correction.norm().item() == pytest.approx(0.2 * (s - n0).norm().item(), rel=1e-5)
+
+
+def test_delay_compensation_degenerate_forms() -> None:
+    now, snap, new = _rand(5), _rand(5), _rand(5)
+    params = [now[0].clone()]
+    delay_compensation_(params, new, snap, lambda0=0.0)
+    assert torch.equal(params[0], new[0] - (snap[0] - now[0]))  # Â + (θ_now − θ_s)
+    params = [snap[0].clone()]  # no progress during the overlap: g = 0, so θ ← Â
+    delay_compensation_(params, new, snap, lambda0=0.5)
+    assert torch.equal(params[0], new[0])

@@ -5,13 +5,14 @@ for the algorithms and the ``lowcomm train`` job.
 """
 
 from lowcomm.comm import CommStats, Communicator
-from lowcomm.outer import ALGORITHMS, CO2, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
+from lowcomm.outer import ALGORITHMS, CO2, CoCoDC, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
     "CO2",
+    "CoCoDC",
     "CommStats",
     "Communicator",
     "DiLoCo",

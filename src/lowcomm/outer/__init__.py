@@ -2,12 +2,14 @@
 
 from lowcomm.outer.base import OuterAlgorithm
 from lowcomm.outer.co2 import CO2
+from lowcomm.outer.cocodc import CoCoDC
 from lowcomm.outer.diloco import DiLoCo, SlowMo
 from lowcomm.outer.local_sgd import LocalSGD
 from lowcomm.outer.streaming import StreamingDiLoCo
 
 ALGORITHMS: dict[str, type[OuterAlgorithm]] = {
     "co2": CO2,
+    "cocodc": CoCoDC,
     "diloco": DiLoCo,
     "localsgd": LocalSGD,
     "slowmo": SlowMo,
@@ -15,4 +17,13 @@ ALGORITHMS: dict[str, type[OuterAlgorithm]] = {
 }
 """The algorithms by the names the CLI uses for them."""
 
-__all__ = ["ALGORITHMS", "CO2", "DiLoCo", "LocalSGD", "OuterAlgorithm", "SlowMo", "StreamingDiLoCo"]
+__all__ = [
+    "ALGORITHMS",
+    "CO2",
+    "CoCoDC",
+    "DiLoCo",
+    "LocalSGD",
+    "OuterAlgorithm",
+    "SlowMo",
+    "StreamingDiLoCo",
+]

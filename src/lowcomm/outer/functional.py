@@ -17,6 +17,7 @@ __all__ = [
     "GAP_EPS",
     "clip_momentum_",
     "co2_outer_update_",
+    "delay_compensation_",
     "gap_aware_penalty",
     "pseudo_gradient_",
 ]
@@ -133,3 +134,35 @@ def co2_outer_update_(
     torch._foreach_add_(a, step, alpha=-lr)
     torch._foreach_sub_(u, a)
     torch._foreach_neg_(u)
+
+
+def delay_compensation_(
+    params: Tensors,
+    new_anchor: Tensors,
+    snapshot: Tensors,
+    *,
+    lambda0: float,
+) -> None:
+    """CoCoDC's delay-compensated merge of one fragment, per tensor, in place on ``params``.
+
+    With θ_s the parameters when the fragment's all-reduce was launched (``snapshot``), θ_now
+    the live parameters (``params``) and Â the new global fragment (``new_anchor``)::
+
+        g = θ_s − θ_now;  D = Â − θ_s;  h = g ⊙ g ⊙ D
+        λ = λ₀ · ‖g‖ / ‖h‖   (per tensor; 0 when h = 0)
+        θ ← Â − (g + λ·h)
+
+    i.e. the local progress made while the all-reduce ran is kept on top of Â, corrected to
+    second order. With λ₀ = 0: θ ← Â + (θ_now − θ_s).
+    """
+    for p, a, s in zip(params, new_anchor, snapshot):
+        now = p.detach().float()
+        g = s - now
+        out = a - g
+        if lambda0 != 0.0:
+            h = g * g * (a - s)
+            h_norm = torch.linalg.vector_norm(h)
+            if h_norm > 0:
+                lam = lambda0 * torch.linalg.vector_norm(g) / h_norm
+                out -= lam * h
+        p.detach().copy_(out)

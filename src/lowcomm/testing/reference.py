@@ -15,6 +15,7 @@ A scenario is a plain dict::
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,15 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
         "nesterov": True,
         "overlap": 0,
         "mix": 0.0,
+    },
+    "cocodc": {
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "overlap": 0,
+        "lambda0": 0.2,
+        "adaptive": True,
+        "max_wait": 2,
     },
     "co2": {
         "outer_lr": 1.0,
@@ -164,9 +174,37 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             nesterov=hyper["nesterov"],
         )
         for idx in frags
-        if algo == "streaming"
+        if algo in ("streaming", "cocodc")
     ]
     stream_pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    # CoCoDC: per-worker snapshots θ_s of each fragment at launch, and launch bookkeeping
+    snapshots: dict[int, list[list[torch.Tensor]]] = {}
+    last_launch = [0] * len(frags)
+
+    def cocodc_choose(k: int) -> int:
+        busy = {f for f, _ in stream_pending.values()}
+        free = [f for f in range(len(frags)) if f not in busy]
+        waits = {f: k - last_launch[f] for f in free}
+        starving = [f for f in free if waits[f] >= hyper["max_wait"] * len(frags)]
+        if starving:
+            f = max(starving, key=lambda f: (waits[f], -f))
+        elif not hyper["adaptive"]:
+            rr = (k - 1) % len(frags)
+            f = min(free, key=lambda f: (f - rr) % len(frags))
+        else:
+            per_worker = []
+            for th in thetas:
+                sc = torch.zeros(len(frags), dtype=torch.float64)
+                for g in free:
+                    norms = [torch.linalg.vector_norm(anchor[j] - th[j].float()) for j in frags[g]]
+                    rms = torch.linalg.vector_norm(torch.stack(norms))
+                    numel = sum(anchor[j].numel() for j in frags[g])
+                    sc[g] = float(rms) / math.sqrt(numel) * waits[g]
+                per_worker.append(sc)
+            scores = _mean(per_worker)
+            f = max(free, key=lambda g: (float(scores[g]), -g))
+        last_launch[f] = k
+        return f
 
     def stream_sync(k: int) -> None:
         f, avg = stream_pending.pop(k)
@@ -176,8 +214,23 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         stream_outer[f].step()
         for j in idx:
             anchor[j].grad = None
-        for th in thetas:
-            for j in idx:
+        for w, th in enumerate(thetas):
+            for pos, j in enumerate(idx):
+                if algo == "cocodc":
+                    snap = snapshots[f][w][pos]
+                    g = snap - th[j].float()
+                    new = anchor[j] - g
+                    if hyper["lambda0"] != 0.0:
+                        hh = g * g * (anchor[j] - snap)
+                        if torch.linalg.vector_norm(hh) > 0:
+                            lam = (
+                                hyper["lambda0"]
+                                * torch.linalg.vector_norm(g)
+                                / torch.linalg.vector_norm(hh)
+                            )
+                            new = new - lam * hh
+                    th[j].copy_(new)
+                    continue
                 local = th[j].detach().clone()
                 th[j].copy_(anchor[j])
                 th[j].lerp_(local, float(hyper["mix"]))
@@ -248,12 +301,15 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         for w in range(n):
             _schedule_lr(inners[w], step, scenario)
             _inner_step(models[w], inners[w], w, step, seed)
-        if algo == "streaming":
+        if algo in ("streaming", "cocodc"):
             with torch.no_grad():
                 tau = hyper["overlap"]
                 if (step + tau) % interval == 0:
                     k = (step + tau) // interval
-                    f = (k - 1) % len(frags)
+                    f = cocodc_choose(k) if algo == "cocodc" else (k - 1) % len(frags)
+                    snapshots[f] = [
+                        [th[j].detach().float().clone() for j in frags[f]] for th in thetas
+                    ]
                     stream_pending[k] = (
                         f,
                         [_mean([anchor[j] - th[j].float() for th in thetas]) for j in frags[f]],
@@ -288,7 +344,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     for a, m in zip(anchor, slow_m):
                         a.add_(m, alpha=-(hyper["outer_lr"] * gamma))
                 set_all(anchor)
-            elif algo == "streaming":
+            elif algo in ("streaming", "cocodc"):
                 pass  # synced above, fragment by fragment
             elif algo == "co2" and hyper["eager"]:
                 # every worker has its own anchor: Δᵢ/N fresh + (Δ̄ − Δᵢ_prev/N) stale

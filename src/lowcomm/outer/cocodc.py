@@ -1,0 +1,177 @@
+"""CoCoDC: Streaming DiLoCo with delay compensation and adaptive transmission.
+
+Paper: Zhu et al., "Cross-region Model Training with Communication-Computation Overlapping and
+Delay Compensation". No public implementation exists; this one follows lowcomm's design notes,
+and where the paper is silent the choices are listed below.
+
+On top of :class:`~lowcomm.StreamingDiLoCo`'s schedule (a sync point every H/P steps, each
+fragment's all-reduce launched τ steps early):
+
+* **Delay compensation.** When fragment p's all-reduce is launched, its parameters θ_s are
+  snapshotted. At the sync point, with θ_now the live parameters and Â_p the new global
+  fragment: g = θ_s − θ_now, D = Â_p − θ_s, g̃ = g + λ·g⊙g⊙D with a per-tensor
+  λ = λ₀·‖g‖/‖g⊙g⊙D‖ (λ₀ = ``lambda0``, default 0.2), and θ_p ← Â_p − g̃
+  (:func:`~lowcomm.outer.functional.delay_compensation_`): the progress made during the
+  overlap is kept on top of the global update, with a second-order correction, instead of
+  being overwritten (Streaming DiLoCo's ``mix = 0``).
+* **Adaptive transmission.** At each launch, every rank scores every fragment not in flight by
+  its normalised pseudo-gradient norm ‖A_p − θ_p‖ / √numel_p times the sync points since it was
+  last launched; the P scores are averaged across ranks (one small all-reduce, counted in the
+  stats) so every rank picks the same fragment: the highest score, ties to the lowest index. A
+  fragment that has waited ``max_wait`` rounds (``max_wait``·P sync points) is picked first, so
+  none starves. ``adaptive=False`` is round-robin.
+
+Choices where the paper is silent: the score uses each rank's current local drift (that is
+what differs across ranks and needs the all-reduce); "normalised" is per element (RMS), so big
+and small fragments compete fairly; λ is 0 for a tensor whose g⊙g⊙D is zero.
+
+Degenerate form: with ``lambda0=0`` and ``adaptive=False``, CoCoDC is Streaming DiLoCo whose
+merge keeps the overlap's local progress: θ_p ← Â_p + (θ_now − θ_s).
+
+Example::
+
+    algo = lowcomm.CoCoDC(model, inner, sync_every=48, num_fragments=4, overlap=4)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.outer.base import _check_bool, _check_positive_int, clone_views
+from lowcomm.outer.fragment import OuterOptimizerFactory
+from lowcomm.outer.functional import delay_compensation_
+from lowcomm.outer.streaming import StreamingDiLoCo
+
+__all__ = ["CoCoDC"]
+
+
+class CoCoDC(StreamingDiLoCo):
+    """CoCoDC: Streaming DiLoCo + delay compensation + adaptive transmission.
+
+    Args:
+        lambda0: λ₀ of the delay compensation (≥ 0; default 0.2; 0 keeps only the first-order
+            term).
+        adaptive: pick fragments by priority (default) or round-robin.
+        max_wait: K, the most rounds a fragment may wait before it is synced (default 2).
+        Other arguments as :class:`~lowcomm.StreamingDiLoCo` (``mix`` is not used: the delay
+        compensation decides how local and global parameters combine).
+    """
+
+    name = "cocodc"
+
+    def __init__(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        num_fragments: int | None = None,
+        fragments: Sequence[nn.Module | Iterable[torch.Tensor]] | None = None,
+        overlap: int = 0,
+        lambda0: float = 0.2,
+        adaptive: bool = True,
+        max_wait: int = 2,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        process_group: dist.ProcessGroup | Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        self.validate(lambda0=lambda0, adaptive=adaptive, max_wait=max_wait)
+        super().__init__(
+            model_or_params,
+            inner_optimizer,
+            sync_every=sync_every,
+            num_fragments=num_fragments,
+            fragments=fragments,
+            overlap=overlap,
+            mix=0.0,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            outer_optimizer=outer_optimizer,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.lambda0 = float(lambda0)
+        self.adaptive = bool(adaptive)
+        self.max_wait = int(max_wait)
+        self._snapshots = [frag.anchor.like() for frag in self.fragments]
+        self.last_launch = [0] * self.num_fragments
+        """Sync index at which each fragment was last launched (0: never)."""
+
+    @classmethod
+    def validate(cls, **kwargs: Any) -> None:
+        super().validate(**kwargs)
+        if "lambda0" in kwargs:
+            lam = kwargs["lambda0"]
+            if (
+                isinstance(lam, bool)
+                or not isinstance(lam, numbers.Real)
+                or not math.isfinite(lam)
+                or float(lam) < 0
+            ):
+                raise ValueError(f"lambda0 must be a finite number >= 0, got {lam!r}; e.g. 0.2")
+        if "adaptive" in kwargs:
+            _check_bool("adaptive", kwargs["adaptive"])
+        if "max_wait" in kwargs:
+            _check_positive_int("max_wait", kwargs["max_wait"], 2)
+
+    def _choose_fragment(self, k: int) -> int:
+        busy = set(self._in_flight.values())
+        free = [f for f in range(self.num_fragments) if f not in busy]
+        assert free, "overlap < sync_every leaves at least one fragment free"
+        waits = {f: k - self.last_launch[f] for f in free}
+        starving = [f for f in free if waits[f] >= self.max_wait * self.num_fragments]
+        if starving:
+            f = max(starving, key=lambda f: (waits[f], -f))
+        elif not self.adaptive:
+            # round-robin over the free fragments, starting where plain Streaming DiLoCo would
+            rr = super()._choose_fragment(k)
+            f = min(free, key=lambda f: (f - rr) % self.num_fragments)
+        else:
+            scores = torch.zeros(self.num_fragments, dtype=torch.float64)
+            for g in free:
+                frag = self.fragments[g]
+                drift = torch._foreach_sub(
+                    frag.anchor.views, [p.detach().float() for p in frag.params]
+                )
+                rms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(drift)))
+                scores[g] = float(rms) / math.sqrt(frag.numel) * waits[g]
+            # ranks' drifts differ: average the scores so that every rank picks the same one
+            self.comm.all_reduce_mean([scores])
+            f = max(free, key=lambda g: (float(scores[g]), -g))
+        self.last_launch[f] = k
+        return f
+
+    def _before_launch(self, f: int) -> None:
+        self._snapshots[f].copy_from(self.fragments[f].params)
+
+    def _merge(self, f: int) -> None:
+        frag = self.fragments[f]
+        delay_compensation_(
+            frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=self.lambda0
+        )
+
+    def _extra_state(self) -> dict[str, Any]:
+        state = super()._extra_state()
+        state["last_launch"] = list(self.last_launch)
+        state["snapshots"] = [clone_views(s) for s in self._snapshots]
+        return state
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        super()._load_extra_state(state)
+        if "last_launch" not in state or "snapshots" not in state:
+            raise ValueError("CoCoDC state_dict is missing 'last_launch' or 'snapshots'")
+        self.last_launch = [int(x) for x in state["last_launch"]]
+        for i, snap in enumerate(self._snapshots):
+            self._load_tensors({"s": state["snapshots"][i]}, "s", snap.views)
