@@ -37,13 +37,13 @@ test: $(DEV_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
 	$(VENV)/bin/mypy
 
 format: $(DEV_STAMP)
-	$(VENV)/bin/ruff format src tests examples
-	$(VENV)/bin/ruff check --fix src tests examples
+	$(VENV)/bin/ruff format src tests examples benchmarks
+	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -7,10 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lowcomm.cli import main
 from lowcomm.train import launcher
@@ -20,7 +22,7 @@ from lowcomm.train.launcher import WorkerFailed
 TINY = [
     "--steps", "6", "--sync-every", "3", "--eval-every", "3", "--eval-batches", "2",
     "--batch-size", "2", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
-    "--n-embd", "32", "--warmup", "2", "--workers", "2",
+    "--n-embd", "32", "--warmup", "2", "--workers", "2", "--log-every", "2",
 ]  # fmt: skip
 
 
@@ -42,13 +44,45 @@ def _one_error_line(capsys: Any) -> str:
         (["--clip", "0"], "lowcomm train: error: --clip must be a finite number > 0"),
         (["--clip", "-2"], "lowcomm train: error: --clip must be a finite number > 0"),
         (["--clip", "big"], "lowcomm train: error: argument --clip: must be a number > 0"),
-        (["--algo", "sgd"], "lowcomm train: error: --algo must be one of co2, diloco"),
+        (["--algo", "sgd"], "lowcomm train: error: --algo must be one of co2, co2-eager, diloco"),
         (["--data", "/no/such/corpus.txt"], "lowcomm train: error: --data path"),
         (["--steps", "ten"], "lowcomm train: error: argument --steps: invalid int value"),
-        (["--gap-penalty", "0.5"], "lowcomm train: error: --gap-penalty must be"),
+        (["--gap-penalty", "0.5"], "lowcomm train: error: --gap-penalty as a constant divisor"),
         (["--outer-momentum", "1.5"], "lowcomm train: error: --outer-momentum must be in [0, 1)"),
         (["--block-size", "1000000"], "lowcomm train: error: --block-size (1000000) is too long"),
         (["--no-such-flag"], "lowcomm train: error: unrecognized arguments: --no-such-flag"),
+        (
+            ["--algo", "streaming", "--sync-every", "12", "--num-fragments", "5"],
+            "lowcomm train: error: --sync-every (12) must be a multiple of num_fragments=5",
+        ),
+        (
+            ["--algo", "cocodc", "--lambda0", "-1"],
+            "lowcomm train: error: --lambda0 must be a finite number >= 0, got -1.0",
+        ),
+        (
+            ["--algo", "cocodc", "--max-wait", "0"],
+            "lowcomm train: error: --max-wait must be a positive integer, got 0",
+        ),
+        (
+            ["--algo", "streaming", "--overlap", "12"],
+            "lowcomm train: error: --overlap (12) must be < sync_every=12",
+        ),
+        (
+            ["--algo", "streaming", "--mix", "1.5"],
+            "lowcomm train: error: --mix must be in [0, 1], got 1.5",
+        ),
+        (
+            ["--algo", "streaming", "--num-fragments", "6"],
+            "lowcomm train: error: --num-fragments (6) exceeds n_layer (4)",
+        ),
+        (
+            ["--algo", "co2-eager", "--clip", "-1"],
+            "lowcomm train: error: --clip must be a finite number > 0",
+        ),
+        (
+            ["--algo", "slowmo", "--min-lr-ratio", "0"],
+            "lowcomm train: error: --min-lr-ratio must be > 0 for slowmo with the cosine",
+        ),
     ],
 )
 def test_user_errors_are_one_line_exit_2(argv: list[str], expected: str, capsys: Any) -> None:
@@ -70,6 +104,9 @@ def test_help_exits_0(capsys: Any) -> None:
     out = capsys.readouterr().out
     for flag in ("--sync-every", "--outer-lr", "--clip", "--gap-penalty", "--no-nesterov"):
         assert flag in out
+    for flag in ("co2-eager", "streaming", "--num-fragments", "--overlap", "--mix"):
+        assert flag in out
+    assert "--log-every" in out and "--overwrite" in out
 
 
 def test_malformed_toml(tmp_path: Any, capsys: Any) -> None:
@@ -94,6 +131,54 @@ def test_bad_toml_value_names_the_file(tmp_path: Any, capsys: Any) -> None:
     assert _one_error_line(capsys).startswith(
         f"lowcomm train: error: sync_every in {path} must be >= 1, got 0"
     )
+
+
+def test_algorithm_error_from_toml_names_the_file(tmp_path: Any, capsys: Any) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text('algo = "streaming"\nmix = 1.5\n')
+    assert main(["train", "--config", str(path)]) == 2
+    assert _one_error_line(capsys).startswith(
+        f"lowcomm train: error: mix in {path} must be in [0, 1], got 1.5"
+    )
+
+
+def test_out_with_a_previous_run_needs_overwrite(
+    tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    seen: list[TrainConfig] = []
+    monkeypatch.setattr(launcher, "launch", lambda cfg, **_: seen.append(cfg))
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("metrics.jsonl", "loss.png", "error-rank1.txt", "notes.txt"):
+        (out / name).write_text("old")
+    argv = ["train", "--algo", "ddp", "--out", str(out)]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert f"--out {str(out)!r} already holds a run (metrics.jsonl)" in line
+    assert "--overwrite" in line and not seen
+    assert main([*argv, "--overwrite"]) == 0
+    assert len(seen) == 1 and seen[0].overwrite
+    # the previous run's files are gone before the new run starts; the user's are kept
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_worker_failure_under_torchrun_is_one_line_exit_1(
+    tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    def fail(cfg: TrainConfig, launched_locally: bool) -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pytest")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(launcher, "run_worker", fail)
+    out = tmp_path / "run"
+    assert main(["train", "--algo", "ddp", "--out", str(out)]) == 1
+    path = out / "error-rank3.txt"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"lowcomm train: error: worker rank 3 failed: RuntimeError: boom (traceback: {path})"
+    ]
+    text = path.read_text()
+    assert "Traceback" in text and "RuntimeError: boom" in text
 
 
 def test_flags_override_toml(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
@@ -176,31 +261,46 @@ def test_launch_keeps_the_worker_traceback(tmp_path: Any) -> None:
 # --- real runs -------------------------------------------------------------------------------
 
 
-def _check_run(out: str, algo: str, steps: int = 6) -> dict[str, Any]:
+def _check_run(
+    out: str,
+    algo: str,
+    *,
+    steps: int = 6,
+    evals: tuple[int, ...] = (0, 3, 6),
+    workers: int = 2,
+    log_every: int = 2,
+) -> dict[str, Any]:
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "loss.png", "summary.json"):
         assert os.path.isfile(os.path.join(out, name)), name
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     step_records = [r for r in records if r["kind"] == "step"]
     eval_records = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in step_records] == list(range(1, steps + 1))
-    assert [r["step"] for r in eval_records] == [0, 3, 6]
+    # a record every log_every steps and before every evaluation; each step counted once
+    expected = sorted({*range(log_every, steps + 1, log_every), *evals[1:], steps})
+    assert [r["step"] for r in step_records] == expected
+    assert sum(r["steps"] for r in step_records) == steps
+    assert [r["step"] for r in eval_records] == list(evals)
     for r in step_records:
-        assert {"loss", "lr", "tokens", "elapsed_s"} <= set(r)
+        assert {"loss", "lr", "tokens", "elapsed_s"} <= set(r) and r["loss"] is not None
     for r in eval_records:
         assert {"val_loss", "payload_bytes", "wire_bytes", "blocked_s", "in_flight_s"} <= set(r)
+        assert r["val_loss"] is not None
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["algo"] == algo and summary["workers"] == 2 and summary["steps"] == steps
+    assert summary["algo"] == algo and summary["workers"] == workers
+    assert summary["steps"] == steps
     assert summary["val_loss_final"] < summary["val_loss_initial"]
-    assert len(summary["comm_per_worker"]) == 2
+    assert len(summary["comm_per_worker"]) == workers
     mean = summary["comm_mean"]
     for key in ("payload_bytes", "wire_bytes", "payload_bytes_per_step", "blocked_s"):
         assert key in mean
-    assert mean["payload_bytes"] > 0 and mean["wire_bytes"] > 0
+    assert mean["payload_bytes"] > 0
+    assert (mean["wire_bytes"] > 0) == (workers > 1)  # a ring of one sends nothing
     assert "hidden_fraction" in mean
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ckpt["step"] == steps and ckpt["config"]["algo"] == algo
+    assert ckpt["rank"] == 0 and "rank 0" in ckpt["note"]
     assert "wte.weight" in ckpt["model"] and "state" in ckpt["optimizer"]
     return summary
 
@@ -218,13 +318,17 @@ def test_train_ddp_end_to_end(tmp_path: Any, capsys: Any) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_train_co2_end_to_end(tmp_path: Any, capsys: Any) -> None:
-    out = str(tmp_path / "co2")
-    assert main(["train", "--algo", "co2", *TINY, "--out", out]) == 0
-    summary = _check_run(out, "co2")
+@pytest.mark.parametrize("algo", ["co2", "co2-eager"])
+def test_train_co2_end_to_end(algo: str, tmp_path: Any, capsys: Any) -> None:
+    out = str(tmp_path / algo)
+    assert main(["train", "--algo", algo, *TINY, "--out", out]) == 0
+    summary = _check_run(out, algo)
     assert summary["comm_mean"]["rounds"] == 2
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ckpt["algorithm"]["rounds"] == 2
+    assert ckpt["algorithm"]["eager"] is (algo == "co2-eager")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["resolved"]["algorithm_kwargs"]["outer_lr"] == 0.5  # job default
     assert "hidden fraction" in capsys.readouterr().out
 
 
@@ -236,17 +340,60 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(180)
 def test_under_torchrun_the_worker_runs_in_process(tmp_path: Any) -> None:
+    # Streaming DiLoCo with two fragments (one per block), 2 real ranks: rank 0 evaluates the
+    # anchor between sync points while both ranks keep training.
     out = str(tmp_path / "torchrun")
+    streaming = ["--algo", "streaming", "--num-fragments", "2", "--n-layer", "2",
+                 "--steps", "8", "--sync-every", "4", "--eval-every", "4"]  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
         "--local-addr", "127.0.0.1",
-        "-m", "lowcomm", "train", "--algo", "localsgd", *TINY, "--workers", "7", "--out", out,
+        "-m", "lowcomm", "train", *TINY, *streaming, "--workers", "7", "--out", out,
     ]  # fmt: skip
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = _check_run(out, "localsgd")
+    summary = _check_run(out, "streaming", steps=8, evals=(0, 4, 8))
     assert summary["workers"] == 2  # torchrun's world size, not --workers 7
+    assert summary["comm_mean"]["rounds"] == 2
     assert "--workers is ignored" in proc.stderr
     assert proc.stdout.count("val loss") == 1  # only rank 0 prints the table
+    ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+    assert ckpt["algorithm"]["num_fragments"] == 2
+
+
+@pytest.fixture
+def torchrun_rank0_of_1(monkeypatch: Any) -> Iterator[None]:
+    """This process as the only rank of a torchrun job: the CLI trains in-process."""
+    assert not dist.is_initialized()
+    env = {
+        "TORCHELASTIC_RUN_ID": "pytest",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if "lo" in [name for _, name in socket.if_nameindex()]:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_train_localsgd_in_process_as_torchrun_rank(
+    tmp_path: Any, torchrun_rank0_of_1: None, capsys: Any
+) -> None:
+    out = str(tmp_path / "localsgd")
+    assert main(["train", "--algo", "localsgd", *TINY, "--out", out]) == 0
+    summary = _check_run(out, "localsgd", workers=1)
+    assert summary["comm_mean"]["rounds"] == 2
+    assert capsys.readouterr().out.count("val loss") == 1

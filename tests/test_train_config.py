@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -9,6 +10,7 @@ import os
 from typing import Any
 
 import pytest
+import torch
 
 from lowcomm.train.config import (
     ALGORITHM_CHOICES,
@@ -38,7 +40,11 @@ def test_every_field_has_a_docstring() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [
-        ("algo", "adam", "must be one of co2, diloco, localsgd, slowmo, ddp, got 'adam'"),
+        (
+            "algo",
+            "adam",
+            "must be one of co2, co2-eager, diloco, streaming, cocodc, localsgd, slowmo, ddp, got 'adam'",
+        ),
         ("workers", 0, "must be >= 1, got 0"),
         ("steps", -5, "must be >= 1, got -5"),
         ("sync_every", 0, "must be >= 1, got 0"),
@@ -49,6 +55,8 @@ def test_every_field_has_a_docstring() -> None:
         ("n_layer", 0, "must be >= 1"),
         ("eval_every", 0, "must be >= 1"),
         ("eval_batches", 0, "must be >= 1"),
+        ("log_every", 0, "must be >= 1"),
+        ("overwrite", "yes", "must be true or false"),
         ("seed", -1, "must be >= 0"),
         ("warmup", -1, "must be >= 0"),
         ("lr", 0.0, "must be a finite number > 0, got 0.0"),
@@ -61,15 +69,16 @@ def test_every_field_has_a_docstring() -> None:
         ("backend", "mpi", "must be one of auto, gloo, nccl, got 'mpi'"),
         ("lr_schedule", "linear", "must be one of cosine, constant, got 'linear'"),
         ("min_lr_ratio", 1.5, "must be <= 1, got 1.5"),
-        ("outer_lr", 0.0, "must be a finite number > 0"),
+        # outer keys: the algorithm's own checks (CO2 here), keyed by the keyword
+        ("outer_lr", 0.0, "must be a finite number > 0, got 0.0; e.g. outer_lr=1.0"),
         ("outer_momentum", 1.0, "must be in [0, 1), got 1.0"),
-        ("outer_momentum", -0.1, "must be a finite number >= 0"),
-        ("nesterov", "yes", "must be true or false"),
-        ("clip", 0.0, "must be a finite number > 0 or 'none' to disable, got 0.0"),
+        ("outer_momentum", -0.1, "must be in [0, 1), got -0.1"),
+        ("nesterov", "yes", "must be True or False, got 'yes'"),
+        ("clip", 0.0, "must be a finite number > 0, got 0.0; e.g. clip=1.0; or 'none' to disable"),
         ("clip", -1.0, "must be a finite number > 0"),
-        ("clip", "off", "must be a number > 0 or 'none'"),
-        ("clip_mode", "l1", "must be one of value, norm, got 'l1'"),
-        ("gap_penalty", 0.5, "must be a finite number >= 1 or 'gap_aware' / 'none', got 0.5"),
+        ("clip", "off", "must be a finite number > 0, got 'off'"),
+        ("clip_mode", "l1", "must be 'value' or 'norm', got 'l1'"),
+        ("gap_penalty", 0.5, "as a constant divisor λ must be a finite number >= 1"),
         ("gap_penalty", "adaptive", "must be 'gap_aware', 'none' or a number >= 1"),
         ("name", "a/b", "must be a plain folder name"),
         ("out", "", "must be a non-empty string"),
@@ -83,6 +92,76 @@ def test_bad_value_names_key_value_and_fix(key: str, value: Any, fragment: str) 
     assert err.key == key
     assert fragment in err.problem
     assert str(err) == f"{key} {err.problem}"
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "fragment"),
+    [
+        (
+            {"sync_every": 12, "num_fragments": 5},
+            "sync_every",
+            "(12) must be a multiple of num_fragments=5",
+        ),
+        ({"num_fragments": 0}, "num_fragments", "must be a positive integer, got 0"),
+        ({"num_fragments": 2.0}, "num_fragments", "must be a positive integer, got 2.0"),
+        ({"num_fragments": 6, "sync_every": 12}, "num_fragments", "(6) exceeds n_layer (4)"),
+        ({"overlap": 12}, "overlap", "(12) must be < sync_every=12"),
+        ({"overlap": -1}, "overlap", "must be an integer >= 0, got -1"),
+        ({"mix": 1.5}, "mix", "must be in [0, 1], got 1.5"),
+        ({"outer_momentum": 0.0}, "nesterov", "(True) needs outer_momentum > 0"),
+    ],
+)
+def test_streaming_keys_are_checked_by_the_algorithm(
+    values: dict[str, Any], key: str, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(algo="streaming", **values)
+    assert info.value.key == key
+    assert fragment in info.value.problem, info.value.problem
+    assert str(info.value) == f"{key} {info.value.problem}"
+
+
+def test_streaming_and_co2_eager_kwargs() -> None:
+    from lowcomm.outer import ALGORITHMS
+
+    cfg = TrainConfig(algo="streaming", num_fragments=2, overlap=1, mix=0.25)
+    assert cfg.algorithm_class() is ALGORITHMS["streaming"]
+    assert cfg.algorithm_kwargs() == {
+        "sync_every": 12,
+        "bucket_cap_mb": 25.0,
+        "num_fragments": 2,
+        "overlap": 1,
+        "mix": 0.25,
+    }
+    # unset: the algorithm's defaults (one fragment, no overlap, no mixing)
+    assert set(TrainConfig(algo="streaming").algorithm_kwargs()) == {"sync_every", "bucket_cap_mb"}
+    eager = TrainConfig(algo="co2-eager", clip="none", mix=0.5)
+    assert eager.algorithm_class() is ALGORITHMS["co2"]
+    assert eager.algorithm_kwargs() == {
+        "sync_every": 12,
+        "bucket_cap_mb": 25.0,
+        "eager": True,
+        "outer_lr": 0.5,
+        "clip": None,
+    }
+    assert eager.ignored_outer_keys() == ["mix"]
+    assert TrainConfig(algo="co2", num_fragments=3).ignored_outer_keys() == ["num_fragments"]
+
+
+def test_inapplicable_outer_keys_are_not_checked() -> None:
+    cfg = TrainConfig(algo="diloco", clip=-1.0, gap_penalty="adaptive", overlap=-3, mix=7.0)
+    assert cfg.ignored_outer_keys() == ["clip", "gap_penalty", "overlap", "mix"]
+    assert cfg.algorithm_kwargs() == {"sync_every": 12, "bucket_cap_mb": 25.0}
+    TrainConfig(algo="localsgd", outer_lr=-1.0, num_fragments=0)
+    TrainConfig(algo="ddp", outer_momentum=5.0)
+
+
+def test_slowmo_needs_a_positive_final_learning_rate() -> None:
+    with pytest.raises(ConfigError, match="SlowMo divides its update by") as info:
+        TrainConfig(algo="slowmo", min_lr_ratio=0.0)
+    assert info.value.key == "min_lr_ratio"
+    TrainConfig(algo="slowmo", min_lr_ratio=0.0, lr_schedule="constant")
+    TrainConfig(algo="diloco", min_lr_ratio=0.0)
 
 
 def test_head_divisibility_suggests_a_width() -> None:
@@ -145,10 +224,28 @@ def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> 
                 raise ValueError("outer_lr 123 is silly; e.g. outer_lr=0.7")
 
     monkeypatch.setitem(outer.ALGORITHMS, "slowmo", Fake)
-    TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
+    cfg = TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
     assert seen == [{"sync_every": 12, "bucket_cap_mb": 25.0, "outer_momentum": 0.3}]
-    with pytest.raises(ConfigError, match="outer_lr 123 is silly"):
+    cfg.with_paths()  # fills two paths; does not check everything again
+    assert len(seen) == 1
+    with pytest.raises(ConfigError, match="outer_lr 123 is silly") as info:
         TrainConfig(algo="slowmo", outer_lr=123.0)
+    assert (info.value.key, info.value.problem) == ("outer_lr", "123 is silly; e.g. outer_lr=0.7")
+
+
+def test_algorithm_error_about_no_field_has_no_key(monkeypatch: Any) -> None:
+    import lowcomm.outer as outer
+
+    class Fake:
+        @classmethod
+        def validate(cls, **kwargs: Any) -> None:
+            raise ValueError("inner_optimizer must be an optimizer")
+
+    monkeypatch.setitem(outer.ALGORITHMS, "diloco", Fake)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(algo="diloco")
+    assert info.value.key is None
+    assert str(info.value) == "inner_optimizer must be an optimizer"
 
 
 def test_ddp_does_not_consult_the_outer_algorithms(monkeypatch: Any) -> None:
@@ -200,10 +297,11 @@ def test_toml_fills_config_and_overrides_win(tmp_path: Any) -> None:
 def test_toml_unknown_key_lists_valid_keys(tmp_path: Any) -> None:
     path = tmp_path / "cfg.toml"
     path.write_text("sync_evry = 12\n")
+    assert read_toml(str(path)) == {"sync_evry": 12}  # keys are checked in one place
     with pytest.raises(ConfigError) as info:
-        read_toml(str(path))
+        load_toml(str(path))
     message = str(info.value)
-    assert "unknown key 'sync_evry'" in message
+    assert f"unknown key 'sync_evry' in {path}" in message
     assert "valid keys:" in message and "sync_every" in message and "gap_penalty" in message
 
 
@@ -219,8 +317,26 @@ def test_toml_missing_file_and_tables(tmp_path: Any) -> None:
         read_toml(str(tmp_path / "missing.toml"))
     path = tmp_path / "nested.toml"
     path.write_text("[model]\nn_layer = 2\n")
-    with pytest.raises(ConfigError, match="unknown key 'model'"):
+    with pytest.raises(ConfigError, match="key 'model' .* must be a single value, got dict"):
         read_toml(str(path))
+
+
+def test_toml_unreadable_is_one_line(tmp_path: Any, monkeypatch: Any) -> None:
+    import lowcomm.train.config as config
+
+    with pytest.raises(ConfigError, match="is a folder, not a file") as info:
+        read_toml(str(tmp_path))
+    assert info.value.key is None
+
+    def denied(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(config, "open", denied, raising=False)
+    with pytest.raises(ConfigError) as info:
+        read_toml(str(tmp_path / "cfg.toml"))
+    assert str(info.value) == f"config file {str(tmp_path / 'cfg.toml')!r} cannot be read: " + (
+        "Permission denied"
+    )
 
 
 def test_toml_bad_value_is_a_config_error(tmp_path: Any) -> None:
@@ -246,3 +362,21 @@ def test_inner_lr_schedule() -> None:
     assert _lr_at(110, cfg) == pytest.approx(1e-4)
     flat = TrainConfig(lr=1e-3, warmup=0, steps=110, lr_schedule="constant")
     assert {_lr_at(s, flat) for s in (1, 50, 110)} == {1e-3}
+
+
+def test_evaluate_with_other_values_restores_the_live_parameters() -> None:
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.train.loop import _evaluate, _evaluate_with
+
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    batches = [(torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8)))]
+    params = [p for p in model.parameters() if p.requires_grad]
+    anchor = [p.detach() + 0.1 * torch.randn_like(p) for p in params]
+    live = [p.detach().clone() for p in params]
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, a in zip(reference.parameters(), anchor):
+            p.copy_(a)
+    assert _evaluate_with(model, batches, anchor) == _evaluate(reference, batches)
+    assert all(torch.equal(p, q) for p, q in zip(params, live))
+    assert _evaluate(model, batches) != _evaluate(reference, batches)

@@ -6,6 +6,7 @@ Library code only logs.
 
     lowcomm train                                   # CO2, 2 local workers, embedded corpus
     lowcomm train --algo diloco --workers 4 --steps 300
+    lowcomm train --algo streaming --num-fragments 2 --overlap 1
     lowcomm train --config co2.toml --sync-every 24 # flags override the file
 """
 
@@ -77,7 +78,6 @@ _SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {
     "gap_penalty": _gap_penalty_value,
 }
 _METAVARS = {
-    "algo": "{co2,diloco,localsgd,slowmo,ddp}",
     "backend": "{auto,gloo,nccl}",
     "clip_mode": "{value,norm}",
     "lr_schedule": "{cosine,constant}",
@@ -93,15 +93,17 @@ def _flag(key: str) -> str:
 
 
 def _add_train(subparsers: Any) -> None:
-    from lowcomm.train.config import TrainConfig, field_docs
+    from lowcomm.train.config import ALGORITHM_CHOICES, TrainConfig, field_docs
 
     p = subparsers.add_parser(
         "train",
         help="train a small GPT with a communication-efficient algorithm",
         description=(
-            "Train a small GPT on local worker processes (or under torchrun) with CO2, DiLoCo, "
-            "LocalSGD, SlowMo or synchronous DDP, and write metrics, a checkpoint, a loss plot "
-            "and a summary to the output folder. Precedence: defaults < --config file < flags."
+            "Train a small GPT on local worker processes (or under torchrun) with CO2 (plain or "
+            "with eager updates), DiLoCo, Streaming DiLoCo, LocalSGD, SlowMo or synchronous DDP, "
+            "and write metrics, a checkpoint, a loss plot and a summary to the output folder. "
+            "Outer-loop flags that do not apply to --algo are ignored with a warning. "
+            "Precedence: defaults < --config file < flags."
         ),
         argument_default=argparse.SUPPRESS,
     )
@@ -130,6 +132,8 @@ def _add_train(subparsers: Any) -> None:
         if "action" not in kwargs:
             default_metavar = {int: "N", float: "X"}.get(kwargs["type"], "TEXT")
             kwargs["metavar"] = _METAVARS.get(f.name, default_metavar)
+        if f.name == "algo":
+            kwargs["metavar"] = "{" + ",".join(ALGORITHM_CHOICES) + "}"
         p.add_argument(_flag(f.name), dest=f.name, **kwargs)
     p.set_defaults(_run=_run_train)
 
@@ -143,7 +147,13 @@ def _describe_key(key: str, sources: dict[str, str]) -> str:
 
 def _run_train(args: argparse.Namespace, prog: str) -> int:
     from lowcomm.train.config import ConfigError, config_from_dict, read_toml
-    from lowcomm.train.launcher import WorkerFailed, check_environment, launch, under_torchrun
+    from lowcomm.train.launcher import (
+        WorkerFailed,
+        check_environment,
+        launch,
+        prepare_output,
+        under_torchrun,
+    )
     from lowcomm.train.report import format_summary
 
     explicit = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "config"}
@@ -159,6 +169,7 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         cfg = config_from_dict(values, source=getattr(args, "config", None) or "config")
         cfg = cfg.with_paths()
         check_environment(cfg)
+        prepare_output(cfg)
     except ConfigError as e:
         if e.key is not None:
             return _fail(prog, f"{_describe_key(e.key, sources)} {e.problem}")
@@ -207,7 +218,10 @@ def _build_parser() -> _Parser:
 
     parser = _Parser(
         prog="lowcomm",
-        description="Data-parallel training over slow links: CO2, DiLoCo, LocalSGD, SlowMo.",
+        description=(
+            "Data-parallel training over slow links: CO2, DiLoCo, Streaming DiLoCo, LocalSGD, "
+            "SlowMo."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     subparsers = parser.add_subparsers(dest="_command", metavar="COMMAND")

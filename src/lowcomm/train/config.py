@@ -13,8 +13,13 @@ same key in a TOML file (flat, no tables)::
 
 The outer-loop hyperparameters default to ``None``, meaning "the algorithm's own default"; only the
 ones the user set are passed to the algorithm, and only when they apply to it (``--clip`` means
-nothing to DiLoCo: it is ignored with a warning). Bad values raise :class:`ConfigError`, a
-``ValueError`` that names the key, the value and the fix.
+nothing to DiLoCo: it is ignored with a warning, and not checked). Bad values raise
+:class:`ConfigError`, a ``ValueError`` that names the key, the value and the fix.
+
+The algorithms check their own keywords (``ALGORITHMS[name].validate``); this module only does what
+they cannot: the fields of the job itself, the spelling ``clip = "none"`` (no clipping), routing
+each outer key to the algorithms it applies to, and checks that need the job's other settings
+(automatic fragments need enough transformer blocks; SlowMo needs an inner learning rate > 0).
 
 Example::
 
@@ -24,15 +29,20 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lowcomm.outer import OuterAlgorithm
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,19 +60,48 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ALGORITHM_CHOICES = ("co2", "diloco", "localsgd", "slowmo", "ddp")
+ALGORITHM_CHOICES = (
+    "co2",
+    "co2-eager",
+    "diloco",
+    "streaming",
+    "cocodc",
+    "localsgd",
+    "slowmo",
+    "ddp",
+)
 """Values of ``--algo``; ``ddp`` is the synchronous DistributedDataParallel baseline."""
 
+_CO2_KEYS = ("outer_lr", "outer_momentum", "nesterov", "clip", "clip_mode", "gap_penalty")
 OUTER_KEYS: dict[str, tuple[str, ...]] = {
-    "co2": ("outer_lr", "outer_momentum", "nesterov", "clip", "clip_mode", "gap_penalty"),
+    "co2": _CO2_KEYS,
+    "co2-eager": _CO2_KEYS,
     "diloco": ("outer_lr", "outer_momentum", "nesterov"),
-    "slowmo": ("outer_lr", "outer_momentum"),
+    "streaming": ("outer_lr", "outer_momentum", "nesterov", "num_fragments", "overlap", "mix"),
+    "cocodc": (
+        "outer_lr",
+        "outer_momentum",
+        "nesterov",
+        "num_fragments",
+        "overlap",
+        "lambda0",
+        "adaptive",
+        "max_wait",
+    ),
     "localsgd": (),
+    "slowmo": ("outer_lr", "outer_momentum"),
     "ddp": (),
 }
 """The outer-loop keywords each algorithm takes (besides ``sync_every`` and ``bucket_cap_mb``)."""
 
-JOB_OUTER_DEFAULTS: dict[str, dict[str, Any]] = {"co2": {"outer_lr": 0.5}}
+JOB_ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {"co2-eager": ("co2", {"eager": True})}
+"""``--algo`` values that are a ``lowcomm.outer.ALGORITHMS`` entry with fixed keywords; every other
+value (but ``ddp``) is an ``ALGORITHMS`` name itself."""
+
+JOB_OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "co2": {"outer_lr": 0.5},
+    "co2-eager": {"outer_lr": 0.5},
+}
 """Where this job's defaults differ from the library's, for the small GPT it trains.
 
 CO2 applies each round's average one round late. When local training moves the model far
@@ -72,11 +111,20 @@ beta = 0 and unstable for any beta > 0, which shows as a validation loss that ri
 alpha = 0.5 is comfortably stable here. The library keeps the paper's alpha = 1.0, meant for
 large models whose rounds move them little; the README explains the choice."""
 
-_ALL_OUTER_KEYS = ("outer_lr", "outer_momentum", "nesterov", "clip", "clip_mode", "gap_penalty")
+_ALL_OUTER_KEYS = (
+    *_CO2_KEYS,
+    "num_fragments",
+    "overlap",
+    "mix",
+    "lambda0",
+    "adaptive",
+    "max_wait",
+)
 _BACKENDS = ("auto", "gloo", "nccl")
 _LR_SCHEDULES = ("cosine", "constant")
-_CLIP_MODES = ("value", "norm")
-_GAP_PENALTIES = ("gap_aware", "none")
+# An algorithm's ValueError starts with the keyword it is about: "outer_lr must be ...",
+# "overlap=12 must be < sync_every=12 ...", "nesterov=True needs ...".
+_LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
 
 
 class ConfigError(ValueError):
@@ -96,7 +144,8 @@ class TrainConfig:
 
     # --- job -------------------------------------------------------------------------------
     algo: str = "co2"
-    """Outer-loop algorithm: co2, diloco, localsgd, slowmo, or ddp (synchronous baseline)."""
+    """Outer-loop algorithm: co2, co2-eager (CO2 with eager updates), diloco, streaming (Streaming
+    DiLoCo), cocodc, localsgd, slowmo, or ddp (synchronous baseline)."""
     workers: int = 2
     """Local worker processes to launch (ignored under torchrun, which sets the world size)."""
     steps: int = 960
@@ -142,26 +191,45 @@ class TrainConfig:
 
     # --- outer optimizer (None = the algorithm's default) ----------------------------------
     outer_lr: float | None = None
-    """alpha: outer learning rate (co2 0.5 in this job, library default 1.0; diloco 0.7;
-    slowmo 1.0)."""
+    """alpha: outer learning rate (co2 and co2-eager 0.5 in this job, library default 1.0; diloco
+    streaming and cocodc 0.7; slowmo 1.0)."""
     outer_momentum: float | None = None
-    """beta: outer momentum (co2 0.5, diloco 0.9, slowmo 0.5)."""
+    """beta: outer momentum (co2 0.5, diloco, streaming and cocodc 0.9, slowmo 0.5)."""
     nesterov: bool | None = None
-    """Nesterov outer momentum (co2 off, diloco on)."""
+    """Nesterov outer momentum (co2 off, diloco, streaming and cocodc on)."""
     clip: float | str | None = None
     """phi: co2 outer momentum clipping threshold (default 1.0); the string "none" disables it."""
     clip_mode: str | None = None
     """co2 clipping: "value" (elementwise clamp, default) or "norm" (scale to L2 norm <= phi)."""
     gap_penalty: str | float | None = None
     """co2 staleness penalty: "gap_aware" (default), "none", or a constant divisor >= 1."""
+    num_fragments: int | None = None
+    """P: streaming/cocodc fragments, transformer blocks strided across them (default 1, at most
+    n_layer); sync_every must be a multiple of P."""
+    overlap: int | None = None
+    """tau: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied
+    (default 0, below sync_every)."""
+    mix: float | None = None
+    """streaming mixing factor in [0, 1] at a sync point: theta <- (1 - mix) * A + mix * theta
+    (default 0)."""
+    lambda0: float | None = None
+    """cocodc delay-compensation strength lambda0 >= 0 (default 0.2; 0: first order only)."""
+    adaptive: bool | None = None
+    """cocodc: pick fragments by all-reduced priority (default) or round-robin (--no-adaptive)."""
+    max_wait: int | None = None
+    """cocodc: most rounds a fragment may wait before it is synced (default 2)."""
 
     # --- evaluation and output -------------------------------------------------------------
     eval_every: int = 60
     """Inner steps between validation evaluations, rounded up to a multiple of sync_every."""
     eval_batches: int = 8
     """Validation batches per evaluation."""
+    log_every: int = 10
+    """Inner steps per training-loss record (their mean) and progress-bar update."""
     out: str | None = None
     """Output folder; unset: runs/<name>/."""
+    overwrite: bool = False
+    """Replace the files of a previous run in the output folder (refused otherwise)."""
     name: str | None = None
     """Run name; unset: <algo>-<YYYYmmdd-HHMMSS>."""
 
@@ -172,7 +240,7 @@ class TrainConfig:
             )
         for key in ("workers", "steps", "sync_every", "batch_size", "block_size"):
             _check_int(key, getattr(self, key), low=1)
-        for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches"):
+        for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches", "log_every"):
             _check_int(key, getattr(self, key), low=1)
         _check_int("seed", self.seed, low=0)
         _check_int("warmup", self.warmup, low=0)
@@ -200,69 +268,58 @@ class TrainConfig:
             raise ConfigError(
                 "backend", f"must be one of {', '.join(_BACKENDS)}, got {self.backend!r}"
             )
-        for key in ("data", "out", "name"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(key, f"must be a non-empty string, got {value!r}")
-        if self.data is not None and not os.path.exists(os.path.expanduser(self.data)):
-            raise ConfigError(
-                "data",
-                f"path {self.data!r} does not exist: pass a UTF-8 text file or a folder of "
-                "text files, or leave it unset for the embedded corpus",
-            )
+        if not isinstance(self.overwrite, bool):
+            raise ConfigError("overwrite", f"must be true or false, got {self.overwrite!r}")
+        if self.data is not None:
+            _check_string("data", self.data)
+            if not os.path.exists(os.path.expanduser(self.data)):
+                raise ConfigError(
+                    "data",
+                    f"path {self.data!r} does not exist: pass a UTF-8 text file or a folder of "
+                    "text files, or leave it unset for the embedded corpus",
+                )
+        self._check_paths()
+        self._check_outer()
+
+    def _check_paths(self) -> None:
+        for key in ("out", "name"):
+            if getattr(self, key) is not None:
+                _check_string(key, getattr(self, key))
         if self.name is not None and (os.sep in self.name or self.name in (".", "..")):
             raise ConfigError(
                 "name", f"must be a plain folder name, got {self.name!r}; use --out for a path"
             )
-        self._check_outer()
 
     # --- outer hyperparameters -------------------------------------------------------------
 
     def _check_outer(self) -> None:
-        if self.outer_lr is not None:
-            _check_float("outer_lr", self.outer_lr, low=0.0, low_open=True)
-        if self.outer_momentum is not None:
-            _check_float("outer_momentum", self.outer_momentum, low=0.0)
-            if self.outer_momentum >= 1.0:
-                raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
-        if self.nesterov is not None and not isinstance(self.nesterov, bool):
-            raise ConfigError("nesterov", f"must be true or false, got {self.nesterov!r}")
-        if isinstance(self.clip, str):
-            if self.clip.lower() != "none":
-                raise ConfigError(
-                    "clip", f"must be a number > 0 or 'none' (no clipping), got {self.clip!r}"
-                )
+        # Any other string is left for the algorithm to reject.
+        if isinstance(self.clip, str) and self.clip.lower() == "none":
             self.clip = "none"
-        elif self.clip is not None:
-            _check_float("clip", self.clip, low=0.0, low_open=True, hint="or 'none' to disable")
-        if self.clip_mode is not None and self.clip_mode not in _CLIP_MODES:
-            raise ConfigError(
-                "clip_mode", f"must be one of {', '.join(_CLIP_MODES)}, got {self.clip_mode!r}"
-            )
-        gp = self.gap_penalty
-        if isinstance(gp, str):
-            if gp not in _GAP_PENALTIES:
-                raise ConfigError(
-                    "gap_penalty",
-                    f"must be 'gap_aware', 'none' or a number >= 1, got {gp!r}",
-                )
-        elif gp is not None:
-            _check_float("gap_penalty", gp, low=1.0, hint="or 'gap_aware' / 'none'")
         if self.algo == "ddp":
             return
-        kwargs = self.algorithm_kwargs()
         try:
-            from lowcomm.outer import ALGORITHMS
-        except ImportError as e:  # pragma: no cover - only while the package is incomplete
-            raise ConfigError("algo", f"{self.algo!r} is not available: {e}") from e
-        if self.algo not in ALGORITHMS:
-            raise ConfigError("algo", f"{self.algo!r} is not available in this build")
+            cls = self.algorithm_class()
+        except (ImportError, KeyError) as e:  # pragma: no cover - only while incomplete
+            raise ConfigError("algo", f"{self.algo!r} is not available in this build: {e}") from e
         try:
-            ALGORITHMS[self.algo].validate(**kwargs)
-        except ConfigError:
-            raise
+            cls.validate(**self.algorithm_kwargs())
         except ValueError as e:
-            raise ConfigError(None, str(e)) from e
+            raise _config_error(e) from None
+        if self.algo == "slowmo" and self.lr_schedule == "cosine" and self.min_lr_ratio == 0:
+            raise ConfigError(
+                "min_lr_ratio",
+                "must be > 0 for slowmo with the cosine schedule: SlowMo divides its update by "
+                "the inner learning rate, which would reach 0 at the last step; use e.g. "
+                "min_lr_ratio 0.1 or lr_schedule constant",
+            )
+        fragments = self.num_fragments if "num_fragments" in OUTER_KEYS[self.algo] else None
+        if fragments is not None and fragments > self.n_layer:
+            raise ConfigError(
+                "num_fragments",
+                f"({fragments}) exceeds n_layer ({self.n_layer}): fragments are made of whole "
+                f"transformer blocks; use at most {self.n_layer} fragments or more layers",
+            )
 
     def outer_keys_set(self) -> list[str]:
         """Outer hyperparameters the user set (not None), in field order."""
@@ -273,18 +330,26 @@ class TrainConfig:
         applies = OUTER_KEYS[self.algo]
         return [k for k in self.outer_keys_set() if k not in applies]
 
-    def algorithm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``ALGORITHMS[algo](model, inner, **kwargs)``.
+    def algorithm_class(self) -> type[OuterAlgorithm]:
+        """The ``lowcomm.outer.ALGORITHMS`` class that runs ``algo`` (not for ``ddp``)."""
+        from lowcomm.outer import ALGORITHMS
 
-        ``sync_every`` and ``bucket_cap_mb`` always, plus the outer hyperparameters the user set
-        that apply to the algorithm (else :data:`JOB_OUTER_DEFAULTS`); ``clip="none"`` becomes
-        ``clip=None`` (no clipping).
+        name = JOB_ALGORITHMS.get(self.algo, (self.algo, {}))[0]
+        return ALGORITHMS[name]
+
+    def algorithm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``algorithm_class()(model, inner, **kwargs)``.
+
+        ``sync_every`` and ``bucket_cap_mb`` always, the fixed keywords of :data:`JOB_ALGORITHMS`,
+        plus the outer hyperparameters the user set that apply to the algorithm (else
+        :data:`JOB_OUTER_DEFAULTS`); ``clip="none"`` becomes ``clip=None`` (no clipping).
         """
         if self.algo == "ddp":
             return {}
         kwargs: dict[str, Any] = {
             "sync_every": self.sync_every,
             "bucket_cap_mb": self.bucket_cap_mb,
+            **JOB_ALGORITHMS.get(self.algo, ("", {}))[1],
         }
         job_defaults = JOB_OUTER_DEFAULTS.get(self.algo, {})
         for key in OUTER_KEYS[self.algo]:
@@ -316,7 +381,11 @@ class TrainConfig:
             now = now or datetime.datetime.now()
             name = f"{self.algo}-{now:%Y%m%d-%H%M%S}"
         out = self.out if self.out is not None else os.path.join("runs", name)
-        return dataclasses.replace(self, name=name, out=out)
+        # Only the two paths change: check them rather than every field again.
+        cfg = copy.copy(self)
+        cfg.name, cfg.out = name, out
+        cfg._check_paths()
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (JSON- and ``torch.load(weights_only=True)``-safe)."""
@@ -325,6 +394,27 @@ class TrainConfig:
 
 def _field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _config_error(error: ValueError) -> ConfigError:
+    """An algorithm's ``ValueError`` as a :class:`ConfigError` keyed by the keyword its message
+    starts with, when that is a config field (``"overlap=12 must be ..."`` -> key ``overlap``,
+    problem ``"(12) must be ..."``)."""
+    message = str(error)
+    match = _LEADING_KEYWORD.match(message)
+    if match is None or match.group(1) not in _field_names():
+        return ConfigError(None, message)
+    key, value, problem = match.groups()
+    if value:
+        problem = f"({value[1:]}) {problem}"
+    if key == "clip":
+        problem += "; or 'none' to disable clipping"
+    return ConfigError(key, problem)
+
+
+def _check_string(key: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"must be a non-empty string, got {value!r}")
 
 
 def _check_int(key: str, value: Any, *, low: int) -> None:
@@ -359,25 +449,25 @@ def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> Tr
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """Read a flat TOML config file into a dict; every problem is a :class:`ConfigError`."""
+    """Read a flat TOML config file into a dict; unreadable or malformed files and tables raise
+    :class:`ConfigError` (unknown keys are left to :func:`config_from_dict`)."""
     try:
         with open(path, "rb") as f:
             values = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(None, f"config file {path!r} not found") from None
     except IsADirectoryError:
-        raise ConfigError(None, f"config file {path!r} is a directory") from None
+        raise ConfigError(None, f"config file {path!r} is a folder, not a file") from None
+    except OSError as e:
+        raise ConfigError(None, f"config file {path!r} cannot be read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(None, f"config file {path!r} is not valid TOML: {e}") from None
-    names = _field_names()
     for key, value in values.items():
-        if key not in names:
-            raise ConfigError(
-                None, f"unknown key {key!r} in {path}; valid keys: {', '.join(names)}"
-            )
         if isinstance(value, (dict, list)):
             raise ConfigError(
-                None, f"key {key!r} in {path} must be a single value, got {type(value).__name__}"
+                None,
+                f"key {key!r} in {path} must be a single value, got {type(value).__name__}; "
+                "config files are flat (no tables or arrays)",
             )
     return values
 

@@ -12,8 +12,9 @@ Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
           --rdzv-endpoint HOST:29400 -m lowcomm train --algo co2
 
-Workers write their own output (rank 0 shows the progress bar); a failed worker becomes a
-:class:`WorkerFailed` naming its rank and error.
+Workers write their own output (rank 0 shows the progress bar). Either way a failed worker
+becomes a :class:`WorkerFailed` naming its rank and error, with its traceback saved to
+``<out>/error-rank<r>.txt``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import socket
 import tempfile
+import traceback
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -31,9 +33,10 @@ from typing import Any
 import torch
 
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.loop import resolve_backend, run_worker
+from lowcomm.train.loop import error_line, resolve_backend, run_worker
+from lowcomm.train.metrics import RUN_FILES, previous_run_files
 
-__all__ = ["WorkerFailed", "check_environment", "launch", "under_torchrun"]
+__all__ = ["WorkerFailed", "check_environment", "launch", "prepare_output", "under_torchrun"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ def under_torchrun() -> bool:
 
 
 def check_environment(cfg: TrainConfig) -> None:
-    """Checks that need this machine rather than the config alone: the backend and the corpus.
+    """Checks that need this machine rather than the config alone: the backend, the output
+    folder (not a file; no previous run in it unless ``overwrite``) and the corpus.
 
     Raises :class:`ConfigError` (a ``ValueError``) in the parent, before any worker starts.
     """
@@ -78,8 +82,16 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"({cfg.workers}) exceeds the {n_gpus} CUDA device(s) nccl can use; "
                 f"use at most {n_gpus} workers or --backend gloo",
             )
-    if cfg.out is not None and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise ConfigError("out", f"{cfg.out!r} exists and is not a folder; choose another path")
+    if cfg.out is not None and os.path.exists(cfg.out):
+        if not os.path.isdir(cfg.out):
+            raise ConfigError("out", f"{cfg.out!r} exists and is not a folder; choose another path")
+        found = [n for n in RUN_FILES if os.path.exists(os.path.join(cfg.out, n))]
+        if found and not cfg.overwrite:
+            raise ConfigError(
+                "out",
+                f"{cfg.out!r} already holds a run ({', '.join(found)}); choose another folder "
+                "or set overwrite (--overwrite) to replace it",
+            )
     try:
         corpus = load_corpus(cfg.data)
     except ConfigError:
@@ -95,6 +107,28 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"({cfg.block_size}) is too long for the corpus: its {split} split has {n} "
                 f"tokens, a window needs {need}; use a smaller block_size or more text",
             )
+
+
+def prepare_output(cfg: TrainConfig) -> None:
+    """With ``cfg.overwrite``, remove the files of a previous run from ``cfg.out`` so that none
+    is left stale; without it, do nothing (:func:`check_environment` refuses such a folder).
+
+    Call it before :func:`launch`. Under torchrun every rank may call it: no rank writes before
+    all of them have joined the process group.
+    """
+    if not cfg.overwrite or cfg.out is None or not os.path.isdir(cfg.out):
+        return
+    for path in previous_run_files(cfg.out):
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # another rank under torchrun got there first
+            pass
+        except OSError as e:
+            raise ConfigError(
+                "out",
+                f"{cfg.out!r}: cannot remove {os.path.basename(path)} of the previous "
+                f"run ({e.strerror or e}); remove it yourself or choose another folder",
+            ) from None
 
 
 def _free_port() -> int:
@@ -136,15 +170,21 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         quiet: silence the torch elastic launcher's own logs (a failure is still raised).
 
     Raises:
-        WorkerFailed: a worker raised or died; the first failure is reported.
+        WorkerFailed: a worker raised or died; the first failure is reported. Under torchrun,
+            this process's worker raised (its traceback is saved as under the local launch).
     """
     if under_torchrun():
-        if int(os.environ.get("RANK", "0")) == 0:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
             logger.info(
                 "running under torchrun (world size %s): --workers is ignored",
                 os.environ.get("WORLD_SIZE", "?"),
             )
-        return run_worker(cfg.to_dict(), False)
+        try:
+            return run_worker(cfg, False)
+        except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
+            path = _save_text(traceback.format_exc(), cfg.out, rank)
+            raise WorkerFailed(rank, error_line(e), path) from e
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -170,7 +210,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         )
         try:
             with _quiet_launcher_logs(quiet):
-                results = elastic_launch(launch_config, run_worker)(cfg.to_dict(), True, log_dir)
+                results = elastic_launch(launch_config, run_worker)(cfg, True, log_dir)
         except ChildFailedError as e:
             recorded = _first_recorded_failure(log_dir)
             if recorded is not None:

@@ -8,11 +8,23 @@ with ``(seed, rank)``), and runs plain PyTorch steps: forward, backward, inner A
 
 Validation loss is measured at step 0, every ``eval_interval`` steps (a multiple of
 ``sync_every``, right after a round boundary, where the live parameters equal the consensus
-anchor on every rank) and at the end after ``algo.finish()``. Every rank evaluates the same
-batches, which keeps the ranks in step (a rank evaluating alone would make the others wait in
-their next collective and distort the blocked-time counters); rank 0 records.
+anchor on every rank) and at the end after ``algo.finish()``. Two algorithms differ:
 
-Rank 0 writes the run folder (see :mod:`lowcomm.train.metrics`) and shows the progress bar.
+* ``streaming``: fragments are synced at different steps, so the live parameters are never the
+  consensus as a whole between sync points; the anchor A (``algo.anchor_views``) is evaluated
+  instead, copied into the model for the evaluation and the live parameters restored after it,
+  so training is unaffected;
+* ``co2-eager``: right after a round boundary rank 0's live parameters equal its own anchor,
+  which holds its own fresh pseudo-gradient as well as the others' stale ones; that is what is
+  evaluated.
+
+Every rank evaluates the same batches, which keeps the ranks in step (a rank evaluating alone
+would make the others wait in their next collective and distort the blocked-time counters);
+rank 0 records.
+
+Rank 0 writes the run folder (see :mod:`lowcomm.train.metrics`) and shows the progress bar. The
+per-step path stays on the device: rank 0 adds each step's loss to a running sum there and reads
+it back (one device sync) only every ``log_every`` steps and at evaluations.
 """
 
 from __future__ import annotations
@@ -32,9 +44,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.metrics import MetricsWriter, plot_losses, save_checkpoint, write_json
+from lowcomm.train.metrics import (
+    CHECKPOINT_NOTE,
+    MetricsWriter,
+    plot_losses,
+    save_checkpoint,
+    write_json,
+)
 
-__all__ = ["resolve_backend", "run_worker", "train"]
+__all__ = ["error_line", "resolve_backend", "run_worker", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +90,21 @@ def _setup_worker_logging(rank: int) -> None:
     root.propagate = False
 
 
+def error_line(error: BaseException) -> str:
+    """``"Type: first line of the message"``: how a worker's failure is reported."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def run_worker(
-    config: dict[str, Any], launched_locally: bool, failure_dir: str | None = None
+    cfg: TrainConfig, launched_locally: bool, failure_dir: str | None = None
 ) -> dict[str, Any] | None:
     """Entry point of one worker process: set up ``torch.distributed`` from the environment
     (torchrun / elastic launch variables), train, tear down.
 
     Args:
-        config: a :class:`TrainConfig` as a plain dict (``TrainConfig.to_dict()``), with
-            ``name`` and ``out`` already resolved.
+        cfg: the checked configuration, ``name`` and ``out`` resolved. Passed as it is (pickled
+            to a spawned worker), so it is not checked again.
         launched_locally: ``True`` when ``lowcomm train`` launched this worker on this machine;
             gloo is then bound to the loopback interface.
         failure_dir: where to record an exception (``failure-rank<r>.json``: error, traceback,
@@ -91,7 +115,7 @@ def run_worker(
     """
     rank = int(os.environ.get("RANK", "0"))
     try:
-        return _run_worker(config, launched_locally, rank)
+        return _run_worker(cfg, launched_locally, rank)
     except BaseException as e:
         if failure_dir is not None:
             _record_failure(failure_dir, rank, e)
@@ -99,11 +123,10 @@ def run_worker(
 
 
 def _record_failure(folder: str, rank: int, error: BaseException) -> None:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     record = {
         "rank": rank,
         "time": time.time(),
-        "error": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__,
+        "error": error_line(error),
         "traceback": traceback.format_exc(),
     }
     path = os.path.join(folder, f"failure-rank{rank}.json")
@@ -114,8 +137,7 @@ def _record_failure(folder: str, rank: int, error: BaseException) -> None:
         pass
 
 
-def _run_worker(config: dict[str, Any], launched_locally: bool, rank: int) -> dict[str, Any] | None:
-    cfg = TrainConfig(**config)
+def _run_worker(cfg: TrainConfig, launched_locally: bool, rank: int) -> dict[str, Any] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     _setup_worker_logging(rank)
@@ -178,6 +200,24 @@ def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return total / len(batches)
 
 
+@torch.no_grad()
+def _evaluate_with(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    values: list[torch.Tensor],
+) -> float:
+    """Evaluate ``model`` with ``values`` in place of its trainable parameters (model order),
+    then put its live parameters back."""
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) == len(values), (len(params), len(values))
+    live = [p.detach().clone() for p in params]
+    torch._foreach_copy_(params, values)
+    try:
+        return _evaluate(model, batches)
+    finally:
+        torch._foreach_copy_(params, live)
+
+
 def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     """Run the training job on an initialised default process group; see the module docstring.
 
@@ -186,6 +226,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     from lowcomm.comm import DDPCommMeter
     from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
     from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.outer import StreamingDiLoCo
 
     assert cfg.out is not None and cfg.name is not None, "call TrainConfig.with_paths() first"
     rank = dist.get_rank()
@@ -217,10 +258,9 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         meter.register(model)  # type: ignore[arg-type]
         stats = meter.stats
     else:
-        from lowcomm.outer import ALGORITHMS
-
         model = gpt
-        algo = ALGORITHMS[cfg.algo](gpt, inner, **cfg.algorithm_kwargs())
+        # The model itself, not its parameters: streaming builds its fragments from its blocks.
+        algo = cfg.algorithm_class()(gpt, inner, **cfg.algorithm_kwargs())
         stats = algo.stats
 
     gen = make_generator(cfg.seed, rank)
@@ -248,14 +288,17 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             cfg.steps,
             cfg.batch_size * cfg.block_size,
         )
-        progress = _Progress(cfg, world, tokens_per_step, stats)
+        progress = _Progress(cfg, world, tokens_per_step, stats, device)
 
     def rounds() -> int:
         return int(getattr(algo, "rounds", 0)) if algo is not None else 0
 
     def evaluate(step: int) -> float:
         t0 = time.perf_counter()
-        val_loss = _evaluate(gpt, val)
+        if isinstance(algo, StreamingDiLoCo):
+            val_loss = _evaluate_with(gpt, val, algo.anchor_views)
+        else:
+            val_loss = _evaluate(gpt, val)
         if progress is not None:
             progress.eval(step, val_loss, rounds(), time.perf_counter() - t0)
         return val_loss
@@ -279,7 +322,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         if algo is not None:
             algo.step()
         if progress is not None:
-            progress.step(step, float(loss.detach()), lr)
+            progress.step(step, loss, lr, flush=step % eval_interval == 0 or step == cfg.steps)
         if step % eval_interval == 0 and step < cfg.steps:
             evaluate(step)
 
@@ -303,6 +346,8 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     save_checkpoint(
         os.path.join(cfg.out, "checkpoint.pt"),
         {
+            "rank": 0,
+            "note": CHECKPOINT_NOTE,
             "step": cfg.steps,
             "config": cfg.to_dict(),
             "world_size": world,
@@ -335,9 +380,21 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
 
 class _Progress:
     """Rank 0's reporting: ``metrics.jsonl`` records, and a tqdm bar on a terminal (a log line
-    per evaluation otherwise, so logs stay readable)."""
+    per evaluation otherwise, so logs stay readable).
 
-    def __init__(self, cfg: TrainConfig, world: int, tokens_per_step: int, stats: Any) -> None:
+    Each step's loss is added to a running sum on the device; the sum is read back, written as
+    one ``step`` record (the mean) and the bar moved on only every ``log_every`` steps and when
+    the loop asks (before an evaluation, at the last step).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        world: int,
+        tokens_per_step: int,
+        stats: Any,
+        device: torch.device,
+    ) -> None:
         self.cfg = cfg
         self.tokens_per_step = tokens_per_step
         self.stats = stats
@@ -346,6 +403,8 @@ class _Progress:
         self.eval_s = 0.0
         self.loss = float("nan")
         self.val = float("nan")
+        self._loss_sum = torch.zeros((), device=device)
+        self._last_step = 0  # the step of the last record
         self.bar = None
         if sys.stderr.isatty():
             from tqdm.auto import tqdm
@@ -370,13 +429,22 @@ class _Progress:
             "hidden": "-" if hidden is None else f"{hidden:.0%}",
         }
 
-    def step(self, step: int, loss: float, lr: float) -> None:
-        self.loss = loss
+    def step(self, step: int, loss: torch.Tensor, lr: float, *, flush: bool = False) -> None:
+        """Add step ``step``'s loss; record the mean since the last record every ``log_every``
+        steps, or now when ``flush``."""
+        self._loss_sum.add_(loss.detach())
+        if not flush and step % self.cfg.log_every:
+            return
+        n = step - self._last_step
+        self.loss = float(self._loss_sum) / n  # the one device sync per record
+        self._loss_sum.zero_()
+        self._last_step = step
         self.writer.write(
             {
                 "kind": "step",
                 "step": step,
-                "loss": loss,
+                "steps": n,
+                "loss": self.loss,
                 "lr": lr,
                 "tokens": step * self.tokens_per_step,
                 "elapsed_s": time.perf_counter() - self.t_start,
@@ -384,7 +452,7 @@ class _Progress:
         )
         if self.bar is not None:
             self.bar.set_postfix(self._postfix(step), refresh=False)
-            self.bar.update(1)
+            self.bar.update(n)
 
     def eval(self, step: int, val_loss: float, rounds: int, eval_s: float) -> None:
         self.eval_s += eval_s

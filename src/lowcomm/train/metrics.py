@@ -1,18 +1,32 @@
 """What a ``lowcomm train`` run leaves in its folder, and how it is written.
 
 * ``config.json``: the resolved configuration;
-* ``metrics.jsonl``: one JSON object per line, ``{"kind": "step", "step", "loss", "lr",
-  "tokens", "elapsed_s"}`` per inner step (rank 0's training loss) and ``{"kind": "eval",
-  "step", "val_loss", "tokens", "elapsed_s", "rounds", <rank 0's CommStats>}`` per evaluation;
-* ``checkpoint.pt``: model, inner optimizer and algorithm state of rank 0, config and step;
-  plain dicts, tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it;
+* ``metrics.jsonl``: one JSON object per line:
+
+  - ``{"kind": "step", "step", "steps", "loss", "lr", "tokens", "elapsed_s"}`` every
+    ``log_every`` inner steps, before every evaluation and at the last step: ``loss`` is rank 0's
+    training loss averaged over the ``steps`` inner steps that end at ``step`` (every step's loss
+    is in exactly one record), ``lr`` the inner learning rate of step ``step``;
+  - ``{"kind": "eval", "step", "val_loss", "tokens", "elapsed_s", "rounds", <rank 0's
+    CommStats>}`` per evaluation;
+
+* ``checkpoint.pt``: **rank 0's** final state only: its model, inner optimizer and algorithm
+  state (``"rank": 0``), with the config, world size and step. Other ranks' inner optimizer and
+  algorithm states are not saved, so it is a trained model to load, not a point to resume a
+  multi-worker run from. Plain dicts, tensors, numbers and strings, so
+  ``torch.load(weights_only=True)`` reads it;
 * ``loss.png``: training and validation loss against step;
 * ``summary.json``: totals, throughput, validation loss start and end, communication counters per
-  worker and their mean.
+  worker and their mean;
+* ``error-rank<r>.txt``: the traceback of a worker that failed, if one did.
+
+A folder holding :data:`RUN_FILES` is a previous run: ``lowcomm train`` refuses it unless told to
+overwrite it, and then removes :func:`previous_run_files` first.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -21,7 +35,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsWriter", "plot_losses", "read_metrics", "save_checkpoint", "write_json"]
+__all__ = [
+    "CHECKPOINT_NOTE",
+    "RUN_FILES",
+    "MetricsWriter",
+    "plot_losses",
+    "previous_run_files",
+    "read_metrics",
+    "save_checkpoint",
+    "write_json",
+]
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt")
+"""Files whose presence marks a folder as holding a run."""
+
+CHECKPOINT_NOTE = (
+    "rank 0's final state only (model, inner optimizer, algorithm); the other ranks' optimizer "
+    "and algorithm states are not saved, so this is not a resume point for a multi-worker run"
+)
+"""The ``"note"`` stored in ``checkpoint.pt``."""
+
+
+def previous_run_files(folder: str) -> list[str]:
+    """Paths of the files a ``lowcomm train`` run writes that exist in ``folder``: the
+    :data:`RUN_FILES`, ``loss.png`` and ``error-rank*.txt``."""
+    names = [*RUN_FILES, "loss.png"]
+    paths = [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
+    return paths + sorted(glob.glob(os.path.join(glob.escape(folder), "error-rank*.txt")))
 
 
 def _json_safe(value: Any) -> Any:
