@@ -397,3 +397,16 @@ def test_train_localsgd_in_process_as_torchrun_rank(
     summary = _check_run(out, "localsgd", workers=1)
     assert summary["comm_mean"]["rounds"] == 2
     assert capsys.readouterr().out.count("val loss") == 1
+
+
+@pytest.mark.timeout(180)
+def test_train_cocodc_end_to_end(tmp_path: Any) -> None:
+    out = str(tmp_path / "cocodc")
+    argv = ["train", "--algo", "cocodc", *TINY, "--n-layer", "2", "--sync-every", "2"]
+    assert main([*argv, "--num-fragments", "2", "--overlap", "1", "--out", out]) == 0
+    summary = _check_run(out, "cocodc", evals=(0, 4, 6))  # eval every 3 -> every 4 (H=2)
+    # one fragment launched per sync point (every step), plus one small priority all-reduce each
+    assert summary["comm_mean"]["collectives"] >= 2 * 6 - 2
+    ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+    assert ckpt["algorithm"]["algorithm"] == "cocodc"
+    assert len(ckpt["algorithm"]["snapshots"]) == 2
