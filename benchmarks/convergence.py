@@ -148,9 +148,10 @@ def main() -> None:
         f"{args.steps} inner steps each, sync every {args.sync_every} steps "
         f"({args.fragments} fragments for Streaming DiLoCo and CoCoDC), seeds "
         f"{', '.join(map(str, args.seeds))}; mean over seeds, spread = max − min. "
-        f"Target for 'steps to target': {target:.3f} (the worst method's final loss).",
+        f"Target for 'steps to target': {target:.3f} (the worst method's mean final loss); "
+        "a mean is given only when every seed reached it.",
         "",
-        "| method | final val loss | spread | steps to target | per seed |",
+        "| method | final val loss | spread | steps to target (mean) | per seed (-: not reached) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for label, mean_final, spread, mean_reach, reach in sorted(rows, key=lambda r: r[1]):
