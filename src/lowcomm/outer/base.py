@@ -151,20 +151,29 @@ class OuterAlgorithm:
     def world_size(self) -> int:
         return self.comm.world_size
 
+    _discards_partial_round = True
+    """Whether :meth:`finish` drops the steps taken since the last round boundary (and warns)."""
+
     def step(self) -> None:
         """Call once after every inner ``optimizer.step()``; ends a round every H calls."""
         self.local_step += 1
+        with torch.no_grad():
+            self._on_step(self.local_step)
         if self.local_step % self.sync_every == 0:
-            with torch.no_grad(), record_function(f"{self._profile_tag}::round"):
-                self._end_round()
             self.rounds += 1
+
+    def _on_step(self, step: int) -> None:
+        """The schedule: end a round every ``sync_every`` steps (fragment methods override)."""
+        if step % self.sync_every == 0:
+            with record_function(f"{self._profile_tag}::round"):
+                self._end_round()
 
     def finish(self) -> None:
         """Drain in-flight communication and apply it; afterwards θ equals the anchor on every
         rank. Idempotent. Inner steps taken since the last round boundary are not
         synchronised and are discarded (a warning says how many)."""
         partial = self.local_step % self.sync_every
-        if partial and self._warned_partial_at != self.local_step:
+        if self._discards_partial_round and partial and self._warned_partial_at != self.local_step:
             self._warned_partial_at = self.local_step
             warnings.warn(
                 f"{type(self).__name__}.finish() discards {partial} inner step(s) taken since "

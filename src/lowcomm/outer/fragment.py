@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lowcomm.comm import Communicator, FlatBuckets, Handle
+from lowcomm.outer.base import clone_views
 from lowcomm.outer.functional import pseudo_gradient_
 
 __all__ = ["Fragment", "OuterOptimizerFactory"]
@@ -78,9 +79,9 @@ class Fragment:
         pending = None
         if self.pending is not None:
             self.pending.wait()  # completed, not applied: resuming gives the same numbers
-            pending = [v.detach().clone() for v in self.delta.views]
+            pending = clone_views(self.delta)
         return {
-            "anchor": [v.detach().clone() for v in self.anchor.views],
+            "anchor": clone_views(self.anchor),
             # a snapshot: the optimizer's own state_dict refers to its live tensors
             "outer_optimizer": copy.deepcopy(self.outer.state_dict()),
             "pending_avg_delta": pending,

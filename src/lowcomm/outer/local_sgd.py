@@ -80,15 +80,13 @@ class LocalSGD(OuterAlgorithm):
             self._buf.copy_to(self.params)
         self._last_sync = self.local_step
 
-    def finish(self) -> None:
-        """Average once more if steps were taken since the last round, so that every rank
-        holds the same parameters and no local work is lost. Idempotent."""
-        if self.local_step != self._last_sync:
-            with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
-                self._end_round()
+    _discards_partial_round = False
 
     def _finish(self) -> None:
-        pass
+        # Average once more if steps were taken since the last round, so that every rank holds
+        # the same parameters and no local work is lost.
+        if self.local_step != self._last_sync:
+            self._end_round()
 
     def _extra_state(self) -> dict[str, Any]:
         return {"last_sync": self._last_sync}

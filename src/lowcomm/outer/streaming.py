@@ -281,34 +281,25 @@ class StreamingDiLoCo(OuterAlgorithm):
         frag.anchor.copy_to(frag.params)
         torch._foreach_lerp_([p.detach() for p in frag.params], local, self.mix)
 
-    def step(self) -> None:
-        """Call once after every inner ``optimizer.step()``."""
-        self.local_step += 1
-        s = self.local_step
-        with torch.no_grad():
-            # Launch before syncing: with τ = 0 both concern the same fragment at this step.
-            if (s + self.overlap) % self.interval == 0:
-                self._launch((s + self.overlap) // self.interval)
-            # With τ ≥ H/P the first sync points would have launched before step 1: skipped.
-            if s % self.interval == 0 and s - self.overlap >= 1:
-                self._sync(s // self.interval)
-        if s % self.sync_every == 0:
-            self.rounds += 1
+    # Fragments are synced at their own sync points, not at round boundaries; the docstring
+    # says what finish() drops.
+    _discards_partial_round = False
 
-    def finish(self) -> None:
-        """Apply every all-reduce still in flight, then reset every fragment to its anchor so
-        that all ranks agree. Idempotent."""
-        with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
-            for k in sorted(self._in_flight):
-                self._sync(k)
-            for frag in self.fragments:
-                frag.anchor.copy_to(frag.params)
+    def _on_step(self, step: int) -> None:
+        # Launch before syncing: with τ = 0 both concern the same fragment at this step.
+        if (step + self.overlap) % self.interval == 0:
+            self._launch((step + self.overlap) // self.interval)
+        # With τ ≥ H/P the first sync points would have launched before step 1: skipped.
+        if step % self.interval == 0 and step - self.overlap >= 1:
+            self._sync(step // self.interval)
 
-    def _end_round(self) -> None:  # pragma: no cover - step() is overridden
-        raise AssertionError("StreamingDiLoCo schedules its own sync points")
-
-    def _finish(self) -> None:  # pragma: no cover - finish() is overridden
-        raise AssertionError("StreamingDiLoCo.finish() is overridden")
+    def _finish(self) -> None:
+        # Apply every all-reduce still in flight, then reset every fragment to its anchor so
+        # that all ranks agree.
+        for k in sorted(self._in_flight):
+            self._sync(k)
+        for frag in self.fragments:
+            frag.anchor.copy_to(frag.params)
 
     # -- state -------------------------------------------------------------------------------
 
