@@ -1,9 +1,10 @@
 """Shared machinery of the outer-loop algorithms: parameters, step counting, anchors, hooks, state.
 
 An algorithm is driven by :meth:`OuterAlgorithm.step`, called once after every inner
-``optimizer.step()``; every ``sync_every`` (H) calls it ends a round with :meth:`_end_round`,
-which subclasses implement. Subclasses also implement :meth:`_finish` (drain in-flight work) and
-extend :meth:`_extra_state` / :meth:`_load_extra_state`.
+``optimizer.step()``, which hands the step to the schedule :meth:`_on_step`: by default every
+``sync_every`` (H) calls end a round with :meth:`_end_round`, which subclasses implement (the
+fragment methods replace the schedule itself). Subclasses also implement :meth:`_finish` (drain
+in-flight work) and extend :meth:`_extra_state` / :meth:`_load_extra_state`.
 """
 
 from __future__ import annotations
