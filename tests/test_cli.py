@@ -55,6 +55,7 @@ def _one_error_line(capsys: Any) -> str:
             ["--algo", "streaming", "--sync-every", "12", "--num-fragments", "5"],
             "lowcomm train: error: --sync-every (12) must be a multiple of num_fragments=5",
         ),
+        (["--link", "fast"], "lowcomm train: error: --link 'fast' is neither a profile"),
         (
             ["--algo", "cocodc", "--lambda0", "-1"],
             "lowcomm train: error: --lambda0 must be a finite number >= 0, got -1.0",
@@ -410,3 +411,18 @@ def test_train_cocodc_end_to_end(tmp_path: Any) -> None:
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ckpt["algorithm"]["algorithm"] == "cocodc"
     assert len(ckpt["algorithm"]["snapshots"]) == 2
+
+
+@pytest.mark.timeout(180)
+def test_train_over_an_emulated_link_is_labelled_emulated(tmp_path: Any, capsys: Any) -> None:
+    out = str(tmp_path / "ddp-link")
+    # 10 kbit/s: each step's gradient all-reduce (~70 KB) takes seconds on the emulated link
+    argv = ["train", "--algo", "ddp", *TINY, "--steps", "2", "--eval-every", "2"]
+    assert main([*argv, "--link", "1000kbit:1ms", "--out", out]) == 0
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["link"] == "1000kbit:1ms (emulated)"
+    wire = summary["comm_mean"]["wire_bytes"]
+    # every byte went through the emulated link: the blocked time is at least its transfer time
+    assert summary["comm_mean"]["blocked_s"] >= 0.9 * 8 * wire / 1e6
+    assert "(emulated)" in capsys.readouterr().out

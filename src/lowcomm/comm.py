@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -274,6 +275,10 @@ class Communicator:
         return h
 
 
+class _LinkSchedule(Protocol):
+    def schedule(self, now: float, wire_bytes: int) -> float: ...
+
+
 class DDPCommMeter:
     """Counts the gradient all-reduces of a ``DistributedDataParallel`` model, for comparison.
 
@@ -281,11 +286,14 @@ class DDPCommMeter:
     all-reduce SUM asynchronously) and records payload and ring wire bytes, and each bucket's
     time in flight. DDP overlaps bucket all-reduces with the rest of backward; after the last
     bucket is launched backward only waits, so the time blocked is measured as the time from the
-    last launch until ``backward()`` returns: call :meth:`backward_done` right after it.
+    last launch until ``backward()`` returns: call :meth:`backward_done` right after it. With
+    ``link`` (a :class:`lowcomm.link.LinkModel`) each bucket completes no earlier than the
+    emulated link could have carried it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, link: _LinkSchedule | None = None) -> None:
         self.stats = CommStats()
+        self.link = link
         self._last_launch: float | None = None
         self._world_size = 1
         self._group: dist.ProcessGroup | None = None
@@ -308,9 +316,15 @@ class DDPCommMeter:
         tensor.div_(n)
         t_launch = time.perf_counter()
         meter._last_launch = t_launch
+        done_at = None
+        if meter.link is not None:
+            done_at = meter.link.schedule(time.monotonic(), ring_wire_bytes(payload, n))
         fut = dist.all_reduce(tensor, group=meter._group, async_op=True).get_future()
 
         def _done(f: torch.futures.Future) -> torch.Tensor:
+            if done_at is not None and done_at > time.monotonic():
+                # emulated link: not complete before the link could have carried it
+                time.sleep(max(0.0, done_at - time.monotonic()))
             meter.stats.in_flight_s += time.perf_counter() - t_launch
             return f.value()[0]
 

@@ -159,6 +159,10 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     """Size of the flat communication buckets, in MiB (one collective per bucket)."""
 
+    link: str | None = None
+    """Emulated slow link for every collective: a profile (rdma-800g, tcp-80g, 1gbit, 100mbit,
+    10mbit) or RATE:LATENCY such as 100mbit:20ms; unset: the real network."""
+
     # --- data ------------------------------------------------------------------------------
     data: str | None = None
     """UTF-8 text file or folder of text files (byte-level tokens); unset: the embedded corpus."""
@@ -238,6 +242,13 @@ class TrainConfig:
             raise ConfigError(
                 "algo", f"must be one of {', '.join(ALGORITHM_CHOICES)}, got {self.algo!r}"
             )
+        if self.link is not None:
+            from lowcomm.link import EmulatedLink
+
+            try:
+                EmulatedLink.parse(str(self.link))
+            except ValueError as e:
+                raise ConfigError("link", str(e).removeprefix("link ")) from None
         for key in ("workers", "steps", "sync_every", "batch_size", "block_size"):
             _check_int(key, getattr(self, key), low=1)
         for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches", "log_every"):

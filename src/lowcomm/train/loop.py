@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowcomm.link import EmulatedLink
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.metrics import (
     CHECKPOINT_NOTE,
@@ -249,18 +250,22 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
 
     algo = None
     meter = None
+    link = EmulatedLink.parse(cfg.link) if cfg.link is not None else None
     if cfg.algo == "ddp":
         ddp_kwargs: dict[str, Any] = {"bucket_cap_mb": cfg.bucket_cap_mb}
         if device.type == "cuda":
             ddp_kwargs["device_ids"] = [device.index]
         model: nn.Module = nn.parallel.DistributedDataParallel(gpt, **ddp_kwargs)
-        meter = DDPCommMeter()
+        meter = DDPCommMeter(link=link.model() if link is not None else None)
         meter.register(model)  # type: ignore[arg-type]
         stats = meter.stats
     else:
         model = gpt
+        outer_group = link.communicator() if link is not None else None
         # The model itself, not its parameters: streaming builds its fragments from its blocks.
-        algo = cfg.algorithm_class()(gpt, inner, **cfg.algorithm_kwargs())
+        algo = cfg.algorithm_class()(
+            gpt, inner, process_group=outer_group, **cfg.algorithm_kwargs()
+        )
         stats = algo.stats
 
     gen = make_generator(cfg.seed, rank)
@@ -548,6 +553,7 @@ def _summary(
         "workers": world,
         "steps": cfg.steps,
         "sync_every": cfg.sync_every if cfg.algo != "ddp" else 1,
+        "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         "parameters": n_params,
         "tokens": tokens,
         "wall_time_s": wall_s,

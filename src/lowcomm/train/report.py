@@ -29,6 +29,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
     rows = [
         ("algorithm", f"{algo} (sync {sync})"),
         ("workers", str(summary["workers"])),
+        ("link", summary.get("link") or "real network"),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
         (
