@@ -296,8 +296,9 @@ def _check_run(
     mean = summary["comm_mean"]
     for key in ("payload_bytes", "wire_bytes", "payload_bytes_per_step", "blocked_s"):
         assert key in mean
-    assert mean["payload_bytes"] > 0
-    assert (mean["wire_bytes"] > 0) == (workers > 1)  # a ring of one sends nothing
+    communicates = algo != "none"
+    assert (mean["payload_bytes"] > 0) == communicates
+    assert (mean["wire_bytes"] > 0) == (communicates and workers > 1)  # a ring of one: nothing
     assert "hidden_fraction" in mean
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ckpt["step"] == steps and ckpt["config"]["algo"] == algo
@@ -426,3 +427,12 @@ def test_train_over_an_emulated_link_is_labelled_emulated(tmp_path: Any, capsys:
     # every byte went through the emulated link: the blocked time is at least its transfer time
     assert summary["comm_mean"]["blocked_s"] >= 0.9 * 8 * wire / 1e6
     assert "(emulated)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(180)
+def test_train_without_synchronisation_is_the_ceiling(tmp_path: Any) -> None:
+    out = str(tmp_path / "none")
+    assert main(["train", "--algo", "none", *TINY, "--out", out]) == 0
+    summary = _check_run(out, "none")
+    assert summary["sync_every"] is None
+    assert summary["comm_mean"]["payload_bytes"] == 0 and summary["comm_mean"]["collectives"] == 0

@@ -44,7 +44,7 @@ def test_every_field_has_a_docstring() -> None:
             "algo",
             "adam",
             "must be one of co2, co2-eager, diloco, streaming, cocodc, localsgd, slowmo, ddp, "
-            "got 'adam'",
+            "none, got 'adam'",
         ),
         ("workers", 0, "must be >= 1, got 0"),
         ("steps", -5, "must be >= 1, got -5"),

@@ -100,7 +100,8 @@ def _add_train(subparsers: Any) -> None:
         help="train a small GPT with a communication-efficient algorithm",
         description=(
             "Train a small GPT on local worker processes (or under torchrun) with CO2 (plain or "
-            "with eager updates), DiLoCo, Streaming DiLoCo, LocalSGD, SlowMo or synchronous DDP, "
+            "with eager updates), DiLoCo, Streaming DiLoCo, CoCoDC, LocalSGD, SlowMo, synchronous "
+            "DDP, or no synchronisation at all (the throughput ceiling), "
             "and write metrics, a checkpoint, a loss plot and a summary to the output folder. "
             "Outer-loop flags that do not apply to --algo are ignored with a warning. "
             "Precedence: defaults < --config file < flags."
@@ -146,7 +147,12 @@ def _describe_key(key: str, sources: dict[str, str]) -> str:
 
 
 def _run_train(args: argparse.Namespace, prog: str) -> int:
-    from lowcomm.train.config import ConfigError, config_from_dict, read_toml
+    from lowcomm.train.config import (
+        NO_OUTER_ALGORITHM,
+        ConfigError,
+        config_from_dict,
+        read_toml,
+    )
     from lowcomm.train.launcher import (
         WorkerFailed,
         check_environment,
@@ -181,7 +187,7 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         logger.warning(
             "%s does not apply to --algo %s and is ignored", _describe_key(key, sources), cfg.algo
         )
-    if cfg.algo != "ddp" and cfg.steps % cfg.sync_every:
+    if cfg.algo not in NO_OUTER_ALGORITHM and cfg.steps % cfg.sync_every:
         logger.warning(
             "--steps %d is not a multiple of --sync-every %d: the last %d step(s) are not "
             "synchronised and are discarded at the end",

@@ -69,6 +69,7 @@ ALGORITHM_CHOICES = (
     "localsgd",
     "slowmo",
     "ddp",
+    "none",
 )
 """Values of ``--algo``; ``ddp`` is the synchronous DistributedDataParallel baseline."""
 
@@ -91,8 +92,13 @@ OUTER_KEYS: dict[str, tuple[str, ...]] = {
     "localsgd": (),
     "slowmo": ("outer_lr", "outer_momentum"),
     "ddp": (),
+    "none": (),
 }
 """The outer-loop keywords each algorithm takes (besides ``sync_every`` and ``bucket_cap_mb``)."""
+
+NO_OUTER_ALGORITHM = ("ddp", "none")
+"""``--algo`` values without a lowcomm algorithm: the DDP baseline, and ``none``, the no-sync
+ceiling (the same workers training with no communication at all, for throughput comparisons)."""
 
 JOB_ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {"co2-eager": ("co2", {"eager": True})}
 """``--algo`` values that are a ``lowcomm.outer.ALGORITHMS`` entry with fixed keywords; every other
@@ -145,7 +151,8 @@ class TrainConfig:
     # --- job -------------------------------------------------------------------------------
     algo: str = "co2"
     """Outer-loop algorithm: co2, co2-eager (CO2 with eager updates), diloco, streaming (Streaming
-    DiLoCo), cocodc, localsgd, slowmo, or ddp (synchronous baseline)."""
+    DiLoCo), cocodc, localsgd, slowmo, ddp (synchronous baseline), or none (no synchronisation:
+    the throughput ceiling)."""
     workers: int = 2
     """Local worker processes to launch (ignored under torchrun, which sets the world size)."""
     steps: int = 960
@@ -307,7 +314,7 @@ class TrainConfig:
         # Any other string is left for the algorithm to reject.
         if isinstance(self.clip, str) and self.clip.lower() == "none":
             self.clip = "none"
-        if self.algo == "ddp":
+        if self.algo in NO_OUTER_ALGORITHM:
             return
         try:
             cls = self.algorithm_class()
@@ -355,7 +362,7 @@ class TrainConfig:
         plus the outer hyperparameters the user set that apply to the algorithm (else
         :data:`JOB_OUTER_DEFAULTS`); ``clip="none"`` becomes ``clip=None`` (no clipping).
         """
-        if self.algo == "ddp":
+        if self.algo in NO_OUTER_ALGORITHM:
             return {}
         kwargs: dict[str, Any] = {
             "sync_every": self.sync_every,
@@ -380,7 +387,7 @@ class TrainConfig:
     def eval_interval(self) -> int:
         """``eval_every`` rounded up to a multiple of ``sync_every`` (ddp: unchanged), so that
         every evaluation sees the consensus model right after a round boundary."""
-        if self.algo == "ddp":
+        if self.algo in NO_OUTER_ALGORITHM:
             return self.eval_every
         return math.ceil(self.eval_every / self.sync_every) * self.sync_every
 

@@ -224,7 +224,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
 
     Returns the run summary on rank 0, ``None`` elsewhere.
     """
-    from lowcomm.comm import DDPCommMeter
+    from lowcomm.comm import CommStats, DDPCommMeter
     from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
     from lowcomm.models.gpt import GPT, GPTConfig
     from lowcomm.outer import StreamingDiLoCo
@@ -259,6 +259,9 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         meter = DDPCommMeter(link=link.model() if link is not None else None)
         meter.register(model)  # type: ignore[arg-type]
         stats = meter.stats
+    elif cfg.algo == "none":
+        model = gpt  # the no-sync ceiling: every worker trains alone
+        stats = CommStats()
     else:
         model = gpt
         outer_group = link.communicator() if link is not None else None
@@ -552,7 +555,7 @@ def _summary(
         "out": cfg.out,
         "workers": world,
         "steps": cfg.steps,
-        "sync_every": cfg.sync_every if cfg.algo != "ddp" else 1,
+        "sync_every": {"ddp": 1, "none": None}.get(cfg.algo, cfg.sync_every),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         "parameters": n_params,
         "tokens": tokens,

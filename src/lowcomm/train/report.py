@@ -20,7 +20,9 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
     """
     comm = summary.get("comm_mean") or {}
     algo = summary["algo"]
-    sync = "every step" if algo == "ddp" else f"every {summary.get('sync_every')} steps"
+    sync = {"ddp": "every step", "none": "never: the no-sync ceiling"}.get(
+        algo, f"every {summary.get('sync_every')} steps"
+    )
     hidden = comm.get("hidden_fraction")
     tps = summary.get("tokens_per_s")
     wall = f"{summary['wall_time_s']:.1f} s training loop"
