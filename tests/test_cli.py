@@ -287,6 +287,10 @@ def _check_run(
     for r in eval_records:
         assert {"val_loss", "payload_bytes", "wire_bytes", "blocked_s", "in_flight_s"} <= set(r)
         assert r["val_loss"] is not None
+        # training time excludes evaluations: never more than the wall time, never decreasing
+        assert 0 <= r["train_s"] <= r["elapsed_s"]
+    train_times = [r["train_s"] for r in eval_records]
+    assert train_times == sorted(train_times)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["algo"] == algo and summary["workers"] == workers

@@ -8,6 +8,7 @@ Library code only logs.
     lowcomm train --algo diloco --workers 4 --steps 300
     lowcomm train --algo streaming --num-fragments 2 --overlap 1
     lowcomm train --config co2.toml --sync-every 24 # flags override the file
+    lowcomm bench --quick                           # throughput over emulated slow links
 """
 
 from __future__ import annotations
@@ -232,6 +233,9 @@ def _build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     subparsers = parser.add_subparsers(dest="_command", metavar="COMMAND")
     _add_train(subparsers)
+    from lowcomm.bench.cli import add_subcommand as add_bench
+
+    add_bench(subparsers)
     return parser
 
 
@@ -270,9 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         if extra:
             return _fail(parser.prog, f"unrecognized arguments: {' '.join(extra)}")
-        return _fail(parser.prog, "choose a command: train")
+        return _fail(parser.prog, "choose a command: train, bench")
     prog = f"{parser.prog} {args._command}"
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging()
-    return int(run(args, prog))
+    try:
+        return int(run(args, prog))
+    except ValueError as e:  # a bad setting the command found after parsing
+        return _fail(prog, str(e))

@@ -241,6 +241,8 @@ class TrainConfig:
     """Output folder; unset: runs/<name>/."""
     overwrite: bool = False
     """Replace the files of a previous run in the output folder (refused otherwise)."""
+    quiet: bool = False
+    """Workers log warnings only: no progress bar, no start-up or per-evaluation lines."""
     name: str | None = None
     """Run name; unset: <algo>-<YYYYmmdd-HHMMSS>."""
 
@@ -286,8 +288,9 @@ class TrainConfig:
             raise ConfigError(
                 "backend", f"must be one of {', '.join(_BACKENDS)}, got {self.backend!r}"
             )
-        if not isinstance(self.overwrite, bool):
-            raise ConfigError("overwrite", f"must be true or false, got {self.overwrite!r}")
+        for key in ("overwrite", "quiet"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.data is not None:
             _check_string("data", self.data)
             if not os.path.exists(os.path.expanduser(self.data)):

@@ -77,11 +77,11 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _setup_worker_logging(rank: int) -> None:
+def _setup_worker_logging(rank: int, quiet: bool = False) -> None:
     # Spawned workers start with a fresh interpreter: configure the lowcomm loggers again.
     # Under torchrun the CLI in this same process has configured them already.
     root = logging.getLogger("lowcomm")
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.setLevel(logging.INFO if rank == 0 and not quiet else logging.WARNING)
     if root.handlers:
         return
     handler = logging.StreamHandler()
@@ -141,7 +141,7 @@ def _record_failure(folder: str, rank: int, error: BaseException) -> None:
 def _run_worker(cfg: TrainConfig, launched_locally: bool, rank: int) -> dict[str, Any] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    _setup_worker_logging(rank)
+    _setup_worker_logging(rank, cfg.quiet)
     # Workers on one machine share its cores; oversubscribing them slows everyone down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
@@ -414,7 +414,7 @@ class _Progress:
         self._loss_sum = torch.zeros((), device=device)
         self._last_step = 0  # the step of the last record
         self.bar = None
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() and not cfg.quiet:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(
@@ -463,6 +463,9 @@ class _Progress:
             self.bar.update(n)
 
     def eval(self, step: int, val_loss: float, rounds: int, eval_s: float) -> None:
+        now = time.perf_counter()
+        # Training time up to this evaluation: wall time less every evaluation so far.
+        train_s = now - eval_s - self.t_start - self.eval_s
         self.eval_s += eval_s
         self.val = val_loss
         self.writer.write(
@@ -471,7 +474,8 @@ class _Progress:
                 "step": step,
                 "val_loss": val_loss,
                 "tokens": step * self.tokens_per_step,
-                "elapsed_s": time.perf_counter() - self.t_start,
+                "elapsed_s": now - self.t_start,
+                "train_s": train_s,
                 "rounds": rounds,
                 **self.stats.as_dict(),
             }

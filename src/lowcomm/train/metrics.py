@@ -7,8 +7,9 @@
     ``log_every`` inner steps, before every evaluation and at the last step: ``loss`` is rank 0's
     training loss averaged over the ``steps`` inner steps that end at ``step`` (every step's loss
     is in exactly one record), ``lr`` the inner learning rate of step ``step``;
-  - ``{"kind": "eval", "step", "val_loss", "tokens", "elapsed_s", "rounds", <rank 0's
-    CommStats>}`` per evaluation;
+  - ``{"kind": "eval", "step", "val_loss", "tokens", "elapsed_s", "train_s", "rounds",
+    <rank 0's CommStats>}`` per evaluation; ``train_s`` is the training time before it (the
+    wall time since the start less every evaluation's time);
 
 * ``checkpoint.pt``: **rank 0's** final state only: its model, inner optimizer and algorithm
   state (``"rank": 0``), with the config, world size and step. Other ranks' inner optimizer and

@@ -1,0 +1,8 @@
+"""``lowcomm bench``: throughput, communication and convergence of the algorithms over emulated
+(and, where permitted, real tc-shaped) links, against the no-sync ceiling measured in the same run,
+plus a micro-benchmark of lowcomm's per-step overhead. See :mod:`lowcomm.bench.matrix`."""
+
+from lowcomm.bench.matrix import BenchSpec, Cell, interpolate_time_to_target, run_bench
+from lowcomm.bench.overhead import measure_overhead
+
+__all__ = ["BenchSpec", "Cell", "interpolate_time_to_target", "measure_overhead", "run_bench"]

@@ -1,0 +1,133 @@
+"""``lowcomm bench``: the command-line front of :func:`lowcomm.bench.run_bench`.
+
+lowcomm bench --quick                          # < 5 minutes on 2 cores
+lowcomm bench                                  # the full matrix
+lowcomm bench --algos co2,ddp --links 1gbit,100mbit --workers 2,4 --steps 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any
+
+__all__ = ["add_subcommand"]
+
+
+def _csv(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if text.strip().lower() == "none":
+        return []
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _int_csv(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 2,4, got {text!r}"
+        ) from None
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``bench`` on the ``lowcomm`` command's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark the algorithms over emulated (and real) slow links",
+        description=(
+            "Run a matrix of lowcomm train jobs (algorithms x link profiles x worker counts, "
+            "same data, steps and seed) plus the no-sync ceiling measured in the same run, "
+            "an emulated-against-real link check (root, tc) and a hook-overhead "
+            "micro-benchmark; write results.json, results.md, throughput.png and "
+            "loss_vs_time.png to --out. Flags given with --quick override its preset."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        default=False,
+        help="the small matrix: ddp, co2, diloco on tcp-80g, 1gbit, 100mbit; 2 workers; 72 steps",
+    )
+    p.add_argument("--algos", type=_csv, metavar="A,B", help="algorithms (lowcomm train --algo)")
+    p.add_argument("--links", type=_csv, metavar="L,M", help="link profiles or RATE:LATENCY values")
+    p.add_argument("--workers", type=_int_csv, metavar="N,M", help="worker counts")
+    p.add_argument("--steps", type=int, metavar="N", help="inner steps per worker per cell")
+    p.add_argument("--sync-every", dest="sync_every", type=int, metavar="H", help="round length")
+    p.add_argument("--seed", type=int, metavar="N", help="seed for every cell")
+    p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N")
+    p.add_argument("--eval-batches", dest="eval_batches", type=int, metavar="N")
+    p.add_argument(
+        "--target-loss",
+        dest="target_loss",
+        type=float,
+        metavar="X",
+        help="validation loss for the time-to-target column (default: the highest final loss "
+        "of the matrix, which every cell reaches)",
+    )
+    p.add_argument(
+        "--real-links",
+        dest="real_links",
+        type=_csv,
+        metavar="L,M|none",
+        help="links to also run on real tc-shaped network namespaces (default 100mbit; "
+        "needs root and iproute2, skipped with a message otherwise)",
+    )
+    p.add_argument(
+        "--real-algos", dest="real_algos", type=_csv, metavar="A,B", help="default ddp,co2"
+    )
+    p.add_argument(
+        "--overhead",
+        action=argparse.BooleanOptionalAction,
+        help="run the hook-overhead micro-benchmark (default on)",
+    )
+    p.add_argument("--overhead-algos", dest="overhead_algos", type=_csv, metavar="A,B")
+    p.add_argument("--data", metavar="PATH", help="text file or folder (default: embedded)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=False,
+        help="replace the results of a previous bench run in --out",
+    )
+    p.set_defaults(_run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace, prog: str) -> int:
+    from lowcomm.bench.matrix import BenchSpec, run_bench
+    from lowcomm.bench.report import format_markdown
+    from lowcomm.train.launcher import WorkerFailed
+
+    values = {
+        k: v
+        for k, v in vars(args).items()
+        if not k.startswith("_") and k not in ("quick", "overwrite", "data")
+    }
+    if getattr(args, "data", None) is not None:
+        values["train_overrides"] = {"data": args.data}
+    spec = BenchSpec.quick_preset(**values) if args.quick else BenchSpec(**values)
+    results_path = os.path.join(spec.out, "results.json")
+    if os.path.exists(results_path) and not args.overwrite:
+        raise ValueError(
+            f"--out {spec.out!r} already holds bench results; choose another folder or pass "
+            "--overwrite"
+        )
+    command = "lowcomm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def progress(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    try:
+        results = run_bench(spec, command=command, progress=progress)
+    except WorkerFailed as e:
+        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
+        print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
+        return 1
+    print(format_markdown(results))
+    print(f"results: {results_path} (+ results.md, throughput.png, loss_vs_time.png)")
+    return 0

@@ -1,0 +1,568 @@
+"""The benchmark matrix: algorithms × link profiles × worker counts, one ``lowcomm train`` job per
+cell, every cell on the same data, steps and seed.
+
+A cell is a real multi-process training job (:func:`lowcomm.train.launcher.launch`), so what it
+measures is what a user of ``lowcomm train`` gets: tokens per second of training time
+(evaluations excluded), the communication counters of every worker, and the validation curve.
+
+Besides the matrix, a run measures:
+
+* **the ceiling**, per worker count: the same processes training with no synchronisation at all
+  (``--algo none``). It runs first and again last; the mean is the ceiling every cell is divided
+  by, and the difference between the two runs is reported as the run's noise;
+* **emulator validation** (optional; Linux, root, iproute2): cells run on a *real* link shaped with
+  ``tc`` (:mod:`lowcomm.netshape`) beside the same cell on the emulated link of the same
+  bandwidth and latency. Where netem is missing the real link has no added latency, so its
+  emulated twin gets latency 0 too.
+
+Example::
+
+    spec = BenchSpec.quick(out="runs/bench")
+    results = run_bench(spec)       # writes runs/bench/results.json (see write_results)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lowcomm.link import EmulatedLink
+
+__all__ = [
+    "QUICK_TARGET_S",
+    "BenchSpec",
+    "Cell",
+    "interpolate_time_to_target",
+    "run_bench",
+]
+
+logger = logging.getLogger(__name__)
+
+QUICK_TARGET_S = 300.0
+"""``--quick`` is sized to finish within this many seconds on 2 cores."""
+
+RESULTS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One training job of the benchmark.
+
+    Attributes:
+        algo: a ``lowcomm train --algo`` value (``none`` is the ceiling).
+        workers: worker processes.
+        link: link profile or ``RATE:LATENCY``; ``None``: no link (the ceiling).
+        shaping: ``"none"`` (the ceiling), ``"emulated"`` or ``"real"`` (tc-shaped namespaces).
+        role: ``"ceiling"``, ``"matrix"`` or ``"validation"`` (the emulator-validation pairs).
+        repeat: 0, or 1 for the ceiling measured again at the end.
+    """
+
+    algo: str
+    workers: int
+    link: str | None = None
+    shaping: str = "emulated"
+    role: str = "matrix"
+    repeat: int = 0
+
+    @property
+    def id(self) -> str:
+        link = "nolink" if self.link is None else self.link.replace(":", "-")
+        suffix = f"-{self.shaping}" if self.role == "validation" else ""
+        again = f"-r{self.repeat}" if self.repeat else ""
+        return f"{self.algo}-{link}-w{self.workers}{suffix}{again}"
+
+
+@dataclass
+class BenchSpec:
+    """What to run. Every cell gets the same ``steps``, ``sync_every``, ``seed`` and model.
+
+    Attributes:
+        algos: ``lowcomm train --algo`` values for the matrix (not ``none``: the ceiling is
+            always measured).
+        links: link profiles or ``RATE:LATENCY`` values.
+        workers: worker counts.
+        steps: inner steps per worker in every cell.
+        sync_every: H for the algorithms with rounds.
+        seed: model initialisation and data order.
+        eval_every: inner steps between validation evaluations.
+        eval_batches: batches per evaluation.
+        target_loss: validation loss for the time-to-target column; ``None``: the highest final
+            validation loss of the matrix cells, which every cell reaches.
+        real_links: links to run on real tc-shaped namespaces as well (emulator validation).
+        real_algos: algorithms for the validation pairs.
+        overhead: run the hook-overhead micro-benchmark.
+        overhead_algos: algorithms it measures.
+        overhead_rounds: rounds of ``sync_every`` steps it times per algorithm.
+        train_overrides: other ``TrainConfig`` fields for every cell (model size, batch...).
+        out: output folder.
+        quick: this is the ``--quick`` preset (reported).
+    """
+
+    algos: list[str] = field(
+        default_factory=lambda: [
+            "ddp",
+            "co2",
+            "co2-eager",
+            "diloco",
+            "streaming",
+            "cocodc",
+            "localsgd",
+        ]
+    )
+    links: list[str] = field(default_factory=lambda: ["tcp-80g", "1gbit", "100mbit", "10mbit"])
+    workers: list[int] = field(default_factory=lambda: [2])
+    steps: int = 240
+    sync_every: int = 12
+    seed: int = 0
+    eval_every: int = 24
+    eval_batches: int = 8
+    target_loss: float | None = None
+    real_links: list[str] = field(default_factory=lambda: ["100mbit"])
+    real_algos: list[str] = field(default_factory=lambda: ["ddp", "co2"])
+    overhead: bool = True
+    overhead_algos: list[str] = field(
+        default_factory=lambda: ["co2", "diloco", "streaming", "cocodc"]
+    )
+    overhead_rounds: int = 8
+    train_overrides: dict[str, Any] = field(default_factory=dict)
+    out: str = os.path.join("runs", "bench")
+    quick: bool = False
+
+    @classmethod
+    def quick_preset(cls, **changes: Any) -> BenchSpec:
+        """The ``--quick`` matrix: DDP, CO2 and DiLoCo on three links with 2 workers, 72 steps,
+        emulator validation of DDP and CO2 on 100mbit; under 5 minutes on 2 cores."""
+        base: dict[str, Any] = {
+            "algos": ["ddp", "co2", "diloco"],
+            "links": ["tcp-80g", "1gbit", "100mbit"],
+            "workers": [2],
+            "steps": 72,
+            "eval_every": 24,
+            "eval_batches": 4,
+            "overhead_algos": ["co2", "diloco", "streaming"],
+            "overhead_rounds": 6,
+            "quick": True,
+        }
+        base.update(changes)
+        return cls(**base)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting and its fix."""
+        from lowcomm.train.config import ALGORITHM_CHOICES
+
+        choices = [a for a in ALGORITHM_CHOICES if a != "none"]
+        for key in ("algos", "real_algos", "overhead_algos"):
+            for algo in getattr(self, key):
+                if algo not in choices:
+                    raise ValueError(
+                        f"{key}: unknown algorithm {algo!r}; choose from {', '.join(choices)} "
+                        "(the no-sync ceiling is always measured)"
+                    )
+        for algo in self.overhead_algos:
+            if algo == "ddp":
+                raise ValueError(
+                    "overhead_algos: 'ddp' has no lowcomm hook to measure; choose lowcomm "
+                    "algorithms such as co2 or diloco"
+                )
+        if not self.algos:
+            raise ValueError("algos: give at least one algorithm, e.g. co2")
+        if not self.links:
+            raise ValueError("links: give at least one link profile, e.g. 100mbit")
+        for link in [*self.links, *self.real_links]:
+            EmulatedLink.parse(link)  # raises a ValueError naming the spelling
+        if not self.workers or any(w < 1 for w in self.workers):
+            raise ValueError(f"workers: need worker counts >= 1, got {self.workers}")
+        for key in ("steps", "sync_every", "eval_every", "eval_batches", "overhead_rounds"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}: must be an integer >= 1, got {value!r}")
+        if self.steps % self.sync_every:
+            raise ValueError(
+                f"steps ({self.steps}) must be a multiple of sync_every ({self.sync_every}) so "
+                "that every cell ends on a round boundary"
+            )
+        if self.target_loss is not None and not self.target_loss > 0:
+            raise ValueError(f"target_loss: must be > 0, got {self.target_loss!r}")
+        # Every cell must be a valid training job: check one of each algorithm now.
+        for algo in {*self.algos, *self.real_algos}:
+            self.train_config(Cell(algo, self.workers[0], self.links[0]), self.out)
+
+    def cells(self) -> list[Cell]:
+        """Every job, in the order it runs: the ceilings, the matrix, the validation pairs, the
+        ceilings again."""
+        cells = [Cell("none", w, None, "none", "ceiling") for w in self.workers]
+        for w in self.workers:
+            for link in self.links:
+                cells += [Cell(a, w, link) for a in self.algos]
+        return cells
+
+    def train_config(self, cell: Cell, out: str) -> Any:
+        """The ``TrainConfig`` of ``cell`` (resolved paths, output under ``out/cells``)."""
+        from lowcomm.train.config import config_from_dict
+
+        values: dict[str, Any] = {
+            **self.train_overrides,
+            "algo": cell.algo,
+            "workers": cell.workers,
+            "steps": self.steps,
+            "sync_every": self.sync_every,
+            "seed": self.seed,
+            "eval_every": self.eval_every,
+            "eval_batches": self.eval_batches,
+            "link": cell.link if cell.shaping == "emulated" else None,
+            "name": cell.id,
+            "out": os.path.join(out, "cells", cell.id),
+            "overwrite": True,
+            "quiet": True,
+        }
+        return config_from_dict(values, source="bench").with_paths()
+
+
+def interpolate_time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:
+    """Training time at which the validation loss first reaches ``target``.
+
+    Args:
+        curve: ``(tokens, train_s, val_loss)`` points in order.
+        target: the validation loss to reach.
+
+    Returns:
+        The time, linear between the last evaluation above the target and the first at or below
+        it; ``None`` when no evaluation reaches it.
+    """
+    previous: Sequence[float] | None = None
+    for point in curve:
+        _, t, loss = point
+        if loss <= target:
+            if previous is None:
+                return float(t)
+            _, t0, loss0 = previous
+            if loss0 == loss:
+                return float(t)
+            frac = (loss0 - target) / (loss0 - loss)
+            return float(t0 + frac * (t - t0))
+        previous = point
+    return None
+
+
+def _read_curve(cell_out: str) -> list[list[float]]:
+    points = []
+    with open(os.path.join(cell_out, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "eval" and record.get("val_loss") is not None:
+                points.append([record["tokens"], record["train_s"], record["val_loss"]])
+    return points
+
+
+def _link_numbers(link: str | None, latency_override: float | None = None) -> dict[str, Any]:
+    if link is None:
+        return {"link_bandwidth_bps": None, "link_latency_s": None}
+    parsed = EmulatedLink.parse(link)
+    latency = parsed.latency_s if latency_override is None else latency_override
+    return {"link_bandwidth_bps": parsed.bandwidth_bps, "link_latency_s": latency}
+
+
+def _row(cell: Cell, cfg: Any, summary: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    mean = summary["comm_mean"]
+    steps = int(summary["steps"])
+    return {
+        "id": cell.id,
+        "role": cell.role,
+        "algo": cell.algo,
+        "workers": int(summary["workers"]),
+        "link": cell.link,
+        "shaping": cell.shaping,
+        **_link_numbers(cell.link),
+        "steps": steps,
+        "parameters": summary["parameters"],
+        "sync_every": summary.get("sync_every"),
+        "num_fragments": cfg.num_fragments,
+        "overlap": cfg.overlap,
+        "tokens": int(summary["tokens"]),
+        "tokens_per_step": int(summary["tokens"]) // steps,
+        "tokens_per_s": summary["tokens_per_s"],
+        "train_time_s": summary["train_time_s"],
+        "wall_time_s": summary["wall_time_s"],
+        "step_time_s": summary["train_time_s"] / steps,
+        "payload_bytes_per_worker_step": mean["payload_bytes_per_step"],
+        "wire_bytes_per_worker_step": mean["wire_bytes_per_step"],
+        "blocked_s_per_worker": mean["blocked_s"],
+        "hidden_fraction": mean["hidden_fraction"] if cell.algo not in ("none",) else None,
+        "val_loss_initial": summary["val_loss_initial"],
+        "val_loss_final": summary["val_loss_final"],
+        "curve": _read_curve(cfg.out),
+        **extra,
+    }
+
+
+def _run_cell(spec: BenchSpec, cell: Cell, net_factory: Callable[..., Any] | None) -> dict:
+    from lowcomm.train.launcher import launch
+
+    cfg = spec.train_config(cell, spec.out)
+    t0 = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if cell.shaping == "real":
+        from lowcomm.netshape import ShapedNetwork, launch_shaped
+
+        parsed = EmulatedLink.parse(str(cell.link))
+        factory = net_factory or ShapedNetwork
+        with factory(cell.workers, parsed.bandwidth_bps, parsed.latency_s) as net:
+            summary = launch_shaped(cfg, net)
+            extra["real_link"] = net.describe()
+            extra["latency_applied"] = bool(net.latency_applied)
+    else:
+        launched = launch(cfg)
+        assert launched is not None
+        summary = launched
+    extra["command_s"] = time.perf_counter() - t0
+    row = _row(cell, cfg, summary, extra)
+    if cell.shaping == "real" and not row["latency_applied"]:
+        row["link_latency_s"] = 0.0
+    return row
+
+
+def _validation_cells(spec: BenchSpec, latency_applied: bool) -> list[Cell]:
+    cells = []
+    for w in spec.workers:
+        for link in spec.real_links:
+            parsed = EmulatedLink.parse(link)
+            # The twin must see the link the real cell sees: no netem, no added latency.
+            twin = link if latency_applied else f"{_rate_text(parsed.bandwidth_bps)}:0ms"
+            for algo in spec.real_algos:
+                cells.append(Cell(algo, w, link, "real", "validation"))
+                cells.append(Cell(algo, w, twin, "emulated", "validation"))
+    return cells
+
+
+def _rate_text(bps: float) -> str:
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale and float(bps / scale).is_integer():
+            return f"{int(bps / scale)}{unit}"
+    return f"{bps:g}bit"
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def run_bench(
+    spec: BenchSpec,
+    *,
+    command: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    net_factory: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+    """Run every cell of ``spec`` and the overhead micro-benchmark; write ``results.json``,
+    ``results.md`` and the plots to ``spec.out``; return the results.
+
+    Args:
+        spec: what to run (checked with :meth:`BenchSpec.validate`).
+        command: the command line to print in the report.
+        progress: called with a one-line note as each cell starts and ends (the CLI prints it).
+        net_factory: ``ShapedNetwork`` replacement for the real-link cells (tests).
+
+    Raises:
+        ValueError: a bad setting.
+        lowcomm.train.launcher.WorkerFailed: a cell's worker failed.
+    """
+    from lowcomm.bench.report import write_report
+
+    spec.validate()
+    note = progress or (lambda text: logger.info("%s", text))
+    os.makedirs(spec.out, exist_ok=True)
+    t_start = time.perf_counter()
+
+    real_skipped: str | None = None
+    latency_applied = False
+    if spec.real_links and spec.real_algos:
+        if net_factory is None:
+            from lowcomm.netshape import netem_available, unavailable_reason
+
+            real_skipped = unavailable_reason()
+            latency_applied = real_skipped is None and netem_available()
+        if real_skipped is not None:
+            note(f"real-link validation skipped: {real_skipped}")
+    else:
+        real_skipped = "not requested"
+
+    cells = spec.cells()
+    if real_skipped is None:
+        cells += _validation_cells(spec, latency_applied)
+    cells += [dataclasses.replace(c, repeat=1) for c in cells if c.role == "ceiling"]
+
+    overhead = None
+    if spec.overhead:
+        from lowcomm.bench.overhead import measure_overhead
+
+        note(f"overhead micro-benchmark: {', '.join(spec.overhead_algos)}")
+        overhead = measure_overhead(
+            spec.overhead_algos,
+            rounds=spec.overhead_rounds,
+            sync_every=spec.sync_every,
+            seed=spec.seed,
+            train_overrides=spec.train_overrides,
+        )
+
+    rows = []
+    for i, cell in enumerate(cells, 1):
+        label = f"[{i}/{len(cells)}] {cell.algo} x{cell.workers} {cell.link or '(no link)'}"
+        if cell.role == "validation":
+            label += f" ({cell.shaping})"
+        row = _run_cell(spec, cell, net_factory)
+        rows.append(row)
+        note(
+            f"{label}: {row['tokens_per_s']:,.0f} tok/s, val {row['val_loss_final']:.3f}, "
+            f"{row['command_s']:.0f} s"
+        )
+
+    results = _assemble(spec, rows, overhead, real_skipped, latency_applied)
+    results["command"] = command
+    results["elapsed_s"] = time.perf_counter() - t_start
+    write_report(results, spec.out)
+    return results
+
+
+def _assemble(
+    spec: BenchSpec,
+    rows: list[dict[str, Any]],
+    overhead: dict[str, Any] | None,
+    real_skipped: str | None,
+    latency_applied: bool,
+) -> dict[str, Any]:
+    ceilings: dict[int, dict[str, Any]] = {}
+    for w in spec.workers:
+        runs = [r for r in rows if r["role"] == "ceiling" and r["workers"] == w]
+        speeds = [r["tokens_per_s"] for r in runs]
+        value = sum(speeds) / len(speeds)
+        spread = (max(speeds) - min(speeds)) / value if len(speeds) > 1 else None
+        ceilings[w] = {"workers": w, "tokens_per_s": value, "runs": speeds, "noise": spread}
+    cells = [r for r in rows if r["role"] != "ceiling"]
+    matrix = [r for r in cells if r["role"] == "matrix"]
+    target = spec.target_loss
+    if target is None and matrix:
+        target = max(r["val_loss_final"] for r in matrix)
+    for r in cells:
+        ceiling = ceilings[r["workers"]]["tokens_per_s"]
+        r["ceiling_tokens_per_s"] = ceiling
+        r["ratio_to_ceiling"] = r["tokens_per_s"] / ceiling if ceiling else None
+        r["target_loss"] = target
+        r["time_to_target_s"] = (
+            interpolate_time_to_target(r["curve"], target) if target is not None else None
+        )
+    model = {"parameters": rows[0].get("parameters") if rows else None}
+    noise = [c["noise"] for c in ceilings.values() if c["noise"] is not None]
+    return {
+        "version": RESULTS_VERSION,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": spec.quick,
+        "machine": _machine(),
+        "model": model,
+        "settings": {
+            **{
+                k: v
+                for k, v in dataclasses.asdict(spec).items()
+                if k not in ("train_overrides", "out", "quick")
+            },
+            **_train_settings(spec),
+        },
+        "noise": max(noise) if noise else None,
+        "target_loss": target,
+        "ceilings": list(ceilings.values()),
+        "ceiling_cells": [r for r in rows if r["role"] == "ceiling"],
+        "cells": cells,
+        "real_links": {
+            "skipped": real_skipped,
+            "latency_applied": latency_applied,
+        },
+        "overhead": overhead,
+        "goals": _goals(cells, overhead),
+    }
+
+
+def _train_settings(spec: BenchSpec) -> dict[str, Any]:
+    cfg = spec.train_config(Cell("co2", spec.workers[0], spec.links[0]), spec.out)
+    keys = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "lr", "bucket_cap_mb")
+    settings = {k: getattr(cfg, k) for k in keys}
+    settings["data"] = cfg.data or "embedded corpus"
+    settings.update(spec.train_overrides)
+    return settings
+
+
+def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The issue's performance goals, each ``met`` True/False (or None: not measured)."""
+
+    def find(algo: str) -> dict[str, Any] | None:
+        for r in cells:
+            if (
+                r["role"] == "matrix"
+                and r["algo"] == algo
+                and r["workers"] == 2
+                and r["link"] == "100mbit"
+            ):
+                return r
+        return None
+
+    goals = []
+    co2 = find("co2")
+    goals.append(
+        {
+            "goal": "CO2 on emulated 100mbit, 2 workers: >= 95% of the ceiling's tokens/s",
+            "value": None if co2 is None else co2["ratio_to_ceiling"],
+            "limit": 0.95,
+            "format": ".1%",
+            "met": None if co2 is None else co2["ratio_to_ceiling"] >= 0.95,
+            "kind": "min",
+        }
+    )
+    ddp = find("ddp")
+    goals.append(
+        {
+            "goal": "DDP on emulated 100mbit, 2 workers: communication-bound (well below the "
+            "ceiling; < 50%)",
+            "value": None if ddp is None else ddp["ratio_to_ceiling"],
+            "limit": 0.5,
+            "format": ".1%",
+            "met": None if ddp is None else ddp["ratio_to_ceiling"] < 0.5,
+            "kind": "max",
+        }
+    )
+    hook = list((overhead or {}).get("algorithms", []))
+    worst_hook = max((a["hook_fraction"] for a in hook), default=None)
+    goals.append(
+        {
+            "goal": "inner-step overhead of the hook <= 2% of a bare step (worst algorithm)",
+            "value": worst_hook,
+            "limit": 0.02,
+            "format": ".3%",
+            "met": None if worst_hook is None else worst_hook <= 0.02,
+            "kind": "max",
+        }
+    )
+    worst_outer = max((a["outer_over_inner"] for a in hook), default=None)
+    goals.append(
+        {
+            "goal": "outer-step compute <= one inner step (worst algorithm)",
+            "value": worst_outer,
+            "limit": 1.0,
+            "format": ".2f",
+            "met": None if worst_outer is None else worst_outer <= 1.0,
+            "kind": "max",
+        }
+    )
+    return goals

@@ -1,0 +1,323 @@
+"""Write a ``lowcomm bench`` run's results: ``results.json`` (everything, see
+:func:`lowcomm.bench.run_bench`), ``results.md`` (the tables) and two plots,
+``throughput.png`` (tokens/s against link bandwidth, the ceiling as a line) and
+``loss_vs_time.png`` (validation loss against training time, a panel per link)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["format_markdown", "write_report"]
+
+_FILES = ("results.json", "results.md", "throughput.png", "loss_vs_time.png")
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_report(results: dict[str, Any], out: str) -> list[str]:
+    """Write the four files to ``out`` (atomically each: a temporary file, then a rename);
+    return their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = []
+    path = os.path.join(out, "results.json")
+    _write_text(path, json.dumps(_json_safe(results), indent=1) + "\n")
+    paths.append(path)
+    path = os.path.join(out, "results.md")
+    _write_text(path, format_markdown(results))
+    paths.append(path)
+    paths.append(plot_throughput(results, os.path.join(out, "throughput.png")))
+    paths.append(plot_loss_vs_time(results, os.path.join(out, "loss_vs_time.png")))
+    return paths
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _fmt(value: Any, spec: str, missing: str = "-") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return format(value, spec)
+
+
+def _mb(value: Any) -> str:
+    return _fmt(None if value is None else value / 1e6, ".3f")
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _link_label(row: dict[str, Any]) -> str:
+    if row["link"] is None:
+        return "none"
+    return f"{row['link']} ({row['shaping']})"
+
+
+def format_markdown(results: dict[str, Any]) -> str:
+    """The report as Markdown: settings, ceiling and noise, the matrix table, the emulator
+    validation pairs, the overhead micro-benchmark and the goals."""
+    s = results["settings"]
+    lines = ["# lowcomm bench" + (" --quick" if results.get("quick") else ""), ""]
+    if results.get("command"):
+        lines += [f"Command: `{results['command']}`", ""]
+    m = results["machine"]
+    lines += [
+        f"Run {results['created']} on {m['cpu_count']} CPU cores, torch {m['torch']}; "
+        f"{_fmt(results.get('elapsed_s'), '.0f')} s in all.",
+        "",
+        f"Every cell: GPT {s['n_layer']}x{s['n_embd']} "
+        f"({_fmt(results['model']['parameters'], ',')} parameters), {s['steps']} steps per "
+        f"worker of {s['batch_size']}x{s['block_size']} tokens, seed {s['seed']}, "
+        f"H = {s['sync_every']} (DDP: every step), data: {s['data']}. "
+        "Tokens/s count training time only (evaluations excluded). "
+        "Links are emulated unless marked real.",
+        "",
+    ]
+    noise = results.get("noise")
+    for c in results["ceilings"]:
+        runs = ", ".join(f"{v:,.0f}" for v in c["runs"])
+        lines.append(
+            f"**Ceiling** ({c['workers']} workers, no synchronisation at all, run first and "
+            f"last): {c['tokens_per_s']:,.0f} tokens/s (runs: {runs})."
+        )
+    if noise is not None:
+        lines += [
+            "",
+            f"**Noise**: the two ceiling runs differ by {noise:.1%}; ratios below are good to "
+            "about that much.",
+        ]
+    target = results.get("target_loss")
+    lines += [
+        "",
+        "## Throughput, traffic and loss",
+        "",
+        f"Time to target: training time until the validation loss first reaches "
+        f"{_fmt(target, '.3f')} (linear between evaluations).",
+        "",
+    ]
+    header = [
+        "algorithm",
+        "workers",
+        "link",
+        "tokens/s",
+        "x ceiling",
+        "hidden",
+        "MB/worker/step (payload)",
+        "MB/worker/step (wire)",
+        "val loss",
+        "time to target (s)",
+    ]
+    rows = []
+    for r in results["cells"]:
+        if r["role"] != "matrix":
+            continue
+        rows.append(
+            [
+                r["algo"],
+                str(r["workers"]),
+                _link_label(r),
+                _fmt(r["tokens_per_s"], ",.0f"),
+                _fmt(r["ratio_to_ceiling"], ".1%"),
+                _fmt(r["hidden_fraction"], ".1%"),
+                _mb(r["payload_bytes_per_worker_step"]),
+                _mb(r["wire_bytes_per_worker_step"]),
+                _fmt(r["val_loss_final"], ".3f"),
+                _fmt(r["time_to_target_s"], ".1f", "not reached"),
+            ]
+        )
+    lines += _table(header, rows)
+    lines += ["", f"Validation loss after {s['steps']} steps per worker (equal tokens)."]
+
+    real = results.get("real_links") or {}
+    lines += ["", "## Emulated against real links", ""]
+    validation = [r for r in results["cells"] if r["role"] == "validation"]
+    if real.get("skipped"):
+        lines.append(f"Real tc-shaped links: skipped ({real['skipped']}).")
+    elif validation:
+        described = next((r.get("real_link") for r in validation if r.get("real_link")), "")
+        lines += [
+            f"Real: {described}. Emulated twin: lowcomm's link model at the same bandwidth and "
+            "latency. Same workload, one after the other.",
+            "",
+        ]
+        pairs = []
+        for r in validation:
+            if r["shaping"] != "real":
+                continue
+            twin = next(
+                (
+                    t
+                    for t in validation
+                    if t["shaping"] == "emulated"
+                    and t["algo"] == r["algo"]
+                    and t["workers"] == r["workers"]
+                    and t["link_bandwidth_bps"] == r["link_bandwidth_bps"]
+                ),
+                None,
+            )
+            emu = None if twin is None else twin["tokens_per_s"]
+            pairs.append(
+                [
+                    r["algo"],
+                    str(r["workers"]),
+                    r["link"],
+                    _fmt(r["tokens_per_s"], ",.0f"),
+                    _fmt(emu, ",.0f"),
+                    _fmt(None if not emu else emu / r["tokens_per_s"], ".2f"),
+                    _fmt(r["hidden_fraction"], ".1%"),
+                    _fmt(None if twin is None else twin["hidden_fraction"], ".1%"),
+                ]
+            )
+        lines += _table(
+            [
+                "algorithm",
+                "workers",
+                "bandwidth",
+                "real tokens/s",
+                "emulated tokens/s",
+                "emulated / real",
+                "hidden (real)",
+                "hidden (emulated)",
+            ],
+            pairs,
+        )
+
+    overhead = results.get("overhead")
+    if overhead:
+        lines += [
+            "",
+            "## Overhead of the hook",
+            "",
+            f"One process, {overhead['threads']} threads, single-rank gloo group, "
+            f"{overhead['steps_per_algorithm']} step pairs per algorithm (bare and hooked "
+            "alternating); medians.",
+            "",
+        ]
+        rows = [
+            [
+                a["algo"],
+                _fmt(a["bare_step_s"] * 1e3, ".1f"),
+                _fmt(None if a["hook_s"] is None else a["hook_s"] * 1e6, ".1f"),
+                _fmt(a["hook_fraction"], ".3%"),
+                _fmt(a["ab_overhead"], "+.1%"),
+                _fmt(None if a["outer_step_s"] is None else a["outer_step_s"] * 1e3, ".1f"),
+                _fmt(a["outer_over_inner"], ".2f"),
+            ]
+            for a in overhead["algorithms"]
+        ]
+        lines += _table(
+            [
+                "algorithm",
+                "bare step (ms)",
+                "hook per inner step (µs)",
+                "hook / bare step",
+                "hooked vs bare step (A/B)",
+                "outer step (ms)",
+                "outer / inner step",
+            ],
+            rows,
+        )
+
+    lines += ["", "## Goals", ""]
+    goal_rows = []
+    for g in results.get("goals", []):
+        value = g["value"]
+        if value is None:
+            verdict = "not measured"
+        elif g["met"]:
+            verdict = "met"
+        else:
+            gap = value - g["limit"] if g["kind"] == "max" else g["limit"] - value
+            verdict = f"**missed** by {_fmt(gap, g['format'])}"
+        goal_rows.append([g["goal"], _fmt(value, g["format"]), verdict])
+    lines += _table(["goal", "measured", "verdict"], goal_rows)
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(results: dict[str, Any], path: str) -> str:
+    """Tokens/s against link bandwidth per algorithm and worker count; ceilings dashed."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    matrix = [r for r in results["cells"] if r["role"] == "matrix"]
+    keys = sorted({(r["algo"], r["workers"]) for r in matrix}, key=lambda k: (k[1], k[0]))
+    many_worker_counts = len({w for _, w in keys}) > 1
+    for algo, workers in keys:
+        pts = sorted(
+            (r["link_bandwidth_bps"], r["tokens_per_s"])
+            for r in matrix
+            if r["algo"] == algo and r["workers"] == workers
+        )
+        label = f"{algo} x{workers}" if many_worker_counts else algo
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    for c in results["ceilings"]:
+        label = f"ceiling x{c['workers']}" if many_worker_counts else "ceiling (no sync)"
+        ax.axhline(c["tokens_per_s"], color="grey", linestyle="--", linewidth=1, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth (bit/s, emulated)")
+    ax.set_ylabel("tokens/s (training time)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Throughput against link bandwidth")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_vs_time(results: dict[str, Any], path: str) -> str:
+    """Validation loss against training time, one panel per link (lowest worker count)."""
+    plt = _plt()
+    matrix = [r for r in results["cells"] if r["role"] == "matrix"]
+    workers = min((r["workers"] for r in matrix), default=0)
+    links = sorted(
+        {r["link"] for r in matrix if r["workers"] == workers},
+        key=lambda link: -next(r["link_bandwidth_bps"] for r in matrix if r["link"] == link),
+    )
+    n = max(1, len(links))
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.6), sharey=True, squeeze=False)
+    for ax, link in zip(axes[0], links):
+        for r in matrix:
+            if r["link"] != link or r["workers"] != workers:
+                continue
+            curve = r["curve"]
+            ax.plot([p[1] for p in curve], [p[2] for p in curve], marker=".", label=r["algo"])
+        if results.get("target_loss") is not None:
+            ax.axhline(results["target_loss"], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{link} (emulated), {workers} workers", fontsize=9)
+        ax.set_xlabel("training time (s)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("validation loss")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,166 @@
+"""``lowcomm bench``: the matrix bookkeeping (pure), a tiny real run end to end, the CLI's
+errors. Speeds are never asserted: only that they are measured and combined correctly."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lowcomm.bench import BenchSpec, Cell, interpolate_time_to_target, run_bench
+from lowcomm.bench.matrix import _assemble
+from lowcomm.bench.report import format_markdown
+from lowcomm.cli import main
+
+TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "batch_size": 4, "block_size": 16}
+
+
+def test_time_to_target_interpolates_between_evaluations():
+    curve = [(0, 0.0, 5.0), (10, 2.0, 4.0), (20, 4.0, 3.0), (30, 6.0, 2.5)]
+    assert interpolate_time_to_target(curve, 3.5) == pytest.approx(3.0)
+    assert interpolate_time_to_target(curve, 3.0) == pytest.approx(4.0)  # reached exactly
+    assert interpolate_time_to_target(curve, 6.0) == 0.0  # already there at the start
+    assert interpolate_time_to_target(curve, 2.0) is None  # never reached
+    assert interpolate_time_to_target([(0, 0.0, 5.0), (1, 1.0, 5.0)], 5.0) == 0.0
+
+
+def test_cells_run_ceiling_first_and_matrix_in_order():
+    spec = BenchSpec(algos=["ddp", "co2"], links=["1gbit", "100mbit"], workers=[2, 4])
+    cells = spec.cells()
+    assert cells[:2] == [
+        Cell("none", 2, None, "none", "ceiling"),
+        Cell("none", 4, None, "none", "ceiling"),
+    ]
+    matrix = cells[2:]
+    assert len(matrix) == 2 * 2 * 2 and {c.role for c in matrix} == {"matrix"}
+    assert matrix[0] == Cell("ddp", 2, "1gbit") and matrix[-1] == Cell("co2", 4, "100mbit")
+    assert len({c.id for c in cells}) == len(cells)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"algos": ["co3"]}, "algos: unknown algorithm 'co3'"),
+        ({"algos": ["none"]}, "algos: unknown algorithm 'none'"),
+        ({"links": ["fast"]}, "fast"),
+        ({"workers": [0]}, "workers: need worker counts >= 1"),
+        ({"steps": 25}, "steps (25) must be a multiple of sync_every (12)"),
+        ({"overhead_algos": ["ddp"]}, "overhead_algos: 'ddp' has no lowcomm hook"),
+        ({"target_loss": -1.0}, "target_loss: must be > 0"),
+        ({"train_overrides": {"n_head": 3}}, "n_head"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, changes, message):
+    spec = BenchSpec(out=str(tmp_path / "b"), **changes)
+    with pytest.raises(ValueError) as info:
+        run_bench(spec)
+    assert message in str(info.value)
+    assert not os.path.exists(tmp_path / "b" / "cells")
+
+
+def _row(algo, workers, link, tokens_per_s, val, curve, role="matrix"):
+    return {
+        "id": f"{algo}-{link}-w{workers}",
+        "role": role,
+        "algo": algo,
+        "workers": workers,
+        "link": link,
+        "shaping": "none" if link is None else "emulated",
+        "link_bandwidth_bps": None if link is None else 1e8,
+        "tokens_per_s": tokens_per_s,
+        "val_loss_final": val,
+        "curve": curve,
+        "payload_bytes_per_worker_step": 0.0,
+        "wire_bytes_per_worker_step": 0.0,
+        "hidden_fraction": None,
+    }
+
+
+def test_assemble_divides_by_the_mean_ceiling_and_reports_its_noise(tmp_path):
+    spec = BenchSpec(algos=["co2", "ddp"], links=["100mbit"], workers=[2], out=str(tmp_path))
+    rows = [
+        _row("none", 2, None, 1000.0, 3.0, [], role="ceiling"),
+        _row("co2", 2, "100mbit", 950.0, 3.2, [(0, 0.0, 5.0), (1, 10.0, 3.2)]),
+        _row("ddp", 2, "100mbit", 300.0, 3.0, [(0, 0.0, 5.0), (1, 20.0, 4.0), (2, 40.0, 3.0)]),
+        _row("none", 2, None, 1100.0, 3.0, [], role="ceiling"),
+    ]
+    rows[-1]["id"] += "-r1"
+    results = _assemble(spec, rows, None, "not requested", False)
+    assert results["ceilings"][0]["tokens_per_s"] == pytest.approx(1050.0)
+    assert results["noise"] == pytest.approx(100.0 / 1050.0)
+    co2, ddp = results["cells"]
+    assert co2["ratio_to_ceiling"] == pytest.approx(950 / 1050)
+    assert ddp["ratio_to_ceiling"] == pytest.approx(300 / 1050)
+    # default target: the highest final loss of the matrix (3.2), which both reach
+    assert results["target_loss"] == 3.2
+    assert co2["time_to_target_s"] == pytest.approx(10.0)
+    assert ddp["time_to_target_s"] == pytest.approx(20.0 + 20.0 * 0.8)
+    goals = {g["goal"].split(":")[0]: g for g in results["goals"]}
+    co2_goal = goals["CO2 on emulated 100mbit, 2 workers"]
+    assert co2_goal["met"] is False and co2_goal["value"] == pytest.approx(950 / 1050)
+    assert goals["DDP on emulated 100mbit, 2 workers"]["met"] is True
+    text = format_markdown({**results, "elapsed_s": 1.0})
+    assert "**missed** by 4.5%" in text  # 95% - 90.5%
+    assert "not measured" in text  # no overhead micro-benchmark in this run
+
+
+def test_tiny_bench_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    spec = BenchSpec(
+        algos=["co2", "ddp"],
+        links=["100mbit"],
+        workers=[2],
+        steps=12,
+        sync_every=6,
+        eval_every=6,
+        eval_batches=1,
+        real_links=[],
+        overhead_algos=["co2"],
+        overhead_rounds=1,
+        train_overrides=TINY,
+        out=str(out),
+    )
+    notes: list[str] = []
+    results = run_bench(spec, command="lowcomm bench (test)", progress=notes.append)
+    for name in ("results.json", "results.md", "throughput.png", "loss_vs_time.png"):
+        assert (out / name).stat().st_size > 0
+    with open(out / "results.json") as f:
+        saved = json.load(f)
+    assert saved["cells"] == json.loads(json.dumps(results["cells"]))
+    # 4 jobs: ceiling, co2, ddp, ceiling again
+    assert len([n for n in notes if n.startswith("[")]) == 4
+    assert [c["tokens_per_s"] for c in saved["ceiling_cells"]] == saved["ceilings"][0]["runs"]
+    params = saved["model"]["parameters"]
+    cells = {c["algo"]: c for c in saved["cells"]}
+    ceiling = saved["ceilings"][0]["tokens_per_s"]
+    for c in cells.values():
+        assert c["ratio_to_ceiling"] == pytest.approx(c["tokens_per_s"] / ceiling)
+        assert c["tokens"] == 12 * 2 * 4 * 16
+        assert [p[0] for p in c["curve"]] == [0, 6 * 128, 12 * 128]
+        assert c["time_to_target_s"] is not None  # the default target is reached by all
+    # bytes per worker per step: DDP all-reduces every gradient every step; CO2 the model once
+    # per round of 6 steps (2 workers: the ring's wire bytes equal the payload)
+    assert cells["ddp"]["payload_bytes_per_worker_step"] == pytest.approx(4 * params)
+    assert cells["co2"]["payload_bytes_per_worker_step"] == pytest.approx(4 * params / 6)
+    assert cells["co2"]["wire_bytes_per_worker_step"] == pytest.approx(4 * params / 6)
+    overhead = saved["overhead"]["algorithms"][0]
+    assert overhead["algo"] == "co2" and overhead["outer_calls"] == 1
+    assert overhead["inner_hook_calls"] == 5 and overhead["hook_fraction"] > 0
+    text = (out / "results.md").read_text()
+    assert "| co2 | 2 | 100mbit (emulated) |" in text and "| ddp | 2 | 100mbit (emulated) |" in text
+
+
+def test_cli_refuses_previous_results_and_bad_lists(tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    assert main(["bench", "--quick", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowcomm bench: error: --out") and "--overwrite" in err
+    assert "\n" not in err
+    assert main(["bench", "--algos", "co2,fast", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown algorithm 'fast'" in err
+    assert main(["bench", "--workers", "two"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
