@@ -9,6 +9,7 @@ Library code only logs.
     lowcomm train --algo streaming --num-fragments 2 --overlap 1
     lowcomm train --config co2.toml --sync-every 24 # flags override the file
     lowcomm bench --quick                           # throughput over emulated slow links
+    lowcomm simulate --preset co2-paper             # projected scaling to 8 ... 1024 workers
 """
 
 from __future__ import annotations
@@ -226,16 +227,18 @@ def _build_parser() -> _Parser:
     parser = _Parser(
         prog="lowcomm",
         description=(
-            "Data-parallel training over slow links: CO2, DiLoCo, Streaming DiLoCo, LocalSGD, "
-            "SlowMo."
+            "Data-parallel training over slow links: CO2, DiLoCo, Streaming DiLoCo, CoCoDC, "
+            "LocalSGD, SlowMo; benchmarks over emulated links and a scale simulator."
         ),
     )
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     subparsers = parser.add_subparsers(dest="_command", metavar="COMMAND")
     _add_train(subparsers)
     from lowcomm.bench.cli import add_subcommand as add_bench
+    from lowcomm.bench.simulate import add_subcommand as add_simulate
 
     add_bench(subparsers)
+    add_simulate(subparsers)
     return parser
 
 
@@ -274,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         if extra:
             return _fail(parser.prog, f"unrecognized arguments: {' '.join(extra)}")
-        return _fail(parser.prog, "choose a command: train, bench")
+        return _fail(parser.prog, "choose a command: train, bench, simulate")
     prog = f"{parser.prog} {args._command}"
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")
