@@ -25,17 +25,14 @@ def test_time_to_target_interpolates_between_evaluations():
     assert interpolate_time_to_target([(0, 0.0, 5.0), (1, 1.0, 5.0)], 5.0) == 0.0
 
 
-def test_cells_run_ceiling_first_and_matrix_in_order():
+def test_cells_cover_the_matrix_in_order():
     spec = BenchSpec(algos=["ddp", "co2"], links=["1gbit", "100mbit"], workers=[2, 4])
     cells = spec.cells()
-    assert cells[:2] == [
-        Cell("none", 2, None, "none", "ceiling"),
-        Cell("none", 4, None, "none", "ceiling"),
-    ]
-    matrix = cells[2:]
-    assert len(matrix) == 2 * 2 * 2 and {c.role for c in matrix} == {"matrix"}
-    assert matrix[0] == Cell("ddp", 2, "1gbit") and matrix[-1] == Cell("co2", 4, "100mbit")
+    assert len(cells) == 2 * 2 * 2 and {c.role for c in cells} == {"matrix"}
+    assert cells[0] == Cell("ddp", 2, "1gbit") and cells[-1] == Cell("co2", 4, "100mbit")
     assert len({c.id for c in cells}) == len(cells)
+    cfg = spec.train_config(cells[0], "out")
+    assert cfg.ceiling_steps == spec.ceiling_steps and cfg.link == "1gbit" and cfg.quiet
 
 
 @pytest.mark.parametrize(
@@ -48,6 +45,7 @@ def test_cells_run_ceiling_first_and_matrix_in_order():
         ({"steps": 25}, "steps (25) must be a multiple of sync_every (12)"),
         ({"overhead_algos": ["ddp"]}, "overhead_algos: 'ddp' has no lowcomm hook"),
         ({"target_loss": -1.0}, "target_loss: must be > 0"),
+        ({"ceiling_steps": 1}, "ceiling_steps: must be >= 2"),
         ({"train_overrides": {"n_head": 3}}, "n_head"),
     ],
 )
@@ -59,39 +57,49 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, changes, messag
     assert not os.path.exists(tmp_path / "b" / "cells")
 
 
-def _row(algo, workers, link, tokens_per_s, val, curve, role="matrix"):
+def _row(algo, link, tokens_per_s, ceiling, halves, val, curve):
     return {
-        "id": f"{algo}-{link}-w{workers}",
-        "role": role,
+        "id": f"{algo}-{link}-w2",
+        "role": "matrix",
         "algo": algo,
-        "workers": workers,
+        "workers": 2,
         "link": link,
-        "shaping": "none" if link is None else "emulated",
-        "link_bandwidth_bps": None if link is None else 1e8,
+        "shaping": "emulated",
+        "link_bandwidth_bps": 1e8,
         "tokens_per_s": tokens_per_s,
+        "ceiling_tokens_per_s": ceiling,
+        "ceiling_segments_tokens_per_s": halves,
+        "ratio_to_ceiling": tokens_per_s / ceiling,
         "val_loss_final": val,
         "curve": curve,
         "payload_bytes_per_worker_step": 0.0,
         "wire_bytes_per_worker_step": 0.0,
         "hidden_fraction": None,
+        "parameters": 10,
     }
 
 
-def test_assemble_divides_by_the_mean_ceiling_and_reports_its_noise(tmp_path):
+def test_assemble_reports_ceilings_noise_target_and_goals(tmp_path):
     spec = BenchSpec(algos=["co2", "ddp"], links=["100mbit"], workers=[2], out=str(tmp_path))
     rows = [
-        _row("none", 2, None, 1000.0, 3.0, [], role="ceiling"),
-        _row("co2", 2, "100mbit", 950.0, 3.2, [(0, 0.0, 5.0), (1, 10.0, 3.2)]),
-        _row("ddp", 2, "100mbit", 300.0, 3.0, [(0, 0.0, 5.0), (1, 20.0, 4.0), (2, 40.0, 3.0)]),
-        _row("none", 2, None, 1100.0, 3.0, [], role="ceiling"),
-    ]
-    rows[-1]["id"] += "-r1"
+        _row(
+            "co2", "100mbit", 950.0, 1050.0, [1000.0, 1100.0], 3.2,
+            [(0, 0.0, 5.0), (1, 10.0, 3.2)],
+        ),
+        _row(
+            "ddp", "100mbit", 300.0, 1000.0, [990.0, 1010.0], 3.0,
+            [(0, 0.0, 5.0), (1, 20.0, 4.0), (2, 40.0, 3.0)],
+        ),
+    ]  # fmt: skip
     results = _assemble(spec, rows, None, "not requested", False)
-    assert results["ceilings"][0]["tokens_per_s"] == pytest.approx(1050.0)
-    assert results["noise"] == pytest.approx(100.0 / 1050.0)
+    ceiling = results["ceilings"][0]
+    assert ceiling["tokens_per_s"] == pytest.approx(1025.0)  # median of the cells' ceilings
+    assert ceiling["drift"] == pytest.approx(50.0 / 1025.0)
+    # noise: the halves of each cell's ceiling, median over cells
+    assert results["noise"] == pytest.approx((100 / 1050 + 20 / 1000) / 2)
+    assert results["noise_max"] == pytest.approx(100 / 1050)
+    assert results["model"]["parameters"] == 10
     co2, ddp = results["cells"]
-    assert co2["ratio_to_ceiling"] == pytest.approx(950 / 1050)
-    assert ddp["ratio_to_ceiling"] == pytest.approx(300 / 1050)
     # default target: the highest final loss of the matrix (3.2), which both reach
     assert results["target_loss"] == 3.2
     assert co2["time_to_target_s"] == pytest.approx(10.0)
@@ -118,6 +126,7 @@ def test_tiny_bench_end_to_end(tmp_path):
         real_links=[],
         overhead_algos=["co2"],
         overhead_rounds=1,
+        ceiling_steps=4,
         train_overrides=TINY,
         out=str(out),
     )
@@ -128,14 +137,13 @@ def test_tiny_bench_end_to_end(tmp_path):
     with open(out / "results.json") as f:
         saved = json.load(f)
     assert saved["cells"] == json.loads(json.dumps(results["cells"]))
-    # 4 jobs: ceiling, co2, ddp, ceiling again
-    assert len([n for n in notes if n.startswith("[")]) == 4
-    assert [c["tokens_per_s"] for c in saved["ceiling_cells"]] == saved["ceilings"][0]["runs"]
+    assert len([n for n in notes if n.startswith("[")]) == 2  # one job per cell
     params = saved["model"]["parameters"]
     cells = {c["algo"]: c for c in saved["cells"]}
-    ceiling = saved["ceilings"][0]["tokens_per_s"]
     for c in cells.values():
-        assert c["ratio_to_ceiling"] == pytest.approx(c["tokens_per_s"] / ceiling)
+        # each cell against the ceiling timed in its own processes, before and after training
+        assert len(c["ceiling_segments_tokens_per_s"]) == 2
+        assert c["ratio_to_ceiling"] == pytest.approx(c["tokens_per_s"] / c["ceiling_tokens_per_s"])
         assert c["tokens"] == 12 * 2 * 4 * 16
         assert [p[0] for p in c["curve"]] == [0, 6 * 128, 12 * 128]
         assert c["time_to_target_s"] is not None  # the default target is reached by all

@@ -440,3 +440,26 @@ def test_train_without_synchronisation_is_the_ceiling(tmp_path: Any) -> None:
     summary = _check_run(out, "none")
     assert summary["sync_every"] is None
     assert summary["comm_mean"]["payload_bytes"] == 0 and summary["comm_mean"]["collectives"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_ceiling_steps_measure_in_the_same_processes_without_touching_training(
+    tmp_path: Any, capsys: Any
+) -> None:
+    plain, with_ceiling = str(tmp_path / "plain"), str(tmp_path / "ceiling")
+    assert main(["train", "--algo", "co2", *TINY, "--out", plain]) == 0
+    assert (
+        main(["train", "--algo", "co2", *TINY, "--ceiling-steps", "5", "--out", with_ceiling]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "without sync (5 steps in the same processes)" in printed and "of ceiling" in printed
+    with open(os.path.join(with_ceiling, "summary.json")) as f:
+        summary = json.load(f)
+    ceiling = summary["ceiling"]
+    assert ceiling["steps"] == 5 and len(ceiling["segments_tokens_per_s"]) == 2  # 2 before, 3 after
+    assert ceiling["tokens_per_s"] > 0
+    assert ceiling["ratio"] == pytest.approx(summary["tokens_per_s"] / ceiling["tokens_per_s"])
+    # the ceiling trains a private copy on its own batches: the run itself is unchanged
+    a = torch.load(os.path.join(plain, "checkpoint.pt"), weights_only=True)["model"]
+    b = torch.load(os.path.join(with_ceiling, "checkpoint.pt"), weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

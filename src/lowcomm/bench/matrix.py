@@ -7,9 +7,11 @@ measures is what a user of ``lowcomm train`` gets: tokens per second of training
 
 Besides the matrix, a run measures:
 
-* **the ceiling**, per worker count: the same processes training with no synchronisation at all
-  (``--algo none``). It runs first and again last; the mean is the ceiling every cell is divided
-  by, and the difference between the two runs is reported as the run's noise;
+* **the ceiling**, in every cell: the same worker processes time ``ceiling_steps`` inner steps
+  with no synchronisation at all on a private copy of the model, half right before training and
+  half right after (``lowcomm train --ceiling-steps``). Each cell is divided by its own ceiling,
+  so a machine whose speed drifts between cells (a shared machine) moves both alike; the
+  difference between the two halves is reported as the noise of the ratios;
 * **emulator validation** (optional; Linux, root, iproute2): cells run on a *real* link shaped with
   ``tc`` (:mod:`lowcomm.netshape`) beside the same cell on the emulated link of the same
   bandwidth and latency. Where netem is missing the real link has no added latency, so its
@@ -29,6 +31,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,27 +62,24 @@ class Cell:
     """One training job of the benchmark.
 
     Attributes:
-        algo: a ``lowcomm train --algo`` value (``none`` is the ceiling).
+        algo: a ``lowcomm train --algo`` value.
         workers: worker processes.
-        link: link profile or ``RATE:LATENCY``; ``None``: no link (the ceiling).
-        shaping: ``"none"`` (the ceiling), ``"emulated"`` or ``"real"`` (tc-shaped namespaces).
-        role: ``"ceiling"``, ``"matrix"`` or ``"validation"`` (the emulator-validation pairs).
-        repeat: 0, or 1 for the ceiling measured again at the end.
+        link: link profile or ``RATE:LATENCY``.
+        shaping: ``"emulated"`` or ``"real"`` (tc-shaped namespaces).
+        role: ``"matrix"`` or ``"validation"`` (the emulator-validation pairs).
     """
 
     algo: str
     workers: int
-    link: str | None = None
+    link: str
     shaping: str = "emulated"
     role: str = "matrix"
-    repeat: int = 0
 
     @property
     def id(self) -> str:
-        link = "nolink" if self.link is None else self.link.replace(":", "-")
+        link = str(self.link).replace(":", "-")
         suffix = f"-{self.shaping}" if self.role == "validation" else ""
-        again = f"-r{self.repeat}" if self.repeat else ""
-        return f"{self.algo}-{link}-w{self.workers}{suffix}{again}"
+        return f"{self.algo}-{link}-w{self.workers}{suffix}"
 
 
 @dataclass
@@ -88,7 +88,7 @@ class BenchSpec:
 
     Attributes:
         algos: ``lowcomm train --algo`` values for the matrix (not ``none``: the ceiling is
-            always measured).
+            measured inside every cell).
         links: link profiles or ``RATE:LATENCY`` values.
         workers: worker counts.
         steps: inner steps per worker in every cell.
@@ -96,6 +96,7 @@ class BenchSpec:
         seed: model initialisation and data order.
         eval_every: inner steps between validation evaluations.
         eval_batches: batches per evaluation.
+        ceiling_steps: no-sync steps timed in every cell (half before training, half after).
         target_loss: validation loss for the time-to-target column; ``None``: the highest final
             validation loss of the matrix cells, which every cell reaches.
         real_links: links to run on real tc-shaped namespaces as well (emulator validation).
@@ -126,6 +127,7 @@ class BenchSpec:
     seed: int = 0
     eval_every: int = 24
     eval_batches: int = 8
+    ceiling_steps: int = 24
     target_loss: float | None = None
     real_links: list[str] = field(default_factory=lambda: ["100mbit"])
     real_algos: list[str] = field(default_factory=lambda: ["ddp", "co2"])
@@ -149,8 +151,9 @@ class BenchSpec:
             "steps": 72,
             "eval_every": 24,
             "eval_batches": 4,
+            "ceiling_steps": 16,
             "overhead_algos": ["co2", "diloco", "streaming"],
-            "overhead_rounds": 6,
+            "overhead_rounds": 4,
             "quick": True,
         }
         base.update(changes)
@@ -166,7 +169,7 @@ class BenchSpec:
                 if algo not in choices:
                     raise ValueError(
                         f"{key}: unknown algorithm {algo!r}; choose from {', '.join(choices)} "
-                        "(the no-sync ceiling is always measured)"
+                        "(the no-sync ceiling is measured inside every cell)"
                     )
         for algo in self.overhead_algos:
             if algo == "ddp":
@@ -182,7 +185,14 @@ class BenchSpec:
             EmulatedLink.parse(link)  # raises a ValueError naming the spelling
         if not self.workers or any(w < 1 for w in self.workers):
             raise ValueError(f"workers: need worker counts >= 1, got {self.workers}")
-        for key in ("steps", "sync_every", "eval_every", "eval_batches", "overhead_rounds"):
+        for key in (
+            "steps",
+            "sync_every",
+            "eval_every",
+            "eval_batches",
+            "overhead_rounds",
+            "ceiling_steps",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}: must be an integer >= 1, got {value!r}")
@@ -191,6 +201,11 @@ class BenchSpec:
                 f"steps ({self.steps}) must be a multiple of sync_every ({self.sync_every}) so "
                 "that every cell ends on a round boundary"
             )
+        if self.ceiling_steps < 2:
+            raise ValueError(
+                f"ceiling_steps: must be >= 2 (half are timed before training, half after), "
+                f"got {self.ceiling_steps}"
+            )
         if self.target_loss is not None and not self.target_loss > 0:
             raise ValueError(f"target_loss: must be > 0, got {self.target_loss!r}")
         # Every cell must be a valid training job: check one of each algorithm now.
@@ -198,9 +213,8 @@ class BenchSpec:
             self.train_config(Cell(algo, self.workers[0], self.links[0]), self.out)
 
     def cells(self) -> list[Cell]:
-        """Every job, in the order it runs: the ceilings, the matrix, the validation pairs, the
-        ceilings again."""
-        cells = [Cell("none", w, None, "none", "ceiling") for w in self.workers]
+        """The matrix jobs in the order they run (the validation pairs follow them)."""
+        cells = []
         for w in self.workers:
             for link in self.links:
                 cells += [Cell(a, w, link) for a in self.algos]
@@ -219,6 +233,7 @@ class BenchSpec:
             "seed": self.seed,
             "eval_every": self.eval_every,
             "eval_batches": self.eval_batches,
+            "ceiling_steps": self.ceiling_steps,
             "link": cell.link if cell.shaping == "emulated" else None,
             "name": cell.id,
             "out": os.path.join(out, "cells", cell.id),
@@ -297,10 +312,13 @@ def _row(cell: Cell, cfg: Any, summary: dict[str, Any], extra: dict[str, Any]) -
         "payload_bytes_per_worker_step": mean["payload_bytes_per_step"],
         "wire_bytes_per_worker_step": mean["wire_bytes_per_step"],
         "blocked_s_per_worker": mean["blocked_s"],
-        "hidden_fraction": mean["hidden_fraction"] if cell.algo not in ("none",) else None,
+        "hidden_fraction": mean["hidden_fraction"],
         "val_loss_initial": summary["val_loss_initial"],
         "val_loss_final": summary["val_loss_final"],
         "curve": _read_curve(cfg.out),
+        "ceiling_tokens_per_s": summary["ceiling"]["tokens_per_s"],
+        "ceiling_segments_tokens_per_s": summary["ceiling"]["segments_tokens_per_s"],
+        "ratio_to_ceiling": summary["ceiling"]["ratio"],
         **extra,
     }
 
@@ -404,7 +422,6 @@ def run_bench(
     cells = spec.cells()
     if real_skipped is None:
         cells += _validation_cells(spec, latency_applied)
-    cells += [dataclasses.replace(c, repeat=1) for c in cells if c.role == "ceiling"]
 
     overhead = None
     if spec.overhead:
@@ -445,28 +462,33 @@ def _assemble(
     real_skipped: str | None,
     latency_applied: bool,
 ) -> dict[str, Any]:
-    ceilings: dict[int, dict[str, Any]] = {}
+    cells = list(rows)
+    ceilings = []
     for w in spec.workers:
-        runs = [r for r in rows if r["role"] == "ceiling" and r["workers"] == w]
-        speeds = [r["tokens_per_s"] for r in runs]
-        value = sum(speeds) / len(speeds)
-        spread = (max(speeds) - min(speeds)) / value if len(speeds) > 1 else None
-        ceilings[w] = {"workers": w, "tokens_per_s": value, "runs": speeds, "noise": spread}
-    cells = [r for r in rows if r["role"] != "ceiling"]
+        speeds = [r["ceiling_tokens_per_s"] for r in cells if r["workers"] == w]
+        if not speeds:
+            continue
+        ceilings.append(
+            {
+                "workers": w,
+                "tokens_per_s": statistics.median(speeds),
+                "cells": len(speeds),
+                "drift": (max(speeds) - min(speeds)) / statistics.median(speeds),
+            }
+        )
     matrix = [r for r in cells if r["role"] == "matrix"]
     target = spec.target_loss
     if target is None and matrix:
         target = max(r["val_loss_final"] for r in matrix)
     for r in cells:
-        ceiling = ceilings[r["workers"]]["tokens_per_s"]
-        r["ceiling_tokens_per_s"] = ceiling
-        r["ratio_to_ceiling"] = r["tokens_per_s"] / ceiling if ceiling else None
         r["target_loss"] = target
         r["time_to_target_s"] = (
             interpolate_time_to_target(r["curve"], target) if target is not None else None
         )
     model = {"parameters": rows[0].get("parameters") if rows else None}
-    noise = [c["noise"] for c in ceilings.values() if c["noise"] is not None]
+    # within a cell, the two halves of its ceiling: how much the machine moved during the cell
+    spreads = [_halves_spread(r["ceiling_segments_tokens_per_s"]) for r in cells]
+    noise = [x for x in spreads if x is not None]
     return {
         "version": RESULTS_VERSION,
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -481,10 +503,10 @@ def _assemble(
             },
             **_train_settings(spec),
         },
-        "noise": max(noise) if noise else None,
+        "noise": statistics.median(noise) if noise else None,
+        "noise_max": max(noise) if noise else None,
         "target_loss": target,
-        "ceilings": list(ceilings.values()),
-        "ceiling_cells": [r for r in rows if r["role"] == "ceiling"],
+        "ceilings": ceilings,
         "cells": cells,
         "real_links": {
             "skipped": real_skipped,
@@ -493,6 +515,12 @@ def _assemble(
         "overhead": overhead,
         "goals": _goals(cells, overhead),
     }
+
+
+def _halves_spread(segments: Sequence[float]) -> float | None:
+    if len(segments) < 2:
+        return None
+    return abs(segments[0] - segments[-1]) / statistics.fmean(segments)
 
 
 def _train_settings(spec: BenchSpec) -> dict[str, Any]:

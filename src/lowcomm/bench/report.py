@@ -66,8 +66,6 @@ def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
 
 
 def _link_label(row: dict[str, Any]) -> str:
-    if row["link"] is None:
-        return "none"
     return f"{row['link']} ({row['shaping']})"
 
 
@@ -91,18 +89,24 @@ def format_markdown(results: dict[str, Any]) -> str:
         "Links are emulated unless marked real.",
         "",
     ]
-    noise = results.get("noise")
+    lines += [
+        "**Ceiling**: every cell also times "
+        f"{s['ceiling_steps']} inner steps with no synchronisation at all in the same worker "
+        "processes, on a private copy of the model, half right before training and half right "
+        "after; `x ceiling` divides the cell's tokens/s by its own ceiling, so the ratio holds "
+        "even when the machine's speed drifts between cells."
+    ]
     for c in results["ceilings"]:
-        runs = ", ".join(f"{v:,.0f}" for v in c["runs"])
         lines.append(
-            f"**Ceiling** ({c['workers']} workers, no synchronisation at all, run first and "
-            f"last): {c['tokens_per_s']:,.0f} tokens/s (runs: {runs})."
+            f"Median ceiling with {c['workers']} workers: {c['tokens_per_s']:,.0f} tokens/s over "
+            f"{c['cells']} cells (they spread by {c['drift']:.0%} across the run)."
         )
+    noise = results.get("noise")
     if noise is not None:
         lines += [
             "",
-            f"**Noise**: the two ceiling runs differ by {noise:.1%}; ratios below are good to "
-            "about that much.",
+            f"**Noise**: the two halves of a cell's ceiling differ by {noise:.1%} (median over "
+            f"cells; at most {results['noise_max']:.1%}); ratios are good to about that much.",
         ]
     target = results.get("target_loss")
     lines += [
@@ -182,6 +186,8 @@ def format_markdown(results: dict[str, Any]) -> str:
                     _fmt(r["tokens_per_s"], ",.0f"),
                     _fmt(emu, ",.0f"),
                     _fmt(None if not emu else emu / r["tokens_per_s"], ".2f"),
+                    _fmt(r["ratio_to_ceiling"], ".1%"),
+                    _fmt(None if twin is None else twin["ratio_to_ceiling"], ".1%"),
                     _fmt(r["hidden_fraction"], ".1%"),
                     _fmt(None if twin is None else twin["hidden_fraction"], ".1%"),
                 ]
@@ -194,6 +200,8 @@ def format_markdown(results: dict[str, Any]) -> str:
                 "real tokens/s",
                 "emulated tokens/s",
                 "emulated / real",
+                "x ceiling (real)",
+                "x ceiling (emulated)",
                 "hidden (real)",
                 "hidden (emulated)",
             ],

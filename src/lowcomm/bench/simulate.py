@@ -73,6 +73,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -932,9 +933,10 @@ _FREE = Network(bandwidth_bps=math.inf, latency_s=0.0, cost="emulated")
 def calibrate(results: Mapping[str, Any], *, source: str = "results") -> list[CalibrationRow]:
     """Predict every synchronising cell of a ``lowcomm bench`` results file and compare.
 
-    For each cell: t_c is the measured step time of the ``none`` cell (no sync, the ceiling)
-    with the same worker count; the payload is the measured payload per worker step × the sync
-    period (else parameters × 4); the link is the cell's emulated link, charged as
+    For each cell: t_c is the step time of the no-sync ceiling measured in the cell's own
+    processes (``ceiling_tokens_per_s``), else of the ``none`` cell with the same worker count;
+    the payload is the measured payload per worker step × the sync period (else parameters ×
+    4); the link is the cell's emulated link, charged as
     :func:`emulated_allreduce_time`; DDP gets no overlap with backward (lowcomm's emulated DDP
     charges each bucket from its launch, and a model of one or two buckets launches its last
     when backward has finished). The predicted throughput is the ceiling's measured throughput ×
@@ -958,13 +960,14 @@ def calibrate(results: Mapping[str, Any], *, source: str = "results") -> list[Ca
         n = int(cell["workers"])
         notes: list[str] = []
         ceiling = ceilings.get(n)
-        if ceiling is not None:
-            t_c = float(ceiling["step_time_s"])
-            ceiling_thr = float(ceiling["tokens_per_s"])
-        elif isinstance(cell.get("ceiling_tokens_per_s"), int | float):
+        if isinstance(cell.get("ceiling_tokens_per_s"), int | float):
+            # the ceiling measured inside the cell's own processes (lowcomm bench)
             ceiling_thr = float(cell["ceiling_tokens_per_s"])
             t_c = float(cell["tokens_per_s"]) * float(cell["step_time_s"]) / ceiling_thr
-            notes.append("t_c from ceiling_tokens_per_s")
+        elif ceiling is not None:
+            t_c = float(ceiling["step_time_s"])
+            ceiling_thr = float(ceiling["tokens_per_s"])
+            notes.append("t_c from the none cell")
         else:
             logger.warning(
                 "cell %s on %d workers has no no-sync ceiling cell: skipped", algo.label, n
@@ -1022,22 +1025,37 @@ def calibrate(results: Mapping[str, Any], *, source: str = "results") -> list[Ca
 def scenario_from_results(results: Mapping[str, Any], *, source: str = "results") -> Scenario:
     """A scenario for this machine: the bench's model, compute time and emulated link.
 
-    t_c and tokens per worker step come from the ``none`` cell with the fewest workers (its
-    ``tokens_per_s`` is taken as the total over workers); the link from the first cell that has
+    t_c and tokens per worker step come from the no-sync ceiling with the fewest workers: the
+    ``none`` cell, else the median of the ceilings measured inside the cells (tokens/s are totals
+    over workers); the link from the first cell that has
     one; the algorithms are those of the cells. Workers are assumed to keep their own compute as
     N grows (on this machine they share its cores).
     """
     _check_results(results, source)
     cells = results["cells"]
     nones = sorted((c for c in cells if c["algo"] == "none"), key=lambda c: c["workers"])
-    if not nones:
+    with_ceiling = sorted(
+        (c for c in cells if isinstance(c.get("ceiling_tokens_per_s"), int | float)),
+        key=lambda c: c["workers"],
+    )
+    if nones:
+        ceiling = nones[0]
+        t_c = float(ceiling["step_time_s"])
+        tokens = float(ceiling["tokens_per_s"]) * t_c / int(ceiling["workers"])
+    elif with_ceiling:
+        fewest = with_ceiling[0]["workers"]
+        same = [c for c in with_ceiling if c["workers"] == fewest]
+        ceiling = {"workers": fewest}
+        per_step = float(same[0]["tokens_per_s"]) * float(same[0]["step_time_s"])
+        ceiling_thr = statistics.median(float(c["ceiling_tokens_per_s"]) for c in same)
+        t_c = per_step / ceiling_thr
+        tokens = per_step / int(fewest)
+    else:
         raise ValueError(
-            f"results file {source!r} has no 'none' cell (the no-sync ceiling) to take the compute "
-            "time from; run lowcomm bench with the none algorithm, or pass --step-time"
+            f"results file {source!r} has no no-sync ceiling (a 'none' cell or cells with "
+            "ceiling_tokens_per_s) to take the compute time from; re-run lowcomm bench, or pass "
+            "--step-time"
         )
-    ceiling = nones[0]
-    t_c = float(ceiling["step_time_s"])
-    tokens = float(ceiling["tokens_per_s"]) * t_c / int(ceiling["workers"])
     model = results.get("model") or {}
     params = model.get("parameters") if isinstance(model, dict) else None
     if not isinstance(params, int | float) or isinstance(params, bool) or not params > 0:

@@ -243,6 +243,10 @@ class TrainConfig:
     """Replace the files of a previous run in the output folder (refused otherwise)."""
     quiet: bool = False
     """Workers log warnings only: no progress bar, no start-up or per-evaluation lines."""
+    ceiling_steps: int = 0
+    """Also time this many inner steps with no synchronisation at all, on a copy of the model in
+    the same worker processes (half before training, half after), and report throughput as a
+    share of that ceiling (0: off)."""
     name: str | None = None
     """Run name; unset: <algo>-<YYYYmmdd-HHMMSS>."""
 
@@ -264,6 +268,7 @@ class TrainConfig:
             _check_int(key, getattr(self, key), low=1)
         _check_int("seed", self.seed, low=0)
         _check_int("warmup", self.warmup, low=0)
+        _check_int("ceiling_steps", self.ceiling_steps, low=0)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 "n_embd",

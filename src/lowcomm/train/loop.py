@@ -247,6 +247,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         )
     ).to(device)
     inner = _inner_optimizer(gpt, cfg)
+    ceiling = _Ceiling(gpt, cfg, corpus, rank, device) if cfg.ceiling_steps else None
 
     algo = None
     meter = None
@@ -311,6 +312,8 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             progress.eval(step, val_loss, rounds(), time.perf_counter() - t0)
         return val_loss
 
+    if ceiling is not None:
+        ceiling.run(cfg.ceiling_steps // 2)
     t_start = time.perf_counter()
     if progress is not None:
         progress.start(t_start)
@@ -340,6 +343,8 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     wall_s = time.perf_counter() - t_start
     if progress is not None:
         progress.close()
+    if ceiling is not None:
+        ceiling.run(cfg.ceiling_steps - cfg.ceiling_steps // 2)
 
     per_rank = {"rank": rank, "rounds": rounds(), **stats.as_dict()}
     gathered: list[Any] = [None] * world
@@ -376,6 +381,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         val_end=val_end,
         per_rank=gathered,
         n_params=gpt.num_parameters(),
+        ceiling=None if ceiling is None else ceiling.summary(tokens_per_step),
     )
     write_json(os.path.join(cfg.out, "summary.json"), summary)
     plot_losses(
@@ -384,6 +390,66 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         title=f"{cfg.name}: {cfg.algo}, {world} workers",
     )
     return summary
+
+
+class _Ceiling:
+    """The no-sync ceiling measured inside the job: the same worker processes time inner steps
+    on a private copy of the model and inner optimizer with no synchronisation at all, half
+    before training and half after, so the ceiling sees the machine as the training saw it.
+
+    Every rank runs its segment at the same time (a barrier on each side), drawing batches from
+    its own generator: the training's data order and model are untouched.
+    """
+
+    def __init__(
+        self, gpt: nn.Module, cfg: TrainConfig, corpus: Any, rank: int, device: torch.device
+    ) -> None:
+        import copy
+
+        from lowcomm.data import make_generator
+
+        self.model = copy.deepcopy(gpt)
+        self.optimizer = _inner_optimizer(self.model, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr
+        self.cfg = cfg
+        self.corpus = corpus
+        self.device = device
+        self.gen = make_generator(cfg.seed + 1_000_003, rank)
+        self.segments: list[tuple[int, float]] = []  # (steps, seconds) on this rank
+        self._step()  # untimed: optimizer state and allocator warm-up
+
+    def _step(self) -> None:
+        from lowcomm.data import get_batch
+
+        x, y = get_batch(self.corpus.train, self.cfg.batch_size, self.cfg.block_size, self.gen)
+        _, loss = self.model(x.to(self.device), y.to(self.device))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def run(self, steps: int) -> None:
+        if steps <= 0:
+            return
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self._step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.segments.append((steps, time.perf_counter() - t0))
+        dist.barrier()
+
+    def summary(self, tokens_per_step: int) -> dict[str, Any]:
+        """Rank 0's ceiling in tokens/s (all workers' tokens, like the job's own figure), overall
+        and per segment."""
+        steps = sum(n for n, _ in self.segments)
+        seconds = sum(s for _, s in self.segments)
+        return {
+            "steps": steps,
+            "tokens_per_s": steps * tokens_per_step / seconds,
+            "segments_tokens_per_s": [n * tokens_per_step / s for n, s in self.segments],
+        }
 
 
 class _Progress:
@@ -531,6 +597,7 @@ def _summary(
     val_end: float,
     per_rank: list[dict[str, Any]],
     n_params: int,
+    ceiling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     workers = []
     for r in sorted(per_rank, key=lambda d: d["rank"]):
@@ -553,6 +620,9 @@ def _summary(
         "rounds",
     )
     mean = {k: _mean([w[k] for w in workers]) for k in keys}
+    tokens_per_s = tokens / train_s if train_s > 0 else None
+    if ceiling is not None and tokens_per_s is not None:
+        ceiling["ratio"] = tokens_per_s / ceiling["tokens_per_s"]
     return {
         "algo": cfg.algo,
         "name": cfg.name,
@@ -566,7 +636,8 @@ def _summary(
         "wall_time_s": wall_s,
         "train_time_s": train_s,
         "eval_time_s": eval_s,
-        "tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "tokens_per_s": tokens_per_s,
+        "ceiling": ceiling,
         "val_loss_initial": val_start,
         "val_loss_final": val_end,
         "comm_mean": mean,

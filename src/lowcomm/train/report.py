@@ -11,6 +11,17 @@ def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.2f} MB"
 
 
+def _ceiling_rows(ceiling: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not ceiling:
+        return []
+    text = (
+        f"{ceiling['tokens_per_s']:,.0f} tokens/s without sync "
+        f"({ceiling['steps']} steps in the same processes)"
+    )
+    ratio = ceiling.get("ratio")
+    return [("ceiling", text), ("of ceiling", "-" if ratio is None else f"{ratio:.1%}")]
+
+
 def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
     """A small two-column table of a run's ``summary.json``.
 
@@ -34,6 +45,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         ("link", summary.get("link") or "real network"),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
+        *_ceiling_rows(summary.get("ceiling")),
         (
             "val loss",
             f"{summary['val_loss_initial']:.3f} -> {summary['val_loss_final']:.3f}",
