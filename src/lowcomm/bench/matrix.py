@@ -434,6 +434,8 @@ def run_bench(
             sync_every=spec.sync_every,
             seed=spec.seed,
             train_overrides=spec.train_overrides,
+            # a worker's share of the cores, as in the matrix's first worker count
+            threads=max(1, (os.cpu_count() or 1) // spec.workers[0]),
         )
 
     rows = []
@@ -444,8 +446,8 @@ def run_bench(
         row = _run_cell(spec, cell, net_factory)
         rows.append(row)
         note(
-            f"{label}: {row['tokens_per_s']:,.0f} tok/s, val {row['val_loss_final']:.3f}, "
-            f"{row['command_s']:.0f} s"
+            f"{label}: {row['tokens_per_s']:,.0f} tok/s ({row['ratio_to_ceiling']:.1%} of its "
+            f"ceiling), val {row['val_loss_final']:.3f}, {row['command_s']:.0f} s"
         )
 
     results = _assemble(spec, rows, overhead, real_skipped, latency_applied)

@@ -46,16 +46,26 @@ def measure_overhead(
     sync_every: int = 12,
     seed: int = 0,
     train_overrides: dict[str, Any] | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Time bare against hooked steps for each of ``algos`` (``lowcomm train --algo`` values).
 
     Initialises (and afterwards destroys) a single-rank gloo process group when none is
     initialised; uses the existing default group otherwise.
 
+    Args:
+        threads: torch intra-op threads while measuring (restored afterwards); default the
+            current setting. Give a worker's share of the cores (``lowcomm train`` gives each
+            of N local workers cpu_count // N) to time the step a worker runs.
+
     Returns:
         ``{"threads", "steps_per_algorithm", "algorithms": [per-algorithm dict]}``; see the
         module docstring for the keys.
     """
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    used_threads = torch.get_num_threads()
     created = False
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -68,8 +78,9 @@ def measure_overhead(
     finally:
         if created:
             dist.destroy_process_group()
+        torch.set_num_threads(saved_threads)
     return {
-        "threads": torch.get_num_threads(),
+        "threads": used_threads,
         "steps_per_algorithm": rounds * sync_every,
         "world_size": 1,
         "algorithms": rows,

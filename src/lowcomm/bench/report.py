@@ -214,7 +214,8 @@ def format_markdown(results: dict[str, Any]) -> str:
             "",
             "## Overhead of the hook",
             "",
-            f"One process, {overhead['threads']} threads, single-rank gloo group, "
+            "One process with a worker's share of the cores "
+            f"({overhead['threads']} threads), single-rank gloo group, "
             f"{overhead['steps_per_algorithm']} step pairs per algorithm (bare and hooked "
             "alternating); medians.",
             "",
