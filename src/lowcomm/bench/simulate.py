@@ -1027,9 +1027,9 @@ def scenario_from_results(results: Mapping[str, Any], *, source: str = "results"
 
     t_c and tokens per worker step come from the no-sync ceiling with the fewest workers: the
     ``none`` cell, else the median of the ceilings measured inside the cells (tokens/s are totals
-    over workers); the link from the first cell that has
-    one; the algorithms are those of the cells. Workers are assumed to keep their own compute as
-    N grows (on this machine they share its cores).
+    over workers); the link is the slowest emulated link of the cells; the algorithms are those
+    of the cells. Workers are assumed to keep their own compute as N grows (on this machine they
+    share its cores).
     """
     _check_results(results, source)
     cells = results["cells"]
@@ -1060,7 +1060,9 @@ def scenario_from_results(results: Mapping[str, Any], *, source: str = "results"
     params = model.get("parameters") if isinstance(model, dict) else None
     if not isinstance(params, int | float) or isinstance(params, bool) or not params > 0:
         raise ValueError(f"results file {source!r} has no model.parameters; re-run lowcomm bench")
-    network = next((net for c in cells if (net := _cell_network(c)) is not None), None)
+    # the slowest emulated link of the bench: where the algorithms differ most
+    networks = [net for c in cells if (net := _cell_network(c)) is not None]
+    network = min(networks, key=lambda net: net.bandwidth_bps) if networks else None
     if network is None:
         raise ValueError(
             f"results file {source!r} has no cell with an emulated link; pass --bandwidth"
