@@ -4,6 +4,7 @@ Workers train locally and exchange model deltas rarely and in the background. Se
 for the algorithms and the ``lowcomm train`` job.
 """
 
+from lowcomm import compress
 from lowcomm.comm import CommStats, Communicator
 from lowcomm.outer import ALGORITHMS, CO2, CoCoDC, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
 
@@ -20,4 +21,5 @@ __all__ = [
     "SlowMo",
     "StreamingDiLoCo",
     "__version__",
+    "compress",
 ]

@@ -8,8 +8,11 @@ writes into live parameters.
 
 Counters (:class:`CommStats`), per worker:
 
-* ``payload_bytes``: bytes handed to collectives;
-* ``wire_bytes``: what a ring all-reduce puts on the wire, ``2 (N - 1) / N`` x payload;
+* ``payload_bytes``: bytes this rank hands to collectives (for compressed collectives, the
+  compressed bytes it contributes: payloads, scales and indices);
+* ``wire_bytes``: what the collective puts on the wire per rank: a ring all-reduce
+  ``2 (N - 1) / N`` x payload, a ring all-gather ``(N - 1)`` x payload (each rank forwards the
+  N - 1 other ranks' chunks);
 * ``blocked_s``: time spent blocked in :meth:`Handle.wait`;
 * ``in_flight_s``: time from launch to completion of each collective, summed;
 * ``hidden_fraction``: ``1 - blocked / in_flight``, the share of communication time that was
@@ -32,10 +35,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lowcomm.compress.feedback import Compressor
 
 __all__ = [
     "CommStats",
@@ -43,6 +49,7 @@ __all__ = [
     "DDPCommMeter",
     "FlatBuckets",
     "Handle",
+    "all_gather_wire_bytes",
     "ring_wire_bytes",
 ]
 
@@ -54,6 +61,13 @@ def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:
     if world_size <= 1:
         return 0
     return int(round(2 * (world_size - 1) * payload_bytes / world_size))
+
+
+def all_gather_wire_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-gather of ``payload_bytes`` each: (N - 1) x payload."""
+    if world_size <= 1:
+        return 0
+    return (world_size - 1) * payload_bytes
 
 
 @dataclass
@@ -152,6 +166,13 @@ class FlatBuckets:
         with torch.no_grad():
             torch._foreach_copy_(list(tensors), self.views)
 
+    def groups(self) -> list[list[int]]:
+        """Indices of the tensors in each bucket, in order (one collective per group)."""
+        out: list[list[int]] = [[] for _ in self.buffers]
+        for i, (b, _, _) in enumerate(self.layout):
+            out[b].append(i)
+        return out
+
 
 class Handle:
     """An in-flight mean all-reduce over a list of buffers. :meth:`wait` is idempotent."""
@@ -202,6 +223,17 @@ class Handle:
         self._done = True
         return self.buffers
 
+    @property
+    def needs_advance(self) -> bool:
+        """Whether :meth:`advance` would launch a second collective (two-phase compressed
+        collectives such as PowerSGD's; never for a plain all-reduce)."""
+        return False
+
+    def advance(self) -> None:
+        """Launch the next phase of a multi-phase collective, waiting for the first if needed.
+        A no-op for single-phase collectives; :meth:`wait` advances by itself. Callers that
+        advance early must do so at the same point of the schedule on every rank."""
+
 
 class _DoneWork:
     """A collective that has already completed (world size 1, or restored from a checkpoint)."""
@@ -251,6 +283,37 @@ class Communicator:
         assert work is not None
         return work
 
+    def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        """One async all-gather of ``tensor`` (the same size on every rank) into ``out``
+        (N x its size, rank order). Subclasses override it as they do :meth:`_launch`."""
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, tensor, group=self.group, async_op=True)
+        assert work is not None
+        return work
+
+    def all_reduce_sum_async(self, tensor: torch.Tensor) -> dist.Work | _DoneWork:
+        """Launch one SUM all-reduce of ``tensor`` in place (counted: ring wire bytes)."""
+        payload = tensor.numel() * tensor.element_size()
+        self.stats.collectives += 1
+        self.stats.payload_bytes += payload
+        self.stats.wire_bytes += ring_wire_bytes(payload, self.world_size)
+        if self.world_size == 1:
+            return _DoneWork()
+        return self._launch(tensor)
+
+    def all_gather_async(self, tensor: torch.Tensor, out: torch.Tensor) -> dist.Work | _DoneWork:
+        """Launch one all-gather of ``tensor`` into ``out`` (counted: ``tensor``'s bytes as
+        payload, (N - 1) x payload on the wire)."""
+        assert out.numel() == tensor.numel() * self.world_size and out.dtype == tensor.dtype
+        payload = tensor.numel() * tensor.element_size()
+        self.stats.collectives += 1
+        self.stats.payload_bytes += payload
+        self.stats.wire_bytes += all_gather_wire_bytes(payload, self.world_size)
+        if self.world_size == 1:
+            out.copy_(tensor.reshape(-1))
+            return _DoneWork()
+        return self._launch_all_gather(out, tensor)
+
     def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
         """Launch SUM all-reduces over ``buffers`` (in place); :meth:`Handle.wait` divides by N."""
         payload = sum(b.numel() * b.element_size() for b in buffers)
@@ -267,6 +330,22 @@ class Communicator:
     def all_reduce_mean(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Blocking mean all-reduce (counted the same way)."""
         return self.all_reduce_mean_async(buffers).wait()
+
+    def compressed_mean_async(
+        self,
+        buckets: FlatBuckets,
+        compressor: Compressor,
+        *,
+        own: FlatBuckets | None = None,
+    ) -> Handle:
+        """Launch the compressed mean of ``buckets`` (one collective per bucket, or two for
+        PowerSGD; see :mod:`lowcomm.compress.collectives`); after :meth:`Handle.wait` the
+        buckets hold the mean of every rank's decoded contribution. ``compressor`` holds this
+        rank's error-feedback residuals. ``own``, if given, receives this rank's decoded
+        contribution (eager updates). Counted in :attr:`stats` with the compressed bytes."""
+        return compressor.launch(
+            self, buckets.views, buckets.groups(), own=None if own is None else own.views
+        )
 
     def completed(self, buffers: list[torch.Tensor]) -> Handle:
         """A handle whose result is already in ``buffers`` (restored from a checkpoint)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lowcomm.comm import Communicator, ring_wire_bytes
+from lowcomm.comm import Communicator, all_gather_wire_bytes, ring_wire_bytes
 
 __all__ = ["PROFILES", "EmulatedLink", "LinkModel"]
 
@@ -139,7 +139,9 @@ class EmulatedCommunicator(Communicator):
     """A :class:`~lowcomm.comm.Communicator` whose collectives complete on the emulated link.
 
     A link thread takes collectives in launch order (FIFO), waits for the real one, then sleeps
-    until the model's completion time and marks it complete.
+    until the model's completion time and marks it complete. Each collective occupies the link
+    for its wire bytes per rank: a ring all-reduce ``2 (N - 1) / N`` x payload, an all-gather
+    (compressed payloads) ``(N - 1)`` x payload.
     """
 
     def __init__(
@@ -162,6 +164,15 @@ class EmulatedCommunicator(Communicator):
     def _launch(self, tensor: torch.Tensor) -> dist.Work:
         real = super()._launch(tensor)
         wire = ring_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        return self._through_link(real, wire)
+
+    def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        real = super()._launch_all_gather(out, tensor)
+        wire = all_gather_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        return self._through_link(real, wire)
+
+    def _through_link(self, real: dist.Work, wire: int) -> dist.Work:
+        """Complete ``real`` no earlier than the link could have carried ``wire`` bytes."""
         done_at = self.model.schedule(self._clock(), wire)
         fut: torch.futures.Future = torch.futures.Future()
         with self._cv:

@@ -22,7 +22,12 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets, Handle
+from lowcomm.compress.codecs import Codec, parse_compression
+from lowcomm.compress.lgreco import LGreCo
+
+Compression = Codec | LGreCo | str | None
+"""What ``compression=`` accepts: a codec, an L-GreCo setting, a spec string or ``None``."""
 
 __all__ = ["OuterAlgorithm"]
 
@@ -94,6 +99,8 @@ class OuterAlgorithm:
         self._hook: RemovableHandle | None = None
         self._warned_partial_at = -1
         self._profile_tag = f"lowcomm::{self.name}"
+        # two-phase compressed collectives (PowerSGD) and the inner step to advance them at
+        self._to_advance: list[tuple[int, Handle]] = []
 
     # -- argument checks ---------------------------------------------------------------------
 
@@ -105,6 +112,8 @@ class OuterAlgorithm:
             _check_positive_int("sync_every", kwargs["sync_every"], 12)
         if "bucket_cap_mb" in kwargs:
             _check_positive_float("bucket_cap_mb", kwargs["bucket_cap_mb"], 25.0)
+        if kwargs.get("compression") is not None:
+            parse_compression(kwargs["compression"])  # raises ValueError naming the fix
 
     @staticmethod
     def _collect_params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -159,6 +168,8 @@ class OuterAlgorithm:
         """Call once after every inner ``optimizer.step()``; ends a round every H calls."""
         self.local_step += 1
         with torch.no_grad():
+            if self._to_advance:
+                self._advance_due(self.local_step)
             self._on_step(self.local_step)
         if self.local_step % self.sync_every == 0:
             self.rounds += 1
@@ -184,6 +195,19 @@ class OuterAlgorithm:
             )
         with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
             self._finish()
+
+    def _schedule_advance(self, handle: Handle, window: int) -> None:
+        """Advance ``handle``'s second phase (PowerSGD's Q all-reduce) halfway through the
+        ``window`` inner steps it has before it is applied: every rank does so at the same
+        step, before that step's own launches, so collectives stay in the same order."""
+        if handle.needs_advance:
+            self._to_advance.append((self.local_step + max(1, window // 2), handle))
+
+    def _advance_due(self, step: int) -> None:
+        due = [h for at, h in self._to_advance if at <= step]
+        self._to_advance = [(at, h) for at, h in self._to_advance if at > step]
+        for handle in due:
+            handle.advance()
 
     def _end_round(self) -> None:
         raise NotImplementedError
@@ -251,6 +275,7 @@ class OuterAlgorithm:
                     f"state_dict was saved with {key}={state[key]!r} but this "
                     f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
                 )
+        self._to_advance = []
         self._load_extra_state(state)
         # counters last: a state_dict refused half-way leaves them as they were
         self.local_step = int(state["local_step"])

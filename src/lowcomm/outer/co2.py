@@ -47,13 +47,18 @@ from torch import nn
 from torch.profiler import record_function
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, Handle
+from lowcomm.compress.codecs import PowerSGD, parse_compression
+from lowcomm.compress.feedback import Compressor
+from lowcomm.compress.lgreco import LGreCo
 from lowcomm.outer.base import (
+    Compression,
     OuterAlgorithm,
     _check_bool,
     _check_momentum,
     _check_positive_float,
     clone_views,
 )
+from lowcomm.outer.fragment import load_compression
 from lowcomm.outer.functional import co2_outer_update_, pseudo_gradient_
 
 __all__ = ["CO2"]
@@ -81,6 +86,13 @@ class CO2(OuterAlgorithm):
         eager: eager updates (see the module docstring; default False).
         process_group: the group to reduce over; ``None`` is WORLD.
         bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+        compression: compress the pseudo-gradients, with error feedback on each rank (a codec
+            or a spec such as ``"int4"``, ``"topk:0.01"``, ``"powersgd:4"``,
+            ``"lgreco:powersgd"``; see :mod:`lowcomm.compress`). Still one round stale and
+            overlapped: the compressed collective is launched at the end of round t and
+            decoded at the end of round t + 1; PowerSGD's second all-reduce goes out H/2 inner
+            steps after the first. Eager updates use this rank's decoded contribution as Δᵢ
+            and need a single-phase codec (not PowerSGD).
     """
 
     name = "co2"
@@ -100,6 +112,7 @@ class CO2(OuterAlgorithm):
         eager: bool = False,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        compression: Compression = None,
     ) -> None:
         self.validate(
             sync_every=sync_every,
@@ -111,6 +124,7 @@ class CO2(OuterAlgorithm):
             gap_penalty=gap_penalty,
             eager=eager,
             bucket_cap_mb=bucket_cap_mb,
+            compression=compression,
         )
         super().__init__(
             model_or_params,
@@ -141,6 +155,17 @@ class CO2(OuterAlgorithm):
         self.eager = bool(eager)
         # Eager: this rank's own Δᵢ of each send buffer, kept before the all-reduce sums it.
         self._own = [self.anchor.like(), self.anchor.like()] if self.eager else []
+        self.compression = parse_compression(compression)
+        self.compressor = (
+            None
+            if self.compression is None
+            else Compressor(
+                self.compression,
+                self.anchor.shapes,
+                rank=self.comm.rank,
+                device=self.anchor.device,
+            )
+        )
 
     @classmethod
     def validate(cls, **kwargs: Any) -> None:
@@ -157,6 +182,16 @@ class CO2(OuterAlgorithm):
             _check_positive_float("clip", kwargs["clip"], 1.0)
         if "clip_mode" in kwargs and kwargs["clip_mode"] not in CLIP_MODES:
             raise ValueError(f"clip_mode must be 'value' or 'norm', got {kwargs['clip_mode']!r}")
+        if kwargs.get("eager") and kwargs.get("compression") is not None:
+            setting = parse_compression(kwargs["compression"])
+            if isinstance(setting, PowerSGD) or (
+                isinstance(setting, LGreCo) and setting.family == "powersgd"
+            ):
+                raise ValueError(
+                    f"eager=True needs this rank's decoded contribution at launch, which "
+                    f"{setting.spec!r} only has after its second all-reduce; use eager=False or "
+                    "a single-phase codec such as 'int8' or 'topk:0.01'"
+                )
         if "gap_penalty" in kwargs:
             gp = kwargs["gap_penalty"]
             if isinstance(gp, str):
@@ -229,9 +264,15 @@ class CO2(OuterAlgorithm):
         self._send_next ^= 1
         with record_function(f"{self._profile_tag}::launch"):
             pseudo_gradient_(send.views, self.anchor.views, self.params)
-            if self.eager:
-                torch._foreach_copy_(self._own[idx].views, send.views)
-            handle = self.comm.all_reduce_mean_async(send.buffers)
+            if self.compressor is not None:
+                # eager: this rank's decoded contribution is what the others will receive
+                own = self._own[idx] if self.eager else None
+                handle = self.comm.compressed_mean_async(send, self.compressor, own=own)
+                self._schedule_advance(handle, self.sync_every)
+            else:
+                if self.eager:
+                    torch._foreach_copy_(self._own[idx].views, send.views)
+                handle = self.comm.all_reduce_mean_async(send.buffers)
         stale = self._wait_pending()
         if self.eager:
             self._outer_update(self._eager_delta(idx, stale))
@@ -258,7 +299,7 @@ class CO2(OuterAlgorithm):
             handle.wait()
             pending = clone_views(self._send[idx])
             own = clone_views(self._own[idx]) if self.eager else None
-        return {
+        state: dict[str, Any] = {
             "eager": self.eager,
             "anchor": clone_views(self.anchor),
             "momentum": clone_views(self.momentum),
@@ -268,6 +309,9 @@ class CO2(OuterAlgorithm):
             "pending_avg_delta": pending,
             "pending_own_delta": own,
         }
+        if self.compressor is not None:
+            state["compression"] = self.compressor.state_dict()
+        return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if bool(state.get("eager", False)) != self.eager:
@@ -280,6 +324,7 @@ class CO2(OuterAlgorithm):
         self._load_tensors(state, "gap_stat", self.gap_stat.views)
         self._load_tensors(state, "last_update", self.last_update.views)
         self.outer_updates = int(state.get("outer_updates", 0))
+        load_compression(self.compressor, state)
         self._pending = None
         if state.get("pending_avg_delta") is not None:
             idx = self._send_next

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
-from lowcomm.outer.base import _check_bool, _check_positive_int, clone_views
+from lowcomm.outer.base import Compression, _check_bool, _check_positive_int, clone_views
 from lowcomm.outer.fragment import OuterOptimizerFactory
 from lowcomm.outer.functional import delay_compensation_
 from lowcomm.outer.streaming import StreamingDiLoCo
@@ -61,8 +61,9 @@ class CoCoDC(StreamingDiLoCo):
             term).
         adaptive: pick fragments by priority (default) or round-robin.
         max_wait: K, the most rounds a fragment may wait before it is synced (default 2).
-        Other arguments as :class:`~lowcomm.StreamingDiLoCo` (``mix`` is not used: the delay
-        compensation decides how local and global parameters combine).
+        Other arguments as :class:`~lowcomm.StreamingDiLoCo`, ``compression`` included
+        (``mix`` is not used: the delay compensation decides how local and global parameters
+        combine).
     """
 
     name = "cocodc"
@@ -85,6 +86,7 @@ class CoCoDC(StreamingDiLoCo):
         outer_optimizer: OuterOptimizerFactory | None = None,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        compression: Compression = None,
     ) -> None:
         self.validate(lambda0=lambda0, adaptive=adaptive, max_wait=max_wait)
         super().__init__(
@@ -101,6 +103,7 @@ class CoCoDC(StreamingDiLoCo):
             outer_optimizer=outer_optimizer,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            compression=compression,
         )
         self.lambda0 = float(lambda0)
         self.adaptive = bool(adaptive)

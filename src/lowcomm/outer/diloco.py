@@ -29,7 +29,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, FlatBuckets
+from lowcomm.compress.codecs import parse_compression
 from lowcomm.outer.base import (
+    Compression,
     OuterAlgorithm,
     _check_bool,
     _check_momentum,
@@ -55,6 +57,9 @@ class DiLoCo(OuterAlgorithm):
             ``nesterov``.
         process_group: the group to average over; ``None`` is WORLD.
         bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+        compression: compress the pseudo-gradients, with error feedback on each rank: a codec
+            of :mod:`lowcomm.compress` or a spec such as ``"int4"``, ``"topk:0.01"``,
+            ``"powersgd:4"``, ``"lgreco:powersgd"`` (default ``None``: exact fp32 all-reduce).
     """
 
     name = "diloco"
@@ -72,6 +77,7 @@ class DiLoCo(OuterAlgorithm):
         outer_optimizer: OuterOptimizerFactory | None = None,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        compression: Compression = None,
     ) -> None:
         self.validate(
             sync_every=sync_every,
@@ -80,6 +86,7 @@ class DiLoCo(OuterAlgorithm):
             nesterov=nesterov,
             outer_optimizer=outer_optimizer,
             bucket_cap_mb=bucket_cap_mb,
+            compression=compression,
         )
         super().__init__(
             model_or_params,
@@ -90,7 +97,14 @@ class DiLoCo(OuterAlgorithm):
         )
         if outer_optimizer is None:
             outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
-        self.fragment = Fragment(self.params, outer_optimizer, bucket_cap_mb=self.bucket_cap_mb)
+        self.compression = parse_compression(compression)
+        self.fragment = Fragment(
+            self.params,
+            outer_optimizer,
+            bucket_cap_mb=self.bucket_cap_mb,
+            compression=self.compression,
+            rank=self.comm.rank,
+        )
 
     @property
     def anchor(self) -> FlatBuckets:
@@ -180,6 +194,7 @@ class SlowMo(DiLoCo):
         outer_momentum: float = 0.5,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        compression: Compression = None,
     ) -> None:
         super().__init__(
             model_or_params,
@@ -190,6 +205,7 @@ class SlowMo(DiLoCo):
             nesterov=False,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            compression=compression,
         )
         self.slow_lr = float(outer_lr)
 

@@ -15,17 +15,40 @@ from typing import Any
 import torch
 
 from lowcomm.comm import Communicator, FlatBuckets, Handle
+from lowcomm.compress.codecs import Codec
+from lowcomm.compress.feedback import Compressor
+from lowcomm.compress.lgreco import LGreCo
 from lowcomm.outer.base import clone_views
 from lowcomm.outer.functional import pseudo_gradient_
 
-__all__ = ["Fragment", "OuterOptimizerFactory"]
+__all__ = ["Fragment", "OuterOptimizerFactory", "load_compression"]
+
+
+def load_compression(compressor: Compressor | None, state: dict[str, Any]) -> None:
+    """Restore a compressor from ``state["compression"]``; refuses a mismatch either way."""
+    saved = state.get("compression")
+    if compressor is None:
+        if saved is not None:
+            raise ValueError(
+                f"state_dict was saved with compression={saved.get('codec')!r} but this run "
+                "has none; resume with the same compression"
+            )
+        return
+    if saved is None:
+        raise ValueError(
+            f"state_dict was saved without compression but this run has "
+            f"compression={compressor.spec!r}; resume with the same compression"
+        )
+    compressor.load_state_dict(saved)
+
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 class Fragment:
     """Anchor A (fp32 flat buckets), the Δ buffer the all-reduce runs in, and an outer optimizer
-    built by ``factory`` over the anchor's per-parameter views."""
+    built by ``factory`` over the anchor's per-parameter views. With ``compression``, Δ is
+    averaged by a compressed collective with this rank's error feedback (``compressor``)."""
 
     def __init__(
         self,
@@ -33,6 +56,9 @@ class Fragment:
         factory: OuterOptimizerFactory,
         *,
         bucket_cap_mb: float,
+        compression: Codec | LGreCo | None = None,
+        rank: int = 0,
+        stream: int = 0,
     ) -> None:
         self.params = list(params)
         self.anchor = FlatBuckets.for_tensors(self.params, bucket_cap_mb=bucket_cap_mb)
@@ -45,6 +71,17 @@ class Fragment:
                 f"is given, got {type(self.outer).__name__}"
             )
         self.pending: Handle | None = None
+        self.compressor = (
+            None
+            if compression is None
+            else Compressor(
+                compression,
+                self.delta.shapes,
+                rank=rank,
+                device=self.delta.device,
+                stream=stream,
+            )
+        )
 
     @property
     def numel(self) -> int:
@@ -54,7 +91,10 @@ class Fragment:
         """Δ ← A − θ into the Δ buffer and start its mean all-reduce (not waited for)."""
         assert self.pending is None, "a fragment has at most one all-reduce in flight"
         pseudo_gradient_(self.delta.views, self.anchor.views, self.params)
-        self.pending = comm.all_reduce_mean_async(self.delta.buffers)
+        if self.compressor is None:
+            self.pending = comm.all_reduce_mean_async(self.delta.buffers)
+        else:
+            self.pending = comm.compressed_mean_async(self.delta, self.compressor)
 
     def outer_step(
         self, scale: Callable[[list[torch.Tensor]], None] | None = None
@@ -80,12 +120,15 @@ class Fragment:
         if self.pending is not None:
             self.pending.wait()  # completed, not applied: resuming gives the same numbers
             pending = clone_views(self.delta)
-        return {
+        state = {
             "anchor": clone_views(self.anchor),
             # a snapshot: the optimizer's own state_dict refers to its live tensors
             "outer_optimizer": copy.deepcopy(self.outer.state_dict()),
             "pending_avg_delta": pending,
         }
+        if self.compressor is not None:
+            state["compression"] = self.compressor.state_dict()
+        return state
 
     def load_state_dict(
         self,
@@ -97,6 +140,7 @@ class Fragment:
         if "outer_optimizer" not in state:
             raise ValueError("fragment state_dict is missing 'outer_optimizer'")
         self.outer.load_state_dict(state["outer_optimizer"])
+        load_compression(self.compressor, state)
         self.pending = None
         if state.get("pending_avg_delta") is not None:
             load_tensors(state, "pending_avg_delta", self.delta.views)

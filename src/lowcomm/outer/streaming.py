@@ -39,7 +39,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.compress.codecs import parse_compression
 from lowcomm.outer.base import (
+    Compression,
     OuterAlgorithm,
     _check_positive_int,
 )
@@ -110,6 +112,10 @@ class StreamingDiLoCo(OuterAlgorithm):
             fragment, as :class:`~lowcomm.DiLoCo` (one optimizer per fragment).
         process_group: the group to average over; ``None`` is WORLD.
         bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+        compression: compress each fragment's pseudo-gradient, with error feedback on each
+            rank (a codec or a spec such as ``"int4"``, ``"powersgd:4"``; see
+            :mod:`lowcomm.compress`). Still overlapped: the compressed collective is launched
+            τ steps early; PowerSGD's second all-reduce goes out τ/2 steps after the first.
 
     ``finish()`` applies every all-reduce still in flight and then resets every fragment to
     its anchor, so all ranks agree; local progress since a fragment's last sync is dropped.
@@ -134,6 +140,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         outer_optimizer: OuterOptimizerFactory | None = None,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        compression: Compression = None,
     ) -> None:
         if fragments is not None and num_fragments is not None and num_fragments != len(fragments):
             raise ValueError(
@@ -153,6 +160,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             nesterov=nesterov,
             outer_optimizer=outer_optimizer,
             bucket_cap_mb=bucket_cap_mb,
+            compression=compression,
         )
         super().__init__(
             model_or_params,
@@ -164,8 +172,17 @@ class StreamingDiLoCo(OuterAlgorithm):
         groups = self._fragment_groups(model_or_params, num_fragments, fragments)
         if outer_optimizer is None:
             outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
+        self.compression = parse_compression(compression)
         self.fragments = [
-            Fragment(g, outer_optimizer, bucket_cap_mb=self.bucket_cap_mb) for g in groups
+            Fragment(
+                g,
+                outer_optimizer,
+                bucket_cap_mb=self.bucket_cap_mb,
+                compression=self.compression,
+                rank=self.comm.rank,
+                stream=i,
+            )
+            for i, g in enumerate(groups)
         ]
         self.num_fragments = len(self.fragments)
         self.interval = self.sync_every // self.num_fragments
@@ -257,7 +274,10 @@ class StreamingDiLoCo(OuterAlgorithm):
         assert f not in self._in_flight.values()
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
-            self.fragments[f].launch(self.comm)
+            frag = self.fragments[f]
+            frag.launch(self.comm)
+            assert frag.pending is not None
+            self._schedule_advance(frag.pending, self.overlap)
         self._in_flight[k] = f
 
     def _before_launch(self, f: int) -> None:

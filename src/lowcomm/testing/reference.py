@@ -10,6 +10,10 @@ A scenario is a plain dict::
 
     {"algo": "co2", "workers": 2, "sync_every": 3, "steps": 12, "inner": "sgd",
      "hyper": {"clip": 0.5, "clip_mode": "norm"}, "bucket_cap_mb": 0.0002, "seed": 0}
+
+``hyper`` may hold ``"compression"`` (a spec string): every worker then compresses its
+pseudo-gradient with the same codec and error feedback as the algorithms (:class:`RefCompression`),
+and the mean is the mean of the decoded contributions.
 """
 
 from __future__ import annotations
@@ -23,9 +27,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowcomm.compress.codecs import (
+    Codec,
+    ElementwiseCodec,
+    PowerSGD,
+    Raw,
+    orthogonalize,
+    parse_compression,
+)
+from lowcomm.compress.feedback import worker_generator
+from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW
 
 __all__ = [
+    "RefCompression",
     "ReferenceRun",
     "distributed_run",
     "make_inner",
@@ -124,6 +139,97 @@ def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     return total / len(tensors)
 
 
+class RefCompression:
+    """N workers' compression of one list of tensors, in one process: per worker, M = x + e,
+    its decoded contribution C(M) and e ← M − C(M); the mean of the contributions summed in
+    rank order. PowerSGD: P = M·Q per worker, P̂ = orth(mean P), Qᵢ = Mᵀ·P̂, e ← M − P̂·Qᵢᵀ,
+    result P̂·(mean Q)ᵀ, warm start from mean Q. L-GreCo: the workers' error tables are
+    averaged and :func:`~lowcomm.compress.lgreco.decide` picks the codecs every K means.
+    Written from those formulas, independently of the collective code it checks."""
+
+    def __init__(self, spec: str, shapes: list[torch.Size], workers: int, stream: int = 0):
+        setting = parse_compression(spec)
+        assert setting is not None
+        self.setting = setting
+        self.shapes = shapes
+        self.n = workers
+        self.residuals = [[torch.zeros(s) for s in shapes] for _ in range(workers)]
+        self.generators = [worker_generator(w, stream) for w in range(workers)]
+        self.q: dict[int, torch.Tensor] = {}
+        self.launches = 0
+        raw = Raw()
+        if isinstance(setting, LGreCo):
+            self.candidates = setting.codecs()
+            default = self.candidates[setting.default_index]
+            self.eligible = [
+                i
+                for i, s in enumerate(shapes)
+                if s.numel() >= setting.min_numel and any(c.compresses(s) for c in self.candidates)
+            ]
+            self.assignment: list[Codec] = [raw for _ in shapes]
+            for i in self.eligible:
+                self.assignment[i] = default if default.compresses(shapes[i]) else raw
+        else:
+            self.assignment = [setting if setting.compresses(s) else raw for s in shapes]
+
+    def mean(
+        self, xs: list[list[torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """``xs[w][i]``: worker w's tensor i. Returns the mean and every worker's contribution."""
+        ms = [[x + e for x, e in zip(xw, ew)] for xw, ew in zip(xs, self.residuals)]
+        setting = self.setting
+        if isinstance(setting, LGreCo) and self.launches % setting.every == 0 and self.eligible:
+            tables = [
+                torch.tensor(
+                    [
+                        candidate_errors(self.candidates, mw[i], index=i, warm_q=self.q.get(i))
+                        for i in self.eligible
+                    ],
+                    dtype=torch.float64,
+                )
+                for mw in ms
+            ]
+            errors = _mean(tables).tolist()
+            sizes = [
+                [c.wire_nbytes(self.shapes[i]) for c in self.candidates] for i in self.eligible
+            ]
+            picks = decide(errors, sizes, setting.default_index, resolution=setting.resolution)
+            for i, pick in zip(self.eligible, picks):
+                chosen = self.candidates[pick]
+                self.assignment[i] = chosen if chosen.compresses(self.shapes[i]) else Raw()
+        out: list[torch.Tensor] = []
+        contrib: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        for i, codec in enumerate(self.assignment):
+            if isinstance(codec, PowerSGD):
+                rows, cols = codec.matrix_shape(self.shapes[i])
+                q = self._start_q(i, codec)
+                mats = [mw[i].reshape(rows, cols) for mw in ms]
+                p_hat = orthogonalize(_mean([mat @ q for mat in mats]))
+                q_own = [mat.t() @ p_hat for mat in mats]
+                for w in range(self.n):
+                    c = p_hat @ q_own[w].t()
+                    contrib[w].append(c.view(self.shapes[i]))
+                    self.residuals[w][i] = mats[w] - c
+                    self.residuals[w][i] = self.residuals[w][i].view(self.shapes[i])
+                q_mean = _mean(q_own)
+                if codec.warm_start:
+                    self.q[i] = q_mean
+                out.append((p_hat @ q_mean.t()).view(self.shapes[i]))
+                continue
+            assert isinstance(codec, ElementwiseCodec)
+            for w in range(self.n):
+                gen = self.generators[w] if codec.stochastic else None
+                c = codec.roundtrip(ms[w][i], generator=gen)
+                contrib[w].append(c)
+                self.residuals[w][i] = ms[w][i] - c
+            out.append(_mean([contrib[w][i] for w in range(self.n)]))
+        self.launches += 1
+        return out, contrib
+
+    def _start_q(self, i: int, codec: PowerSGD) -> torch.Tensor:
+        return codec.start_q(self.shapes[i], i, self.q.get(i), draw=self.launches)
+
+
 @dataclass
 class _CO2State:
     m: list[torch.Tensor]
@@ -177,6 +283,25 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         if algo in ("streaming", "cocodc")
     ]
     stream_pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    spec = hyper.get("compression")
+    compressors: dict[int, RefCompression] = {}
+
+    def pseudo_mean(
+        idx: list[int], key: int = 0, anchors: list[list[torch.Tensor]] | None = None
+    ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """Mean over workers of Δ = A − θ for parameters ``idx`` (compressed when asked),
+        and each worker's contribution to it."""
+        per = [
+            [(anchors[w] if anchors else anchor)[j] - th[j].float() for j in idx]
+            for w, th in enumerate(thetas)
+        ]
+        if spec is None:
+            return [_mean([p[pos] for p in per]) for pos in range(len(idx))], per
+        if key not in compressors:
+            shapes = [anchor[j].shape for j in idx]
+            compressors[key] = RefCompression(spec, shapes, n, stream=key)
+        return compressors[key].mean(per)
+
     # CoCoDC: per-worker snapshots θ_s of each fragment at launch, and launch bookkeeping
     snapshots: dict[int, list[list[torch.Tensor]]] = {}
     last_launch = [0] * len(frags)
@@ -310,10 +435,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     snapshots[f] = [
                         [th[j].detach().float().clone() for j in frags[f]] for th in thetas
                     ]
-                    stream_pending[k] = (
-                        f,
-                        [_mean([anchor[j] - th[j].float() for th in thetas]) for j in frags[f]],
-                    )
+                    stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
                 if step % interval == 0 and step - tau >= 1:
                     stream_sync(step // interval)
         if step % h:
@@ -323,9 +445,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 mean = [_mean([th[j].float() for th in thetas]) for j in range(len(anchor))]
                 set_all(mean)
             elif algo in ("diloco", "slowmo"):
-                avg = [
-                    _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
-                ]
+                avg = pseudo_mean(list(range(len(anchor))))[0]
                 if algo == "diloco":
                     assert outer is not None
                     for a, d in zip(anchor, avg):
@@ -348,10 +468,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 pass  # synced above, fragment by fragment
             elif algo == "co2" and hyper["eager"]:
                 # every worker has its own anchor: Δᵢ/N fresh + (Δ̄ − Δᵢ_prev/N) stale
-                own = [
-                    [a[j] - th[j].float() for j in range(len(a))] for a, th in zip(eager_a, thetas)
-                ]
-                launched = [_mean([o[j] for o in own]) for j in range(len(anchor))]
+                launched, own = pseudo_mean(list(range(len(anchor))), anchors=eager_a)
                 for w in range(n):
                     e = [d / n for d in own[w]]
                     if co2.pending is not None:
@@ -362,9 +479,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 eager_own[:] = own
                 co2.pending = launched
             elif algo == "co2":
-                launched = [
-                    _mean([anchor[j] - th[j].float() for th in thetas]) for j in range(len(anchor))
-                ]
+                launched = pseudo_mean(list(range(len(anchor))))[0]
                 if co2.pending is not None:
                     co2_apply(co2.pending)
                 co2.pending = launched

@@ -1,0 +1,324 @@
+"""Error feedback: one rank's compression state for a fixed list of tensors.
+
+A :class:`Compressor` belongs to one worker and one set of tensors (an algorithm's fragment, or a
+DDP bucket). It holds, per tensor: the codec in use (fixed, or chosen by L-GreCo), the
+error-feedback residual e, and PowerSGD's warm-start Q; plus the random generator of stochastic
+rounding and the L-GreCo bookkeeping. Everything is in :meth:`Compressor.state_dict`.
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"):
+each round the tensor sent is M = x + e and the residual becomes e ← M − C(M), C(M) this rank's
+decoded contribution. Summed over rounds, Σ C(M_t) + e_T = Σ x_t on every rank (fp32 rounding
+aside): nothing is lost, only delayed. A tensor sent raw has C(M) = M and e = 0.
+
+At most one compressed mean per compressor is in flight: a new launch first finishes the
+previous one (for CO2 the previous round is due at that very step anyway). That keeps the
+residual and PowerSGD's warm start in a fixed order, so a run resumed from a checkpoint gives the
+same numbers as one that was not stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from lowcomm.comm import Communicator
+from lowcomm.compress.codecs import (
+    Codec,
+    ElementwiseCodec,
+    PowerSGD,
+    Raw,
+    parse_codec,
+    parse_compression,
+)
+from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup
+from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
+
+__all__ = ["Compressor", "worker_generator"]
+
+logger = logging.getLogger(__name__)
+
+RAW = Raw()
+
+
+def worker_generator(
+    rank: int, stream: int = 0, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The stochastic-rounding generator of worker ``rank`` for compressor ``stream``: different
+    on every rank (independent rounding noise), reproducible from run to run."""
+    g = torch.Generator(device=device)
+    g.manual_seed(1_000_003 * (stream + 1) + 7919 * rank)
+    return g
+
+
+class Compressor:
+    """One rank's compression state for a fixed list of tensor shapes (see the module docstring).
+
+    Args:
+        compression: a codec, an :class:`~lowcomm.compress.lgreco.LGreCo` setting or a spec
+            string (:func:`~lowcomm.compress.codecs.parse_compression`).
+        shapes: the shapes of the tensors, in the order they are passed to :meth:`launch`.
+        rank: this rank (seeds stochastic rounding).
+        device: where residuals and factors live.
+        error_feedback: keep residuals (default); without, compression error is dropped.
+        stream: distinguishes the compressors of one rank (fragments, DDP buckets) so that
+            their rounding noise is independent.
+    """
+
+    def __init__(
+        self,
+        compression: Codec | LGreCo | str,
+        shapes: Sequence[torch.Size | tuple[int, ...]],
+        *,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+        error_feedback: bool = True,
+        stream: int = 0,
+    ) -> None:
+        setting = parse_compression(compression)
+        if setting is None:
+            raise ValueError("a Compressor needs a codec, e.g. 'int8'; for none pass no compressor")
+        self.setting: Codec | LGreCo = setting
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.device = torch.device(device)
+        self.error_feedback = bool(error_feedback)
+        self.rank = int(rank)
+        self.stream = int(stream)
+        if isinstance(setting, LGreCo):
+            self.candidates: list[Codec] = setting.codecs()
+            self.low_rank = setting.family == "powersgd"
+            default = self.candidates[setting.default_index]
+            self.eligible = [
+                i
+                for i, s in enumerate(self.shapes)
+                if s.numel() >= setting.min_numel and any(c.compresses(s) for c in self.candidates)
+            ]
+            self.assignment: list[Codec] = [RAW] * len(self.shapes)
+            for i in self.eligible:
+                self.assignment[i] = default if default.compresses(self.shapes[i]) else RAW
+        else:
+            self.candidates = [setting]
+            self.low_rank = isinstance(setting, PowerSGD)
+            self.eligible = []
+            self.assignment = [setting if setting.compresses(s) else RAW for s in self.shapes]
+        self.residuals = [torch.zeros(s, device=self.device) for s in self.shapes]
+        self.q: dict[int, torch.Tensor] = {}
+        """PowerSGD's warm-start Q per tensor index (the previous round's mean Q)."""
+        self.generator = worker_generator(self.rank, self.stream, self.device)
+        self.launches = 0
+        """Compressed means launched so far."""
+        self.decisions = 0
+        """L-GreCo decisions taken so far."""
+        self._pending: CompressedHandle | None = None
+
+    @property
+    def spec(self) -> str:
+        return self.setting.spec
+
+    def wire_nbytes(self) -> int:
+        """Bytes this rank contributes per launch with the current assignment (its payload)."""
+        return sum(c.wire_nbytes(s) for c, s in zip(self.assignment, self.shapes))
+
+    # -- launching ---------------------------------------------------------------------------
+
+    def launch(
+        self,
+        comm: Communicator,
+        views: Sequence[torch.Tensor],
+        groups: Sequence[Sequence[int]],
+        *,
+        own: Sequence[torch.Tensor] | None = None,
+    ) -> CompressedHandle:
+        """Compress ``views`` (with error feedback) and launch one collective per group (two
+        for PowerSGD); the handle's ``wait()`` writes the mean over ranks into ``views``.
+
+        ``own``, if given, receives this rank's decoded contribution at once (single-phase
+        codecs only)."""
+        if self._pending is not None:
+            self._pending.wait()
+        if own is not None and self.low_rank:
+            raise ValueError(
+                f"{self.spec!r} decodes this rank's contribution only after its second "
+                "all-reduce, which eager updates cannot wait for; use eager=False or a "
+                "single-phase codec such as 'int8'"
+            )
+        assert len(views) == len(self.shapes)
+        x = [v.detach().float() for v in views]
+        m = list(torch._foreach_add(x, self.residuals)) if self.error_feedback else x
+        if isinstance(self.setting, LGreCo) and self.launches % self.setting.every == 0:
+            self._decide(comm, m)
+        gather: list[GatherGroup] = []
+        low_rank: list[LowRankGroup] = []
+        t_launch = time.perf_counter()
+        with record_function("lowcomm::compress::encode"):
+            for idx in groups:
+                if not idx:
+                    continue
+                if self.low_rank:
+                    low_rank.append(self._launch_low_rank(comm, list(idx), m))
+                else:
+                    gather.append(self._launch_gather(comm, list(idx), m, own))
+        self.launches += 1
+        handle = CompressedHandle(comm, self, views, gather, low_rank, t_launch=t_launch)
+        self._pending = handle
+        return handle
+
+    def record_contribution(self, i: int, m: torch.Tensor, contribution: torch.Tensor) -> None:
+        """Error feedback for tensor ``i``: e ← M − C(M), C(M) this rank's decoded
+        contribution (called at encoding, or by PowerSGD's second phase)."""
+        if self.error_feedback:
+            torch.sub(
+                m.reshape(self.shapes[i]),
+                contribution.reshape(self.shapes[i]),
+                out=self.residuals[i],
+            )
+
+    def _launch_gather(
+        self,
+        comm: Communicator,
+        idx: list[int],
+        m: list[torch.Tensor],
+        own: Sequence[torch.Tensor] | None,
+    ) -> GatherGroup:
+        parts: list[torch.Tensor] = []
+        spans: list[tuple[int, int]] = []
+        codecs: list[ElementwiseCodec] = []
+        off = 0
+        for i in idx:
+            codec = self.assignment[i]
+            assert isinstance(codec, ElementwiseCodec)
+            payload = codec.encode(m[i], generator=self.generator if codec.stochastic else None)
+            assert payload.numel() == codec.wire_nbytes(self.shapes[i])
+            if self.error_feedback or own is not None:
+                contribution = codec.decode(payload, self.shapes[i])
+                self.record_contribution(i, m[i], contribution)
+                if own is not None:
+                    own[i].copy_(contribution)
+            parts.append(payload)
+            spans.append((off, off + payload.numel()))
+            codecs.append(codec)
+            off += payload.numel()
+        payload = torch.cat(parts)
+        gathered = torch.empty(
+            payload.numel() * comm.world_size, dtype=torch.uint8, device=payload.device
+        )
+        work = comm.all_gather_async(payload, gathered)
+        return GatherGroup(idx, codecs, spans, payload, gathered, work)
+
+    def _launch_low_rank(
+        self, comm: Communicator, idx: list[int], m: list[torch.Tensor]
+    ) -> LowRankGroup:
+        compressed = [i for i in idx if isinstance(self.assignment[i], PowerSGD)]
+        raw = [i for i in idx if not isinstance(self.assignment[i], PowerSGD)]
+        mats: dict[int, torch.Tensor] = {}
+        qs: dict[int, torch.Tensor] = {}
+        codecs: dict[int, PowerSGD] = {}
+        pieces: list[torch.Tensor] = []
+        for i in compressed:
+            codec = self.assignment[i]
+            assert isinstance(codec, PowerSGD)
+            rows, cols = codec.matrix_shape(self.shapes[i])
+            mats[i] = m[i].reshape(rows, cols)
+            qs[i] = self._start_q(i, codec)
+            codecs[i] = codec
+            pieces.append((mats[i] @ qs[i]).reshape(-1))
+        for i in raw:
+            pieces.append(m[i].reshape(-1))
+            if self.error_feedback:
+                self.residuals[i].zero_()  # sent exactly
+        flat = torch.cat(pieces)
+        work = comm.all_reduce_sum_async(flat)
+        return LowRankGroup(compressed, raw, codecs, mats, qs, flat, work)
+
+    def _start_q(self, i: int, codec: PowerSGD) -> torch.Tensor:
+        q = codec.start_q(self.shapes[i], i, self.q.get(i), draw=self.launches)
+        return q.to(self.device)
+
+    def set_warm_start(self, i: int, q_mean: torch.Tensor) -> None:
+        """PowerSGD: the mean Q of tensor ``i`` starts its next round (with warm start)."""
+        codec = self.assignment[i]
+        if isinstance(codec, PowerSGD) and codec.warm_start:
+            self.q[i] = q_mean.clone()
+
+    def release(self, handle: CompressedHandle) -> None:
+        """Called by ``handle`` once it is finished: no mean is in flight any more."""
+        if self._pending is handle:
+            self._pending = None
+
+    # -- L-GreCo -----------------------------------------------------------------------------
+
+    def _decide(self, comm: Communicator, m: list[torch.Tensor]) -> None:
+        """Measure every candidate on every eligible tensor, average the table across ranks and
+        choose (the same on every rank)."""
+        setting = self.setting
+        assert isinstance(setting, LGreCo)
+        if not self.eligible:
+            return
+        table = torch.tensor(
+            [
+                candidate_errors(self.candidates, m[i], index=i, warm_q=self.q.get(i))
+                for i in self.eligible
+            ],
+            dtype=torch.float64,
+        )
+        comm.all_reduce_mean([table])  # every rank now holds the same table
+        errors = table.tolist()
+        sizes = [[c.wire_nbytes(self.shapes[i]) for c in self.candidates] for i in self.eligible]
+        d = setting.default_index
+        picks = decide(errors, sizes, d, resolution=setting.resolution)
+        for i, c in zip(self.eligible, picks):
+            codec = self.candidates[c]
+            self.assignment[i] = codec if codec.compresses(self.shapes[i]) else RAW
+        self.decisions += 1
+        logger.debug(
+            "L-GreCo decision %d (%s): %s; %d bytes (uniform %d)",
+            self.decisions,
+            setting.spec,
+            [self.candidates[c].spec for c in picks],
+            sum(s[c] for s, c in zip(sizes, picks)),
+            sum(s[d] for s in sizes),
+        )
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals, assignment, warm-start factors, generator and counters (finishes an
+        in-flight mean first, so its warm start is included)."""
+        if self._pending is not None:
+            self._pending.wait()
+        return {
+            "codec": self.spec,
+            "error_feedback": self.error_feedback,
+            "assignment": [c.spec for c in self.assignment],
+            "residuals": [r.detach().clone() for r in self.residuals],
+            "q": {str(i): q.detach().clone() for i, q in self.q.items()},
+            "generator": self.generator.get_state(),
+            "launches": self.launches,
+            "decisions": self.decisions,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("codec", "assignment", "residuals", "q", "generator", "launches"):
+            if key not in state:
+                raise ValueError(f"compression state_dict is missing {key!r}")
+        if state["codec"] != self.spec:
+            raise ValueError(
+                f"state_dict was saved with compression={state['codec']!r} but this run has "
+                f"{self.spec!r}; resume with the same compression"
+            )
+        if len(state["residuals"]) != len(self.shapes) or any(
+            tuple(r.shape) != tuple(s) for r, s in zip(state["residuals"], self.shapes)
+        ):
+            raise ValueError("compression state_dict holds residuals of other shapes")
+        self.assignment = [parse_codec(s) for s in state["assignment"]]
+        for r, saved in zip(self.residuals, state["residuals"]):
+            r.copy_(saved)
+        self.q = {int(i): q.to(self.device) for i, q in state["q"].items()}
+        self.generator.set_state(state["generator"])
+        self.launches = int(state["launches"])
+        self.decisions = int(state.get("decisions", 0))
+        self._pending = None

@@ -1,0 +1,360 @@
+"""Codecs, error feedback and the compressed path on one process (pure functions, one rank)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowcomm.comm import Communicator, FlatBuckets
+from lowcomm.compress import (
+    BF16,
+    Compressor,
+    LGreCo,
+    PowerSGD,
+    Quantize,
+    Raw,
+    TopK,
+    parse_compression,
+)
+from lowcomm.compress.codecs import pack_bits, unpack_bits
+from lowcomm.outer import CO2, CoCoDC, DiLoCo, StreamingDiLoCo
+from lowcomm.testing.reference import RefCompression
+
+SHAPES = [(7,), (64,), (130,), (5, 77), (3, 4, 9)]
+
+
+def _x(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.logspace(-2, 1, math.prod(shape)).view(shape)
+
+
+# -- wire bytes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 127, 128, 129, 1000])
+@pytest.mark.parametrize("block", [1, 16, 128])
+def test_quantize_bytes_are_the_documented_formula(n: int, block: int) -> None:
+    x = _x((n,))
+    for bits in (2, 4, 8):
+        codec = Quantize(bits=bits, block=block)
+        expected = math.ceil(n * bits / 8) + 4 * math.ceil(n / block)
+        assert codec.encoded_nbytes((n,)) == expected
+        assert codec.encode(x).numel() == expected
+        assert codec.wire_nbytes((n,)) == (expected if expected < 4 * n else 4 * n)
+    # int4: two values per byte, one fp32 scale per block
+    assert Quantize(bits=4, block=block).encoded_nbytes((n,)) == (n + 1) // 2 + 4 * (
+        (n + block - 1) // block
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_other_codecs_bytes_are_the_documented_formula(shape: tuple[int, ...]) -> None:
+    n = math.prod(shape)
+    x = _x(shape)
+    assert BF16().encode(x).numel() == BF16().wire_nbytes(shape) == 2 * n
+    assert Raw().encode(x).numel() == Raw().wire_nbytes(shape) == 4 * n
+    for density in (0.01, 0.1, 0.3):
+        codec = TopK(density)
+        k = max(1, math.ceil(density * n))
+        assert codec.encode(x).numel() == codec.encoded_nbytes(shape) == 8 * k
+        assert codec.wire_nbytes(shape) == (8 * k if 8 * k < 4 * n else 4 * n)
+    for rank in (1, 2, 4):
+        codec = PowerSGD(rank)
+        if len(shape) < 2:
+            assert not codec.compresses(shape) and codec.wire_nbytes(shape) == 4 * n
+            continue
+        rows, cols = shape[0], n // shape[0]
+        r = min(rank, rows, cols)
+        assert codec.encoded_nbytes(shape) == 4 * r * (rows + cols)
+        assert codec.compresses(shape) == (r * (rows + cols) < rows * cols)
+
+
+def test_tiny_tensors_are_sent_raw() -> None:
+    assert not Quantize(bits=8).compresses((1,))  # 1 code + a 4-byte scale > 4 bytes
+    assert not TopK(0.9).compresses((10,))  # 9 × 8 bytes > 40
+    assert not PowerSGD(4).compresses((4, 4))  # factors as large as the matrix
+    assert PowerSGD(4, only_if_smaller=False).compresses((4, 4))
+    assert Raw().wire_nbytes((3, 3)) == 36
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_raw_and_bf16_round_trips(shape: tuple[int, ...]) -> None:
+    x = _x(shape)
+    assert torch.equal(Raw().roundtrip(x), x)
+    y = BF16().roundtrip(x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert torch.all((x - y).abs() <= x.abs() * 2.0**-8)
+    assert torch.equal(y, x.bfloat16().float())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("block", [4, 128])
+def test_quantize_error_is_at_most_half_a_step(
+    shape: tuple[int, ...], bits: int, block: int
+) -> None:
+    x = _x(shape, seed=bits)
+    codec = Quantize(bits=bits, block=block)
+    y = codec.roundtrip(x)
+    flat, err = x.reshape(-1), (x - y).reshape(-1).abs()
+    qmax = 2 ** (bits - 1) - 1
+    for start in range(0, flat.numel(), block):
+        step = flat[start : start + block].abs().max() / qmax
+        assert err[start : start + block].max() <= step / 2 * (1 + 1e-5) + 1e-12
+    # the largest magnitude of every block is exact (up to the scale's rounding)
+    assert torch.allclose(y.reshape(-1).abs().max(), flat.abs().max(), rtol=1e-6)
+
+
+def test_quantize_stochastic_rounding_is_unbiased_and_seeded() -> None:
+    codec = Quantize(bits=4, block=8, stochastic=True)
+    # one block: the max sets the step (1/7); the other values sit between codes
+    x = torch.tensor([1.0, 0.03, -0.05, 0.5, 0.3, -0.77, 0.011, 0.9])
+    step = 1.0 / 7
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([codec.roundtrip(x, generator=g) for _ in range(4000)])
+    assert torch.all((draws - x).abs() < step * (1 + 1e-5))  # one step at most
+    # unbiased: mean within ~6 standard errors (σ ≤ step/2 per draw), far from rounding bias
+    assert torch.all((draws.mean(0) - x).abs() < 6 * (step / 2) / math.sqrt(4000))
+    nearest = Quantize(bits=4, block=8).roundtrip(x)
+    assert (nearest - x).abs().max() > 0.02  # so nearest rounding would fail the bound above
+    a = codec.roundtrip(x, generator=torch.Generator().manual_seed(5))
+    b = codec.roundtrip(x, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("density", [0.01, 0.2, 1.0])
+def test_topk_keeps_the_largest_exactly(shape: tuple[int, ...], density: float) -> None:
+    x = _x(shape, seed=3)
+    codec = TopK(density)
+    y = codec.roundtrip(x)
+    kept = y.reshape(-1) != 0
+    assert int(kept.sum()) == codec.k(x.numel())
+    assert torch.equal(y.reshape(-1)[kept], x.reshape(-1)[kept])
+    if not kept.all():
+        assert x.reshape(-1)[~kept].abs().max() <= x.reshape(-1)[kept].abs().min()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=0, max_size=40), st.sampled_from([2, 4, 8]))
+def test_pack_unpack_round_trip(values: list[int], bits: int) -> None:
+    codes = torch.tensor([v % (1 << bits) for v in values], dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == math.ceil(len(values) * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, len(values)), codes)
+
+
+def test_decode_accepts_payloads_at_any_offset() -> None:
+    x = _x((5, 77))
+    for codec in (BF16(), Quantize(bits=4, block=16), TopK(0.1), Raw()):
+        payload = codec.encode(x)
+        shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])[3:]
+        assert torch.equal(codec.decode(shifted, x.shape), codec.roundtrip(x))
+
+
+# -- PowerSGD -----------------------------------------------------------------------------------
+
+
+def test_full_rank_powersgd_equals_the_exact_mean() -> None:
+    shapes = [torch.Size([6, 9]), torch.Size([5, 3]), torch.Size([4])]
+    xs = [[_x(tuple(s), seed=10 * w + i) for i, s in enumerate(shapes)] for w in range(3)]
+    ref = RefCompression("powersgd:6:always=1", shapes, workers=3)
+    assert all(isinstance(c, PowerSGD) for c in ref.assignment[:2])
+    for _ in range(2):  # also with the warm-started Q
+        mean, _ = ref.mean(xs)
+        for i, m in enumerate(mean):
+            exact = sum(xs[w][i] for w in range(3)) / 3
+            torch.testing.assert_close(m, exact, rtol=1e-5, atol=1e-5)
+        # nothing left over in total (a tall matrix's per-worker column spaces differ from the
+        # mean's, so single residuals need not vanish; their sum does)
+        for i in range(len(shapes)):
+            assert sum(ref.residuals[w][i] for w in range(3)).abs().max() < 1e-5  # type: ignore[union-attr]
+        assert ref.residuals[0][0].abs().max() < 1e-5  # wide (6 × 9): P̂ spans all of R⁶
+
+
+def test_powersgd_local_error_and_warm_start() -> None:
+    x = _x((8, 12))
+    codec = PowerSGD(2)
+    s2 = torch.linalg.svdvals(x.double()) ** 2
+    best = float(s2[2:].sum())  # the best rank-2 approximation's error
+    cold = codec.local_error(x, codec.start_q(x.shape, 0, None))
+    assert cold >= best * (1 - 1e-6)
+    # started from the top right singular vectors, one round is the best approximation
+    v = torch.linalg.svd(x).Vh[:2].t().contiguous()
+    assert codec.local_error(x, v) == pytest.approx(best, rel=1e-4)
+    low = _x((8, 2)) @ _x((2, 12), seed=1)
+    assert codec.local_error(low, codec.start_q(low.shape, 0, None)) < 1e-8
+    # warm start: cut or extended to the rank, with the seeded columns
+    q4 = PowerSGD(4).start_q(x.shape, 3, None)
+    assert torch.equal(codec.start_q(x.shape, 3, q4), q4[:, :2])
+    grown = PowerSGD(4).start_q(x.shape, 3, q4[:, :2])
+    assert torch.equal(grown, q4)
+    fresh = PowerSGD(2, warm_start=False)
+    assert not torch.equal(fresh.start_q(x.shape, 0, q4, draw=1), fresh.start_q(x.shape, 0, q4))
+
+
+# -- specs --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("bf16", BF16()),
+        ("int8", Quantize(bits=8)),
+        ("int4", Quantize(bits=4)),
+        ("INT4:64:sr", Quantize(bits=4, block=64, stochastic=True)),
+        ("int2:block=32", Quantize(bits=2, block=32)),
+        ("topk:0.01", TopK(0.01)),
+        ("topk:density=0.5", TopK(0.5)),
+        ("powersgd:4", PowerSGD(4)),
+        ("powersgd:rank=2:warm=0:seed=3", PowerSGD(2, warm_start=False, seed=3)),
+        ("fp32", Raw()),
+        ("lgreco:powersgd", LGreCo("powersgd")),
+        ("lgreco:topk:0.02:every=5", LGreCo("topk", default=0.02, every=5)),
+        ("lgreco:int:min_numel=16", LGreCo("int", min_numel=16)),
+    ],
+)
+def test_specs_parse_and_round_trip(spec: str, expected: object) -> None:
+    codec = parse_compression(spec)
+    assert codec == expected
+    assert codec is not None and parse_compression(codec.spec) == codec
+    assert parse_compression(codec) is codec
+
+
+def test_none_means_no_compression() -> None:
+    assert parse_compression(None) is None
+    assert parse_compression("none") is None
+
+
+@pytest.mark.parametrize(
+    "spec,fix",
+    [
+        ("int3", "use 'bf16', 'int8'"),
+        ("zstd", "use 'bf16'"),
+        ("topk", "needs a density, e.g. 'topk:0.01'"),
+        ("topk:2", r"\(0, 1\]"),
+        ("topk:abc", "must be a number"),
+        ("powersgd:0", "e.g. 'powersgd:4'"),
+        ("powersgd:x", "must be an integer"),
+        ("int8:block=0", "block"),
+        ("int8:foo", "e.g. 'int4:block=64:sr'"),
+        ("bf16:sr", "takes no options"),
+        ("powersgd:4:colour=red", "unknown option"),
+        ("lgreco", "needs a family"),
+        ("lgreco:zip", "'lgreco:powersgd'"),
+        ("lgreco:int:3", "bits must be 2, 4 or 8"),
+        ("lgreco:powersgd:every=0", "every must be a positive integer"),
+    ],
+)
+def test_bad_specs_name_the_fix(spec: str, fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        parse_compression(spec)
+    with pytest.raises(ValueError, match=fix):
+        CO2.validate(compression=spec)
+
+
+def test_compression_must_be_a_spec_or_codec() -> None:
+    with pytest.raises(ValueError, match="spec string"):
+        parse_compression(4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("algo", [DiLoCo, CO2, StreamingDiLoCo, CoCoDC])
+def test_algorithms_validate_compression(algo: type) -> None:
+    with pytest.raises(ValueError, match="unknown compression"):
+        algo.validate(sync_every=4, compression="int5")
+    algo.validate(sync_every=4, compression="int4")
+
+
+def test_eager_co2_refuses_two_phase_codecs() -> None:
+    for spec in ("powersgd:2", "lgreco:powersgd"):
+        with pytest.raises(ValueError, match="eager=False or a single-phase codec"):
+            CO2.validate(eager=True, compression=spec)
+    CO2.validate(eager=True, compression="int8")
+
+
+# -- error feedback and the compressed path on one rank ---------------------------------------
+
+CODECS = ["fp32", "bf16", "int8", "int4:16", "int2:8:sr", "topk:0.1", "powersgd:2"]
+
+
+@pytest.mark.parametrize("spec", CODECS)
+def test_error_feedback_invariant_on_one_rank(single_rank_group: None, spec: str) -> None:
+    """Σ applied + residual = Σ raw inputs, every round (one rank: applied = contribution)."""
+    shapes = [torch.Size([12, 10]), torch.Size([10]), torch.Size([3, 4, 5])]
+    buckets = FlatBuckets(shapes, bucket_cap_mb=130 * 4 / 2**20)  # two buckets
+    comm = Communicator()
+    comp = Compressor(spec, shapes)
+    applied = [torch.zeros(s) for s in shapes]
+    raw = [torch.zeros(s) for s in shapes]
+    for t in range(6):
+        xs = [_x(tuple(s), seed=100 * t + i) for i, s in enumerate(shapes)]
+        buckets.copy_from(xs)
+        handle = comm.compressed_mean_async(buckets, comp)
+        handle.wait()
+        for a, r, x, v in zip(applied, raw, xs, buckets.views):
+            a += v
+            r += x
+        for a, r, e in zip(applied, raw, comp.residuals):
+            torch.testing.assert_close(a + e, r, rtol=1e-5, atol=1e-5)
+    if spec == "fp32":
+        assert all(e.abs().max() == 0 for e in comp.residuals)
+    elif spec != "powersgd:2":
+        assert any(e.abs().max() > 0 for e in comp.residuals)
+
+
+@pytest.mark.parametrize("spec", CODECS)
+def test_counters_count_the_compressed_bytes(single_rank_group: None, spec: str) -> None:
+    shapes = [torch.Size([12, 10]), torch.Size([10]), torch.Size([3, 4, 5])]
+    buckets = FlatBuckets(shapes, bucket_cap_mb=130 * 4 / 2**20)
+    comm = Communicator()
+    comp = Compressor(spec, shapes)
+    buckets.copy_from([_x(tuple(s)) for s in shapes])
+    comm.compressed_mean_async(buckets, comp).wait()
+    expected = sum(parse_compression(spec).wire_nbytes(s) for s in shapes)  # type: ignore[union-attr]
+    assert comm.stats.payload_bytes == comp.wire_nbytes() == expected
+    assert comm.stats.wire_bytes == 0  # one rank sends nothing
+    # one collective per bucket; PowerSGD a second one for each bucket holding a matrix
+    # (both do here: [12 × 10, 10] and [3 × 4 × 5])
+    two_phase = spec.startswith("powersgd")
+    assert comm.stats.collectives == len(buckets.buffers) * (2 if two_phase else 1)
+
+
+def test_without_error_feedback_nothing_is_kept(single_rank_group: None) -> None:
+    shapes = [torch.Size([64])]
+    buckets = FlatBuckets(shapes)
+    comp = Compressor("int2", shapes, error_feedback=False)
+    buckets.copy_from([_x((64,))])
+    Communicator().compressed_mean_async(buckets, comp).wait()
+    assert comp.residuals[0].abs().max() == 0
+    assert torch.equal(buckets.views[0], Quantize(bits=2).roundtrip(_x((64,))))
+
+
+def test_compressor_state_dict_round_trip(single_rank_group: None) -> None:
+    shapes = [torch.Size([12, 10]), torch.Size([10])]
+    comm = Communicator()
+
+    def run(comp: Compressor, rounds: range) -> list[torch.Tensor]:
+        buckets = FlatBuckets(shapes)
+        out = []
+        for t in rounds:
+            buckets.copy_from([_x(tuple(s), seed=7 * t + i) for i, s in enumerate(shapes)])
+            comm.compressed_mean_async(buckets, comp).wait()
+            out += [v.clone() for v in buckets.views]
+        return out
+
+    for spec in ("int4:sr", "powersgd:2"):
+        straight = run(Compressor(spec, shapes), range(4))
+        first = Compressor(spec, shapes)
+        head = run(first, range(2))
+        second = Compressor(spec, shapes)
+        second.load_state_dict(first.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(straight, head + run(second, range(2, 4))))
+        with pytest.raises(ValueError, match="resume with the same compression"):
+            Compressor("int8", shapes).load_state_dict(first.state_dict())
