@@ -83,6 +83,11 @@ def test_every_field_has_a_docstring() -> None:
         ("gap_penalty", "adaptive", "must be 'gap_aware', 'none' or a number >= 1"),
         ("name", "a/b", "must be a plain folder name"),
         ("out", "", "must be a non-empty string"),
+        ("checkpoint_every", -1, "must be >= 0, got -1"),
+        ("keep_checkpoints", 0, "must be >= 1, got 0"),
+        ("max_restarts", -1, "must be >= 0, got -1"),
+        ("collective_timeout", 0, "must be a finite number > 0, got 0"),
+        ("resume", "", "must be a non-empty string"),
     ],
 )
 def test_bad_value_names_key_value_and_fix(key: str, value: Any, fragment: str) -> None:

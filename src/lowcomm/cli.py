@@ -87,7 +87,10 @@ _METAVARS = {
     "gap_penalty": "{gap_aware,none,LAMBDA}",
     "data": "PATH",
     "out": "DIR",
+    "resume": "PATH",
 }
+_OPTIONAL_VALUE = {"resume": "latest"}
+"""Flags that may be given without a value, and the value they then take."""
 
 
 def _flag(key: str) -> str:
@@ -137,6 +140,9 @@ def _add_train(subparsers: Any) -> None:
             kwargs["metavar"] = _METAVARS.get(f.name, default_metavar)
         if f.name == "algo":
             kwargs["metavar"] = "{" + ",".join(ALGORITHM_CHOICES) + "}"
+        if f.name in _OPTIONAL_VALUE:
+            kwargs["nargs"] = "?"
+            kwargs["const"] = _OPTIONAL_VALUE[f.name]
         p.add_argument(_flag(f.name), dest=f.name, **kwargs)
     p.set_defaults(_run=_run_train)
 
@@ -188,6 +194,12 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     for key in cfg.ignored_outer_keys():
         logger.warning(
             "%s does not apply to --algo %s and is ignored", _describe_key(key, sources), cfg.algo
+        )
+    if cfg.max_restarts and not cfg.checkpoint_every:
+        logger.warning(
+            "--max-restarts without --checkpoint-every: a restarted worker group starts over "
+            "from %s",
+            "the --resume checkpoint" if cfg.resume is not None else "step 0",
         )
     if cfg.algo not in NO_OUTER_ALGORITHM and cfg.steps % cfg.sync_every:
         logger.warning(

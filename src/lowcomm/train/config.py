@@ -250,6 +250,22 @@ class TrainConfig:
     name: str | None = None
     """Run name; unset: <algo>-<YYYYmmdd-HHMMSS>."""
 
+    # --- checkpoints and failures ----------------------------------------------------------
+    checkpoint_every: int = 0
+    """Inner steps between resumable checkpoints of every rank's state, written to
+    <out>/checkpoints/step-NNNNNN/ (0: none)."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints to keep, the newest (older ones are deleted)."""
+    resume: str | None = None
+    """Resume from a checkpoint: a step-NNNNNN folder, a run folder, or (--resume alone) the
+    latest complete checkpoint under --out. The settings must match the checkpoint's."""
+    max_restarts: int = 0
+    """Restart the worker group this many times after a worker fails, each time from the latest
+    complete checkpoint (local launch; under torchrun use its own --max-restarts)."""
+    collective_timeout: float = 600.0
+    """Seconds a collective may wait for a peer before the worker fails: bounds how long the
+    others hang when a worker dies or stalls (raise it for big models on slow links)."""
+
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHM_CHOICES:
             raise ConfigError(
@@ -269,6 +285,10 @@ class TrainConfig:
         _check_int("seed", self.seed, low=0)
         _check_int("warmup", self.warmup, low=0)
         _check_int("ceiling_steps", self.ceiling_steps, low=0)
+        _check_int("checkpoint_every", self.checkpoint_every, low=0)
+        _check_int("keep_checkpoints", self.keep_checkpoints, low=1)
+        _check_int("max_restarts", self.max_restarts, low=0)
+        _check_float("collective_timeout", self.collective_timeout, low=0.0, low_open=True)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 "n_embd",
@@ -308,9 +328,15 @@ class TrainConfig:
         self._check_outer()
 
     def _check_paths(self) -> None:
-        for key in ("out", "name"):
+        for key in ("out", "name", "resume"):
             if getattr(self, key) is not None:
                 _check_string(key, getattr(self, key))
+        if self.resume is not None and self.overwrite:
+            raise ConfigError(
+                "resume",
+                "cannot be combined with overwrite, which deletes the run and its checkpoints; "
+                "drop one of them",
+            )
         if self.name is not None and (os.sep in self.name or self.name in (".", "..")):
             raise ConfigError(
                 "name", f"must be a plain folder name, got {self.name!r}; use --out for a path"
@@ -401,12 +427,28 @@ class TrainConfig:
 
     def with_paths(self, now: datetime.datetime | None = None) -> TrainConfig:
         """A copy with ``name`` (default ``<algo>-<YYYYmmdd-HHMMSS>``) and ``out`` (default
-        ``runs/<name>``) filled in."""
+        ``runs/<name>``; when resuming from a checkpoint path, the run folder that holds it)
+        filled in."""
+        out = self.out
         name = self.name
+        if out is None and self.resume is not None:
+            # Resuming without --out continues the run the checkpoint belongs to.
+            from lowcomm.train.checkpoint import LATEST, run_folder_of
+
+            if self.resume == LATEST:
+                raise ConfigError(
+                    "resume",
+                    "without a path needs out (--out), the folder of the run to continue; "
+                    "or pass the checkpoint: --resume RUN/checkpoints/step-NNNNNN",
+                )
+            out = run_folder_of(self.resume)
+            if name is None:
+                name = os.path.basename(os.path.normpath(out))
         if name is None:
             now = now or datetime.datetime.now()
             name = f"{self.algo}-{now:%Y%m%d-%H%M%S}"
-        out = self.out if self.out is not None else os.path.join("runs", name)
+        if out is None:
+            out = os.path.join("runs", name)
         # Only the two paths change: check them rather than every field again.
         cfg = copy.copy(self)
         cfg.name, cfg.out = name, out

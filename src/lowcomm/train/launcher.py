@@ -3,8 +3,11 @@
 Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
 
 * **Local** (the default): ``workers`` processes on this machine through torch's own elastic
-  launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port, spawn, no
-  restarts). gloo is bound to the loopback interface.
+  launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port, spawn). The
+  rendezvous store listens on ``127.0.0.1`` only and gloo is bound to the loopback interface,
+  so nothing of the job is reachable from other machines. With ``max_restarts`` K > 0 the
+  elastic agent restarts the whole group after a failure, up to K times, and the restarted
+  workers resume from the run's latest complete checkpoint.
 * **Under torchrun** (``TORCHELASTIC_RUN_ID`` is set): torchrun already started one process per
   worker, possibly on several machines, so this process *is* a worker and runs the loop
   in-process; ``--workers`` is ignored. Two nodes of four workers each::
@@ -14,7 +17,10 @@ Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
 
 Workers write their own output (rank 0 shows the progress bar). Either way a failed worker
 becomes a :class:`WorkerFailed` naming its rank and error, with its traceback saved to
-``<out>/error-rank<r>.txt``.
+``<out>/error-rank<r>.txt``. The root cause is reported, not its knock-on effects: a worker
+killed by a signal (no Python error of its own) is named over the peers that then lost their
+connection to it; collectives time out after ``collective_timeout`` seconds, so a stalled worker
+cannot hang the others forever.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import traceback
@@ -32,8 +39,9 @@ from typing import Any
 
 import torch
 
+from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.loop import error_line, resolve_backend, run_worker
+from lowcomm.train.loop import attempt, error_line, resolve_backend, run_worker
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
 
 __all__ = ["WorkerFailed", "check_environment", "launch", "prepare_output", "under_torchrun"]
@@ -64,7 +72,8 @@ def under_torchrun() -> bool:
 
 def check_environment(cfg: TrainConfig) -> None:
     """Checks that need this machine rather than the config alone: the backend, the output
-    folder (not a file; no previous run in it unless ``overwrite``) and the corpus.
+    folder (not a file; no previous run in it unless ``overwrite`` or ``resume``), the
+    checkpoint to resume from (complete, same world size and settings) and the corpus.
 
     Raises :class:`ConfigError` (a ``ValueError``) in the parent, before any worker starts.
     """
@@ -85,13 +94,20 @@ def check_environment(cfg: TrainConfig) -> None:
     if cfg.out is not None and os.path.exists(cfg.out):
         if not os.path.isdir(cfg.out):
             raise ConfigError("out", f"{cfg.out!r} exists and is not a folder; choose another path")
-        found = [n for n in RUN_FILES if os.path.exists(os.path.join(cfg.out, n))]
-        if found and not cfg.overwrite:
+        found = [
+            n for n in (*RUN_FILES, ckpt.CHECKPOINTS) if os.path.exists(os.path.join(cfg.out, n))
+        ]
+        # A worker group torchrun restarted continues the run in this folder.
+        if found and not cfg.overwrite and cfg.resume is None and attempt() == 0:
             raise ConfigError(
                 "out",
                 f"{cfg.out!r} already holds a run ({', '.join(found)}); choose another folder "
                 "or set overwrite (--overwrite) to replace it",
             )
+    if cfg.resume is not None:
+        folder = ckpt.find_checkpoint(cfg.resume, cfg.out)
+        world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else cfg.workers
+        ckpt.check_compatible(folder, cfg, world)
     try:
         corpus = load_corpus(cfg.data)
     except ConfigError:
@@ -110,14 +126,26 @@ def check_environment(cfg: TrainConfig) -> None:
 
 
 def prepare_output(cfg: TrainConfig) -> None:
-    """With ``cfg.overwrite``, remove the files of a previous run from ``cfg.out`` so that none
-    is left stale; without it, do nothing (:func:`check_environment` refuses such a folder).
+    """With ``cfg.overwrite``, remove the files and checkpoints of a previous run from
+    ``cfg.out`` so that none is left stale; without it, do nothing (:func:`check_environment`
+    refuses such a folder).
 
     Call it before :func:`launch`. Under torchrun every rank may call it: no rank writes before
     all of them have joined the process group.
     """
     if not cfg.overwrite or cfg.out is None or not os.path.isdir(cfg.out):
         return
+    if attempt() > 0:  # torchrun restarted the group: the folder holds this very run
+        return
+    checkpoints = os.path.join(cfg.out, ckpt.CHECKPOINTS)
+    # another rank under torchrun may be removing it too: check what is left afterwards
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    if os.path.exists(checkpoints):
+        raise ConfigError(
+            "out",
+            f"{cfg.out!r}: cannot remove the checkpoints of the previous run; remove "
+            f"{checkpoints!r} yourself or choose another folder",
+        )
     for path in previous_run_files(cfg.out):
         try:
             os.remove(path)
@@ -131,10 +159,58 @@ def prepare_output(cfg: TrainConfig) -> None:
             ) from None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@contextlib.contextmanager
+def _loopback_rendezvous_store() -> Iterator[int]:
+    """Host the rendezvous store on 127.0.0.1 (at a free port, yielded) for the duration.
+
+    torch elastic's c10d rendezvous creates its store with ``multi_tenant=True``, which reuses a
+    server already running on that port in this process: this one, listening on loopback only
+    (the store it would create itself listens on every interface).
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = int(listener.getsockname()[1])
+        store = torch.distributed.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it
+    try:
+        yield port
+    finally:
+        del store
+
+
+@contextlib.contextmanager
+def _unshared_agent_store() -> Iterator[None]:
+    """Have the elastic agent give every attempt of the worker group a store of its own.
+
+    By default the agent shares one store with all attempts (listening on every interface),
+    and a restarted group can read the previous attempt's addresses from it and fail to
+    connect (pytorch/pytorch#135712). With sharing off, rank 0 hosts a fresh store on loopback
+    at a new port for every attempt (:func:`lowcomm.train.loop.run_worker`). The setting is
+    torch's environment variable, read by the agent in this process; it is restored afterwards.
+    """
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    saved = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
@@ -153,7 +229,7 @@ def _failure_message(failure: Any) -> str:
     if isinstance(message, dict):  # error file payload: {"message": ..., "extraInfo": ...}
         message = message.get("message", message)
     text = str(message).strip()
-    if not text or text.startswith("To enable traceback"):
+    if not text or text.startswith(("To enable traceback", "Signal ")):
         if failure.exitcode < 0:
             text = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
         else:
@@ -180,6 +256,18 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
                 "running under torchrun (world size %s): --workers is ignored",
                 os.environ.get("WORLD_SIZE", "?"),
             )
+            if cfg.max_restarts:
+                logger.warning(
+                    "--max-restarts is ignored under torchrun: use torchrun's own "
+                    "--max-restarts (restarted workers resume from the latest checkpoint)"
+                )
+            restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+            if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                logger.warning(
+                    "torchrun --max-restarts with the agent's shared store: a restarted group "
+                    "can read the previous attempt's addresses and hang; set "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch/pytorch#135712)"
+                )
         try:
             return run_worker(cfg, False)
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
@@ -190,10 +278,14 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    endpoint = f"127.0.0.1:{_free_port()}"
     # Error files of failed workers go to a scratch folder; the message is read from them
     # before the launcher returns, so the folder can go when it does.
-    with tempfile.TemporaryDirectory(prefix="lowcomm-launch-") as log_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="lowcomm-launch-") as log_dir,
+        _loopback_rendezvous_store() as port,
+        _unshared_agent_store(),
+    ):
+        endpoint = f"127.0.0.1:{port}"
         launch_config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -202,7 +294,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
             rdzv_backend="c10d",
             rdzv_endpoint=endpoint,
             rdzv_configs={"timeout": 120},
-            max_restarts=0,
+            max_restarts=cfg.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
             local_addr="127.0.0.1",
@@ -212,43 +304,79 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
             with _quiet_launcher_logs(quiet):
                 results = elastic_launch(launch_config, run_worker)(cfg, True, log_dir)
         except ChildFailedError as e:
-            recorded = _first_recorded_failure(log_dir)
-            if recorded is not None:
-                rank = int(recorded["rank"])
-                path = _save_text(recorded["traceback"], cfg.out, rank)
-                raise WorkerFailed(rank, str(recorded["error"]), path) from None
-            rank, failure = _root_cause(e.failures)
-            path = _save_traceback(failure, cfg.out, rank)
-            raise WorkerFailed(rank, _failure_message(failure), path) from None
+            # The agent gives up after the last of its max_restarts restarts.
+            rank, error, text = _final_failure(e.failures, log_dir, attempt=cfg.max_restarts)
+            path = _save_text(text, cfg.out, rank)
+            raise WorkerFailed(rank, error, path) from None
         except SignalException:  # Ctrl-C / SIGTERM reached the launcher: workers are stopped
             raise KeyboardInterrupt from None
     return results.get(0)
 
 
-def _first_recorded_failure(folder: str) -> dict[str, Any] | None:
-    """The earliest ``failure-rank<r>.json`` written by :func:`run_worker`: the root cause.
+def _final_failure(
+    failures: dict[int, Any], folder: str, *, attempt: int
+) -> tuple[int, str, str | None]:
+    """``(rank, error, traceback)`` of the root cause of a failed attempt.
 
-    A worker that fails takes its peers down with it (their collectives lose a partner), and
-    torch elastic may report any of them; the earliest exception is the one that matters.
+    ``failures`` are torch elastic's (global rank -> ``ProcessFailure``: exit code, error file);
+    ``folder`` holds what the workers recorded themselves. In order of preference: the earliest
+    recorded error that is not a lost peer; a worker that failed without a record of its own
+    (killed by a signal, or ``os._exit``) when every record is a lost peer (its peers losing
+    their connection to it); the earliest record; torch elastic's own choice.
     """
+    records = _recorded_failures(folder, attempt=attempt)
+    primary = [r for r in records if not r.get("peer_lost")]
+    if primary:
+        first = min(primary, key=lambda r: (r["time"], r["rank"]))
+        return int(first["rank"]), str(first["error"]), first.get("traceback")
+    recorded = {int(r["rank"]) for r in records}
+    silent = {rank: f for rank, f in failures.items() if rank not in recorded}
+    if silent:
+        rank, failure = _root_cause(silent)
+        return rank, _failure_message(failure), _traceback_of(failure)
+    if records:
+        first = min(records, key=lambda r: (r["time"], r["rank"]))
+        return int(first["rank"]), str(first["error"]), first.get("traceback")
+    rank, failure = _root_cause(failures)
+    return rank, _failure_message(failure), _traceback_of(failure)
+
+
+def _recorded_failures(folder: str, *, attempt: int | None = None) -> list[dict[str, Any]]:
+    """The ``failure-rank<r>[-attempt<a>].json`` records :func:`run_worker` wrote in ``folder``
+    (those of one attempt of the worker group, or all)."""
     records = []
     for name in os.listdir(folder):
         if name.startswith("failure-rank") and name.endswith(".json"):
             try:
                 with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    records.append(json.load(f))
+                    record = json.load(f)
             except (OSError, ValueError):
                 continue
+            if attempt is None or int(record.get("attempt", 0)) == attempt:
+                records.append(record)
+    return records
+
+
+def _first_recorded_failure(folder: str) -> dict[str, Any] | None:
+    """The root cause among the records :func:`run_worker` wrote in ``folder``: the earliest that
+    is not a lost peer, else the earliest.
+
+    A worker that fails takes its peers down with it (their collectives lose a partner), and
+    torch elastic may report any of them; the earliest exception is the one that matters.
+    """
+    records = _recorded_failures(folder)
     if not records:
         return None
-    return min(records, key=lambda r: (r["time"], r["rank"]))
+    primary = [r for r in records if not r.get("peer_lost")] or records
+    return min(primary, key=lambda r: (r["time"], r["rank"]))
 
 
-def _save_traceback(failure: Any, out: str | None, rank: int) -> str | None:
+def _traceback_of(failure: Any) -> str | None:
     message = failure.error_file_data.get("message")
     if not isinstance(message, dict):
         return None
-    return _save_text(message.get("extraInfo", {}).get("py_callstack"), out, rank)
+    text = message.get("extraInfo", {}).get("py_callstack")
+    return str(text) if text else None
 
 
 def _save_text(text: str | None, out: str | None, rank: int) -> str | None:

@@ -25,14 +25,26 @@ rank 0 records.
 Rank 0 writes the run folder (see :mod:`lowcomm.train.metrics`) and shows the progress bar. The
 per-step path stays on the device: rank 0 adds each step's loss to a running sum there and reads
 it back (one device sync) only every ``log_every`` steps and at evaluations.
+
+With ``checkpoint_every`` every rank saves its whole state every that many steps, at the end of
+the step (after ``algo.step()``, the evaluation and the records), into one checkpoint folder per
+step (:mod:`lowcomm.train.checkpoint`). A run given ``resume``, or a worker group restarted by
+the elastic agent, restores all of it and continues with the next step, so that it ends exactly
+where an uninterrupted run would. Collectives time out after ``collective_timeout`` seconds, so
+a worker whose peer died or stalled fails instead of hanging; every failure is recorded for the
+launcher, marked as a lost peer when it is one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import logging
 import math
 import os
+import re
+import signal
 import socket
 import sys
 import time
@@ -44,7 +56,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.link import EmulatedLink
-from lowcomm.train.config import TrainConfig
+from lowcomm.train import checkpoint as ckpt
+from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.metrics import (
     CHECKPOINT_NOTE,
     MetricsWriter,
@@ -53,9 +66,40 @@ from lowcomm.train.metrics import (
     write_json,
 )
 
-__all__ = ["error_line", "resolve_backend", "run_worker", "train"]
+__all__ = [
+    "FAULT_ENV",
+    "attempt",
+    "error_line",
+    "is_peer_loss",
+    "resolve_backend",
+    "run_worker",
+    "train",
+]
 
 logger = logging.getLogger(__name__)
+
+FAULT_ENV = "LOWCOMM_FAULT_INJECT"
+"""For tests only: ``"RANK:STEP[:MODE]"`` makes that rank fail right after ``algo.step()`` of
+that step, in the first attempt of the worker group only (``TORCHELASTIC_RESTART_COUNT`` 0):
+MODE ``kill`` (default: SIGKILL itself), ``exit`` (``os._exit(3)``), ``hang`` (stop without
+exiting, until the others time out) or ``raise`` (a ``RuntimeError``). Not a user setting."""
+
+_PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeout", re.IGNORECASE)
+
+
+def attempt() -> int:
+    """Which attempt of the worker group this is: 0, or the number of restarts so far (torch
+    elastic's ``TORCHELASTIC_RESTART_COUNT``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether ``error`` is what a worker sees when a peer died or stalled (a lost connection or
+    a collective timeout): a knock-on effect, not the root cause of a failed job."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and bool(_PEER_LOSS.search(str(error)))
 
 
 def resolve_backend(backend: str) -> str:
@@ -108,15 +152,16 @@ def run_worker(
             to a spawned worker), so it is not checked again.
         launched_locally: ``True`` when ``lowcomm train`` launched this worker on this machine;
             gloo is then bound to the loopback interface.
-        failure_dir: where to record an exception (``failure-rank<r>.json``: error, traceback,
-            time), so the launcher can tell the first failure from its knock-on effects.
+        failure_dir: where to record an exception (``failure-rank<r>-attempt<a>.json``: error,
+            traceback, time, attempt, whether it is a lost peer), so the launcher can tell the
+            first failure from its knock-on effects, and a restarted group what went wrong.
 
     Returns:
         The run summary on global rank 0, ``None`` elsewhere.
     """
     rank = int(os.environ.get("RANK", "0"))
     try:
-        return _run_worker(cfg, launched_locally, rank)
+        return _run_worker(cfg, launched_locally, rank, failure_dir)
     except BaseException as e:
         if failure_dir is not None:
             _record_failure(failure_dir, rank, e)
@@ -127,10 +172,12 @@ def _record_failure(folder: str, rank: int, error: BaseException) -> None:
     record = {
         "rank": rank,
         "time": time.time(),
+        "attempt": attempt(),
         "error": error_line(error),
+        "peer_lost": is_peer_loss(error),
         "traceback": traceback.format_exc(),
     }
-    path = os.path.join(folder, f"failure-rank{rank}.json")
+    path = os.path.join(folder, f"failure-rank{rank}-attempt{attempt()}.json")
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(record, f)
@@ -138,7 +185,28 @@ def _record_failure(folder: str, rank: int, error: BaseException) -> None:
         pass
 
 
-def _run_worker(cfg: TrainConfig, launched_locally: bool, rank: int) -> dict[str, Any] | None:
+def _describe_attempt(folder: str | None, number: int) -> str:
+    """What the failure records of attempt ``number`` say, in a few words."""
+    records = []
+    if folder is not None and os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.startswith("failure-rank") and name.endswith(f"-attempt{number}.json"):
+                try:
+                    with open(os.path.join(folder, name), encoding="utf-8") as f:
+                        records.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+    primary = sorted((r for r in records if not r.get("peer_lost")), key=lambda r: r["time"])
+    if primary:
+        return f"worker rank {primary[0]['rank']} failed: {primary[0]['error']}"
+    if records:
+        return "a worker died without an error record (its peers lost the connection)"
+    return "a worker failed"
+
+
+def _run_worker(
+    cfg: TrainConfig, launched_locally: bool, rank: int, failure_dir: str | None
+) -> dict[str, Any] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     _setup_worker_logging(rank, cfg.quiet)
@@ -155,7 +223,21 @@ def _run_worker(cfg: TrainConfig, launched_locally: bool, rank: int) -> dict[str
             lo = _loopback_interface()
             if lo is not None:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-    dist.init_process_group(backend)
+    if rank == 0 and attempt() > 0:
+        logger.warning(
+            "worker group restarted (restart %d) after a failure: %s",
+            attempt(),
+            _describe_attempt(failure_dir, attempt() - 1),
+        )
+    # A collective that waits longer than this for a peer fails instead of hanging: a dead or
+    # stalled worker stops the others within a bounded time.
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout)
+    if launched_locally:
+        store = _loopback_store(rank, timeout)
+        world = int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     try:
         summary = train(cfg, device=device)
         # Leave together: a rank tearing down its process group while rank 0 is still writing
@@ -164,6 +246,36 @@ def _run_worker(cfg: TrainConfig, launched_locally: bool, rank: int) -> dict[str
         return summary
     finally:
         dist.destroy_process_group()
+
+
+def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store of a locally launched group, at the ``MASTER_PORT`` the elastic agent chose.
+
+    Rank 0 hosts it on a socket bound to 127.0.0.1 (a store created by ``env://`` listens on
+    every interface); the others connect to it. The launcher has the agent pick a fresh port for
+    every attempt, so a restarted group never reads the previous attempt's addresses.
+    """
+    port = int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it
+    return store
 
 
 def _inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -222,6 +334,10 @@ def _evaluate_with(
 def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     """Run the training job on an initialised default process group; see the module docstring.
 
+    With ``cfg.resume``, or in a restarted worker group (:func:`attempt` > 0) whose run has a
+    complete checkpoint, every rank continues from its part of that checkpoint
+    (:mod:`lowcomm.train.checkpoint`).
+
     Returns the run summary on rank 0, ``None`` elsewhere.
     """
     from lowcomm.comm import CommStats, DDPCommMeter
@@ -233,6 +349,19 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     rank = dist.get_rank()
     world = dist.get_world_size()
     is_main = rank == 0
+
+    source = _resume_source(cfg, rank, world)
+    state = ckpt.load_rank_state(source, rank, world) if source is not None else None
+    start = int(state["step"]) if state is not None else 0
+    if is_main:
+        os.makedirs(cfg.out, exist_ok=True)
+        # What the stopped run wrote after the point this one continues from is discarded.
+        ckpt.discard_after(cfg.out, start)
+        if source is not None:
+            # resuming into another folder: its records start as the checkpoint's run's
+            earlier = os.path.join(ckpt.run_folder_of(source), "metrics.jsonl")
+            ckpt.truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start, source=earlier)
+    dist.barrier()  # no rank writes a checkpoint before the folder is cleaned up
 
     corpus = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
@@ -246,7 +375,11 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             dropout=cfg.dropout,
         )
     ).to(device)
+    if state is not None:
+        gpt.load_state_dict(state["model"])
     inner = _inner_optimizer(gpt, cfg)
+    if state is not None:
+        inner.load_state_dict(state["optimizer"])
     ceiling = _Ceiling(gpt, cfg, corpus, rank, device) if cfg.ceiling_steps else None
 
     algo = None
@@ -270,9 +403,15 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         algo = cfg.algorithm_class()(
             gpt, inner, process_group=outer_group, **cfg.algorithm_kwargs()
         )
+        if state is not None:
+            algo.load_state_dict(state["algorithm"])
         stats = algo.stats
+    if state is not None:
+        _restore_stats(stats, state.get("comm_stats") or {})
 
     gen = make_generator(cfg.seed, rank)
+    if state is not None:
+        gen.set_state(state["rng"]["data"])
     val = [
         (x.to(device), y.to(device))
         for x, y in eval_batches(corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches)
@@ -282,7 +421,6 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
 
     progress: _Progress | None = None
     if is_main:
-        os.makedirs(cfg.out, exist_ok=True)
         write_json(os.path.join(cfg.out, "config.json"), _resolved_config(cfg, world, corpus))
         logger.info(
             "lowcomm train: %s, %d workers (%s), %.2f M parameters, corpus %s "
@@ -297,7 +435,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             cfg.steps,
             cfg.batch_size * cfg.block_size,
         )
-        progress = _Progress(cfg, world, tokens_per_step, stats, device)
+        progress = _Progress(cfg, world, tokens_per_step, stats, device, append=state is not None)
 
     def rounds() -> int:
         return int(getattr(algo, "rounds", 0)) if algo is not None else 0
@@ -312,13 +450,45 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             progress.eval(step, val_loss, rounds(), time.perf_counter() - t0)
         return val_loss
 
+    def save(step: int) -> None:
+        rank_state = {
+            "step": step,
+            "rank": rank,
+            "world_size": world,
+            "model": {k: v.detach().cpu() for k, v in gpt.state_dict().items()},
+            "optimizer": inner.state_dict(),
+            # waits for in-flight all-reduces (not applying them) before the counters are read
+            "algorithm": algo.state_dict() if algo is not None else None,
+            "rng": _rng_state(gen, device),
+            "comm_stats": dataclasses.asdict(stats),
+            "progress": progress.state_dict() if progress is not None else None,
+        }
+        ckpt.write_rank_state(cfg.out or ".", step, rank, rank_state)
+        dist.barrier()  # every rank's part is on disk before the manifest makes it complete
+        if is_main:
+            folder = ckpt.publish(
+                cfg.out or ".",
+                step,
+                {"world_size": world, "attempt": attempt(), "config": cfg.to_dict()},
+                keep=cfg.keep_checkpoints,
+            )
+            logger.debug("checkpoint of step %d written to %s", step, folder)
+
+    fault = _fault_point(rank)
     if ceiling is not None:
         ceiling.run(cfg.ceiling_steps // 2)
-    t_start = time.perf_counter()
+    if state is not None:
+        _set_rng_state(state["rng"], device)
+    elapsed_before = 0.0
+    if progress is not None and state is not None:
+        elapsed_before = progress.resume(start, state["progress"], source, attempt())
+    t_start = time.perf_counter() - elapsed_before
     if progress is not None:
         progress.start(t_start)
-    val_start = evaluate(0)
-    for step in range(1, cfg.steps + 1):
+    val_start = evaluate(0) if state is None else float("nan")
+    if progress is not None and state is not None:
+        val_start = progress.val_start
+    for step in range(start + 1, cfg.steps + 1):
         lr = _lr_at(step, cfg)
         for group in inner.param_groups:
             group["lr"] = lr
@@ -332,10 +502,14 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         inner.zero_grad(set_to_none=True)
         if algo is not None:
             algo.step()
+        if fault is not None and fault[0] == step:
+            _inject_fault(fault[1], rank, step, cfg.collective_timeout)
         if progress is not None:
             progress.step(step, loss, lr, flush=step % eval_interval == 0 or step == cfg.steps)
         if step % eval_interval == 0 and step < cfg.steps:
             evaluate(step)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            save(step)
 
     if algo is not None:
         algo.finish()
@@ -383,6 +557,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         n_params=gpt.num_parameters(),
         ceiling=None if ceiling is None else ceiling.summary(tokens_per_step),
     )
+    summary["resumed_at"] = list(progress.resumed_at)
     write_json(os.path.join(cfg.out, "summary.json"), summary)
     plot_losses(
         os.path.join(cfg.out, "metrics.jsonl"),
@@ -390,6 +565,87 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         title=f"{cfg.name}: {cfg.algo}, {world} workers",
     )
     return summary
+
+
+def _resume_source(cfg: TrainConfig, rank: int, world: int) -> str | None:
+    """The checkpoint folder every rank continues from, or ``None`` (start at step 0).
+
+    Rank 0 decides and tells the others, so that all agree even while the folder changes: in a
+    restarted worker group the latest complete checkpoint of this run, else ``cfg.resume``'s.
+    A checkpoint of other settings is refused (:class:`ConfigError` on every rank).
+    """
+    choice: list[Any] = [None, None]  # folder, error
+    if rank == 0:
+        try:
+            folder = None
+            if attempt() > 0:
+                found = ckpt.complete_checkpoints(cfg.out or ".")
+                folder = found[-1][1] if found else None
+            if folder is None and cfg.resume is not None:
+                folder = ckpt.find_checkpoint(cfg.resume, cfg.out)
+            if folder is not None:
+                ckpt.check_compatible(folder, cfg, world)
+            choice = [folder, None]
+        except ConfigError as e:
+            choice = [None, str(e)]
+    dist.broadcast_object_list(choice, src=0)
+    folder, error = choice
+    if error is not None:
+        raise ConfigError(None, error)
+    if rank == 0:
+        if folder is not None:
+            logger.info("resuming from %s", folder)
+        elif attempt() > 0:
+            logger.warning("no complete checkpoint yet: the restarted run starts over at step 0")
+    return folder
+
+
+def _rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state(), "data": gen.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _restore_stats(stats: Any, saved: dict[str, Any]) -> None:
+    """Continue the communication counters from a checkpoint's."""
+    for field in dataclasses.fields(stats):
+        if field.name in saved:
+            setattr(stats, field.name, type(getattr(stats, field.name))(saved[field.name]))
+
+
+def _fault_point(rank: int) -> tuple[int, str] | None:
+    """``(step, mode)`` of the fault :data:`FAULT_ENV` asks this rank to inject, if any."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or attempt() > 0:
+        return None
+    parts = spec.split(":")
+    modes = ("kill", "exit", "hang", "raise")
+    try:
+        fault_rank, step = int(parts[0]), int(parts[1])
+        mode = parts[2] if len(parts) > 2 else "kill"
+    except (IndexError, ValueError):
+        mode = ""
+    if mode not in modes or len(parts) > 3:
+        raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:STEP[:MODE], MODE one of {modes}")
+    return (step, mode) if fault_rank == rank else None
+
+
+def _inject_fault(mode: str, rank: int, step: int, timeout_s: float) -> None:
+    logger.warning("%s: rank %d injects a fault (%s) at step %d", FAULT_ENV, rank, mode, step)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "exit":
+        os._exit(3)
+    elif mode == "hang":
+        time.sleep(10 * timeout_s)  # the peers time out long before; the launcher stops us
+    raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
 
 
 class _Ceiling:
@@ -468,15 +724,20 @@ class _Progress:
         tokens_per_step: int,
         stats: Any,
         device: torch.device,
+        *,
+        append: bool = False,
     ) -> None:
         self.cfg = cfg
         self.tokens_per_step = tokens_per_step
         self.stats = stats
-        self.writer = MetricsWriter(os.path.join(cfg.out or ".", "metrics.jsonl"))
+        path = os.path.join(cfg.out or ".", "metrics.jsonl")
+        self.writer = MetricsWriter(path, append=append)
         self.t_start = time.perf_counter()
         self.eval_s = 0.0
         self.loss = float("nan")
         self.val = float("nan")
+        self.val_start = float("nan")
+        self.resumed_at: list[int] = []
         self._loss_sum = torch.zeros((), device=device)
         self._last_step = 0  # the step of the last record
         self.bar = None
@@ -489,6 +750,36 @@ class _Progress:
 
     def start(self, t_start: float) -> None:
         self.t_start = t_start
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue the records exactly (checkpoint ``progress``)."""
+        return {
+            "loss_sum": self._loss_sum.detach().cpu().clone(),
+            "last_step": self._last_step,
+            "elapsed_s": time.perf_counter() - self.t_start,
+            "eval_s": self.eval_s,
+            "loss": self.loss,
+            "val": self.val,
+            "val_start": self.val_start,
+            "resumed_at": list(self.resumed_at),
+        }
+
+    def resume(self, step: int, state: dict[str, Any], source: str | None, restart: int) -> float:
+        """Continue from a checkpoint's :meth:`state_dict` at ``step``; write a ``resume``
+        record. Returns the elapsed time the stopped run had reached (the new start is that much
+        earlier, so times continue)."""
+        self._loss_sum.copy_(state["loss_sum"])
+        self._last_step = int(state["last_step"])
+        self.eval_s = float(state["eval_s"])
+        self.loss, self.val = float(state["loss"]), float(state["val"])
+        self.val_start = float(state["val_start"])
+        self.resumed_at = [*state.get("resumed_at", []), step]
+        self.writer.write(
+            {"kind": "resume", "step": step, "checkpoint": source, "restart": restart}
+        )
+        if self.bar is not None:
+            self.bar.update(step)
+        return float(state["elapsed_s"])
 
     def _tokens_per_s(self, step: int) -> float:
         train_s = time.perf_counter() - self.t_start - self.eval_s
@@ -530,6 +821,8 @@ class _Progress:
 
     def eval(self, step: int, val_loss: float, rounds: int, eval_s: float) -> None:
         now = time.perf_counter()
+        if step == 0:
+            self.val_start = val_loss
         # Training time up to this evaluation: wall time less every evaluation so far.
         train_s = now - eval_s - self.t_start - self.eval_s
         self.eval_s += eval_s

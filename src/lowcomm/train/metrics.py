@@ -10,19 +10,25 @@
   - ``{"kind": "eval", "step", "val_loss", "tokens", "elapsed_s", "train_s", "rounds",
     <rank 0's CommStats>}`` per evaluation; ``train_s`` is the training time before it (the
     wall time since the start less every evaluation's time);
+  - ``{"kind": "resume", "step", "checkpoint", "restart"}`` where a resumed or restarted run
+    continued from the checkpoint of ``step``: the records after ``step`` written by the run
+    that was stopped are removed first, so every step still appears in exactly one ``step``
+    record and times continue from the checkpoint's;
 
-* ``checkpoint.pt``: **rank 0's** final state only: its model, inner optimizer and algorithm
-  state (``"rank": 0``), with the config, world size and step. Other ranks' inner optimizer and
-  algorithm states are not saved, so it is a trained model to load, not a point to resume a
-  multi-worker run from. Plain dicts, tensors, numbers and strings, so
-  ``torch.load(weights_only=True)`` reads it;
+* ``checkpoint.pt``: **rank 0's** final state (after ``algo.finish()``): its model, inner
+  optimizer and algorithm state (``"rank": 0``), with the config, world size and step. It is the
+  trained model to load; the resume points are the per-rank checkpoints under ``checkpoints/``
+  (``--checkpoint-every``, see :mod:`lowcomm.train.checkpoint`). Plain dicts, tensors, numbers
+  and strings, so ``torch.load(weights_only=True)`` reads it;
+* ``checkpoints/step-NNNNNN/``: resumable checkpoints of every rank (with ``--checkpoint-every``);
 * ``loss.png``: training and validation loss against step;
 * ``summary.json``: totals, throughput, validation loss start and end, communication counters per
   worker and their mean;
 * ``error-rank<r>.txt``: the traceback of a worker that failed, if one did.
 
-A folder holding :data:`RUN_FILES` is a previous run: ``lowcomm train`` refuses it unless told to
-overwrite it, and then removes :func:`previous_run_files` first.
+A folder holding :data:`RUN_FILES` or a ``checkpoints`` folder is a previous run: ``lowcomm train``
+refuses it unless told to overwrite it (and then removes :func:`previous_run_files` and the
+checkpoints first) or to resume it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "CHECKPOINT_NOTE",
     "RUN_FILES",
     "MetricsWriter",
+    "atomic_write",
     "plot_losses",
     "previous_run_files",
     "read_metrics",
@@ -51,8 +58,8 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt")
 """Files whose presence marks a folder as holding a run."""
 
 CHECKPOINT_NOTE = (
-    "rank 0's final state only (model, inner optimizer, algorithm); the other ranks' optimizer "
-    "and algorithm states are not saved, so this is not a resume point for a multi-worker run"
+    "rank 0's final state only (model, inner optimizer, algorithm), after algo.finish(); "
+    "resume points with every rank's state are under checkpoints/ (--checkpoint-every)"
 )
 """The ``"note"`` stored in ``checkpoint.pt``."""
 
@@ -77,12 +84,13 @@ def _json_safe(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``path`` and flushes it, so a crashed run keeps its
-    metrics up to the crash."""
+    """Writes one JSON object per line to ``path`` (a new file, or appended to with ``append``,
+    as a resumed run does) and flushes it, so a crashed run keeps its metrics up to the crash."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, append: bool = False) -> None:
         self.path = path
-        self._f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        mode = "a" if append else "w"
+        self._f = open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(_json_safe(record)) + "\n")
@@ -98,7 +106,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _atomic_write(path: str, write: Any) -> None:
+def atomic_write(path: str, write: Any) -> None:
     """Write through a temporary file in the same folder, fsync, then ``os.replace``: readers see
     the old file or the new one, never a torn one."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -128,12 +136,12 @@ def _atomic_write(path: str, write: Any) -> None:
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as indented JSON, atomically."""
     data = (json.dumps(_json_safe(obj), indent=2) + "\n").encode()
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
 
 
 def save_checkpoint(path: str, checkpoint: dict[str, Any]) -> None:
     """``torch.save`` atomically (temporary file in the same folder, fsync, ``os.replace``)."""
-    _atomic_write(path, lambda f: torch.save(checkpoint, f))
+    atomic_write(path, lambda f: torch.save(checkpoint, f))
 
 
 def plot_losses(metrics_path: str, png_path: str, *, title: str | None = None) -> None:

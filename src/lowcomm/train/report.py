@@ -22,6 +22,12 @@ def _ceiling_rows(ceiling: dict[str, Any] | None) -> list[tuple[str, str]]:
     return [("ceiling", text), ("of ceiling", "-" if ratio is None else f"{ratio:.1%}")]
 
 
+def _resume_rows(resumed_at: list[int] | None) -> list[tuple[str, str]]:
+    if not resumed_at:
+        return []
+    return [("resumed at", ", ".join(f"step {s:,}" for s in resumed_at))]
+
+
 def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
     """A small two-column table of a run's ``summary.json``.
 
@@ -44,6 +50,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         ("workers", str(summary["workers"])),
         ("link", summary.get("link") or "real network"),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
+        *_resume_rows(summary.get("resumed_at")),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
         *_ceiling_rows(summary.get("ceiling")),
         (

@@ -1,0 +1,366 @@
+"""Resumable checkpoints of a ``lowcomm train`` job: every rank's state at a step boundary.
+
+Layout (``--checkpoint-every N``)::
+
+    <out>/checkpoints/
+        step-000120/
+            rank-0.pt ... rank-<N-1>.pt   one per rank, written by that rank
+            meta.json                     the manifest, written last, by rank 0
+        step-000180/
+        .step-000240.partial/             being written (or left by a killed run)
+
+Writing the checkpoint of step s (after that step's ``algo.step()``, evaluation and records):
+every rank writes ``rank-<r>.pt`` into ``.step-<s>.partial/`` (each file atomically: temporary
+file, fsync, rename); after a barrier rank 0 writes ``meta.json`` there, renames the folder to
+``step-<s>`` and deletes all but the newest ``keep_checkpoints`` complete checkpoints. A
+checkpoint is **complete** when ``step-<s>/meta.json`` exists; only complete ones are resumed
+from, so a run killed while writing one leaves the previous one in charge.
+
+A rank file holds plain dicts, tensors, numbers and strings (``torch.load(weights_only=True)``
+reads it): ``step``, ``rank``, ``world_size``, the model, the inner optimizer, the algorithm's
+``state_dict()`` (``None`` for ddp and none), the RNG states (``torch``: the global CPU
+generator, which dropout draws from; ``data``: this rank's batch generator, i.e. the data
+position; ``cuda`` on GPU), this rank's communication counters, and on rank 0 the progress of the
+metrics (the running loss sum since the last record, times, the initial validation loss). Python's
+and NumPy's generators are not used by the job and not saved. The learning rate is a function of
+the step and needs no state.
+
+In-flight communication is saved, not drained: an algorithm's ``state_dict()`` waits for the
+all-reduces still in flight (CO2's previous round, Streaming DiLoCo's and CoCoDC's launched
+fragments) and stores their averaged result *without applying it*; after loading, the result is
+applied at the step where the uninterrupted run would have applied it. A resumed run therefore
+ends with bit-identical parameters (on the same hardware, backend and thread count).
+
+Resuming (``--resume [PATH]``): ``PATH`` is a ``step-<s>`` folder, a ``checkpoints`` folder or a run
+folder (the latest complete checkpoint in it); ``--resume`` alone means the latest under
+``--out``. The settings that determine the numbers must equal the checkpoint's (every
+:class:`~lowcomm.train.config.TrainConfig` field but :data:`RESUME_FREE_KEYS`), and so must the
+world size; the first difference is named. The resumed run continues in ``--out`` (by default
+the run folder of ``PATH``): its ``metrics.jsonl`` is cut back to the records up to step s (in
+another folder, it starts with those of the checkpoint's run), and complete checkpoints after s
+(left by the run that was stopped) are deleted, since they belong to the abandoned continuation.
+A worker group restarted by the elastic agent (``--max-restarts``, or torchrun's) resumes the
+same way from the run's latest complete checkpoint, or starts over if there is none yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.metrics import atomic_write, save_checkpoint, write_json
+
+__all__ = [
+    "CHECKPOINTS",
+    "LATEST",
+    "MANIFEST",
+    "RESUME_FREE_KEYS",
+    "check_compatible",
+    "complete_checkpoints",
+    "config_difference",
+    "discard_after",
+    "find_checkpoint",
+    "load_rank_state",
+    "publish",
+    "read_manifest",
+    "run_folder_of",
+    "truncate_metrics",
+    "write_rank_state",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+"""Version of the checkpoint layout, stored in every manifest and rank file."""
+
+LATEST = "latest"
+"""The value of ``resume`` meaning "the latest complete checkpoint under ``out``"."""
+
+CHECKPOINTS = "checkpoints"
+"""The folder under ``out`` that holds the checkpoints."""
+
+MANIFEST = "meta.json"
+"""Written last, by rank 0: its presence makes a checkpoint complete."""
+
+RESUME_FREE_KEYS = frozenset(
+    {
+        "workers",  # the world size is compared instead (torchrun sets it, not --workers)
+        "out",
+        "name",
+        "overwrite",
+        "quiet",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "ceiling_steps",
+        "link",
+        "backend",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "resume",
+        "max_restarts",
+        "collective_timeout",
+    }
+)
+"""Settings that may differ between a checkpoint and the run resuming from it: they change what
+is measured, reported or kept, not the training itself."""
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+_PARTIAL_DIR = re.compile(r"\.step-(\d+)\.partial")
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def run_folder_of(path: str) -> str:
+    """The run folder a ``--resume`` path belongs to (lexically): ``RUN/checkpoints/step-N`` and
+    ``RUN/checkpoints`` give ``RUN``; anything else is taken to be a run folder itself."""
+    norm = os.path.normpath(path)
+    base = os.path.basename(norm)
+    parent = os.path.dirname(norm)
+    if _STEP_DIR.fullmatch(base) and os.path.basename(parent) == CHECKPOINTS:
+        return os.path.dirname(parent) or "."
+    if base == CHECKPOINTS:
+        return parent or "."
+    return norm
+
+
+def complete_checkpoints(out: str) -> list[tuple[int, str]]:
+    """``(step, folder)`` of every complete checkpoint of the run in ``out``, oldest first."""
+    root = os.path.join(out, CHECKPOINTS)
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        match = _STEP_DIR.fullmatch(name)
+        folder = os.path.join(root, name)
+        if match and os.path.isfile(os.path.join(folder, MANIFEST)):
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def find_checkpoint(spec: str, out: str | None) -> str:
+    """The checkpoint folder ``resume`` names: ``spec`` is :data:`LATEST` (the latest complete
+    checkpoint under ``out``), a ``step-<s>`` folder, a ``checkpoints`` folder or a run folder.
+
+    Raises:
+        ConfigError: keyed ``resume``, when there is no complete checkpoint there.
+    """
+    if spec == LATEST:
+        if out is None:
+            raise ConfigError("resume", "without a path needs out (--out)")
+        where = out
+    elif os.path.isfile(os.path.join(spec, MANIFEST)):
+        return spec
+    elif _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(spec))):
+        raise ConfigError(
+            "resume",
+            f"{spec!r} is not a complete checkpoint (no {MANIFEST}: it was not finished or does "
+            "not exist); pass a complete one, or the run folder for its latest",
+        )
+    else:
+        where = run_folder_of(spec)
+    found = complete_checkpoints(where)
+    if not found:
+        raise ConfigError(
+            "resume",
+            f"found no complete checkpoint in {os.path.join(where, CHECKPOINTS)!r}; runs write "
+            "them with checkpoint_every (--checkpoint-every N)",
+        )
+    return found[-1][1]
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; :class:`ConfigError` (``resume``) if unreadable."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError("resume", f"cannot read {path!r}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ConfigError(
+            "resume", f"{path!r} is not a lowcomm checkpoint manifest of format {FORMAT}"
+        )
+    return manifest
+
+
+def config_difference(saved: Mapping[str, Any], cfg: TrainConfig) -> tuple[str, Any, Any] | None:
+    """The first setting (field order) outside :data:`RESUME_FREE_KEYS` whose value in
+    ``saved`` (a ``to_dict()``; a missing key counts as the field's default) differs from
+    ``cfg``'s: ``(key, saved value, cfg value)``, or ``None``."""
+    for field in dataclasses.fields(TrainConfig):
+        if field.name in RESUME_FREE_KEYS:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        before = saved.get(field.name, default)
+        now = getattr(cfg, field.name)
+        if before != now or isinstance(before, bool) != isinstance(now, bool):
+            return field.name, before, now
+    return None
+
+
+def check_compatible(folder: str, cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """Refuse to resume ``cfg`` with ``world_size`` ranks from the checkpoint in ``folder``
+    unless its world size and settings match; returns its manifest.
+
+    Raises:
+        ConfigError: keyed ``resume``, naming the first difference.
+    """
+    manifest = read_manifest(folder)
+    saved_world = manifest.get("world_size")
+    if saved_world != world_size:
+        raise ConfigError(
+            "resume",
+            f"checkpoint {folder!r} was written by {saved_world} workers but this run has "
+            f"{world_size}; resume with the same number of workers",
+        )
+    diff = config_difference(manifest.get("config", {}), cfg)
+    if diff is not None:
+        key, before, now = diff
+        raise ConfigError(
+            "resume",
+            f"checkpoint {folder!r} was written with {key}={before!r} but this run has "
+            f"{key}={now!r}; resume with the same settings or start a new run",
+        )
+    return manifest
+
+
+def _rank_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank-{rank}.pt")
+
+
+def _partial_folder(out: str, step: int) -> str:
+    return os.path.join(out, CHECKPOINTS, f".{_step_name(step)}.partial")
+
+
+def write_rank_state(out: str, step: int, rank: int, state: dict[str, Any]) -> None:
+    """Write this rank's part of the checkpoint of ``step`` (atomically) into its partial folder.
+    Every rank calls it, then a barrier, then rank 0 calls :func:`publish`."""
+    folder = _partial_folder(out, step)
+    os.makedirs(folder, exist_ok=True)
+    save_checkpoint(_rank_file(folder, rank), {"format": FORMAT, **state})
+
+
+def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
+    """Rank 0, after every rank wrote its part: write the manifest, move the folder into place
+    and keep the newest ``keep`` complete checkpoints. Returns the checkpoint's folder."""
+    partial = _partial_folder(out, step)
+    world = int(manifest["world_size"])
+    missing = [r for r in range(world) if not os.path.isfile(_rank_file(partial, r))]
+    if missing:
+        raise RuntimeError(
+            f"checkpoint of step {step}: the files of ranks {missing} are not in {partial!r}; "
+            "workers on several machines need --out on a filesystem they all share"
+        )
+    write_json(
+        os.path.join(partial, MANIFEST),
+        {
+            "format": FORMAT,
+            "step": step,
+            "files": [os.path.basename(_rank_file(partial, r)) for r in range(world)],
+            "written": time.time(),
+            "torch": torch.__version__,
+            **manifest,
+        },
+    )
+    final = os.path.join(out, CHECKPOINTS, _step_name(step))
+    if os.path.exists(final):  # the same step from a run that was stopped later than this one
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync_dir(os.path.dirname(final))
+    complete = complete_checkpoints(out)
+    for _, folder in complete[: max(0, len(complete) - keep)]:
+        shutil.rmtree(folder, ignore_errors=True)
+    _remove_partials(out, below=step)
+    return final
+
+
+def _remove_partials(out: str, *, below: int | None = None) -> None:
+    root = os.path.join(out, CHECKPOINTS)
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for name in names:
+        match = _PARTIAL_DIR.fullmatch(name)
+        if match and (below is None or int(match.group(1)) < below):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def discard_after(out: str, step: int) -> None:
+    """Rank 0, before a (re)started run writes anything: delete the complete checkpoints after
+    ``step`` and every partial one (left by the run that was stopped)."""
+    for s, folder in complete_checkpoints(out):
+        if s > step:
+            shutil.rmtree(folder, ignore_errors=True)
+    _remove_partials(out)
+
+
+def load_rank_state(folder: str, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's part of the checkpoint in ``folder`` (``torch.load(weights_only=True)``)."""
+    path = _rank_file(folder, rank)
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {folder!r} has no file for rank {rank}") from None
+    if state.get("rank") != rank or state.get("world_size") != world_size:
+        raise ValueError(
+            f"{path!r} holds rank {state.get('rank')} of {state.get('world_size')}, "
+            f"not rank {rank} of {world_size}"
+        )
+    return state
+
+
+def truncate_metrics(path: str, step: int, *, source: str | None = None) -> None:
+    """Cut ``metrics.jsonl`` at ``path`` back to its records up to ``step`` (the checkpoint the
+    run resumes from); a torn last line (a run killed while writing it) is dropped too. Where
+    there is no such file (resuming into another folder), start it from ``source``'s records."""
+    lines: list[str] = []
+    for candidate in (path, source):
+        if candidate is None:
+            continue
+        try:
+            with open(candidate, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+            break
+        except FileNotFoundError:
+            continue
+    else:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) <= step:
+            kept.append(line)
+    data = "".join(line + "\n" for line in kept).encode()
+    atomic_write(path, lambda f: f.write(data))
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

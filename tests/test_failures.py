@@ -1,0 +1,152 @@
+"""Worker failures in `lowcomm train`: the root cause is named, the others stop within a bounded
+time, `--max-restarts` restarts the group from the last checkpoint with the same result, and
+processes exit without C++ aborts. Faults are injected by the test-only hook ``FAULT_ENV``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from lowcomm.cli import main
+from lowcomm.train import launcher
+from lowcomm.train.loop import FAULT_ENV
+from test_resume import ALGO_ARGS, BASE, assert_same_run
+
+ABORT = "terminate called"  # what a C++ std::terminate at shutdown prints
+
+
+def _train(out: str, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m lowcomm train`` (co2, the tiny config) in a subprocess: its stderr holds the
+    workers' too, C++ messages included."""
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if fault is not None:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "lowcomm", "train", "--algo", "co2", *BASE, *ALGO_ARGS["co2"]]
+    return subprocess.run(
+        [*cmd, "--out", out, *extra], capture_output=True, text=True, timeout=150, env=env
+    )
+
+
+@pytest.mark.timeout(300)
+def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path: Any) -> None:
+    clean = str(tmp_path / "clean")
+    proc = _train(clean, "--checkpoint-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ABORT not in proc.stderr
+    restarted = str(tmp_path / "restarted")
+    # rank 1 is SIGKILLed after step 10; the group restarts and resumes from step 9
+    proc = _train(restarted, "--checkpoint-every", "3", "--max-restarts", "1", fault="1:10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker group restarted (restart 1) after a failure" in proc.stderr
+    assert ABORT not in proc.stderr
+    assert_same_run(clean, restarted, resumed_at=[9])
+    with open(os.path.join(restarted, "metrics.jsonl")) as f:
+        resumes = [r for r in map(json.loads, f) if r["kind"] == "resume"]
+    assert [(r["step"], r["restart"]) for r in resumes] == [(9, 1)]
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_worker_is_named_and_the_others_stop(tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    proc = _train(out, fault="1:5")  # subprocess.run's timeout bounds how long the others take
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == "lowcomm train: error: worker rank 1 failed: killed by signal 9 (SIGKILL)"
+    assert ABORT not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_the_failing_worker_is_named_not_its_peers(
+    tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    out = str(tmp_path / "run")
+    monkeypatch.setenv(FAULT_ENV, "1:5:raise")
+    assert main(["train", "--algo", "diloco", *BASE, "--out", out]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    expected = f"worker rank 1 failed: RuntimeError: fault injected by {FAULT_ENV} at step 5"
+    assert line.startswith(f"lowcomm train: error: {expected} (traceback: "), line
+    with open(os.path.join(out, "error-rank1.txt")) as f:
+        assert "Traceback" in f.read()
+
+
+@pytest.mark.timeout(200)
+def test_a_stalled_worker_makes_the_others_time_out(
+    tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    out = str(tmp_path / "run")
+    monkeypatch.setenv(FAULT_ENV, "1:5:hang")
+    argv = ["train", "--algo", "localsgd", *BASE, "--collective-timeout", "2", "--out", out]
+    assert main(argv) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("lowcomm train: error: worker rank 0 failed: RuntimeError:"), line
+    assert "Timed out" in line
+
+
+def _failure(exitcode: int, timestamp: int = 0) -> Any:
+    return types.SimpleNamespace(
+        exitcode=exitcode,
+        timestamp=timestamp,
+        message="",
+        error_file_data={"message": ""},
+        signal_name=lambda: signal.Signals(-exitcode).name,
+    )
+
+
+def test_root_cause_prefers_a_real_error_then_a_silent_death(tmp_path: Any) -> None:
+    folder = str(tmp_path)
+
+    def record(rank: int, time: float, error: str, peer_lost: bool) -> None:
+        path = os.path.join(folder, f"failure-rank{rank}-attempt0.json")
+        with open(path, "w") as f:
+            json.dump(
+                {
+                    "rank": rank,
+                    "time": time,
+                    "attempt": 0,
+                    "error": error,
+                    "peer_lost": peer_lost,
+                    "traceback": "Traceback ...",
+                },
+                f,
+            )
+
+    lost = "RuntimeError: Connection closed by peer"
+    record(0, 1.0, lost, True)
+    failures = {0: _failure(1), 1: _failure(-signal.SIGKILL)}
+    # every record is a lost peer: the worker that died without one is the cause
+    rank, error, _ = launcher._final_failure(failures, folder, attempt=0)
+    assert (rank, error) == (1, "killed by signal 9 (SIGKILL)")
+    # a worker's own error wins, even a later one
+    record(2, 2.0, "ValueError: bad batch", False)
+    rank, error, text = launcher._final_failure(failures, folder, attempt=0)
+    assert (rank, error, text) == (2, "ValueError: bad batch", "Traceback ...")
+    # records of an earlier attempt of the group do not count
+    assert launcher._final_failure(failures, folder, attempt=1)[:2] == (0, "exited with code 1")
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
+def test_the_rendezvous_store_listens_on_loopback_only() -> None:
+    with launcher._loopback_rendezvous_store() as port:
+        assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1, and nothing else
+    assert _listening_addresses(port) == []

@@ -1,0 +1,273 @@
+"""Checkpoints and exact resume of `lowcomm train`.
+
+A run whose worker is really killed (SIGKILL, through the test-only fault hook) at some step and
+that is then resumed from its latest complete checkpoint ends bit-identical to an uninterrupted
+run: every rank's full state at the last step (model, inner optimizer, algorithm state with its
+anchors and in-flight results, RNG states), rank 0's final model, and the metrics. One
+uninterrupted run per algorithm is shared by its cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from lowcomm.cli import main
+from lowcomm.train import checkpoint as ckpt
+from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.loop import FAULT_ENV
+
+# 12 steps, rounds of 4 (boundaries 4, 8, 12); dropout so that the global RNG matters.
+BASE = [
+    "--steps", "12", "--sync-every", "4", "--eval-every", "4", "--eval-batches", "1",
+    "--batch-size", "2", "--block-size", "16", "--n-layer", "2", "--n-head", "2",
+    "--n-embd", "32", "--warmup", "2", "--workers", "2", "--log-every", "2",
+    "--dropout", "0.1", "--quiet",
+]  # fmt: skip
+ALGO_ARGS = {
+    "co2": [],
+    "co2-eager": [],
+    "diloco": [],
+    "slowmo": [],
+    "localsgd": [],
+    # 2 fragments, a sync point every 2 steps, each all-reduce launched 1 step early (odd steps)
+    "streaming": ["--num-fragments", "2", "--overlap", "1"],
+    "cocodc": ["--num-fragments", "2", "--overlap", "1"],
+    "ddp": [],
+}
+REFERENCE_EVERY = 3  # the uninterrupted runs checkpoint at 3, 6, 9, 12
+
+# (algo, checkpoint_every, rank killed, step killed at): the run resumes from the last multiple
+# of checkpoint_every before the kill.
+CASES = [
+    # mid-round; the checkpoint of step 9 holds round 2's all-reduce, completed, not applied
+    pytest.param("co2", 3, 1, 10, id="co2-mid-round"),
+    # right after round 2's all-reduce was launched (in flight); resumes from step 4
+    pytest.param("co2", 4, 1, 8, id="co2-all-reduce-in-flight"),
+    pytest.param("co2-eager", 3, 1, 7, id="co2-eager"),
+    pytest.param("diloco", 3, 0, 10, id="diloco-rank0-dies"),
+    pytest.param("slowmo", 3, 1, 11, id="slowmo"),
+    pytest.param("localsgd", 3, 1, 5, id="localsgd"),
+    # resumes from step 9, where fragment 0's all-reduce (launched at step 9) is in flight
+    pytest.param("streaming", 3, 1, 10, id="streaming-overlap-1"),
+    pytest.param("cocodc", 3, 1, 5, id="cocodc"),
+    pytest.param("ddp", 3, 1, 8, id="ddp"),
+]
+
+
+def _argv(algo: str, out: str, *extra: str) -> list[str]:
+    return ["train", "--algo", algo, *BASE, *ALGO_ARGS[algo], "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: Any) -> Callable[[str], str]:
+    """The uninterrupted run of an algorithm (made once per module), by algorithm."""
+    runs: dict[str, str] = {}
+
+    def get(algo: str) -> str:
+        if algo not in runs:
+            out = str(tmp_path_factory.mktemp("reference") / algo)
+            assert main(_argv(algo, out, "--checkpoint-every", str(REFERENCE_EVERY))) == 0
+            runs[algo] = out
+        return runs[algo]
+
+    return get
+
+
+def assert_identical(a: Any, b: Any, where: str = "") -> None:
+    """Bitwise equality of nested checkpoint contents (tensors: dtype, shape and every bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(_bytes(a), _bytes(b)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys(), b)
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)  # NaN equals NaN here
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _rank_state(out: str, step: int, rank: int) -> dict[str, Any]:
+    path = os.path.join(out, ckpt.CHECKPOINTS, f"step-{step:06d}", f"rank-{rank}.pt")
+    state = torch.load(path, weights_only=True)
+    # wall-clock times and blocked time are measurements, not state
+    state.pop("comm_stats")
+    state.pop("progress")
+    return state
+
+
+def _records(out: str) -> list[dict[str, Any]]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _numbers(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What must not change: the loss records' values, the validation losses, the rounds."""
+    out: list[tuple[Any, ...]] = []
+    for r in records:
+        if r["kind"] == "step":
+            out.append(("step", r["step"], r["steps"], r["loss"], r["lr"], r["tokens"]))
+        elif r["kind"] == "eval":
+            out.append(("eval", r["step"], r["val_loss"], r["rounds"], r["payload_bytes"]))
+    return out
+
+
+def assert_same_run(reference: str, out: str, *, resumed_at: list[int]) -> None:
+    """``out`` ended exactly as ``reference``: every rank's state at the last step, rank 0's
+    final model and algorithm state, and the metrics; it resumed at ``resumed_at``."""
+    for rank in range(2):
+        assert_identical(_rank_state(reference, 12, rank), _rank_state(out, 12, rank), f"r{rank}")
+    final_ref = torch.load(os.path.join(reference, "checkpoint.pt"), weights_only=True)
+    final = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+    assert_identical(final_ref["model"], final["model"], "final.model")
+    assert_identical(final_ref["algorithm"], final["algorithm"], "final.algorithm")
+    records = _records(out)
+    assert _numbers(records) == _numbers(_records(reference))
+    steps = [r for r in records if r["kind"] == "step"]
+    assert sum(r["steps"] for r in steps) == 12  # every step in exactly one record
+    resumes = [r for r in records if r["kind"] == "resume"]
+    assert [r["step"] for r in resumes] == resumed_at
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["resumed_at"] == resumed_at
+    with open(os.path.join(reference, "summary.json")) as f:
+        summary_ref = json.load(f)
+    for key in ("val_loss_initial", "val_loss_final", "tokens"):
+        assert summary[key] == summary_ref[key], key
+    # the communication counters continue across the resume
+    assert summary["comm_mean"]["payload_bytes"] == summary_ref["comm_mean"]["payload_bytes"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("algo", "every", "rank", "step"), CASES)
+def test_killed_and_resumed_run_is_bit_identical(
+    algo: str,
+    every: int,
+    rank: int,
+    step: int,
+    reference: Callable[[str], str],
+    tmp_path: Any,
+    monkeypatch: Any,
+    capsys: Any,
+) -> None:
+    ref = reference(algo)
+    out = str(tmp_path / "run")
+    argv = _argv(algo, out, "--checkpoint-every", str(every))
+    capsys.readouterr()
+    monkeypatch.setenv(FAULT_ENV, f"{rank}:{step}")
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err[-1] == f"lowcomm train: error: worker rank {rank} failed: killed by signal 9 (SIGKILL)"
+    )
+    start = (step - 1) // every * every
+    assert [s for s, _ in ckpt.complete_checkpoints(out)][-1] == start
+    monkeypatch.delenv(FAULT_ENV)
+    assert main([*argv, "--resume"]) == 0
+    assert_same_run(ref, out, resumed_at=[start])
+    # the last keep_checkpoints (3) complete checkpoints are kept, no partial one is left
+    names = sorted(os.listdir(os.path.join(out, ckpt.CHECKPOINTS)))
+    assert names == [f"step-{s:06d}" for s in range(12 - 2 * every, 13, every)]
+
+
+# --- refusals: no worker is started -----------------------------------------------------------
+
+
+def _one_error_line(capsys: Any) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.timeout(240)
+def test_resume_refuses_other_settings_naming_the_difference(
+    reference: Callable[[str], str], capsys: Any, tmp_path: Any
+) -> None:
+    ref = reference("co2")
+    step9 = os.path.join(ref, ckpt.CHECKPOINTS, "step-000009")
+    cases = [
+        (["--n-embd", "64"], "was written with n_embd=32 but this run has n_embd=64"),
+        (["--algo", "diloco"], "was written with algo='co2' but this run has algo='diloco'"),
+        (["--outer-lr", "0.7"], "was written with outer_lr=None but this run has outer_lr=0.7"),
+        (["--seed", "1"], "was written with seed=0 but this run has seed=1"),
+        (["--workers", "3"], "was written by 2 workers but this run has 3"),
+    ]
+    for extra, expected in cases:
+        assert main([*_argv("co2", ref), *extra, "--resume", step9]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"lowcomm train: error: --resume checkpoint {step9!r}"), line
+        assert expected in line, line
+    # what only changes reporting may differ
+    cfg = TrainConfig(**{**_config(ref), "eval_every": 8, "log_every": 3, "quiet": False})
+    assert ckpt.config_difference(_config(ref), cfg) is None
+    # a run folder, its checkpoints folder and a step folder all resolve; the latest is 12
+    latest = os.path.join(ref, ckpt.CHECKPOINTS, "step-000012")
+    assert ckpt.find_checkpoint(ref, None) == latest
+    assert ckpt.find_checkpoint(os.path.join(ref, ckpt.CHECKPOINTS), None) == latest
+    assert ckpt.find_checkpoint(ckpt.LATEST, ref) == latest
+    assert ckpt.find_checkpoint(step9, None) == step9
+    # no checkpoint, or resume with overwrite
+    empty = str(tmp_path / "empty")
+    assert main([*_argv("co2", empty), "--resume"]) == 2
+    assert "--resume found no complete checkpoint in" in _one_error_line(capsys)
+    assert main([*_argv("co2", empty), "--resume", "--overwrite"]) == 2
+    assert "--resume cannot be combined with overwrite" in _one_error_line(capsys)
+    assert main(["train", "--resume"]) == 2
+    assert "--resume without a path needs out (--out)" in _one_error_line(capsys)
+
+
+def _config(run: str) -> dict[str, Any]:
+    with open(os.path.join(run, "config.json")) as f:
+        values = json.load(f)
+    values.pop("resolved")
+    return values
+
+
+def test_resume_path_gives_the_run_folder() -> None:
+    cfg = TrainConfig(resume="runs/co2-x/checkpoints/step-000120").with_paths()
+    assert (cfg.out, cfg.name) == (os.path.join("runs", "co2-x"), "co2-x")
+    assert ckpt.run_folder_of("runs/a/checkpoints") == os.path.join("runs", "a")
+    assert ckpt.run_folder_of("runs/a/") == os.path.join("runs", "a")
+    assert TrainConfig(resume="latest", out="x").with_paths().out == "x"
+    with pytest.raises(ConfigError, match="needs out"):
+        TrainConfig(resume="latest").with_paths()
+
+
+def test_only_complete_checkpoints_count(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    root = tmp_path / ckpt.CHECKPOINTS
+    for step, complete in ((3, True), (6, True), (9, False)):
+        folder = root / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "rank-0.pt").write_bytes(b"")
+        if complete:
+            (folder / ckpt.MANIFEST).write_text("{}")
+    (root / ".step-000012.partial").mkdir()
+    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [3, 6]
+    assert ckpt.find_checkpoint(ckpt.LATEST, out) == str(root / "step-000006")
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        ckpt.find_checkpoint(str(root / "step-000009"), None)
+    ckpt.discard_after(out, 3)
+    assert sorted(os.listdir(root)) == ["step-000003", "step-000009"]  # incomplete: not a step
+
+
+def test_metrics_are_cut_back_to_the_checkpoint(tmp_path: Any) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"kind": "eval", "step": 0}, {"kind": "step", "step": 2}, {"kind": "step", "step": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "st')
+    ckpt.truncate_metrics(str(path), 3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
