@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -79,7 +80,8 @@ class Cell:
     def id(self) -> str:
         link = str(self.link).replace(":", "-")
         suffix = f"-{self.shaping}" if self.role == "validation" else ""
-        return f"{self.algo}-{link}-w{self.workers}{suffix}"
+        algo = re.sub(r"[^A-Za-z0-9_.+=-]", "-", self.algo)
+        return f"{algo}-{link}-w{self.workers}{suffix}"
 
 
 @dataclass
@@ -88,7 +90,8 @@ class BenchSpec:
 
     Attributes:
         algos: ``lowcomm train --algo`` values for the matrix (not ``none``: the ceiling is
-            measured inside every cell).
+            measured inside every cell), each optionally with ``+COMPRESSION`` (``co2+int4``,
+            ``ddp+powersgd:4``: ``lowcomm train --compression``).
         links: link profiles or ``RATE:LATENCY`` values.
         workers: worker counts.
         steps: inner steps per worker in every cell.
@@ -166,10 +169,16 @@ class BenchSpec:
         choices = [a for a in ALGORITHM_CHOICES if a != "none"]
         for key in ("algos", "real_algos", "overhead_algos"):
             for algo in getattr(self, key):
-                if algo not in choices:
+                base, plus, codec = algo.partition("+")
+                if base not in choices:
                     raise ValueError(
-                        f"{key}: unknown algorithm {algo!r}; choose from {', '.join(choices)} "
-                        "(the no-sync ceiling is measured inside every cell)"
+                        f"{key}: unknown algorithm {base!r}; choose from {', '.join(choices)} "
+                        "(the no-sync ceiling is measured inside every cell), optionally with "
+                        "+COMPRESSION such as co2+int4"
+                    )
+                if plus and not codec:
+                    raise ValueError(
+                        f"{key}: {algo!r} names no compression after '+'; e.g. co2+int4"
                     )
         for algo in self.overhead_algos:
             if algo == "ddp":
@@ -226,7 +235,7 @@ class BenchSpec:
 
         values: dict[str, Any] = {
             **self.train_overrides,
-            "algo": cell.algo,
+            **_algo_fields(cell.algo),
             "workers": cell.workers,
             "steps": self.steps,
             "sync_every": self.sync_every,
@@ -241,6 +250,12 @@ class BenchSpec:
             "quiet": True,
         }
         return config_from_dict(values, source="bench").with_paths()
+
+
+def _algo_fields(algo: str) -> dict[str, Any]:
+    """``"co2+int4"`` -> ``{"algo": "co2", "compression": "int4"}``."""
+    base, _, codec = algo.partition("+")
+    return {"algo": base, "compression": codec} if codec else {"algo": base}
 
 
 def interpolate_time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:

@@ -95,8 +95,10 @@ def _measure_one(
     from lowcomm.train.config import config_from_dict
     from lowcomm.train.loop import _inner_optimizer
 
+    base, _, codec = algo_name.partition("+")
+    fields: dict[str, Any] = {"algo": base, "compression": codec} if codec else {"algo": base}
     cfg = config_from_dict(
-        {**overrides, "algo": algo_name, "sync_every": sync_every, "seed": seed}, source="bench"
+        {**overrides, **fields, "sync_every": sync_every, "seed": seed}, source="bench"
     )
     corpus = load_corpus(cfg.data)
 
