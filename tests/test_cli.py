@@ -463,3 +463,27 @@ def test_ceiling_steps_measure_in_the_same_processes_without_touching_training(
     a = torch.load(os.path.join(plain, "checkpoint.pt"), weights_only=True)["model"]
     b = torch.load(os.path.join(with_ceiling, "checkpoint.pt"), weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(240)
+def test_compression_flag_shrinks_the_bytes_of_co2_and_ddp(tmp_path: Any, capsys: Any) -> None:
+    payload = {}
+    for algo, spec in (("co2", None), ("co2", "int4"), ("ddp", None), ("ddp", "powersgd:2")):
+        out = str(tmp_path / f"{algo}-{spec}")
+        argv = ["train", "--algo", algo, *TINY, "--out", out]
+        assert main(argv + (["--compression", spec] if spec else [])) == 0
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+        assert summary["compression"] == spec
+        payload[algo, spec] = summary["comm_mean"]["payload_bytes"]
+    assert "compression       int4" in capsys.readouterr().out
+    # int4 of a tiny model: packed codes plus a scale per block; raw 1-D tensors stay fp32
+    assert payload["co2", "int4"] < payload["co2", None] / 3
+    assert payload["ddp", "powersgd:2"] < payload["ddp", None] / 2
+    assert (
+        main(
+            ["train", "--algo", "ddp", *TINY, "--compression", "int9", "--out", str(tmp_path / "x")]
+        )
+        == 2
+    )
+    assert "--compression is not usable: unknown compression 'int9'" in capsys.readouterr().err

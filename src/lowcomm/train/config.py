@@ -73,12 +73,28 @@ ALGORITHM_CHOICES = (
 )
 """Values of ``--algo``; ``ddp`` is the synchronous DistributedDataParallel baseline."""
 
-_CO2_KEYS = ("outer_lr", "outer_momentum", "nesterov", "clip", "clip_mode", "gap_penalty")
+_CO2_KEYS = (
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "clip",
+    "clip_mode",
+    "gap_penalty",
+    "compression",
+)
 OUTER_KEYS: dict[str, tuple[str, ...]] = {
     "co2": _CO2_KEYS,
     "co2-eager": _CO2_KEYS,
-    "diloco": ("outer_lr", "outer_momentum", "nesterov"),
-    "streaming": ("outer_lr", "outer_momentum", "nesterov", "num_fragments", "overlap", "mix"),
+    "diloco": ("outer_lr", "outer_momentum", "nesterov", "compression"),
+    "streaming": (
+        "outer_lr",
+        "outer_momentum",
+        "nesterov",
+        "num_fragments",
+        "overlap",
+        "mix",
+        "compression",
+    ),
     "cocodc": (
         "outer_lr",
         "outer_momentum",
@@ -88,10 +104,11 @@ OUTER_KEYS: dict[str, tuple[str, ...]] = {
         "lambda0",
         "adaptive",
         "max_wait",
+        "compression",
     ),
     "localsgd": (),
-    "slowmo": ("outer_lr", "outer_momentum"),
-    "ddp": (),
+    "slowmo": ("outer_lr", "outer_momentum", "compression"),
+    "ddp": ("compression",),
     "none": (),
 }
 """The outer-loop keywords each algorithm takes (besides ``sync_every`` and ``bucket_cap_mb``)."""
@@ -229,6 +246,10 @@ class TrainConfig:
     """cocodc: pick fragments by all-reduced priority (default) or round-robin (--no-adaptive)."""
     max_wait: int | None = None
     """cocodc: most rounds a fragment may wait before it is synced (default 2)."""
+    compression: str | None = None
+    """Compress what is communicated, with error feedback: pseudo-gradients (co2, co2-eager,
+    diloco, slowmo, streaming, cocodc) or ddp's per-step gradients; a spec such as int4, int8:sr,
+    bf16, topk:0.01, powersgd:4 or lgreco:powersgd (unset: fp32)."""
 
     # --- evaluation and output -------------------------------------------------------------
     eval_every: int = 60
@@ -348,6 +369,13 @@ class TrainConfig:
         # Any other string is left for the algorithm to reject.
         if isinstance(self.clip, str) and self.clip.lower() == "none":
             self.clip = "none"
+        if self.algo == "ddp" and self.compression is not None:
+            from lowcomm.compress import parse_compression
+
+            try:
+                parse_compression(self.compression)
+            except ValueError as e:
+                raise ConfigError("compression", f"is not usable: {e}") from None
         if self.algo in NO_OUTER_ALGORITHM:
             return
         try:

@@ -383,15 +383,29 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     ceiling = _Ceiling(gpt, cfg, corpus, rank, device) if cfg.ceiling_steps else None
 
     algo = None
-    meter = None
+    meter: Any = None
+    ddp_compression: Any = None  # the compressed DDP hook's state (residuals), when used
     link = EmulatedLink.parse(cfg.link) if cfg.link is not None else None
     if cfg.algo == "ddp":
         ddp_kwargs: dict[str, Any] = {"bucket_cap_mb": cfg.bucket_cap_mb}
         if device.type == "cuda":
             ddp_kwargs["device_ids"] = [device.index]
-        model: nn.Module = nn.parallel.DistributedDataParallel(gpt, **ddp_kwargs)
-        meter = DDPCommMeter(link=link.model() if link is not None else None)
-        meter.register(model)  # type: ignore[arg-type]
+        ddp = nn.parallel.DistributedDataParallel(gpt, **ddp_kwargs)
+        model: nn.Module = ddp
+        if cfg.compression is not None:
+            from lowcomm.compress import ddp_hook
+
+            hook_state, hook = ddp_hook(
+                cfg.compression, process_group=link.communicator() if link is not None else None
+            )
+            ddp.register_comm_hook(hook_state, hook)
+            if state is not None and state.get("ddp_hook") is not None:
+                hook_state.load_state_dict(state["ddp_hook"])
+            ddp_compression = hook_state
+            meter = hook_state
+        else:
+            meter = DDPCommMeter(link=link.model() if link is not None else None)
+            meter.register(ddp)
         stats = meter.stats
     elif cfg.algo == "none":
         model = gpt  # the no-sync ceiling: every worker trains alone
@@ -459,6 +473,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             "optimizer": inner.state_dict(),
             # waits for in-flight all-reduces (not applying them) before the counters are read
             "algorithm": algo.state_dict() if algo is not None else None,
+            "ddp_hook": ddp_compression.state_dict() if ddp_compression is not None else None,
             "rng": _rng_state(gen, device),
             "comm_stats": dataclasses.asdict(stats),
             "progress": progress.state_dict() if progress is not None else None,
@@ -646,6 +661,9 @@ def _inject_fault(mode: str, rank: int, step: int, timeout_s: float) -> None:
     elif mode == "hang":
         time.sleep(10 * timeout_s)  # the peers time out long before; the launcher stops us
     raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
+
+
+_COMPRESSIBLE = ("co2", "co2-eager", "diloco", "slowmo", "streaming", "cocodc", "ddp")
 
 
 class _Ceiling:
@@ -924,6 +942,7 @@ def _summary(
         "steps": cfg.steps,
         "sync_every": {"ddp": 1, "none": None}.get(cfg.algo, cfg.sync_every),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
+        "compression": cfg.compression if cfg.algo in _COMPRESSIBLE else None,
         "parameters": n_params,
         "tokens": tokens,
         "wall_time_s": wall_s,

@@ -49,6 +49,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         ("algorithm", f"{algo} (sync {sync})"),
         ("workers", str(summary["workers"])),
         ("link", summary.get("link") or "real network"),
+        ("compression", summary.get("compression") or "none (fp32)"),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
         *_resume_rows(summary.get("resumed_at")),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
