@@ -52,7 +52,7 @@ def add_subcommand(subparsers: Any) -> None:
         "--quick",
         action="store_true",
         default=False,
-        help="the small matrix: ddp, co2, diloco on tcp-80g, 1gbit, 100mbit; 2 workers; 96 steps",
+        help="the small matrix: ddp, co2, diloco on 1gbit and 100mbit; 2 workers; 96 steps",
     )
     p.add_argument("--algos", type=_csv, metavar="A,B", help="algorithms (lowcomm train --algo)")
     p.add_argument("--links", type=_csv, metavar="L,M", help="link profiles or RATE:LATENCY values")
