@@ -63,6 +63,14 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N")
     p.add_argument("--eval-batches", dest="eval_batches", type=int, metavar="N")
     p.add_argument(
+        "--ceiling-steps",
+        dest="ceiling_steps",
+        type=int,
+        metavar="N",
+        help="no-sync steps each cell times in its own processes, half before training and "
+        "half after (default 24; --quick 16)",
+    )
+    p.add_argument(
         "--target-loss",
         dest="target_loss",
         type=float,
