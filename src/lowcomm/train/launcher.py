@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import traceback
 import uuid
@@ -41,7 +40,13 @@ import torch
 
 from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.loop import attempt, error_line, resolve_backend, run_worker
+from lowcomm.train.loop import (
+    attempt,
+    error_line,
+    host_loopback_store,
+    resolve_backend,
+    run_worker,
+)
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
 
 __all__ = ["WorkerFailed", "check_environment", "launch", "prepare_output", "under_torchrun"]
@@ -167,24 +172,8 @@ def _loopback_rendezvous_store() -> Iterator[int]:
     server already running on that port in this process: this one, listening on loopback only
     (the store it would create itself listens on every interface).
     """
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = int(listener.getsockname()[1])
-        store = torch.distributed.TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            multi_tenant=True,
-            wait_for_workers=False,
-            master_listen_fd=listener.fileno(),
-        )
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()  # the store's server owns the socket now and closes it
+    store = host_loopback_store(0, multi_tenant=True)
+    port = int(store.port)
     try:
         yield port
     finally:

@@ -258,6 +258,12 @@ def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
     port = int(os.environ["MASTER_PORT"])
     if rank != 0:
         return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    return host_loopback_store(port, timeout=timeout)
+
+
+def host_loopback_store(port: int, **kwargs: Any) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on 127.0.0.1 only, at ``port`` (0: a free port; read it
+    back from ``store.port``). ``kwargs`` go to ``TCPStore`` (``timeout``, ``multi_tenant``)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -265,11 +271,11 @@ def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
         listener.listen(128)
         store = dist.TCPStore(
             "127.0.0.1",
-            port,
+            int(listener.getsockname()[1]),
             is_master=True,
-            timeout=timeout,
             wait_for_workers=False,
             master_listen_fd=listener.fileno(),
+            **kwargs,
         )
     except BaseException:
         listener.close()
