@@ -91,9 +91,8 @@ def _measure_one(
     algo_name: str, rounds: int, sync_every: int, seed: int, overrides: dict[str, Any]
 ) -> dict[str, Any]:
     from lowcomm.data import get_batch, load_corpus, make_generator
-    from lowcomm.models.gpt import GPT, GPTConfig
     from lowcomm.train.config import config_from_dict
-    from lowcomm.train.loop import _inner_optimizer
+    from lowcomm.train.loop import _inner_optimizer, build_gpt
 
     base, _, codec = algo_name.partition("+")
     fields: dict[str, Any] = {"algo": base, "compression": codec} if codec else {"algo": base}
@@ -104,16 +103,7 @@ def _measure_one(
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
-        model = GPT(
-            GPTConfig(
-                vocab_size=corpus.vocab_size,
-                block_size=cfg.block_size,
-                n_layer=cfg.n_layer,
-                n_head=cfg.n_head,
-                n_embd=cfg.n_embd,
-                dropout=cfg.dropout,
-            )
-        )
+        model = build_gpt(cfg, corpus.vocab_size)
         return model, _inner_optimizer(model, cfg)
 
     bare_model, bare_opt = build()

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.link import EmulatedLink
+from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.metrics import (
@@ -284,6 +285,21 @@ def host_loopback_store(port: int, **kwargs: Any) -> dist.TCPStore:
     return store
 
 
+def build_gpt(cfg: TrainConfig, vocab_size: int) -> GPT:
+    """The job's GPT for ``cfg`` (seed the torch RNG first for a reproducible initialisation)."""
+
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            block_size=cfg.block_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            dropout=cfg.dropout,
+        )
+    )
+
+
 def _inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     # nanoGPT's grouping: decay weight matrices and embeddings, not biases or LayerNorm gains.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -348,7 +364,6 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     """
     from lowcomm.comm import CommStats, DDPCommMeter
     from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
-    from lowcomm.models.gpt import GPT, GPTConfig
     from lowcomm.outer import StreamingDiLoCo
 
     assert cfg.out is not None and cfg.name is not None, "call TrainConfig.with_paths() first"
@@ -371,16 +386,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
 
     corpus = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
-    gpt = GPT(
-        GPTConfig(
-            vocab_size=corpus.vocab_size,
-            block_size=cfg.block_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-            dropout=cfg.dropout,
-        )
-    ).to(device)
+    gpt = build_gpt(cfg, corpus.vocab_size).to(device)
     if state is not None:
         gpt.load_state_dict(state["model"])
     inner = _inner_optimizer(gpt, cfg)
