@@ -90,6 +90,27 @@ def test_a_stalled_worker_makes_the_others_time_out(
     assert "Timed out" in line
 
 
+@pytest.mark.timeout(300)
+def test_a_diverging_worker_is_skipped_or_stops_the_run(tmp_path: Any) -> None:
+    # rank 1's parameters turn NaN after step 5 (mid-round): CO2's round-2 average is skipped
+    skipped = str(tmp_path / "skip")
+    proc = _train(skipped, fault="1:5:nan")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(skipped, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["skipped_updates"] == 1
+    assert summary["val_loss_final"] < summary["val_loss_initial"]  # finite, and it learned
+    assert "update skipped alike on every rank (1 skipped so far)" in proc.stderr
+    # --nan-policy raise: every rank stops at that average, cleanly, with one line
+    raised = str(tmp_path / "raise")
+    proc = _train(raised, "--nan-policy", "raise", fault="1:5:nan")
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "failed: NonFiniteError: CO2: the averaged pseudo-gradient of round 2 holds NaN" in last
+    assert ABORT not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def _failure(exitcode: int, timestamp: int = 0) -> Any:
     return types.SimpleNamespace(
         exitcode=exitcode,

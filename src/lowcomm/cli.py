@@ -85,6 +85,7 @@ _METAVARS = {
     "lr_schedule": "{cosine,constant}",
     "clip": "PHI|none",
     "gap_penalty": "{gap_aware,none,LAMBDA}",
+    "nan_policy": "{skip,raise}",
     "data": "PATH",
     "out": "DIR",
     "resume": "PATH",

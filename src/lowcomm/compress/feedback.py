@@ -37,6 +37,7 @@ from lowcomm.compress.codecs import (
 )
 from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
+from lowcomm.guard import all_finite, zero_non_finite_
 
 __all__ = ["Compressor", "worker_generator"]
 
@@ -169,13 +170,12 @@ class Compressor:
 
     def record_contribution(self, i: int, m: torch.Tensor, contribution: torch.Tensor) -> None:
         """Error feedback for tensor ``i``: e ← M − C(M), C(M) this rank's decoded
-        contribution (called at encoding, or by PowerSGD's second phase)."""
+        contribution (called at encoding, or by PowerSGD's second phase). A NaN or Inf (a
+        diverged rank: the average that carries it is skipped) is not carried over: 0."""
         if self.error_feedback:
-            torch.sub(
-                m.reshape(self.shapes[i]),
-                contribution.reshape(self.shapes[i]),
-                out=self.residuals[i],
-            )
+            e = self.residuals[i]
+            torch.sub(m.reshape(self.shapes[i]), contribution.reshape(self.shapes[i]), out=e)
+            torch.nan_to_num_(e, nan=0.0, posinf=0.0, neginf=0.0)
 
     def _launch_gather(
         self,
@@ -282,6 +282,16 @@ class Compressor:
             sum(s[c] for s, c in zip(sizes, picks)),
             sum(s[d] for s in sizes),
         )
+
+    def drop_non_finite(self) -> int:
+        """After a non-finite average: zero the NaN/Inf values of the residuals and forget a
+        non-finite warm-start Q (the next launch starts from a fresh seeded one, alike on every
+        rank since Q is the mean). Returns how many tensors were affected."""
+        fixed = zero_non_finite_(self.residuals)
+        for i in [i for i, q in self.q.items() if not all_finite([q])]:
+            del self.q[i]
+            fixed += 1
+        return fixed
 
     # -- state -------------------------------------------------------------------------------
 

@@ -4,11 +4,29 @@ An algorithm is driven by :meth:`OuterAlgorithm.step`, called once after every i
 ``optimizer.step()``, which hands the step to the schedule :meth:`_on_step`: by default every
 ``sync_every`` (H) calls end a round with :meth:`_end_round`, which subclasses implement (the
 fragment methods replace the schedule itself). Subclasses also implement :meth:`_finish` (drain
-in-flight work) and extend :meth:`_extra_state` / :meth:`_load_extra_state`.
+in-flight work) and extend :meth:`_extra_state` / :meth:`_load_extra_state` and
+:meth:`_settings`.
+
+Two guards run in every algorithm (:mod:`lowcomm.guard`):
+
+* **Consistency at start.** At the first :meth:`~OuterAlgorithm.step` (or :meth:`finish`) every
+  rank compares, across the group, the model as it was when the algorithm was built (parameter
+  names, shapes, dtypes, a checksum of the values) and the algorithm's settings; a difference
+  fails on every rank with a ``ValueError`` naming the first one. After :meth:`load_state_dict`
+  the values are not compared (ranks resuming mid-round legitimately differ), the rest is.
+  ``check_consistency=False`` turns it off.
+* **Numeric guard.** A NaN or Inf in the averaged pseudo-gradient (identical on every rank, so
+  every rank decides alike without another collective) skips that outer update: the anchor and
+  the outer optimizer state stay as they were, the skip is counted (``skipped_updates``) and
+  logged, and every rank zeroes the non-finite values of its own inner-optimizer state and
+  error-feedback residuals and goes back to the anchor, so that the rank that diverged can
+  recover. A rank that finds its own pseudo-gradient non-finite when it launches it does the
+  same at once. ``nan_policy="raise"`` raises :class:`~lowcomm.guard.NonFiniteError` instead.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import warnings
@@ -24,12 +42,25 @@ from torch.utils.hooks import RemovableHandle
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets, Handle
 from lowcomm.compress.codecs import Codec, parse_compression
+from lowcomm.compress.feedback import Compressor
 from lowcomm.compress.lgreco import LGreCo
+from lowcomm.guard import (
+    NAN_POLICIES,
+    Description,
+    NonFiniteError,
+    all_finite,
+    check_same_across_ranks,
+    describe_tensors,
+    optimizer_state_tensors,
+    zero_non_finite_,
+)
 
 Compression = Codec | LGreCo | str | None
 """What ``compression=`` accepts: a codec, an L-GreCo setting, a spec string or ``None``."""
 
 __all__ = ["OuterAlgorithm"]
+
+logger = logging.getLogger(__name__)
 
 
 def _check_positive_int(name: str, value: Any, example: int) -> None:
@@ -65,7 +96,17 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 class OuterAlgorithm:
-    """Base class: see the module docstring. Not used directly."""
+    """Base class: see the module docstring. Not used directly.
+
+    Every algorithm takes these two keywords besides its own:
+
+    Args:
+        nan_policy: ``"skip"`` (default) drops an outer update whose averaged pseudo-gradient
+            holds NaN or Inf, alike on every rank, and counts it in ``skipped_updates``;
+            ``"raise"`` raises :class:`~lowcomm.guard.NonFiniteError` on every rank instead.
+        check_consistency: compare the model and settings across ranks at the first step and
+            fail on every rank naming the first difference (default True).
+    """
 
     name: ClassVar[str] = "outer"
 
@@ -77,8 +118,12 @@ class OuterAlgorithm:
         sync_every: int,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
-        self.params = self._collect_params(model_or_params)
+        OuterAlgorithm.validate(nan_policy=nan_policy, check_consistency=check_consistency)
+        named = self._collect_params(model_or_params)
+        self.params = [p for _, p in named]
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(
                 f"inner_optimizer must be a torch.optim.Optimizer, got "
@@ -101,6 +146,13 @@ class OuterAlgorithm:
         self._profile_tag = f"lowcomm::{self.name}"
         # two-phase compressed collectives (PowerSGD) and the inner step to advance them at
         self._to_advance: list[tuple[int, Handle]] = []
+        self.nan_policy = nan_policy
+        self.skipped_updates = 0
+        """Outer updates skipped because their averaged pseudo-gradient held NaN or Inf."""
+        # The model as built, compared across ranks at the first step (values hashed now).
+        self._unchecked: Description | None = (
+            describe_tensors((n, p) for n, p in named) if check_consistency else None
+        )
 
     # -- argument checks ---------------------------------------------------------------------
 
@@ -114,12 +166,22 @@ class OuterAlgorithm:
             _check_positive_float("bucket_cap_mb", kwargs["bucket_cap_mb"], 25.0)
         if kwargs.get("compression") is not None:
             parse_compression(kwargs["compression"])  # raises ValueError naming the fix
+        if "nan_policy" in kwargs and kwargs["nan_policy"] not in NAN_POLICIES:
+            raise ValueError(
+                f"nan_policy must be 'skip' or 'raise', got {kwargs['nan_policy']!r}; 'skip' "
+                "drops an outer update whose average holds NaN/Inf, 'raise' stops the run"
+            )
+        if "check_consistency" in kwargs:
+            _check_bool("check_consistency", kwargs["check_consistency"])
 
     @staticmethod
-    def _collect_params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        params: list[torch.Tensor]
+    def _collect_params(
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The trainable parameters with their names (``params[i]`` when not from a module)."""
+        named: list[tuple[str, torch.Tensor]]
         if isinstance(model_or_params, nn.Module):
-            params = [p for p in model_or_params.parameters() if p.requires_grad]
+            named = [(n, p) for n, p in model_or_params.named_parameters() if p.requires_grad]
         elif isinstance(model_or_params, torch.Tensor):
             raise ValueError(
                 "model_or_params must be an nn.Module or an iterable of parameters, got a single "
@@ -127,16 +189,19 @@ class OuterAlgorithm:
             )
         else:
             try:
-                params = [p for p in model_or_params if p.requires_grad]
+                named = [
+                    (f"params[{i}]", p) for i, p in enumerate(model_or_params) if p.requires_grad
+                ]
             except TypeError as e:
                 raise ValueError(
                     f"model_or_params must be an nn.Module or an iterable of parameters, got "
                     f"{type(model_or_params).__name__}"
                 ) from e
-        if not params:
+        if not named:
             raise ValueError(
                 "no trainable parameters: model_or_params has no tensor with requires_grad=True"
             )
+        params = [p for _, p in named]
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(
@@ -145,7 +210,7 @@ class OuterAlgorithm:
             )
         if any(not p.is_floating_point() for p in params):
             raise ValueError("all trainable parameters must be floating point")
-        return params
+        return named
 
     def _new_buckets(self) -> FlatBuckets:
         return FlatBuckets.for_tensors(self.params, bucket_cap_mb=self.bucket_cap_mb)
@@ -166,6 +231,8 @@ class OuterAlgorithm:
 
     def step(self) -> None:
         """Call once after every inner ``optimizer.step()``; ends a round every H calls."""
+        if self._unchecked is not None:
+            self._check_consistency()
         self.local_step += 1
         with torch.no_grad():
             if self._to_advance:
@@ -193,8 +260,96 @@ class OuterAlgorithm:
                 f"sync_every={self.sync_every} to keep them",
                 stacklevel=2,
             )
+        if self._unchecked is not None:
+            self._check_consistency()
         with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
             self._finish()
+
+    # -- guards ------------------------------------------------------------------------------
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings every rank must share, compared at start (subclasses extend it)."""
+        return {
+            "algorithm": self.name,
+            "sync_every": self.sync_every,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "nan_policy": self.nan_policy,
+            **optimizer_settings("inner optimizer", self.inner),
+        }
+
+    def _check_consistency(self) -> None:
+        """Fail on every rank unless all hold the same model and settings (see the module
+        docstring); runs once."""
+        model, self._unchecked = self._unchecked, None
+        assert model is not None
+        settings = [(f"setting {k}", repr(v)) for k, v in self._settings().items()]
+        check_same_across_ranks(
+            model + settings,
+            what=f"{type(self).__name__} inputs",
+            hint=(
+                "every rank must build the same model from the same seed (or load the same "
+                "weights) and pass the same settings, before training starts"
+            ),
+            process_group=self.comm.group,
+        )
+
+    def _guard(self, average: Sequence[torch.Tensor], what: str) -> bool:
+        """Whether ``average`` (an all-reduced pseudo-gradient, bit-identical on every rank) is
+        finite. If not: count it, then raise (``nan_policy="raise"``) or log, recover this rank
+        (:meth:`_recover_local`) and return False: the caller skips its outer update."""
+        if all_finite(average):
+            return True
+        self.skipped_updates += 1
+        message = (
+            f"{type(self).__name__}: the averaged pseudo-gradient of {what} holds NaN or Inf "
+            f"(inner step {self.local_step}, rank {self.comm.rank})"
+        )
+        if self.nan_policy == "raise":
+            # every rank raises here alike: finish what is in flight so that no rank leaves a
+            # collective half done (its peers would wait, and its process abort at exit)
+            self._drain()
+            raise NonFiniteError(
+                f"{message}; a worker diverged (lower the learning rate, check the data), or "
+                "use nan_policy='skip' to drop such updates"
+            )
+        fixed = self._recover_local()
+        logger.warning(
+            "%s: update skipped alike on every rank (%d skipped so far)%s",
+            message,
+            self.skipped_updates,
+            f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
+        )
+        return False
+
+    def _check_own(self, delta: Sequence[torch.Tensor]) -> bool:
+        """At launch: whether this rank's own pseudo-gradient is finite. If not, this rank
+        diverged: log it and recover its local state now, so that it trains correctly from
+        the anchor while the poisoned average is on its way (every rank will skip it)."""
+        if all_finite(delta):
+            return True
+        fixed = self._recover_local()
+        logger.warning(
+            "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
+            "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
+            type(self).__name__,
+            self.comm.rank,
+            self.local_step,
+            fixed,
+        )
+        return False
+
+    def _recover_local(self) -> int:
+        """Zero the non-finite values of this rank's inner-optimizer state and error-feedback
+        residuals; returns how many tensors had any. Subclasses also reset parameters."""
+        fixed = zero_non_finite_(optimizer_state_tensors(self.inner))
+        return fixed + sum(c.drop_non_finite() for c in self._compressors())
+
+    def _compressors(self) -> list[Compressor]:
+        """This rank's error-feedback compressors (none without compression)."""
+        return []
+
+    def _drain(self) -> None:
+        """Wait for every collective in flight (not applying it): before raising alike."""
 
     def _schedule_advance(self, handle: Handle, window: int) -> None:
         """Advance ``handle``'s second phase (PowerSGD's Q all-reduce) halfway through the
@@ -257,6 +412,7 @@ class OuterAlgorithm:
             "world_size": self.world_size,
             "local_step": self.local_step,
             "rounds": self.rounds,
+            "skipped_updates": self.skipped_updates,
         }
         state.update(self._extra_state())
         return state
@@ -280,6 +436,10 @@ class OuterAlgorithm:
         # counters last: a state_dict refused half-way leaves them as they were
         self.local_step = int(state["local_step"])
         self.rounds = int(state["rounds"])
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        if self._unchecked is not None:
+            # ranks resuming mid-round hold different values: compare the rest only
+            self._unchecked = [e for e in self._unchecked if not e[0].startswith("values of")]
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -303,6 +463,18 @@ class OuterAlgorithm:
                     f"has shape {tuple(d.shape)}; load it into the same model"
                 )
         torch._foreach_copy_(list(into), [s.to(d.device) for s, d in zip(src, into)])
+
+
+def optimizer_settings(what: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's type and hyperparameters per group (not its parameters), for
+    :meth:`OuterAlgorithm._settings`."""
+    settings: dict[str, Any] = {what: type(optimizer).__name__}
+    for i, group in enumerate(optimizer.param_groups):
+        settings[f"{what} group {i} size"] = len(group["params"])
+        for k, v in sorted(group.items()):
+            if k != "params":
+                settings[f"{what} group {i} {k}"] = v
+    return settings
 
 
 def clone_views(buckets: FlatBuckets) -> list[torch.Tensor]:

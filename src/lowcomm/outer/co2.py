@@ -93,6 +93,8 @@ class CO2(OuterAlgorithm):
             decoded at the end of round t + 1; PowerSGD's second all-reduce goes out H/2 inner
             steps after the first. Eager updates use this rank's decoded contribution as Δᵢ
             and need a single-phase codec (not PowerSGD).
+        nan_policy, check_consistency: the guards every algorithm has (see
+            :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
 
     name = "co2"
@@ -113,6 +115,8 @@ class CO2(OuterAlgorithm):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
         self.validate(
             sync_every=sync_every,
@@ -132,6 +136,8 @@ class CO2(OuterAlgorithm):
             sync_every=sync_every,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            nan_policy=nan_policy,
+            check_consistency=check_consistency,
         )
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -264,6 +270,7 @@ class CO2(OuterAlgorithm):
         self._send_next ^= 1
         with record_function(f"{self._profile_tag}::launch"):
             pseudo_gradient_(send.views, self.anchor.views, self.params)
+            own_ok = self._check_own(send.views)
             if self.compressor is not None:
                 # eager: this rank's decoded contribution is what the others will receive
                 own = self._own[idx] if self.eager else None
@@ -274,22 +281,45 @@ class CO2(OuterAlgorithm):
                     torch._foreach_copy_(self._own[idx].views, send.views)
                 handle = self.comm.all_reduce_mean_async(send.buffers)
         stale = self._wait_pending()
-        if self.eager:
-            self._outer_update(self._eager_delta(idx, stale))
-        elif stale is not None:
-            self._outer_update(stale[0])
         self._pending = (handle, idx)
+        if stale is None or self._guard(stale[0], f"round {self.rounds}"):
+            if self.eager:
+                # a non-finite own Δᵢ is left out here; next round every rank skips its average
+                self._outer_update(self._eager_delta(idx if own_ok else None, stale))
+            elif stale is not None:
+                self._outer_update(stale[0])
         self.anchor.copy_to(self.params)
 
     def _finish(self) -> None:
         stale = self._wait_pending()
         if stale is not None:
-            self._outer_update(self._eager_delta(None, stale) if self.eager else stale[0])
+            if self._guard(stale[0], f"round {self.rounds}"):
+                self._outer_update(self._eager_delta(None, stale) if self.eager else stale[0])
             if self.eager:
                 # Eager anchors differ a little across ranks (each applied its own fresh Δᵢ
                 # through the nonlinear momentum, clip and penalty): agree on their mean.
                 self.comm.all_reduce_mean(self.anchor.buffers)
         self.anchor.copy_to(self.params)
+
+    def _compressors(self) -> list[Compressor]:
+        return [] if self.compressor is None else [self.compressor]
+
+    def _drain(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            **super()._settings(),
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "nesterov": self.nesterov,
+            "clip": self.clip,
+            "clip_mode": self.clip_mode,
+            "gap_penalty": self.gap_penalty,
+            "eager": self.eager,
+            "compression": None if self.compression is None else self.compression.spec,
+        }
 
     def _extra_state(self) -> dict[str, Any]:
         pending = own = None

@@ -87,6 +87,8 @@ class CoCoDC(StreamingDiLoCo):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
         self.validate(lambda0=lambda0, adaptive=adaptive, max_wait=max_wait)
         super().__init__(
@@ -104,6 +106,8 @@ class CoCoDC(StreamingDiLoCo):
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
             compression=compression,
+            nan_policy=nan_policy,
+            check_consistency=check_consistency,
         )
         self.lambda0 = float(lambda0)
         self.adaptive = bool(adaptive)
@@ -164,6 +168,14 @@ class CoCoDC(StreamingDiLoCo):
         delay_compensation_(
             frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=self.lambda0
         )
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            **super()._settings(),
+            "lambda0": self.lambda0,
+            "adaptive": self.adaptive,
+            "max_wait": self.max_wait,
+        }
 
     def _extra_state(self) -> dict[str, Any]:
         state = super()._extra_state()

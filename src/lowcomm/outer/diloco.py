@@ -30,12 +30,14 @@ from torch.profiler import record_function
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, FlatBuckets
 from lowcomm.compress.codecs import parse_compression
+from lowcomm.compress.feedback import Compressor
 from lowcomm.outer.base import (
     Compression,
     OuterAlgorithm,
     _check_bool,
     _check_momentum,
     _check_positive_float,
+    optimizer_settings,
 )
 from lowcomm.outer.fragment import Fragment, OuterOptimizerFactory
 
@@ -60,6 +62,8 @@ class DiLoCo(OuterAlgorithm):
         compression: compress the pseudo-gradients, with error feedback on each rank: a codec
             of :mod:`lowcomm.compress` or a spec such as ``"int4"``, ``"topk:0.01"``,
             ``"powersgd:4"``, ``"lgreco:powersgd"`` (default ``None``: exact fp32 all-reduce).
+        nan_policy, check_consistency: the guards every algorithm has (see
+            :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
 
     name = "diloco"
@@ -78,6 +82,8 @@ class DiLoCo(OuterAlgorithm):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
         self.validate(
             sync_every=sync_every,
@@ -94,6 +100,8 @@ class DiLoCo(OuterAlgorithm):
             sync_every=sync_every,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            nan_policy=nan_policy,
+            check_consistency=check_consistency,
         )
         if outer_optimizer is None:
             outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
@@ -125,14 +133,27 @@ class DiLoCo(OuterAlgorithm):
 
     def _end_round(self) -> None:
         with record_function(f"{self._profile_tag}::sync"):
-            self.fragment.launch(self.comm)
+            self.fragment.launch(self.comm, self._check_own)
         with record_function(f"{self._profile_tag}::outer"):
-            self.fragment.outer_step(self._scale_outer_grads)
+            self.fragment.outer_step(
+                self._scale_outer_grads, lambda avg: self._guard(avg, f"round {self.rounds + 1}")
+            )
+            # skipped or not, every rank continues from the anchor
             self.anchor.copy_to(self.params)
 
     def _finish(self) -> None:
         # Rounds are blocking; only a partial round's local progress remains, and it is dropped.
         self.anchor.copy_to(self.params)
+
+    def _compressors(self) -> list[Compressor]:
+        return [] if self.fragment.compressor is None else [self.fragment.compressor]
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            **super()._settings(),
+            "compression": None if self.compression is None else self.compression.spec,
+            **optimizer_settings("outer optimizer", self.outer),
+        }
 
     def _extra_state(self) -> dict[str, Any]:
         return self.fragment.state_dict()
@@ -195,6 +216,8 @@ class SlowMo(DiLoCo):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
         super().__init__(
             model_or_params,
@@ -206,6 +229,8 @@ class SlowMo(DiLoCo):
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
             compression=compression,
+            nan_policy=nan_policy,
+            check_consistency=check_consistency,
         )
         self.slow_lr = float(outer_lr)
 

@@ -87,32 +87,42 @@ class Fragment:
     def numel(self) -> int:
         return self.anchor.numel
 
-    def launch(self, comm: Communicator) -> None:
-        """Δ ← A − θ into the Δ buffer and start its mean all-reduce (not waited for)."""
+    def launch(
+        self, comm: Communicator, check: Callable[[list[torch.Tensor]], object] | None = None
+    ) -> None:
+        """Δ ← A − θ into the Δ buffer and start its mean all-reduce (not waited for).
+        ``check(Δ)`` runs in between (the buffer is the collective's once launched)."""
         assert self.pending is None, "a fragment has at most one all-reduce in flight"
         pseudo_gradient_(self.delta.views, self.anchor.views, self.params)
+        if check is not None:
+            check(self.delta.views)
         if self.compressor is None:
             self.pending = comm.all_reduce_mean_async(self.delta.buffers)
         else:
             self.pending = comm.compressed_mean_async(self.delta, self.compressor)
 
     def outer_step(
-        self, scale: Callable[[list[torch.Tensor]], None] | None = None
-    ) -> list[torch.Tensor]:
-        """Wait for the all-reduce, optionally rescale Δ̄ in place, set ``A.grad = Δ̄`` and step
-        the outer optimizer: A ← Â. Returns Δ̄ (per-parameter views)."""
+        self,
+        scale: Callable[[list[torch.Tensor]], None] | None = None,
+        accept: Callable[[list[torch.Tensor]], bool] | None = None,
+    ) -> bool:
+        """Wait for the all-reduce, optionally rescale Δ̄ in place, then, unless ``accept(Δ̄)``
+        is False (the numeric guard), set ``A.grad = Δ̄`` and step the outer optimizer:
+        A ← Â. Returns whether the step was taken."""
         assert self.pending is not None, "outer_step() without a launched all-reduce"
         self.pending.wait()
         self.pending = None
         avg = self.delta.views
         if scale is not None:
             scale(avg)
+        if accept is not None and not accept(avg):
+            return False
         for a, d in zip(self.anchor.views, avg):
             a.grad = d
         self.outer.step()
         for a in self.anchor.views:
             a.grad = None
-        return avg
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """Anchor, outer optimizer and, if an all-reduce is in flight, its completed result."""

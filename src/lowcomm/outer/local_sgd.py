@@ -7,6 +7,12 @@ Paper: Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020
 Blocking: the round waits for its all-reduce. Buffers are not averaged. ``finish()`` averages
 once more if steps were taken since the last round.
 
+Numeric guard: LocalSGD keeps no anchor to fall back on. When the average holds NaN or Inf
+(``nan_policy="skip"``), the round is averaged again over the ranks whose own parameters are
+finite (one more all-reduce, only then), every rank takes that average, and the ranks that
+diverged zero the non-finite values of their inner-optimizer state. With no finite rank left
+the run stops with :class:`~lowcomm.guard.NonFiniteError` whatever the policy.
+
 Example::
 
     algo = lowcomm.LocalSGD(model, inner, sync_every=8)
@@ -19,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -29,9 +36,12 @@ from torch import nn
 from torch.profiler import record_function
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
+from lowcomm.guard import NonFiniteError
 from lowcomm.outer.base import OuterAlgorithm
 
 __all__ = ["LocalSGD"]
+
+logger = logging.getLogger(__name__)
 
 
 class LocalSGD(OuterAlgorithm):
@@ -43,6 +53,8 @@ class LocalSGD(OuterAlgorithm):
         sync_every: H, inner steps per round.
         process_group: the group to average over; ``None`` is WORLD.
         bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
+        nan_policy, check_consistency: the guards every algorithm has (see
+            :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
 
     name = "localsgd"
@@ -55,6 +67,8 @@ class LocalSGD(OuterAlgorithm):
         sync_every: int,
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
         self.validate(sync_every=sync_every, bucket_cap_mb=bucket_cap_mb)
         if sync_every == 1:
@@ -69,6 +83,8 @@ class LocalSGD(OuterAlgorithm):
             sync_every=sync_every,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            nan_policy=nan_policy,
+            check_consistency=check_consistency,
         )
         self._buf = self._new_buckets()
         self._last_sync = 0
@@ -76,9 +92,34 @@ class LocalSGD(OuterAlgorithm):
     def _end_round(self) -> None:
         with record_function(f"{self._profile_tag}::average"):
             self._buf.copy_from(self.params)
+            own_ok = self._check_own(self._buf.buffers)
             self.comm.all_reduce_mean(self._buf.buffers)
+            if not self._guard(self._buf.buffers, f"round {self.rounds + 1}"):
+                self._average_finite_ranks(own_ok)
             self._buf.copy_to(self.params)
         self._last_sync = self.local_step
+
+    def _average_finite_ranks(self, own_ok: bool) -> None:
+        """Replace the buffer by the mean of the ranks whose parameters are finite."""
+        self._buf.copy_from(self.params)
+        if not own_ok:
+            for b in self._buf.buffers:
+                b.zero_()
+        count = torch.tensor([1.0 if own_ok else 0.0], device=self._buf.device)
+        self.comm.all_reduce_mean([*self._buf.buffers, count])
+        finite = round(float(count) * self.world_size)
+        if finite == 0:
+            raise NonFiniteError(
+                "LocalSGD: every rank's parameters hold NaN or Inf; nothing finite is left to "
+                "average (lower the learning rate, check the data)"
+            )
+        torch._foreach_mul_(self._buf.buffers, self.world_size / finite)
+        logger.warning(
+            "LocalSGD: round %d averaged over the %d of %d ranks whose parameters are finite",
+            self.rounds + 1,
+            finite,
+            self.world_size,
+        )
 
     _discards_partial_round = False
 

@@ -40,10 +40,13 @@ from torch.profiler import record_function
 
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
 from lowcomm.compress.codecs import parse_compression
+from lowcomm.compress.feedback import Compressor
+from lowcomm.guard import all_finite
 from lowcomm.outer.base import (
     Compression,
     OuterAlgorithm,
     _check_positive_int,
+    optimizer_settings,
 )
 from lowcomm.outer.diloco import _sgd_factory, validate_outer_sgd
 from lowcomm.outer.fragment import Fragment, OuterOptimizerFactory
@@ -119,6 +122,8 @@ class StreamingDiLoCo(OuterAlgorithm):
 
     ``finish()`` applies every all-reduce still in flight and then resets every fragment to
     its anchor, so all ranks agree; local progress since a fragment's last sync is dropped.
+        nan_policy, check_consistency: the guards every algorithm has (see
+            :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
 
     name = "streaming"
@@ -141,6 +146,8 @@ class StreamingDiLoCo(OuterAlgorithm):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        nan_policy: str = "skip",
+        check_consistency: bool = True,
     ) -> None:
         if fragments is not None and num_fragments is not None and num_fragments != len(fragments):
             raise ValueError(
@@ -168,6 +175,8 @@ class StreamingDiLoCo(OuterAlgorithm):
             sync_every=sync_every,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            nan_policy=nan_policy,
+            check_consistency=check_consistency,
         )
         groups = self._fragment_groups(model_or_params, num_fragments, fragments)
         if outer_optimizer is None:
@@ -275,7 +284,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
             frag = self.fragments[f]
-            frag.launch(self.comm)
+            frag.launch(self.comm, self._check_own)
             assert frag.pending is not None
             self._schedule_advance(frag.pending, self.overlap)
         self._in_flight[k] = f
@@ -287,8 +296,10 @@ class StreamingDiLoCo(OuterAlgorithm):
         f = self._in_flight.pop(k)
         frag = self.fragments[f]
         with record_function(f"{self._profile_tag}::outer"):
-            frag.outer_step()
-            self._merge(f)
+            if frag.outer_step(accept=lambda avg: self._guard(avg, f"fragment {f}")):
+                self._merge(f)
+            else:
+                frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
         self.sync_points += 1
 
     def _merge(self, f: int) -> None:
@@ -320,6 +331,35 @@ class StreamingDiLoCo(OuterAlgorithm):
             self._sync(k)
         for frag in self.fragments:
             frag.anchor.copy_to(frag.params)
+
+    # -- guards ------------------------------------------------------------------------------
+
+    def _compressors(self) -> list[Compressor]:
+        return [f.compressor for f in self.fragments if f.compressor is not None]
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            **super()._settings(),
+            "num_fragments": self.num_fragments,
+            "fragment sizes": [frag.numel for frag in self.fragments],
+            "overlap": self.overlap,
+            "mix": self.mix,
+            "compression": None if self.compression is None else self.compression.spec,
+            **optimizer_settings("outer optimizer", self.fragments[0].outer),
+        }
+
+    def _drain(self) -> None:
+        for frag in self.fragments:
+            if frag.pending is not None:
+                frag.pending.wait()
+
+    def _recover_local(self) -> int:
+        fixed = super()._recover_local()
+        if not all_finite(self.params):
+            # this rank diverged: its other fragments would poison the next steps' gradients
+            for frag in self.fragments:
+                frag.anchor.copy_to(frag.params)
+        return fixed
 
     # -- state -------------------------------------------------------------------------------
 

@@ -81,11 +81,12 @@ _CO2_KEYS = (
     "clip_mode",
     "gap_penalty",
     "compression",
+    "nan_policy",
 )
 OUTER_KEYS: dict[str, tuple[str, ...]] = {
     "co2": _CO2_KEYS,
     "co2-eager": _CO2_KEYS,
-    "diloco": ("outer_lr", "outer_momentum", "nesterov", "compression"),
+    "diloco": ("outer_lr", "outer_momentum", "nesterov", "compression", "nan_policy"),
     "streaming": (
         "outer_lr",
         "outer_momentum",
@@ -94,6 +95,7 @@ OUTER_KEYS: dict[str, tuple[str, ...]] = {
         "overlap",
         "mix",
         "compression",
+        "nan_policy",
     ),
     "cocodc": (
         "outer_lr",
@@ -105,9 +107,10 @@ OUTER_KEYS: dict[str, tuple[str, ...]] = {
         "adaptive",
         "max_wait",
         "compression",
+        "nan_policy",
     ),
-    "localsgd": (),
-    "slowmo": ("outer_lr", "outer_momentum", "compression"),
+    "localsgd": ("nan_policy",),
+    "slowmo": ("outer_lr", "outer_momentum", "compression", "nan_policy"),
     "ddp": ("compression",),
     "none": (),
 }
@@ -250,6 +253,10 @@ class TrainConfig:
     """Compress what is communicated, with error feedback: pseudo-gradients (co2, co2-eager,
     diloco, slowmo, streaming, cocodc) or ddp's per-step gradients; a spec such as int4, int8:sr,
     bf16, topk:0.01, powersgd:4 or lgreco:powersgd (unset: fp32)."""
+    nan_policy: str | None = None
+    """What an outer algorithm does when its averaged pseudo-gradient holds NaN or Inf: skip
+    (drop that outer update alike on every rank, count and log it; default) or raise (stop the
+    run)."""
 
     # --- evaluation and output -------------------------------------------------------------
     eval_every: int = 60

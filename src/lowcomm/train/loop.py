@@ -83,7 +83,8 @@ FAULT_ENV = "LOWCOMM_FAULT_INJECT"
 """For tests only: ``"RANK:STEP[:MODE]"`` makes that rank fail right after ``algo.step()`` of
 that step, in the first attempt of the worker group only (``TORCHELASTIC_RESTART_COUNT`` 0):
 MODE ``kill`` (default: SIGKILL itself), ``exit`` (``os._exit(3)``), ``hang`` (stop without
-exiting, until the others time out) or ``raise`` (a ``RuntimeError``). Not a user setting."""
+exiting, until the others time out), ``raise`` (a ``RuntimeError``) or ``nan`` (set one value
+of its first parameter to NaN and go on: a diverging worker). Not a user setting."""
 
 _PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeout", re.IGNORECASE)
 
@@ -385,6 +386,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     dist.barrier()  # no rank writes a checkpoint before the folder is cleaned up
 
     corpus = load_corpus(cfg.data)
+    _check_same_job(cfg, corpus)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     gpt = build_gpt(cfg, corpus.vocab_size).to(device)
     if state is not None:
@@ -530,7 +532,7 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         if algo is not None:
             algo.step()
         if fault is not None and fault[0] == step:
-            _inject_fault(fault[1], rank, step, cfg.collective_timeout)
+            _inject_fault(fault[1], rank, step, cfg.collective_timeout, model=gpt)
         if progress is not None:
             progress.step(step, loss, lr, flush=step % eval_interval == 0 or step == cfg.steps)
         if step % eval_interval == 0 and step < cfg.steps:
@@ -547,7 +549,12 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     if ceiling is not None:
         ceiling.run(cfg.ceiling_steps - cfg.ceiling_steps // 2)
 
-    per_rank = {"rank": rank, "rounds": rounds(), **stats.as_dict()}
+    per_rank = {
+        "rank": rank,
+        "rounds": rounds(),
+        "skipped_updates": int(getattr(algo, "skipped_updates", 0)),
+        **stats.as_dict(),
+    }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, per_rank)
 
@@ -592,6 +599,26 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         title=f"{cfg.name}: {cfg.algo}, {world} workers",
     )
     return summary
+
+
+def _check_same_job(cfg: TrainConfig, corpus: Any) -> None:
+    """Fail on every rank unless all run the same training settings on the same corpus (under
+    torchrun each node parses its own flags). Settings that only change what is measured,
+    reported or kept may differ, as on resume."""
+    from lowcomm.guard import check_same_across_ranks, checksum
+
+    settings = [
+        (f"setting {k}", repr(v))
+        for k, v in cfg.to_dict().items()
+        if k not in ckpt.RESUME_FREE_KEYS and k != "data"
+    ]
+    tokens = f"{len(corpus.train)} train + {len(corpus.val)} val tokens"
+    text = checksum(torch.cat([corpus.train, corpus.val]).to(torch.uint8))
+    check_same_across_ranks(
+        [*settings, ("corpus size", tokens), ("corpus (checksum)", text)],
+        what="lowcomm train settings",
+        hint="start every rank with the same flags, config file and --data contents",
+    )
 
 
 def _resume_source(cfg: TrainConfig, rank: int, world: int) -> str | None:
@@ -653,7 +680,7 @@ def _fault_point(rank: int) -> tuple[int, str] | None:
     if not spec or attempt() > 0:
         return None
     parts = spec.split(":")
-    modes = ("kill", "exit", "hang", "raise")
+    modes = ("kill", "exit", "hang", "raise", "nan")
     try:
         fault_rank, step = int(parts[0]), int(parts[1])
         mode = parts[2] if len(parts) > 2 else "kill"
@@ -664,8 +691,12 @@ def _fault_point(rank: int) -> tuple[int, str] | None:
     return (step, mode) if fault_rank == rank else None
 
 
-def _inject_fault(mode: str, rank: int, step: int, timeout_s: float) -> None:
+def _inject_fault(mode: str, rank: int, step: int, timeout_s: float, *, model: nn.Module) -> None:
     logger.warning("%s: rank %d injects a fault (%s) at step %d", FAULT_ENV, rank, mode, step)
+    if mode == "nan":  # a worker that diverges: one NaN in its first parameter
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
+        return
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "exit":
@@ -942,6 +973,7 @@ def _summary(
         "hidden_fraction",
         "rounds",
     )
+    skipped = max((int(w.get("skipped_updates", 0)) for w in workers), default=0)
     mean = {k: _mean([w[k] for w in workers]) for k in keys}
     tokens_per_s = tokens / train_s if train_s > 0 else None
     if ceiling is not None and tokens_per_s is not None:
@@ -964,6 +996,7 @@ def _summary(
         "ceiling": ceiling,
         "val_loss_initial": val_start,
         "val_loss_final": val_end,
+        "skipped_updates": skipped,
         "comm_mean": mean,
         "comm_per_worker": workers,
     }

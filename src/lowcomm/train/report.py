@@ -58,6 +58,11 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
             "val loss",
             f"{summary['val_loss_initial']:.3f} -> {summary['val_loss_final']:.3f}",
         ),
+        *(
+            [("skipped updates", f"{summary['skipped_updates']} (NaN/Inf in the average)")]
+            if summary.get("skipped_updates")
+            else []
+        ),
         ("payload / worker", _mb(comm.get("payload_bytes"))),
         ("wire / worker", _mb(comm.get("wire_bytes"))),
         ("blocked / worker", f"{comm.get('blocked_s') or 0.0:.2f} s"),

@@ -1,0 +1,151 @@
+"""Guards against runs that go wrong silently: ranks that start out different, and non-finite
+averages.
+
+* :func:`check_same_across_ranks` compares a description of something every rank should hold
+  identically (a model, an algorithm's settings, a training job's settings) and fails on every
+  rank with a message naming the first difference. One small all-gather of a digest when all
+  ranks agree; the full descriptions are gathered only to name a difference.
+* :func:`describe_tensors` is such a description of named tensors: names, shapes, dtypes and a
+  SHA-256 checksum of each tensor's bytes.
+* :func:`all_finite` and :func:`zero_non_finite_` back the numeric guard of the outer
+  algorithms (``nan_policy``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NAN_POLICIES",
+    "NonFiniteError",
+    "all_finite",
+    "check_same_across_ranks",
+    "describe_tensors",
+    "zero_non_finite_",
+]
+
+NAN_POLICIES = ("skip", "raise")
+"""What an outer algorithm does with a NaN or Inf in its averaged pseudo-gradient."""
+
+Description = list[tuple[str, str]]
+"""An ordered list of ``(what, value)`` pairs every rank should hold identically."""
+
+
+class NonFiniteError(FloatingPointError):
+    """The averaged pseudo-gradient held NaN or Inf and ``nan_policy`` is ``"raise"``."""
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (its values bit for bit), as 16 hex digits."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(data.data).hexdigest()[:16]
+
+
+def describe_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], *, values: bool = True
+) -> Description:
+    """Names, shapes, dtypes and (with ``values``) checksums of ``named`` tensors, in order."""
+    out: Description = []
+    items = list(named)
+    out.append(("number of parameters", str(len(items))))
+    for i, (name, t) in enumerate(items):
+        out.append((f"name of parameter {i}", name))
+        out.append((f"shape of {name}", str(tuple(t.shape))))
+        out.append((f"dtype of {name}", str(t.dtype).removeprefix("torch.")))
+        if values:
+            out.append((f"values of {name} (checksum)", checksum(t)))
+    return out
+
+
+def _digest(description: Description) -> str:
+    return hashlib.sha256(pickle.dumps(description, protocol=4)).hexdigest()
+
+
+def check_same_across_ranks(
+    description: Description,
+    *,
+    what: str,
+    hint: str,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Raise ``ValueError`` on every rank of ``process_group`` unless all hold the same
+    ``description``; the message names the first difference from the group's rank 0.
+
+    Args:
+        description: ``(what, value)`` pairs, e.g. from :func:`describe_tensors`.
+        what: what is compared, for the message ("the model", "the CO2 settings").
+        hint: the fix, appended to the message.
+        process_group: the ranks that must agree (``None``: WORLD).
+    """
+    world = dist.get_world_size(process_group)
+    if world == 1:
+        return
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _digest(description), group=process_group)
+    if all(d == digests[0] for d in digests):
+        return
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, description, group=process_group)
+    raise ValueError(_first_difference(everyone, what=what, hint=hint))
+
+
+def _first_difference(everyone: Sequence[Description], *, what: str, hint: str) -> str:
+    ref = everyone[0]
+    for rank, desc in enumerate(everyone[1:], start=1):
+        for i in range(max(len(ref), len(desc))):
+            mine = desc[i] if i < len(desc) else ("(nothing)", "(nothing)")
+            theirs = ref[i] if i < len(ref) else ("(nothing)", "(nothing)")
+            if mine == theirs:
+                continue
+            if mine[0] != theirs[0]:
+                return (
+                    f"ranks hold different {what}: rank 0 has {theirs[0]} = {theirs[1]} where "
+                    f"rank {rank} has {mine[0]} = {mine[1]}; {hint}"
+                )
+            return (
+                f"ranks hold different {what}: {mine[0]} is {theirs[1]} on rank 0 but "
+                f"{mine[1]} on rank {rank}; {hint}"
+            )
+    raise AssertionError("descriptions differ by digest but not by content")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    if t.numel() == 0:
+        return True
+    # one pass, no temporary (torch.isfinite allocates and is ~20x slower on CPU); a NaN makes
+    # both the minimum and the maximum NaN, an Inf one of them
+    low, high = torch.aminmax(t.detach())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of every tensor is finite (no NaN, no ±Inf)."""
+    return all(_finite(t) for t in tensors)
+
+
+def zero_non_finite_(tensors: Iterable[torch.Tensor]) -> int:
+    """Set the NaN and ±Inf values of floating-point ``tensors`` to 0 in place; returns how many
+    tensors had any. Tensors without any are not written."""
+    fixed = 0
+    for t in tensors:
+        if not t.is_floating_point() or _finite(t):
+            continue
+        torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+        fixed += 1
+    return fixed
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The floating-point tensors of an optimizer's per-parameter state (moments, buffers)."""
+    out: list[torch.Tensor] = []
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                out.append(value)
+    return out
