@@ -50,6 +50,7 @@ __all__ = [
     "FlatBuckets",
     "Handle",
     "all_gather_wire_bytes",
+    "reduce_scatter_wire_bytes",
     "ring_wire_bytes",
 ]
 
@@ -61,6 +62,14 @@ def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:
     if world_size <= 1:
         return 0
     return int(round(2 * (world_size - 1) * payload_bytes / world_size))
+
+
+def reduce_scatter_wire_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring reduce-scatter of ``payload_bytes`` (the full input):
+    (N - 1) / N x payload, half a ring all-reduce."""
+    if world_size <= 1:
+        return 0
+    return payload_bytes * (world_size - 1) // world_size
 
 
 def all_gather_wire_bytes(payload_bytes: int, world_size: int) -> int:
@@ -109,6 +118,7 @@ class FlatBuckets:
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        pad_to: int = 1,
     ) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(
@@ -128,8 +138,11 @@ class FlatBuckets:
                 sizes.append(0)
             self.layout.append((len(sizes) - 1, sizes[-1], n))
             sizes[-1] += n
+        self.pad_to = pad_to
+        # Each bucket rounded up to a multiple of pad_to (sharded state: N equal chunks); the
+        # padding lies after the views and stays 0.
         self.buffers: list[torch.Tensor] = [
-            torch.zeros(n, device=self.device, dtype=dtype) for n in sizes
+            torch.zeros(-(-n // pad_to) * pad_to, device=self.device, dtype=dtype) for n in sizes
         ]
         self.views: list[torch.Tensor] = [
             self.buffers[b].narrow(0, off, n).view(shape)
@@ -146,7 +159,11 @@ class FlatBuckets:
     def like(self) -> FlatBuckets:
         """New zeroed buckets with the same layout."""
         return FlatBuckets(
-            self.shapes, bucket_cap_mb=self.bucket_cap_mb, device=self.device, dtype=self.dtype
+            self.shapes,
+            bucket_cap_mb=self.bucket_cap_mb,
+            device=self.device,
+            dtype=self.dtype,
+            pad_to=self.pad_to,
         )
 
     @property
@@ -290,6 +307,45 @@ class Communicator:
         work = gather(out, tensor, group=self.group, async_op=True)
         assert work is not None
         return work
+
+    def _launch_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        """One async SUM reduce-scatter of ``tensor`` (N x ``out``'s size) into ``out`` (this
+        rank's chunk, rank order). Subclasses override it as they do :meth:`_launch`."""
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = scatter(out, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        assert work is not None
+        return work
+
+    def reduce_scatter_mean_async(
+        self, inputs: Sequence[torch.Tensor], outputs: list[torch.Tensor]
+    ) -> Handle:
+        """Launch one SUM reduce-scatter per input (N x its output's size): rank r's output
+        receives chunk r of the sum; :meth:`Handle.wait` divides by N. Counted: each input as
+        payload, (N - 1) / N of it on the wire."""
+        assert len(inputs) == len(outputs)
+        payload = sum(t.numel() * t.element_size() for t in inputs)
+        self.stats.collectives += len(inputs)
+        self.stats.payload_bytes += payload
+        self.stats.wire_bytes += sum(
+            reduce_scatter_wire_bytes(t.numel() * t.element_size(), self.world_size) for t in inputs
+        )
+        works: list[dist.Work | _DoneWork] = []
+        for inp, out in zip(inputs, outputs):
+            assert inp.numel() == out.numel() * self.world_size and inp.dtype == out.dtype
+            if self.world_size == 1:
+                out.copy_(inp)
+                works.append(_DoneWork())
+            else:
+                works.append(self._launch_reduce_scatter(out, inp))
+        return Handle(works, outputs, self.world_size, self.stats)
+
+    def all_gather_into_async(
+        self, shards: Sequence[torch.Tensor], outputs: list[torch.Tensor]
+    ) -> Handle:
+        """Launch one all-gather per shard into its output (N x the shard's size, rank
+        order); a :class:`Handle` with nothing to divide."""
+        works = [self.all_gather_async(s, o) for s, o in zip(shards, outputs)]
+        return Handle(works, outputs, 1, self.stats)
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> dist.Work | _DoneWork:
         """Launch one SUM all-reduce of ``tensor`` in place (counted: ring wire bytes)."""

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lowcomm.comm import Communicator, all_gather_wire_bytes, ring_wire_bytes
+from lowcomm.comm import (
+    Communicator,
+    all_gather_wire_bytes,
+    reduce_scatter_wire_bytes,
+    ring_wire_bytes,
+)
 
 __all__ = ["PROFILES", "EmulatedLink", "LinkModel"]
 
@@ -141,7 +146,8 @@ class EmulatedCommunicator(Communicator):
     A link thread takes collectives in launch order (FIFO), waits for the real one, then sleeps
     until the model's completion time and marks it complete. Each collective occupies the link
     for its wire bytes per rank: a ring all-reduce ``2 (N - 1) / N`` x payload, an all-gather
-    (compressed payloads) ``(N - 1)`` x payload.
+    (compressed payloads, sharded anchors) ``(N - 1)`` x payload, a reduce-scatter
+    ``(N - 1) / N`` x payload.
     """
 
     def __init__(
@@ -169,6 +175,11 @@ class EmulatedCommunicator(Communicator):
     def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
         real = super()._launch_all_gather(out, tensor)
         wire = all_gather_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        return self._through_link(real, wire)
+
+    def _launch_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        real = super()._launch_reduce_scatter(out, tensor)
+        wire = reduce_scatter_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
         return self._through_link(real, wire)
 
     def _through_link(self, real: dist.Work, wire: int) -> dist.Work:

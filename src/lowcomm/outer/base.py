@@ -32,7 +32,7 @@ import numbers
 import warnings
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets, Handle
+from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, CommStats, Communicator, FlatBuckets
 from lowcomm.compress.codecs import Codec, parse_compression
 from lowcomm.compress.feedback import Compressor
 from lowcomm.compress.lgreco import LGreCo
@@ -95,6 +95,16 @@ def _check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+class Advancing(Protocol):
+    """A collective with a second phase the schedule launches early (PowerSGD's second
+    all-reduce, a sharded sync's update and all-gather)."""
+
+    @property
+    def needs_advance(self) -> bool: ...
+
+    def advance(self) -> None: ...
+
+
 class OuterAlgorithm:
     """Base class: see the module docstring. Not used directly.
 
@@ -145,7 +155,7 @@ class OuterAlgorithm:
         self._warned_partial_at = -1
         self._profile_tag = f"lowcomm::{self.name}"
         # two-phase compressed collectives (PowerSGD) and the inner step to advance them at
-        self._to_advance: list[tuple[int, Handle]] = []
+        self._to_advance: list[tuple[int, Advancing]] = []
         self.nan_policy = nan_policy
         self.skipped_updates = 0
         """Outer updates skipped because their averaged pseudo-gradient held NaN or Inf."""
@@ -173,6 +183,14 @@ class OuterAlgorithm:
             )
         if "check_consistency" in kwargs:
             _check_bool("check_consistency", kwargs["check_consistency"])
+        if "shard_outer_state" in kwargs:
+            _check_bool("shard_outer_state", kwargs["shard_outer_state"])
+            if kwargs["shard_outer_state"] and kwargs.get("compression") is not None:
+                raise ValueError(
+                    "shard_outer_state=True cannot be combined with compression: a sharded "
+                    "sync reduce-scatters the parameters, and the codecs' error feedback needs "
+                    "every rank's own pseudo-gradient; drop one of them"
+                )
 
     @staticmethod
     def _collect_params(
@@ -295,10 +313,16 @@ class OuterAlgorithm:
 
     def _guard(self, average: Sequence[torch.Tensor], what: str) -> bool:
         """Whether ``average`` (an all-reduced pseudo-gradient, bit-identical on every rank) is
-        finite. If not: count it, then raise (``nan_policy="raise"``) or log, recover this rank
-        (:meth:`_recover_local`) and return False: the caller skips its outer update."""
+        finite; if not, :meth:`_skip` and return False: the caller skips its outer update."""
         if all_finite(average):
             return True
+        self._skip(what)
+        return False
+
+    def _skip(self, what: str) -> None:
+        """The average of ``what`` holds NaN or Inf (decided alike on every rank): count it,
+        then raise (``nan_policy="raise"``) or recover this rank (:meth:`_recover_local`) and
+        log."""
         self.skipped_updates += 1
         message = (
             f"{type(self).__name__}: the averaged pseudo-gradient of {what} holds NaN or Inf "
@@ -319,7 +343,6 @@ class OuterAlgorithm:
             self.skipped_updates,
             f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
         )
-        return False
 
     def _check_own(self, delta: Sequence[torch.Tensor]) -> bool:
         """At launch: whether this rank's own pseudo-gradient is finite. If not, this rank
@@ -351,7 +374,7 @@ class OuterAlgorithm:
     def _drain(self) -> None:
         """Wait for every collective in flight (not applying it): before raising alike."""
 
-    def _schedule_advance(self, handle: Handle, window: int) -> None:
+    def _schedule_advance(self, handle: Advancing, window: int) -> None:
         """Advance ``handle``'s second phase (PowerSGD's Q all-reduce) halfway through the
         ``window`` inner steps it has before it is applied: every rank does so at the same
         step, before that step's own launches, so collectives stay in the same order."""
@@ -397,6 +420,28 @@ class OuterAlgorithm:
         # On an exception the other ranks may be gone: waiting on a collective could hang.
         if exc_type is None:
             self.finish()
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for the algorithm, beyond the model and inner optimizer,
+        measured from tensor storage (each storage once): ``"state"`` — what persists between
+        syncs (anchor, outer optimizer or momentum, statistics, error feedback) — and
+        ``"buffers"`` — communication buffers (pseudo-gradients in flight, snapshots, gathered
+        anchors). With ``shard_outer_state=True`` the state is 1/N of the unsharded one."""
+        return {
+            "state": storage_nbytes(self._state_tensors()),
+            "buffers": storage_nbytes(self._buffer_tensors()),
+        }
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for c in self._compressors():
+            out += [*c.residuals, *c.q.values()]
+        return out
+
+    def _buffer_tensors(self) -> list[torch.Tensor]:
+        return []
 
     # -- state -------------------------------------------------------------------------------
 
@@ -475,6 +520,28 @@ def optimizer_settings(what: str, optimizer: torch.optim.Optimizer) -> dict[str,
             if k != "params":
                 settings[f"{what} group {i} {k}"] = v
     return settings
+
+
+def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def outer_optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    anchor: Sequence[torch.Tensor],
+    avg_delta: Sequence[torch.Tensor],
+) -> None:
+    """One step of an outer optimizer built over ``anchor``, with ``A.grad = Δ̄``."""
+    for a, d in zip(anchor, avg_delta):
+        a.grad = d
+    optimizer.step()
+    for a in anchor:
+        a.grad = None
 
 
 def clone_views(buckets: FlatBuckets) -> list[torch.Tensor]:

@@ -60,6 +60,7 @@ from lowcomm.outer.base import (
 )
 from lowcomm.outer.fragment import load_compression
 from lowcomm.outer.functional import co2_outer_update_, pseudo_gradient_
+from lowcomm.outer.sharded import ShardedFragment, ShardedRound, check_sharding
 
 __all__ = ["CO2"]
 
@@ -93,6 +94,11 @@ class CO2(OuterAlgorithm):
             decoded at the end of round t + 1; PowerSGD's second all-reduce goes out H/2 inner
             steps after the first. Eager updates use this rank's decoded contribution as Δᵢ
             and need a single-phase codec (not PowerSGD).
+        shard_outer_state: keep 1/N of the anchor, momentum, gap statistic and last update on
+            each rank (:mod:`lowcomm.outer.sharded`): the parameters are reduce-scattered at
+            the end of round t, the owner's update and the anchor's all-gather go out H/2
+            steps later, and θ takes the anchor at the end of round t + 1 — still fully
+            overlapped. Not with ``eager``, ``compression`` or ``clip_mode="norm"``.
         nan_policy, check_consistency: the guards every algorithm has (see
             :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
@@ -115,6 +121,7 @@ class CO2(OuterAlgorithm):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        shard_outer_state: bool = False,
         nan_policy: str = "skip",
         check_consistency: bool = True,
     ) -> None:
@@ -129,6 +136,7 @@ class CO2(OuterAlgorithm):
             eager=eager,
             bucket_cap_mb=bucket_cap_mb,
             compression=compression,
+            shard_outer_state=shard_outer_state,
         )
         super().__init__(
             model_or_params,
@@ -147,15 +155,33 @@ class CO2(OuterAlgorithm):
         self.gap_penalty: str | float = (
             gap_penalty if isinstance(gap_penalty, str) else float(gap_penalty)
         )
-        self.anchor = self._new_buckets()
-        self.anchor.copy_from(self.params)
-        self.momentum = self.anchor.like()
-        self.gap_stat = self.anchor.like()
-        self.last_update = self.anchor.like()
         self.outer_updates = 0
         """Outer updates applied so far (the first one seeds the gap statistic)."""
+        self.shard_outer_state = bool(shard_outer_state)
+        self.sharded: ShardedFragment | None = None
+        self._round: ShardedRound | None = None  # sharded: the sync launched last round
+        if self.shard_outer_state:
+            # anchor, momentum, gap statistic and last update: this rank's chunks only
+            self.sharded = ShardedFragment(
+                self.params,
+                self.comm,
+                bucket_cap_mb=self.bucket_cap_mb,
+                update=self._sharded_update,
+                reference=self._round_start_anchor,
+            )
+            self._anchor_moved = False  # whether A has moved since the round now reduced began
+            self.anchor = self.sharded.anchor  # the last gathered full anchor
+            self._chunk_state = [
+                [torch.zeros_like(c) for c in self.sharded.shard] for _ in range(3)
+            ]
+        else:
+            self.anchor = self._new_buckets()
+            self.anchor.copy_from(self.params)
+            self.momentum = self.anchor.like()
+            self.gap_stat = self.anchor.like()
+            self.last_update = self.anchor.like()
         # Two send buffers: the one in flight is never touched while the other is filled.
-        self._send = [self.anchor.like(), self.anchor.like()]
+        self._send = [] if self.sharded else [self.anchor.like(), self.anchor.like()]
         self._send_next = 0
         self._pending: tuple[Handle, int] | None = None  # (handle, index into _send)
         self.eager = bool(eager)
@@ -188,6 +214,16 @@ class CO2(OuterAlgorithm):
             _check_positive_float("clip", kwargs["clip"], 1.0)
         if "clip_mode" in kwargs and kwargs["clip_mode"] not in CLIP_MODES:
             raise ValueError(f"clip_mode must be 'value' or 'norm', got {kwargs['clip_mode']!r}")
+        if kwargs.get("shard_outer_state") and kwargs.get("eager"):
+            raise ValueError(
+                "eager=True cannot be combined with shard_outer_state=True: eager updates need "
+                "this rank's own full pseudo-gradient, which a sharded sync never forms"
+            )
+        if kwargs.get("shard_outer_state") and kwargs.get("clip_mode") == "norm":
+            raise ValueError(
+                "clip_mode='norm' cannot be combined with shard_outer_state=True (the norm "
+                "would span every rank's chunk); use clip_mode='value'"
+            )
         if kwargs.get("eager") and kwargs.get("compression") is not None:
             setting = parse_compression(kwargs["compression"])
             if isinstance(setting, PowerSGD) or (
@@ -219,16 +255,53 @@ class CO2(OuterAlgorithm):
     @property
     def in_flight(self) -> bool:
         """Whether an all-reduce launched by an earlier round has not been applied yet."""
-        return self._pending is not None
+        return self._pending is not None or self._round is not None
+
+    def _sharded_update(self, anchor: list[torch.Tensor], avg_delta: list[torch.Tensor]) -> None:
+        """The outer update on this rank's chunks (sharded; the same rule, elementwise)."""
+        self._apply(anchor, *self._chunk_state, avg_delta)
+        self._anchor_moved = True
+
+    def _round_start_anchor(self, anchor: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The chunks of the anchor the round being applied started from: A − u, with u the
+        last update, unless that update was skipped (then A itself)."""
+        if not self._anchor_moved:
+            return anchor
+        return list(torch._foreach_sub(anchor, self._chunk_state[2]))
+
+    def _sharded_skip(self, what: str) -> None:
+        self._anchor_moved = False
+        self._skip(what)
+
+    def _end_round_sharded(self, frag: ShardedFragment) -> None:
+        stale = self._round
+        if stale is not None:
+            stale.advance()  # (H = 1) its reduce-scatter reads the snapshot about to be refilled
+        what = f"round {self.rounds + 1}"
+        with record_function(f"{self._profile_tag}::launch"):
+            self._round = frag.launch(self._check_own, lambda: self._sharded_skip(what))
+            # the owner's update and the all-gather go out halfway through the next round
+            self._schedule_advance(self._round, self.sync_every)
+        if stale is not None:
+            with record_function(f"{self._profile_tag}::wait"):
+                stale.wait()
+        self.anchor.copy_to(self.params)
 
     def _outer_update(self, avg_delta: list[torch.Tensor]) -> None:
+        self._apply(
+            self.anchor.views,
+            self.momentum.views,
+            self.gap_stat.views,
+            self.last_update.views,
+            avg_delta,
+        )
+
+    def _apply(self, *tensors: list[torch.Tensor]) -> None:
+        """One :func:`co2_outer_update_` on (anchor, momentum, gap statistic, last update,
+        Δ̄) with this algorithm's hyperparameters."""
         with record_function(f"{self._profile_tag}::outer"):
             co2_outer_update_(
-                self.anchor.views,
-                self.momentum.views,
-                self.gap_stat.views,
-                self.last_update.views,
-                avg_delta,
+                *tensors,
                 lr=self.outer_lr,
                 beta=self.outer_momentum,
                 nesterov=self.nesterov,
@@ -265,6 +338,9 @@ class CO2(OuterAlgorithm):
         return out
 
     def _end_round(self) -> None:
+        if self.sharded is not None:
+            self._end_round_sharded(self.sharded)
+            return
         idx = self._send_next
         send = self._send[idx]
         self._send_next ^= 1
@@ -291,6 +367,12 @@ class CO2(OuterAlgorithm):
         self.anchor.copy_to(self.params)
 
     def _finish(self) -> None:
+        if self.sharded is not None:
+            if self._round is not None:
+                self._round.wait()
+                self._round = self.sharded.pending = None
+            self.anchor.copy_to(self.params)
+            return
         stale = self._wait_pending()
         if stale is not None:
             if self._guard(stale[0], f"round {self.rounds}"):
@@ -307,10 +389,24 @@ class CO2(OuterAlgorithm):
     def _drain(self) -> None:
         if self._pending is not None:
             self._pending[0].wait()
+        if self._round is not None:
+            self._round.wait()
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        if self.sharded is not None:
+            return [*self.sharded.state_tensors(), *(t for ts in self._chunk_state for t in ts)]
+        state = [self.anchor, self.momentum, self.gap_stat, self.last_update]
+        return [*super()._state_tensors(), *(b for fb in state for b in fb.buffers)]
+
+    def _buffer_tensors(self) -> list[torch.Tensor]:
+        if self.sharded is not None:
+            return self.sharded.buffer_tensors()
+        return [b for fb in (*self._send, *self._own) for b in fb.buffers]
 
     def _settings(self) -> dict[str, Any]:
         return {
             **super()._settings(),
+            "shard_outer_state": self.shard_outer_state,
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
             "nesterov": self.nesterov,
@@ -322,6 +418,17 @@ class CO2(OuterAlgorithm):
         }
 
     def _extra_state(self) -> dict[str, Any]:
+        if self.sharded is not None:
+            momentum, gap_stat, last_update = self._chunk_state
+            return {
+                "eager": False,
+                **self.sharded.state_dict(),  # completes the sync in flight, if any
+                "momentum": [t.clone() for t in momentum],
+                "gap_stat": [t.clone() for t in gap_stat],
+                "last_update": [t.clone() for t in last_update],
+                "outer_updates": self.outer_updates,
+                "anchor_moved": self._anchor_moved,
+            }
         pending = own = None
         if self._pending is not None:
             # Completing (not applying) the all-reduce lets us store its result exactly.
@@ -349,6 +456,19 @@ class CO2(OuterAlgorithm):
                 f"state_dict was saved with eager={state.get('eager')!r} but this CO2 has "
                 f"eager={self.eager!r}; resume with the same settings"
             )
+        check_sharding(state, self.sharded is not None, "CO2")
+        if self.sharded is not None:
+            for key, chunks in zip(("momentum", "gap_stat", "last_update"), self._chunk_state):
+                src = state.get(key)
+                if src is None or [t.shape for t in src] != [t.shape for t in chunks]:
+                    raise ValueError(f"sharded CO2 state_dict[{key!r}] does not fit this model")
+            self.sharded.load_state_dict(state)
+            for key, chunks in zip(("momentum", "gap_stat", "last_update"), self._chunk_state):
+                torch._foreach_copy_(chunks, [t.to(c.device) for t, c in zip(state[key], chunks)])
+            self.outer_updates = int(state.get("outer_updates", 0))
+            self._anchor_moved = bool(state.get("anchor_moved", False))
+            self._round = self.sharded.pending
+            return
         self._load_tensors(state, "anchor", self.anchor.views)
         self._load_tensors(state, "momentum", self.momentum.views)
         self._load_tensors(state, "gap_stat", self.gap_stat.views)

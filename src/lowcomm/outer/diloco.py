@@ -31,6 +31,7 @@ from torch.profiler import record_function
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator, FlatBuckets
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
+from lowcomm.guard import optimizer_state_tensors
 from lowcomm.outer.base import (
     Compression,
     OuterAlgorithm,
@@ -40,6 +41,7 @@ from lowcomm.outer.base import (
     optimizer_settings,
 )
 from lowcomm.outer.fragment import Fragment, OuterOptimizerFactory
+from lowcomm.outer.sharded import ShardedFragment, check_sharding
 
 __all__ = ["DiLoCo", "SlowMo"]
 
@@ -62,6 +64,9 @@ class DiLoCo(OuterAlgorithm):
         compression: compress the pseudo-gradients, with error feedback on each rank: a codec
             of :mod:`lowcomm.compress` or a spec such as ``"int4"``, ``"topk:0.01"``,
             ``"powersgd:4"``, ``"lgreco:powersgd"`` (default ``None``: exact fp32 all-reduce).
+        shard_outer_state: keep 1/N of the anchor and of the outer optimizer's state on each
+            rank (reduce-scatter, update the owned chunk, all-gather: see
+            :mod:`lowcomm.outer.sharded`); the outer optimizer must be elementwise.
         nan_policy, check_consistency: the guards every algorithm has (see
             :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
@@ -82,6 +87,7 @@ class DiLoCo(OuterAlgorithm):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        shard_outer_state: bool = False,
         nan_policy: str = "skip",
         check_consistency: bool = True,
     ) -> None:
@@ -93,6 +99,7 @@ class DiLoCo(OuterAlgorithm):
             outer_optimizer=outer_optimizer,
             bucket_cap_mb=bucket_cap_mb,
             compression=compression,
+            shard_outer_state=shard_outer_state,
         )
         super().__init__(
             model_or_params,
@@ -106,21 +113,37 @@ class DiLoCo(OuterAlgorithm):
         if outer_optimizer is None:
             outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
         self.compression = parse_compression(compression)
-        self.fragment = Fragment(
-            self.params,
-            outer_optimizer,
-            bucket_cap_mb=self.bucket_cap_mb,
-            compression=self.compression,
-            rank=self.comm.rank,
-        )
+        self.shard_outer_state = bool(shard_outer_state)
+        self.fragment: Fragment | ShardedFragment
+        if self.shard_outer_state:
+            # blocking: the gathered anchor may reuse the snapshot's buffer
+            self.fragment = ShardedFragment(
+                self.params,
+                self.comm,
+                bucket_cap_mb=self.bucket_cap_mb,
+                factory=outer_optimizer,
+                scale=self._scale_outer_grads,
+                gather_into_snapshot=True,
+            )
+        else:
+            self.fragment = Fragment(
+                self.params,
+                outer_optimizer,
+                bucket_cap_mb=self.bucket_cap_mb,
+                compression=self.compression,
+                rank=self.comm.rank,
+            )
 
     @property
     def anchor(self) -> FlatBuckets:
-        """A: the global parameters, bit-identical on every rank."""
+        """A: the global parameters, bit-identical on every rank (sharded: the last gathered
+        full anchor; this rank's own chunk is ``fragment.shard``)."""
         return self.fragment.anchor
 
     @property
     def outer(self) -> torch.optim.Optimizer:
+        """The outer optimizer (sharded: over this rank's anchor chunks)."""
+        assert self.fragment.outer is not None
         return self.fragment.outer
 
     @classmethod
@@ -132,14 +155,19 @@ class DiLoCo(OuterAlgorithm):
         """Hook for presets that rescale Δ̄ before the outer step (SlowMo). Default: none."""
 
     def _end_round(self) -> None:
-        with record_function(f"{self._profile_tag}::sync"):
-            self.fragment.launch(self.comm, self._check_own)
-        with record_function(f"{self._profile_tag}::outer"):
-            self.fragment.outer_step(
-                self._scale_outer_grads, lambda avg: self._guard(avg, f"round {self.rounds + 1}")
-            )
-            # skipped or not, every rank continues from the anchor
-            self.anchor.copy_to(self.params)
+        what = f"round {self.rounds + 1}"
+        frag = self.fragment
+        if isinstance(frag, ShardedFragment):
+            with record_function(f"{self._profile_tag}::sync"):
+                frag.launch(self._check_own, lambda: self._skip(what))
+                frag.wait()  # reduce-scatter, update of this rank's chunk, all-gather
+        else:
+            with record_function(f"{self._profile_tag}::sync"):
+                frag.launch(self.comm, self._check_own)
+            with record_function(f"{self._profile_tag}::outer"):
+                frag.outer_step(self._scale_outer_grads, lambda avg: self._guard(avg, what))
+        # skipped or not, every rank continues from the anchor
+        self.anchor.copy_to(self.params)
 
     def _finish(self) -> None:
         # Rounds are blocking; only a partial round's local progress remains, and it is dropped.
@@ -152,13 +180,31 @@ class DiLoCo(OuterAlgorithm):
         return {
             **super()._settings(),
             "compression": None if self.compression is None else self.compression.spec,
+            "shard_outer_state": self.shard_outer_state,
             **optimizer_settings("outer optimizer", self.outer),
         }
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        frag = self.fragment
+        if isinstance(frag, ShardedFragment):
+            return frag.state_tensors()
+        return [
+            *super()._state_tensors(),
+            *frag.anchor.buffers,
+            *optimizer_state_tensors(frag.outer),
+        ]
+
+    def _buffer_tensors(self) -> list[torch.Tensor]:
+        frag = self.fragment
+        if isinstance(frag, ShardedFragment):
+            return frag.buffer_tensors()
+        return list(frag.delta.buffers)
 
     def _extra_state(self) -> dict[str, Any]:
         return self.fragment.state_dict()
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
+        check_sharding(state, self.shard_outer_state, type(self).__name__)
         self.fragment.load_state_dict(state, self.comm, self._load_tensors)
 
 
@@ -216,6 +262,7 @@ class SlowMo(DiLoCo):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        shard_outer_state: bool = False,
         nan_policy: str = "skip",
         check_consistency: bool = True,
     ) -> None:
@@ -229,6 +276,7 @@ class SlowMo(DiLoCo):
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
             compression=compression,
+            shard_outer_state=shard_outer_state,
             nan_policy=nan_policy,
             check_consistency=check_consistency,
         )

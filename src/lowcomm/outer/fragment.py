@@ -18,7 +18,7 @@ from lowcomm.comm import Communicator, FlatBuckets, Handle
 from lowcomm.compress.codecs import Codec
 from lowcomm.compress.feedback import Compressor
 from lowcomm.compress.lgreco import LGreCo
-from lowcomm.outer.base import clone_views
+from lowcomm.outer.base import clone_views, outer_optimizer_step
 from lowcomm.outer.functional import pseudo_gradient_
 
 __all__ = ["Fragment", "OuterOptimizerFactory", "load_compression"]
@@ -117,11 +117,7 @@ class Fragment:
             scale(avg)
         if accept is not None and not accept(avg):
             return False
-        for a, d in zip(self.anchor.views, avg):
-            a.grad = d
-        self.outer.step()
-        for a in self.anchor.views:
-            a.grad = None
+        outer_optimizer_step(self.outer, self.anchor.views, avg)
         return True
 
     def state_dict(self) -> dict[str, Any]:

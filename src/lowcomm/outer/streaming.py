@@ -41,7 +41,7 @@ from torch.profiler import record_function
 from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
-from lowcomm.guard import all_finite
+from lowcomm.guard import all_finite, optimizer_state_tensors
 from lowcomm.outer.base import (
     Compression,
     OuterAlgorithm,
@@ -50,6 +50,7 @@ from lowcomm.outer.base import (
 )
 from lowcomm.outer.diloco import _sgd_factory, validate_outer_sgd
 from lowcomm.outer.fragment import Fragment, OuterOptimizerFactory
+from lowcomm.outer.sharded import ShardedFragment, check_sharding
 
 __all__ = ["StreamingDiLoCo", "split_by_blocks"]
 
@@ -122,6 +123,9 @@ class StreamingDiLoCo(OuterAlgorithm):
 
     ``finish()`` applies every all-reduce still in flight and then resets every fragment to
     its anchor, so all ranks agree; local progress since a fragment's last sync is dropped.
+        shard_outer_state: keep 1/N of every fragment's anchor and outer optimizer state on
+            each rank (:mod:`lowcomm.outer.sharded`): the reduce-scatter is launched τ steps
+            early, the owner's update and the all-gather halfway to the sync point.
         nan_policy, check_consistency: the guards every algorithm has (see
             :class:`~lowcomm.outer.base.OuterAlgorithm`).
     """
@@ -146,6 +150,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         process_group: dist.ProcessGroup | Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         compression: Compression = None,
+        shard_outer_state: bool = False,
         nan_policy: str = "skip",
         check_consistency: bool = True,
     ) -> None:
@@ -168,6 +173,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             outer_optimizer=outer_optimizer,
             bucket_cap_mb=bucket_cap_mb,
             compression=compression,
+            shard_outer_state=shard_outer_state,
         )
         super().__init__(
             model_or_params,
@@ -182,8 +188,11 @@ class StreamingDiLoCo(OuterAlgorithm):
         if outer_optimizer is None:
             outer_optimizer = _sgd_factory(float(outer_lr), float(outer_momentum), bool(nesterov))
         self.compression = parse_compression(compression)
-        self.fragments = [
-            Fragment(
+        self.shard_outer_state = bool(shard_outer_state)
+        self.fragments: list[Any] = [
+            ShardedFragment(g, self.comm, bucket_cap_mb=self.bucket_cap_mb, factory=outer_optimizer)
+            if self.shard_outer_state
+            else Fragment(
                 g,
                 outer_optimizer,
                 bucket_cap_mb=self.bucket_cap_mb,
@@ -284,7 +293,11 @@ class StreamingDiLoCo(OuterAlgorithm):
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
             frag = self.fragments[f]
-            frag.launch(self.comm, self._check_own)
+            if isinstance(frag, ShardedFragment):
+                # advanced (update and all-gather launched) halfway to the sync point
+                frag.launch(self._check_own, lambda: self._skip(f"fragment {f}"))
+            else:
+                frag.launch(self.comm, self._check_own)
             assert frag.pending is not None
             self._schedule_advance(frag.pending, self.overlap)
         self._in_flight[k] = f
@@ -296,7 +309,11 @@ class StreamingDiLoCo(OuterAlgorithm):
         f = self._in_flight.pop(k)
         frag = self.fragments[f]
         with record_function(f"{self._profile_tag}::outer"):
-            if frag.outer_step(accept=lambda avg: self._guard(avg, f"fragment {f}")):
+            if isinstance(frag, ShardedFragment):
+                applied = frag.wait()
+            else:
+                applied = frag.outer_step(accept=lambda avg: self._guard(avg, f"fragment {f}"))
+            if applied:
                 self._merge(f)
             else:
                 frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
@@ -337,9 +354,28 @@ class StreamingDiLoCo(OuterAlgorithm):
     def _compressors(self) -> list[Compressor]:
         return [f.compressor for f in self.fragments if f.compressor is not None]
 
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out = super()._state_tensors()
+        for frag in self.fragments:
+            if isinstance(frag, ShardedFragment):
+                out += frag.state_tensors()
+            else:
+                out += [*frag.anchor.buffers, *optimizer_state_tensors(frag.outer)]
+        return out
+
+    def _buffer_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for frag in self.fragments:
+            if isinstance(frag, ShardedFragment):
+                out += frag.buffer_tensors()
+            else:
+                out += list(frag.delta.buffers)
+        return out
+
     def _settings(self) -> dict[str, Any]:
         return {
             **super()._settings(),
+            "shard_outer_state": self.shard_outer_state,
             "num_fragments": self.num_fragments,
             "fragment sizes": [frag.numel for frag in self.fragments],
             "overlap": self.overlap,
@@ -394,6 +430,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             key = f"fragment_{i}"
             if key not in state:
                 raise ValueError(f"{type(self).__name__} state_dict is missing {key!r}")
+            check_sharding(state[key], self.shard_outer_state, type(self).__name__)
             frag.load_state_dict(state[key], self.comm, self._load_tensors)
         self._in_flight = {int(k): int(f) for k, f in state["in_flight"]}
         for k, f in self._in_flight.items():
