@@ -126,6 +126,7 @@ def test_tiny_bench_end_to_end(tmp_path):
         real_links=[],
         overhead_algos=["co2"],
         overhead_rounds=1,
+        memory_workers=[2],
         ceiling_steps=4,
         train_overrides=TINY,
         out=str(out),
@@ -157,6 +158,13 @@ def test_tiny_bench_end_to_end(tmp_path):
     assert overhead["inner_hook_calls"] == 5 and overhead["hook_fraction"] > 0
     text = (out / "results.md").read_text()
     assert "| co2 | 2 | 100mbit (emulated) |" in text and "| ddp | 2 | 100mbit (emulated) |" in text
+    # memory report: every shardable algorithm, both ways; sharded state is half (+ padding)
+    memory = {(r["algo"], r["sharded"]): r for r in saved["memory"]["rows"]}
+    assert set(memory) == {(a, s) for a in ("co2", "diloco", "streaming") for s in (False, True)}
+    assert memory[("co2", False)]["state_bytes"] == 4 * 4 * params  # anchor, m, c, u
+    for algo in ("co2", "diloco", "streaming"):
+        assert 0.5 <= memory[(algo, True)]["state_vs_unsharded"] <= 0.5 + 1e-3
+    assert "## Memory per rank" in text and "| co2 | sharded | 2 |" in text
 
 
 def test_cli_refuses_previous_results_and_bad_lists(tmp_path, capsys):

@@ -95,6 +95,19 @@ def add_subcommand(subparsers: Any) -> None:
         help="run the hook-overhead micro-benchmark (default on)",
     )
     p.add_argument("--overhead-algos", dest="overhead_algos", type=_csv, metavar="A,B")
+    p.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        help="run the memory report: outer state and buffers per rank, sharded and not "
+        "(default on)",
+    )
+    p.add_argument(
+        "--memory-workers",
+        dest="memory_workers",
+        type=_int_csv,
+        metavar="N,M",
+        help="group sizes of the memory report (default 2,4)",
+    )
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: embedded)")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
     p.add_argument(

@@ -107,6 +107,8 @@ class BenchSpec:
         overhead: run the hook-overhead micro-benchmark.
         overhead_algos: algorithms it measures.
         overhead_rounds: rounds of ``sync_every`` steps it times per algorithm.
+        memory: run the memory report (:mod:`lowcomm.bench.memory`).
+        memory_workers: the group sizes it measures.
         train_overrides: other ``TrainConfig`` fields for every cell (model size, batch...).
         out: output folder.
         quick: this is the ``--quick`` preset (reported).
@@ -139,6 +141,8 @@ class BenchSpec:
         default_factory=lambda: ["co2", "diloco", "streaming", "cocodc"]
     )
     overhead_rounds: int = 8
+    memory: bool = True
+    memory_workers: list[int] = field(default_factory=lambda: [2, 4])
     train_overrides: dict[str, Any] = field(default_factory=dict)
     out: str = os.path.join("runs", "bench")
     quick: bool = False
@@ -193,6 +197,10 @@ class BenchSpec:
             raise ValueError("links: give at least one link profile, e.g. 100mbit")
         for link in [*self.links, *self.real_links]:
             EmulatedLink.parse(link)  # raises a ValueError naming the spelling
+        if self.memory and (not self.memory_workers or any(w < 2 for w in self.memory_workers)):
+            raise ValueError(
+                f"memory_workers: need group sizes >= 2 to shard over, got {self.memory_workers}"
+            )
         if not self.workers or any(w < 1 for w in self.workers):
             raise ValueError(f"workers: need worker counts >= 1, got {self.workers}")
         for key in (
@@ -454,6 +462,13 @@ def run_bench(
             threads=max(1, (os.cpu_count() or 1) // spec.workers[0]),
         )
 
+    memory = None
+    if spec.memory:
+        from lowcomm.bench.memory import measure_memory
+
+        note(f"memory report: N = {', '.join(map(str, spec.memory_workers))}")
+        memory = measure_memory(spec.memory_workers, train_overrides=spec.train_overrides)
+
     rows = []
     for i, cell in enumerate(cells, 1):
         label = f"[{i}/{len(cells)}] {cell.algo} x{cell.workers} {cell.link or '(no link)'}"
@@ -467,6 +482,7 @@ def run_bench(
         )
 
     results = _assemble(spec, rows, overhead, real_skipped, latency_applied)
+    results["memory"] = memory
     results["command"] = command
     results["elapsed_s"] = time.perf_counter() - t_start
     write_report(results, spec.out)

@@ -245,6 +245,45 @@ def format_markdown(results: dict[str, Any]) -> str:
             rows,
         )
 
+    memory = results.get("memory")
+    if memory:
+        lines += [
+            "",
+            "## Memory per rank",
+            "",
+            "Bytes each rank holds for the algorithm beyond the model and inner optimizer, from "
+            "tensor storage after two rounds on the default GPT: state (anchor, outer optimizer "
+            "or momentum, statistics) and communication buffers; x model = ÷ the model's fp32 "
+            "parameter bytes.",
+            "",
+        ]
+        rows = [
+            [
+                r["algo"],
+                "sharded" if r["sharded"] else "-",
+                str(r["workers"]),
+                _fmt(r["state_bytes"] / 1e6, ".2f"),
+                _fmt(r["state_over_model"], ".2f"),
+                _fmt(r.get("state_vs_unsharded"), ".3f"),
+                _fmt(r["buffer_bytes"] / 1e6, ".2f"),
+                _fmt(r["buffers_over_model"], ".2f"),
+            ]
+            for r in memory["rows"]
+        ]
+        lines += _table(
+            [
+                "algorithm",
+                "outer state",
+                "N",
+                "state (MB)",
+                "state x model",
+                "sharded / unsharded",
+                "buffers (MB)",
+                "buffers x model",
+            ],
+            rows,
+        )
+
     lines += ["", "## Goals", ""]
     goal_rows = []
     for g in results.get("goals", []):
