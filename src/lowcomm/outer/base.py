@@ -219,6 +219,10 @@ class OuterAlgorithm:
             raise ValueError(
                 "no trainable parameters: model_or_params has no tensor with requires_grad=True"
             )
+        # FSDP2 (fully_shard) parameters are DTensors: work on this rank's local shard, which
+        # shares their storage (ranks with the same place in their node groups hold matching
+        # shards, so averaging those across node groups averages the model)
+        named = [(n, _local(p)) for n, p in named]
         params = [p for _, p in named]
         devices = {p.device for p in params}
         if len(devices) > 1:
@@ -520,6 +524,12 @@ def optimizer_settings(what: str, optimizer: torch.optim.Optimizer) -> dict[str,
             if k != "params":
                 settings[f"{what} group {i} {k}"] = v
     return settings
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (same storage); any other tensor as it is."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param
 
 
 def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
