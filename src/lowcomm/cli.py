@@ -86,6 +86,7 @@ _METAVARS = {
     "clip": "PHI|none",
     "gap_penalty": "{gap_aware,none,LAMBDA}",
     "nan_policy": "{skip,raise}",
+    "node_sharding": "{none,zero}",
     "data": "PATH",
     "out": "DIR",
     "resume": "PATH",

@@ -17,10 +17,14 @@ checkpoint is **complete** when ``step-<s>/meta.json`` exists; only complete one
 from, so a run killed while writing one leaves the previous one in charge.
 
 A rank file holds plain dicts, tensors, numbers and strings (``torch.load(weights_only=True)``
-reads it): ``step``, ``rank``, ``world_size``, the model, the inner optimizer, the algorithm's
+reads it): ``step``, ``rank``, ``world_size``, the model, the inner optimizer (with
+``node_sharding="zero"``, this rank's shard: the ``state_dict()`` of its
+``ZeroRedundancyOptimizer``'s local AdamW, whose partition of the parameters is the same on
+every run of the same layout), the algorithm's
 ``state_dict()`` (``None`` for ddp and none), the RNG states (``torch``: the global CPU
 generator, which dropout draws from; ``data``: this rank's batch generator, i.e. the data
-position; ``cuda`` on GPU), this rank's communication counters, and on rank 0 the progress of the
+position; ``cuda`` on GPU), this rank's communication counters (with node groups also those of
+DDP inside the node, ``intra_node_stats``), and on rank 0 the progress of the
 metrics (the running loss sum since the last record, times, the initial validation loss). Python's
 and NumPy's generators are not used by the job and not saved. The learning rate is a function of
 the step and needs no state.

@@ -18,8 +18,11 @@ nothing to DiLoCo: it is ignored with a warning, and not checked). Bad values ra
 
 The algorithms check their own keywords (``ALGORITHMS[name].validate``); this module only does what
 they cannot: the fields of the job itself, the spelling ``clip = "none"`` (no clipping), routing
-each outer key to the algorithms it applies to, and checks that need the job's other settings
-(automatic fragments need enough transformer blocks; SlowMo needs an inner learning rate > 0).
+each outer key to the algorithms it applies to, checks that need the job's other settings
+(automatic fragments need enough transformer blocks; SlowMo needs an inner learning rate > 0),
+and the node layout: ``workers``, ``nodes`` (K) and ``procs_per_node`` (M) are resolved from
+each other (one node is the flat layout, ``workers`` processes; with K > 1, ``workers`` is
+K x M, and a ``workers`` that disagrees is refused).
 
 Example::
 
@@ -52,6 +55,7 @@ else:  # pragma: no cover
 __all__ = [
     "ALGORITHM_CHOICES",
     "OUTER_KEYS",
+    "NODE_SHARDING",
     "ConfigError",
     "TrainConfig",
     "config_from_dict",
@@ -137,6 +141,12 @@ beta = 0 and unstable for any beta > 0, which shows as a validation loss that ri
 alpha = 0.5 is comfortably stable here. The library keeps the paper's alpha = 1.0, meant for
 large models whose rounds move them little; the README explains the choice."""
 
+NODE_SHARDING = ("none", "zero")
+"""Values of ``--node-sharding``: how the processes of a node hold the inner AdamW state."""
+
+DEFAULT_WORKERS = 2
+"""Worker processes when neither ``workers`` nor ``procs_per_node`` is set (one node)."""
+
 _ALL_OUTER_KEYS = (
     *_CO2_KEYS,
     "num_fragments",
@@ -173,8 +183,18 @@ class TrainConfig:
     """Outer-loop algorithm: co2, co2-eager (CO2 with eager updates), diloco, streaming (Streaming
     DiLoCo), cocodc, localsgd, slowmo, ddp (synchronous baseline), or none (no synchronisation:
     the throughput ceiling)."""
-    workers: int = 2
-    """Local worker processes to launch (ignored under torchrun, which sets the world size)."""
+    workers: int | None = None
+    """Local worker processes to launch (default 2; with nodes, nodes x procs_per_node). Under
+    torchrun, which sets the world size, it is ignored (with nodes, checked against it)."""
+    nodes: int = 1
+    """K: node groups; from 2 on, each node's processes train one replica with DDP inside the
+    node and the algorithm runs across nodes (1: every worker its own replica)."""
+    procs_per_node: int | None = None
+    """M: processes per node (ranks node-major: node n holds n*M ... n*M+M-1); unset: workers /
+    nodes."""
+    node_sharding: str = "none"
+    """Inside a node: "none" (every process holds the whole AdamW state) or "zero" (AdamW state
+    sharded across the node's processes with ZeroRedundancyOptimizer)."""
     steps: int = 960
     """Inner optimizer steps per worker."""
     sync_every: int = 12
@@ -299,6 +319,7 @@ class TrainConfig:
             raise ConfigError(
                 "algo", f"must be one of {', '.join(ALGORITHM_CHOICES)}, got {self.algo!r}"
             )
+        self._check_layout()
         if self.link is not None:
             from lowcomm.link import EmulatedLink
 
@@ -354,6 +375,102 @@ class TrainConfig:
                 )
         self._check_paths()
         self._check_outer()
+
+    def _check_layout(self) -> None:
+        """Resolve ``workers`` and ``procs_per_node`` from each other and ``nodes``, refusing
+        values that conflict. Afterwards ``workers`` is the world size; with one node
+        ``procs_per_node`` is ``None`` (one node is the flat layout, ``workers`` processes)."""
+        _check_int("nodes", self.nodes, low=1)
+        if self.procs_per_node is not None:
+            _check_int("procs_per_node", self.procs_per_node, low=1)
+        if self.workers is not None:
+            _check_int("workers", self.workers, low=1)
+        if self.node_sharding not in NODE_SHARDING:
+            raise ConfigError(
+                "node_sharding",
+                f"must be one of {', '.join(NODE_SHARDING)}, got {self.node_sharding!r}",
+            )
+        if self.nodes == 1:
+            if self.procs_per_node is not None and self.workers not in (None, self.procs_per_node):
+                raise ConfigError(
+                    "workers",
+                    f"({self.workers}) conflicts with procs_per_node ({self.procs_per_node}) on "
+                    "one node; drop one of them",
+                )
+            self.workers = self.workers or self.procs_per_node or DEFAULT_WORKERS
+            self.procs_per_node = None
+        else:
+            if self.procs_per_node is None:
+                if self.workers is None:
+                    raise ConfigError(
+                        "nodes",
+                        f"({self.nodes}) needs procs_per_node (--procs-per-node M, processes per "
+                        f"node) or workers (--workers N, a multiple of {self.nodes})",
+                    )
+                if self.workers % self.nodes:
+                    raise ConfigError(
+                        "workers",
+                        f"({self.workers}) is not a multiple of nodes ({self.nodes}); set "
+                        "procs_per_node (--procs-per-node M) for nodes x M processes",
+                    )
+                self.procs_per_node = self.workers // self.nodes
+            total = self.nodes * self.procs_per_node
+            if self.workers not in (None, total):
+                raise ConfigError(
+                    "workers",
+                    f"({self.workers}) conflicts with nodes ({self.nodes}) x procs_per_node "
+                    f"({self.procs_per_node}) = {total} processes; drop workers or set it to "
+                    f"{total}",
+                )
+            self.workers = total
+            if self.algo == "none":
+                raise ConfigError(
+                    "nodes",
+                    f"({self.nodes}) does not apply to algo none, which trains every process "
+                    f"alone; use workers (--workers {total}) for {total} unsynchronised processes",
+                )
+        if self.node_sharding == "zero":
+            if self.algo == "none":
+                raise ConfigError(
+                    "node_sharding",
+                    "'zero' shards AdamW across processes that train one replica together; "
+                    "algo none has no such processes",
+                )
+            if not self.hierarchical and self.algo != "ddp":
+                raise ConfigError(
+                    "node_sharding",
+                    f"'zero' shards AdamW across the processes of a node, which train one "
+                    f"replica with DDP; with algo {self.algo} that needs nodes >= 2 "
+                    "(--nodes 2 --procs-per-node 2), or use algo ddp",
+                )
+            if self.node_size < 2:
+                raise ConfigError(
+                    "node_sharding",
+                    "'zero' needs at least 2 processes per node to shard across, got 1; set "
+                    "procs_per_node (--procs-per-node) to 2 or more, or node_sharding none",
+                )
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job on a local launch: ``workers`` (``nodes`` x ``procs_per_node``
+        with several nodes); torchrun's world size must equal it when ``nodes`` > 1."""
+        assert self.workers is not None, "resolved in __post_init__"
+        return self.workers
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the job runs node groups: DDP inside each node, the algorithm across nodes
+        (``nodes`` > 1 with an outer algorithm; ddp runs over every process)."""
+        return self.nodes > 1 and self.algo not in NO_OUTER_ALGORITHM
+
+    @property
+    def node_size(self) -> int:
+        """Processes that train one replica together (DDP, and ZeRO with ``node_sharding``):
+        ``procs_per_node`` with node groups, every process for ddp on one node, else 1."""
+        if self.nodes > 1 and self.algo != "none":
+            assert self.procs_per_node is not None
+            return self.procs_per_node
+        return self.world_size if self.algo == "ddp" else 1
 
     def _check_paths(self) -> None:
         for key in ("out", "name", "resume"):

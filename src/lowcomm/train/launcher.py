@@ -15,6 +15,13 @@ Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
           --rdzv-endpoint HOST:29400 -m lowcomm train --algo co2
 
+With ``nodes`` K > 1 and ``procs_per_node`` M, the local launch starts K x M workers, emulating
+K nodes of M processes (ranks node-major); under torchrun the flags must describe the layout
+torchrun started (:func:`check_torchrun_layout`)::
+
+      torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+          --rdzv-endpoint HOST:29400 -m lowcomm train --algo co2 --nodes 2 --procs-per-node 4
+
 Workers write their own output (rank 0 shows the progress bar). Either way a failed worker
 becomes a :class:`WorkerFailed` naming its rank and error, with its traceback saved to
 ``<out>/error-rank<r>.txt``. The root cause is reported, not its knock-on effects: a worker
@@ -49,7 +56,14 @@ from lowcomm.train.loop import (
 )
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
 
-__all__ = ["WorkerFailed", "check_environment", "launch", "prepare_output", "under_torchrun"]
+__all__ = [
+    "WorkerFailed",
+    "check_environment",
+    "check_torchrun_layout",
+    "launch",
+    "prepare_output",
+    "under_torchrun",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +90,10 @@ def under_torchrun() -> bool:
 
 
 def check_environment(cfg: TrainConfig) -> None:
-    """Checks that need this machine rather than the config alone: the backend, the output
-    folder (not a file; no previous run in it unless ``overwrite`` or ``resume``), the
-    checkpoint to resume from (complete, same world size and settings) and the corpus.
+    """Checks that need this machine rather than the config alone: the backend, torchrun's
+    layout (:func:`check_torchrun_layout`), the output folder (not a file; no previous run in
+    it unless ``overwrite`` or ``resume``), the checkpoint to resume from (complete, same world
+    size and settings) and the corpus.
 
     Raises :class:`ConfigError` (a ``ValueError``) in the parent, before any worker starts.
     """
@@ -90,12 +105,13 @@ def check_environment(cfg: TrainConfig) -> None:
         )
     if resolve_backend(cfg.backend) == "nccl" and not under_torchrun():
         n_gpus = torch.cuda.device_count()
-        if cfg.workers > n_gpus:
+        if cfg.world_size > n_gpus:
             raise ConfigError(
                 "workers",
-                f"({cfg.workers}) exceeds the {n_gpus} CUDA device(s) nccl can use; "
+                f"({cfg.world_size}) exceeds the {n_gpus} CUDA device(s) nccl can use; "
                 f"use at most {n_gpus} workers or --backend gloo",
             )
+    check_torchrun_layout(cfg)
     if cfg.out is not None and os.path.exists(cfg.out):
         if not os.path.isdir(cfg.out):
             raise ConfigError("out", f"{cfg.out!r} exists and is not a folder; choose another path")
@@ -111,7 +127,7 @@ def check_environment(cfg: TrainConfig) -> None:
             )
     if cfg.resume is not None:
         folder = ckpt.find_checkpoint(cfg.resume, cfg.out)
-        world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else cfg.workers
+        world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else cfg.world_size
         ckpt.check_compatible(folder, cfg, world)
     try:
         corpus = load_corpus(cfg.data)
@@ -128,6 +144,41 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"({cfg.block_size}) is too long for the corpus: its {split} split has {n} "
                 f"tokens, a window needs {need}; use a smaller block_size or more text",
             )
+
+
+def check_torchrun_layout(cfg: TrainConfig) -> None:
+    """Under torchrun with ``nodes`` > 1: torchrun must have started the layout the flags ask
+    for, ``nodes`` x ``procs_per_node`` processes in all (``WORLD_SIZE``), ``procs_per_node`` on
+    this machine (``LOCAL_WORLD_SIZE``), ranks node-major (``RANK`` = node rank x
+    ``procs_per_node`` + ``LOCAL_RANK``, as torchrun numbers them when every node starts the same
+    number). Raises :class:`ConfigError` naming the torchrun flags that give it."""
+    if not under_torchrun() or cfg.nodes == 1:
+        return
+    nodes, per_node = cfg.nodes, cfg.procs_per_node
+    fix = f"start it with torchrun --nnodes {nodes} --nproc-per-node {per_node}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world != cfg.world_size:
+        raise ConfigError(
+            "nodes",
+            f"({nodes}) x procs_per_node ({per_node}) = {cfg.world_size} processes, but torchrun "
+            f"started {world} (WORLD_SIZE); {fix}",
+        )
+    if local_world != per_node:
+        raise ConfigError(
+            "procs_per_node",
+            f"({per_node}) differs from the {local_world} processes torchrun started on this "
+            f"machine (LOCAL_WORLD_SIZE); {fix}",
+        )
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if rank % local_world != local_rank:
+        raise ConfigError(
+            None,
+            f"torchrun's ranks are not node-major: rank {rank} is local rank {local_rank} of "
+            f"{local_world}, where node groups need rank = node x {local_world} + local rank; "
+            f"give every node the same --nproc-per-node ({per_node})",
+        )
 
 
 def prepare_output(cfg: TrainConfig) -> None:
@@ -278,7 +329,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         launch_config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
-            nproc_per_node=cfg.workers,
+            nproc_per_node=cfg.world_size,
             run_id=f"lowcomm-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d",
             rdzv_endpoint=endpoint,

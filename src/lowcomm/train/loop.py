@@ -6,6 +6,17 @@ with ``(seed, rank)``), and runs plain PyTorch steps: forward, backward, inner A
 ``DistributedDataParallel`` (gradients all-reduced every step) as the synchronous baseline, with a
 :class:`~lowcomm.comm.DDPCommMeter` counting its traffic.
 
+**Node groups** (``nodes`` K > 1, ``procs_per_node`` M; ranks node-major, node n holding ranks
+n*M ... n*M+M-1): the M processes of a node train one replica, wrapped in
+``DistributedDataParallel`` over the node's group (gradients averaged every step, counted by a
+second :class:`~lowcomm.comm.DDPCommMeter`), and the algorithm runs across nodes over the
+cross-node group of the ranks with this rank's local index ({j, M+j, 2M+j, ...}): every local
+index averages its own copy of the node's replica, the same on each. ``--link`` applies to the
+cross-node group only, each of a node's M processes getting 1/M of its bandwidth (they send at
+the same time); DDP inside the node uses the real (local) network. ``--algo ddp`` stays DDP over
+every process. ``node_sharding="zero"`` replaces each process's AdamW by a
+``ZeroRedundancyOptimizer`` over the node's group (over every process for ddp on one node).
+
 Validation loss is measured at step 0, every ``eval_interval`` steps (a multiple of
 ``sync_every``, right after a round boundary, where the live parameters equal the consensus
 anchor on every rank) and at the end after ``algo.finish()``. Two algorithms differ:
@@ -26,13 +37,13 @@ Rank 0 writes the run folder (see :mod:`lowcomm.train.metrics`) and shows the pr
 per-step path stays on the device: rank 0 adds each step's loss to a running sum there and reads
 it back (one device sync) only every ``log_every`` steps and at evaluations.
 
-With ``checkpoint_every`` every rank saves its whole state every that many steps, at the end of
-the step (after ``algo.step()``, the evaluation and the records), into one checkpoint folder per
-step (:mod:`lowcomm.train.checkpoint`). A run given ``resume``, or a worker group restarted by
-the elastic agent, restores all of it and continues with the next step, so that it ends exactly
-where an uninterrupted run would. Collectives time out after ``collective_timeout`` seconds, so
-a worker whose peer died or stalled fails instead of hanging; every failure is recorded for the
-launcher, marked as a lost peer when it is one.
+With ``checkpoint_every`` every rank saves its whole state (with ZeRO, its shard of AdamW) every
+that many steps, at the end of the step (after ``algo.step()``, the evaluation and the records),
+into one checkpoint folder per step (:mod:`lowcomm.train.checkpoint`). A run given ``resume``, or
+a worker group restarted by the elastic agent, restores all of it and continues with the next
+step, so that it ends exactly where an uninterrupted run would. Collectives time out after
+``collective_timeout`` seconds, so a worker whose peer died or stalled fails instead of hanging;
+every failure is recorded for the launcher, marked as a lost peer when it is one.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +77,9 @@ from lowcomm.train.metrics import (
     save_checkpoint,
     write_json,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
     "FAULT_ENV",
@@ -301,15 +315,46 @@ def build_gpt(cfg: TrainConfig, vocab_size: int) -> GPT:
     )
 
 
-def _inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def _param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
     # nanoGPT's grouping: decay weight matrices and embeddings, not biases or LayerNorm gains.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
+    return [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _zero_optimizer(
+    model: nn.Module, cfg: TrainConfig, group: dist.ProcessGroup | None
+) -> ZeroRedundancyOptimizer:
+    """The inner AdamW with its state sharded across ``group`` (``--node-sharding zero``).
+
+    ZeroRedundancyOptimizer takes the same parameter groups as AdamW: it partitions each group
+    across the ranks (whole parameters, largest first, to the least loaded rank) and gives each
+    rank a local AdamW (``.optim``) over its share with the group's settings, so weight decay
+    stays off biases and LayerNorm gains. After every ``step()`` each rank broadcasts the
+    parameters it updated to the group: one flat bucket per rank (``parameters_as_bucket_view``:
+    the parameters become views into those buckets, updated in place as before) rather than one
+    broadcast per parameter, which on gloo cost about a third of the throughput of the small GPT.
+    AdamW's update is elementwise per parameter, so this gives the same bits as one AdamW over
+    every parameter. ``overlap_with_ddp`` is not used: on gloo torch refuses it (it may hang).
+    """
+    # imported here: torch.distributed.optim scripts its functional optimizers on import
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        _param_groups(model, cfg),
+        optimizer_class=torch.optim.AdamW,
+        process_group=group,
+        parameters_as_bucket_view=True,
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -387,23 +432,34 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
 
     corpus = load_corpus(cfg.data)
     _check_same_job(cfg, corpus)
+    groups = _node_groups(cfg, world)
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     gpt = build_gpt(cfg, corpus.vocab_size).to(device)
     if state is not None:
         gpt.load_state_dict(state["model"])
-    inner = _inner_optimizer(gpt, cfg)
-    if state is not None:
-        inner.load_state_dict(state["optimizer"])
+    inner: torch.optim.Optimizer
+    zero: ZeroRedundancyOptimizer | None = None
+    if cfg.node_sharding == "zero":
+        inner = zero = _zero_optimizer(gpt, cfg, groups.node)
+        if state is not None:  # this rank's shard (see save())
+            zero.optim.load_state_dict(state["optimizer"])
+    else:
+        inner = _inner_optimizer(gpt, cfg)
+        if state is not None:
+            inner.load_state_dict(state["optimizer"])
     ceiling = _Ceiling(gpt, cfg, corpus, rank, device) if cfg.ceiling_steps else None
 
     algo = None
     meter: Any = None
+    node_meter: DDPCommMeter | None = None  # DDP inside the node (node groups)
     ddp_compression: Any = None  # the compressed DDP hook's state (residuals), when used
     link = EmulatedLink.parse(cfg.link) if cfg.link is not None else None
+    ddp_kwargs: dict[str, Any] = {"bucket_cap_mb": cfg.bucket_cap_mb}
+    if device.type == "cuda":
+        ddp_kwargs["device_ids"] = [device.index]
     if cfg.algo == "ddp":
-        ddp_kwargs: dict[str, Any] = {"bucket_cap_mb": cfg.bucket_cap_mb}
-        if device.type == "cuda":
-            ddp_kwargs["device_ids"] = [device.index]
+        # with nodes, still DDP over every process: the layout sets their number (and the
+        # group ZeRO shards over), not what is synchronised
         ddp = nn.parallel.DistributedDataParallel(gpt, **ddp_kwargs)
         model: nn.Module = ddp
         if cfg.compression is not None:
@@ -426,16 +482,33 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         stats = CommStats()
     else:
         model = gpt
-        outer_group = link.communicator() if link is not None else None
+        if cfg.hierarchical:
+            # one replica per node: its processes average gradients every step (the fast
+            # local network, never the emulated link)
+            model = nn.parallel.DistributedDataParallel(
+                gpt, process_group=groups.node, **ddp_kwargs
+            )
+            node_meter = DDPCommMeter()
+            node_meter.register(model)
+        outer_group: Any = groups.cross
+        if link is not None:
+            outer_group = _node_link(link, cfg).communicator(groups.cross)
         # The model itself, not its parameters: streaming builds its fragments from its blocks.
+        # With ZeRO the algorithm gets this rank's local AdamW, whose state is the one it zeroes
+        # on a non-finite average (the wrapper's own ``state`` stays empty).
         algo = cfg.algorithm_class()(
-            gpt, inner, process_group=outer_group, **cfg.algorithm_kwargs()
+            gpt,
+            zero.optim if zero is not None else inner,
+            process_group=outer_group,
+            **cfg.algorithm_kwargs(),
         )
         if state is not None:
             algo.load_state_dict(state["algorithm"])
         stats = algo.stats
     if state is not None:
         _restore_stats(stats, state.get("comm_stats") or {})
+        if node_meter is not None:
+            _restore_stats(node_meter.stats, state.get("intra_node_stats") or {})
 
     gen = make_generator(cfg.seed, rank)
     if state is not None:
@@ -451,10 +524,10 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     if is_main:
         write_json(os.path.join(cfg.out, "config.json"), _resolved_config(cfg, world, corpus))
         logger.info(
-            "lowcomm train: %s, %d workers (%s), %.2f M parameters, corpus %s "
+            "lowcomm train: %s, %s (%s), %.2f M parameters, corpus %s "
             "(%d train / %d val tokens), %d steps of %d tokens per worker",
             cfg.algo,
-            world,
+            _describe_layout(cfg, world),
             dist.get_backend(),
             gpt.num_parameters() / 1e6,
             corpus.source,
@@ -484,12 +557,16 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
             "rank": rank,
             "world_size": world,
             "model": {k: v.detach().cpu() for k, v in gpt.state_dict().items()},
-            "optimizer": inner.state_dict(),
+            # with ZeRO, this rank's shard: its local AdamW (the partition is deterministic)
+            "optimizer": zero.optim.state_dict() if zero is not None else inner.state_dict(),
             # waits for in-flight all-reduces (not applying them) before the counters are read
             "algorithm": algo.state_dict() if algo is not None else None,
             "ddp_hook": ddp_compression.state_dict() if ddp_compression is not None else None,
             "rng": _rng_state(gen, device),
             "comm_stats": dataclasses.asdict(stats),
+            "intra_node_stats": (
+                dataclasses.asdict(node_meter.stats) if node_meter is not None else None
+            ),
             "progress": progress.state_dict() if progress is not None else None,
         }
         ckpt.write_rank_state(cfg.out or ".", step, rank, rank_state)
@@ -527,6 +604,8 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         loss.backward()
         if meter is not None:
             meter.backward_done()
+        if node_meter is not None:
+            node_meter.backward_done()
         inner.step()
         inner.zero_grad(set_to_none=True)
         if algo is not None:
@@ -554,7 +633,14 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
         "rounds": rounds(),
         "skipped_updates": int(getattr(algo, "skipped_updates", 0)),
         **stats.as_dict(),
+        "intra_node": node_meter.stats.as_dict() if node_meter is not None else None,
+        "params_checksum": _params_checksum(gpt),
     }
+    # ZeRO's group: the node's processes, or every process for ddp on one node (under torchrun,
+    # the world size is torchrun's, not cfg.workers)
+    if zero is not None and rank < (cfg.procs_per_node or world):
+        # node 0 (its group rank 0 is rank 0) gathers the whole AdamW state for checkpoint.pt
+        zero.consolidate_state_dict(to=0)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, per_rank)
 
@@ -596,9 +682,68 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     plot_losses(
         os.path.join(cfg.out, "metrics.jsonl"),
         os.path.join(cfg.out, "loss.png"),
-        title=f"{cfg.name}: {cfg.algo}, {world} workers",
+        title=f"{cfg.name}: {cfg.algo}, {_describe_layout(cfg, world)}",
     )
     return summary
+
+
+@dataclasses.dataclass
+class _NodeGroups:
+    """This rank's process groups under ``nodes`` > 1 (``None``: WORLD, the flat layout)."""
+
+    node: dist.ProcessGroup | None
+    """The M ranks of this rank's node: DDP (with node groups) and ZeRO run inside it."""
+    cross: dist.ProcessGroup | None
+    """The K ranks with this rank's local index, one per node: the outer algorithm's group."""
+
+
+def _node_groups(cfg: TrainConfig, world: int) -> _NodeGroups:
+    """Create the node groups and the cross-node groups of ``cfg``'s layout.
+
+    Ranks are node-major (node n holds ranks n*M ... n*M+M-1, as torchrun numbers them), so
+    local index j's cross group is {j, M+j, 2M+j, ...}. Every rank creates every group, in the
+    same order, as torch.distributed requires.
+    """
+    if cfg.nodes == 1 or not (cfg.hierarchical or cfg.node_sharding == "zero"):
+        return _NodeGroups(node=None, cross=None)
+    k, m = cfg.nodes, cfg.procs_per_node
+    assert m is not None and k * m == world, (k, m, world)
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout)
+    node, _ = dist.new_subgroups_by_enumeration(
+        [[n * m + j for j in range(m)] for n in range(k)], timeout=timeout
+    )
+    cross = None
+    if cfg.hierarchical:
+        cross, _ = dist.new_subgroups_by_enumeration(
+            [[n * m + j for n in range(k)] for j in range(m)], timeout=timeout
+        )
+    return _NodeGroups(node=node, cross=cross)
+
+
+def _node_link(link: EmulatedLink, cfg: TrainConfig) -> EmulatedLink:
+    """The emulated link one process of a node sees. ``--link`` is the node's link to the
+    others; with node groups each of its M processes runs the same schedule and sends its own
+    full copy at the same time, so each gets 1/M of the bandwidth (the latency is the same)."""
+    if not cfg.hierarchical or cfg.procs_per_node in (None, 1):
+        return link
+    m = cfg.procs_per_node
+    return EmulatedLink(link.bandwidth_bps / m, link.latency_s)
+
+
+def _describe_layout(cfg: TrainConfig, world: int) -> str:
+    """``"4 workers"``, or ``"4 workers (2 nodes x 2)"`` with node groups."""
+    if cfg.nodes == 1:
+        return f"{world} workers"
+    return f"{world} workers ({cfg.nodes} nodes x {cfg.procs_per_node})"
+
+
+def _params_checksum(model: nn.Module) -> str:
+    """A checksum of every parameter's bits: equal on two ranks that hold the same model."""
+    from lowcomm.guard import checksum
+
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    return checksum(flat)
 
 
 def _check_same_job(cfg: TrainConfig, corpus: Any) -> None:
@@ -805,8 +950,9 @@ class _Progress:
         if sys.stderr.isatty() and not cfg.quiet:
             from tqdm.auto import tqdm
 
+            layout = f"x{world}" if cfg.nodes == 1 else f"{cfg.nodes}x{cfg.procs_per_node}"
             self.bar = tqdm(
-                total=cfg.steps, desc=f"{cfg.algo} x{world}", unit="step", dynamic_ncols=True
+                total=cfg.steps, desc=f"{cfg.algo} {layout}", unit="step", dynamic_ncols=True
             )
 
     def start(self, t_start: float) -> None:
@@ -924,6 +1070,7 @@ def _resolved_config(cfg: TrainConfig, world: int, corpus: Any) -> dict[str, Any
     out = cfg.to_dict()
     out["resolved"] = {
         "world_size": world,
+        "layout": _describe_layout(cfg, world),
         "backend": dist.get_backend(),
         "eval_interval": cfg.eval_interval,
         "algorithm_kwargs": cfg.algorithm_kwargs(),
@@ -975,6 +1122,7 @@ def _summary(
     )
     skipped = max((int(w.get("skipped_updates", 0)) for w in workers), default=0)
     mean = {k: _mean([w[k] for w in workers]) for k in keys}
+    checksums = {w.get("params_checksum") for w in workers}
     tokens_per_s = tokens / train_s if train_s > 0 else None
     if ceiling is not None and tokens_per_s is not None:
         ceiling["ratio"] = tokens_per_s / ceiling["tokens_per_s"]
@@ -997,6 +1145,40 @@ def _summary(
         "val_loss_initial": val_start,
         "val_loss_final": val_end,
         "skipped_updates": skipped,
+        "replicas_identical": len(checksums) == 1,
+        "layout": _layout_summary(cfg, world, workers, mean),
         "comm_mean": mean,
         "comm_per_worker": workers,
+    }
+
+
+def _layout_summary(
+    cfg: TrainConfig, world: int, workers: list[dict[str, Any]], mean: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The node layout for ``summary.json`` (``None`` for the flat layout without ZeRO):
+    ``comm_mean`` then counts what crosses nodes, ``intra_node`` DDP inside them."""
+    if cfg.nodes == 1 and cfg.node_sharding == "none":
+        return None
+    per_node = cfg.procs_per_node if cfg.nodes > 1 else world
+    assert per_node is not None
+    intra = [w["intra_node"] for w in workers if w.get("intra_node") is not None]
+    intra_mean = None
+    if intra:
+        keys = ("collectives", "payload_bytes", "wire_bytes", "blocked_s", "in_flight_s")
+        intra_mean = {k: _mean([d[k] for d in intra]) for k in keys}
+        for key in ("payload_bytes", "wire_bytes"):
+            intra_mean[f"{key}_per_step"] = (intra_mean[key] or 0.0) / cfg.steps
+    cross_wire = mean.get("wire_bytes")
+    return {
+        "nodes": cfg.nodes,
+        "procs_per_node": per_node,
+        "node_sharding": cfg.node_sharding,
+        "across_nodes": cfg.algo,
+        "link_per_process": (
+            _node_link(EmulatedLink.parse(cfg.link), cfg).name if cfg.link is not None else None
+        ),
+        "cross_node_wire_bytes_per_node": (
+            per_node * cross_wire if cfg.hierarchical and cross_wire is not None else None
+        ),
+        "intra_node": intra_mean,
     }

@@ -16,14 +16,20 @@
     record and times continue from the checkpoint's;
 
 * ``checkpoint.pt``: **rank 0's** final state (after ``algo.finish()``): its model, inner
-  optimizer and algorithm state (``"rank": 0``), with the config, world size and step. It is the
-  trained model to load; the resume points are the per-rank checkpoints under ``checkpoints/``
-  (``--checkpoint-every``, see :mod:`lowcomm.train.checkpoint`). Plain dicts, tensors, numbers
-  and strings, so ``torch.load(weights_only=True)`` reads it;
+  optimizer (with ``node_sharding="zero"`` the whole AdamW state, gathered from node 0's shards,
+  in AdamW's own format) and algorithm state (``"rank": 0``), with the config, world size and
+  step. It is the trained model to load; the resume points are the per-rank checkpoints under
+  ``checkpoints/`` (``--checkpoint-every``, see :mod:`lowcomm.train.checkpoint`). Plain dicts,
+  tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it;
 * ``checkpoints/step-NNNNNN/``: resumable checkpoints of every rank (with ``--checkpoint-every``);
 * ``loss.png``: training and validation loss against step;
 * ``summary.json``: totals, throughput, validation loss start and end, communication counters per
-  worker and their mean;
+  worker and their mean, ``replicas_identical`` (every rank ended with the same parameters, by
+  a checksum of each rank's), and ``layout``: ``null``, or with ``nodes`` / ``node_sharding``
+  the node layout (``nodes``, ``procs_per_node``, ``node_sharding``, ``across_nodes``,
+  ``link_per_process``, ``cross_node_wire_bytes_per_node`` and ``intra_node``, the mean
+  counters of DDP inside the nodes); with node groups the ``comm_*`` counters are those of the
+  algorithm's cross-node group;
 * ``error-rank<r>.txt``: the traceback of a worker that failed, if one did.
 
 A folder holding :data:`RUN_FILES` or a ``checkpoints`` folder is a previous run: ``lowcomm train``

@@ -28,6 +28,26 @@ def _resume_rows(resumed_at: list[int] | None) -> list[tuple[str, str]]:
     return [("resumed at", ", ".join(f"step {s:,}" for s in resumed_at))]
 
 
+def _workers(summary: dict[str, Any]) -> str:
+    layout = summary.get("layout")
+    if not layout or layout["nodes"] == 1:
+        return str(summary["workers"])
+    return f"{summary['workers']} ({layout['nodes']} nodes x {layout['procs_per_node']})"
+
+
+def _layout_rows(layout: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not layout:
+        return []
+    rows = []
+    if layout["nodes"] > 1 and layout["across_nodes"] != "ddp":
+        rows.append(("layout", f"DDP inside each node, {layout['across_nodes']} across nodes"))
+    if layout["node_sharding"] == "zero":
+        where = "of a node" if layout["nodes"] > 1 else "(one node)"
+        text = f"zero (AdamW state across the {layout['procs_per_node']} processes {where})"
+        rows.append(("node sharding", text))
+    return rows
+
+
 def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
     """A small two-column table of a run's ``summary.json``.
 
@@ -45,10 +65,22 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
     wall = f"{summary['wall_time_s']:.1f} s training loop"
     if command_s is not None:
         wall += f", {command_s:.1f} s with start-up"
+    layout = summary.get("layout") or {}
+    hierarchical = layout.get("nodes", 1) > 1 and algo != "ddp"
+    # with node groups, the algorithm's counters are those of its cross-node group
+    across = "cross-node " if hierarchical else ""
+    intra = layout.get("intra_node")
+    link = summary.get("link") or "real network"
+    if hierarchical and summary.get("link"):
+        link += (
+            f", across nodes only; a node's {layout['procs_per_node']} processes share it: "
+            f"{layout['link_per_process']} each"
+        )
     rows = [
         ("algorithm", f"{algo} (sync {sync})"),
-        ("workers", str(summary["workers"])),
-        ("link", summary.get("link") or "real network"),
+        ("workers", _workers(summary)),
+        *_layout_rows(layout or None),
+        ("link", link),
         ("compression", summary.get("compression") or "none (fp32)"),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
         *_resume_rows(summary.get("resumed_at")),
@@ -63,10 +95,15 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
             if summary.get("skipped_updates")
             else []
         ),
-        ("payload / worker", _mb(comm.get("payload_bytes"))),
-        ("wire / worker", _mb(comm.get("wire_bytes"))),
-        ("blocked / worker", f"{comm.get('blocked_s') or 0.0:.2f} s"),
+        (f"{across}payload / worker", _mb(comm.get("payload_bytes"))),
+        (f"{across}wire / worker", _mb(comm.get("wire_bytes"))),
+        (f"{across}blocked / worker", f"{comm.get('blocked_s') or 0.0:.2f} s"),
         ("hidden fraction", "-" if hidden is None else f"{hidden:.1%}"),
+        *(
+            [("intra-node wire / worker", f"{_mb(intra['wire_bytes'])} (DDP, every step)")]
+            if intra
+            else []
+        ),
         ("wall time", wall),
         ("output", str(summary.get("out"))),
     ]
