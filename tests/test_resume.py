@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -18,28 +19,13 @@ import pytest
 import torch
 
 from lowcomm.cli import main
+from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS
 from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.loop import FAULT_ENV
 
-# 12 steps, rounds of 4 (boundaries 4, 8, 12); dropout so that the global RNG matters.
-BASE = [
-    "--steps", "12", "--sync-every", "4", "--eval-every", "4", "--eval-batches", "1",
-    "--batch-size", "2", "--block-size", "16", "--n-layer", "2", "--n-head", "2",
-    "--n-embd", "32", "--warmup", "2", "--workers", "2", "--log-every", "2",
-    "--dropout", "0.1", "--quiet",
-]  # fmt: skip
-ALGO_ARGS = {
-    "co2": [],
-    "co2-eager": [],
-    "diloco": [],
-    "slowmo": [],
-    "localsgd": [],
-    # 2 fragments, a sync point every 2 steps, each all-reduce launched 1 step early (odd steps)
-    "streaming": ["--num-fragments", "2", "--overlap", "1"],
-    "cocodc": ["--num-fragments", "2", "--overlap", "1"],
-    "ddp": [],
-}
+BASE = TINY_JOB_ARGS
+ALGO_ARGS = TINY_JOB_ALGO_ARGS
 REFERENCE_EVERY = 3  # the uninterrupted runs checkpoint at 3, 6, 9, 12
 
 # (algo, checkpoint_every, rank killed, step killed at): the run resumes from the last multiple
@@ -271,3 +257,37 @@ def test_metrics_are_cut_back_to_the_checkpoint(tmp_path: Any) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "st')
     ckpt.truncate_metrics(str(path), 3)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_checkpoint_is_refused_naming_the_file(
+    reference: Callable[[str], str], capsys: Any, tmp_path: Any
+) -> None:
+    run = str(tmp_path / "run")
+    shutil.copytree(reference("co2"), run)
+    step12 = os.path.join(run, ckpt.CHECKPOINTS, "step-000012")
+    step9 = os.path.join(run, ckpt.CHECKPOINTS, "step-000009")
+    rank1 = os.path.join(step12, "rank-1.pt")
+    size = os.path.getsize(rank1)
+    hint = f"resume from an earlier one: --resume {step9}"
+    argv = [*_argv("co2", str(tmp_path / "resumed")), "--resume", step12]
+    # cut short or emptied: refused before any worker starts, exit 2
+    with open(rank1, "r+b") as f:
+        f.truncate(size // 2)
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert f"is damaged: rank-1.pt has {size // 2} bytes but {size} were written; {hint}" in line
+    os.remove(rank1)
+    assert main(argv) == 2
+    assert f"is damaged: rank-1.pt is missing; {hint}" in _one_error_line(capsys)
+    # the right size but garbage inside: the worker that reads it says so, exit 1
+    with open(rank1, "wb") as f:
+        f.write(b"\0" * size)
+    assert main(argv) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "worker rank 1 failed: ValueError:" in line and "the file is damaged" in line, line
+    assert hint in line
+    # a path that is not there
+    assert main([*argv[:-1], str(tmp_path / "nowhere")]) == 2
+    line = _one_error_line(capsys)
+    assert f"--resume path {str(tmp_path / 'nowhere')!r} does not exist" in line, line

@@ -228,3 +228,30 @@ def test_unshardable_settings_are_refused(cls: type, kwargs: dict[str, Any], mat
     kwargs = {"shard_outer_state": True, **kwargs}
     with pytest.raises(ValueError, match=match):
         cls.validate(sync_every=4, **kwargs)
+
+
+TINY_JOB = [
+    "--steps", "16", "--sync-every", "4", "--eval-every", "8", "--eval-batches", "1",
+    "--batch-size", "2", "--block-size", "16", "--n-layer", "2", "--n-head", "2",
+    "--n-embd", "32", "--workers", "2", "--quiet",
+]  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_lowcomm_train_shard_outer_state(tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    from lowcomm.cli import main
+
+    losses = {}
+    for name, extra in (("plain", []), ("sharded", ["--shard-outer-state"])):
+        out = tmp_path / name
+        assert main(["train", "--algo", "diloco", *TINY_JOB, "--out", str(out), *extra]) == 0
+        with open(out / "summary.json") as f:
+            losses[name] = json.load(f)["val_loss_final"]
+        with open(out / "config.json") as f:
+            assert json.load(f)["shard_outer_state"] == (name == "sharded" or None)
+    assert losses["sharded"] == pytest.approx(losses["plain"], rel=1e-5)
+    argv = ["train", "--algo", "co2", "--shard-outer-state", "--compression", "int8"]
+    assert main([*argv, "--out", str(tmp_path / "bad")]) == 2
+    assert "cannot be combined with compression" in capsys.readouterr().err

@@ -177,6 +177,8 @@ def find_checkpoint(spec: str, out: str | None) -> str:
         )
     else:
         where = run_folder_of(spec)
+        if not os.path.exists(where):
+            raise ConfigError("resume", f"path {spec!r} does not exist")
     found = complete_checkpoints(where)
     if not found:
         raise ConfigError(
@@ -232,6 +234,7 @@ def check_compatible(folder: str, cfg: TrainConfig, world_size: int) -> dict[str
             f"checkpoint {folder!r} was written by {saved_world} workers but this run has "
             f"{world_size}; resume with the same number of workers",
         )
+    _check_files(folder, manifest, world_size)
     diff = config_difference(manifest.get("config", {}), cfg)
     if diff is not None:
         key, before, now = diff
@@ -241,6 +244,37 @@ def check_compatible(folder: str, cfg: TrainConfig, world_size: int) -> dict[str
             f"{key}={now!r}; resume with the same settings or start a new run",
         )
     return manifest
+
+
+def _earlier(folder: str) -> str:
+    """A hint naming the complete checkpoint before ``folder``, if its run has one."""
+    run = run_folder_of(folder)
+    here = os.path.normpath(folder)
+    earlier = [f for _, f in complete_checkpoints(run) if os.path.normpath(f) < here]
+    if earlier:
+        return f"resume from an earlier one: --resume {earlier[-1]}"
+    return "no earlier complete checkpoint is left: start a new run"
+
+
+def _check_files(folder: str, manifest: Mapping[str, Any], world_size: int) -> None:
+    """Every rank's file is there with the size it was written with (manifests that record
+    sizes); raises :class:`ConfigError` (``resume``) naming the damaged file."""
+    sizes = manifest.get("sizes")
+    for rank in range(world_size):
+        path = _rank_file(folder, rank)
+        if not os.path.isfile(path):
+            raise ConfigError(
+                "resume",
+                f"checkpoint {folder!r} is damaged: {os.path.basename(path)} is missing; "
+                f"{_earlier(folder)}",
+            )
+        if isinstance(sizes, list) and rank < len(sizes) and os.path.getsize(path) != sizes[rank]:
+            raise ConfigError(
+                "resume",
+                f"checkpoint {folder!r} is damaged: {os.path.basename(path)} has "
+                f"{os.path.getsize(path)} bytes but {sizes[rank]} were written; "
+                f"{_earlier(folder)}",
+            )
 
 
 def _rank_file(folder: str, rank: int) -> str:
@@ -276,6 +310,8 @@ def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
             "format": FORMAT,
             "step": step,
             "files": [os.path.basename(_rank_file(partial, r)) for r in range(world)],
+            # checked before a resume starts any worker: a damaged file is refused up front
+            "sizes": [os.path.getsize(_rank_file(partial, r)) for r in range(world)],
             "written": time.time(),
             "torch": torch.__version__,
             **manifest,
@@ -321,6 +357,14 @@ def load_rank_state(folder: str, rank: int, world_size: int) -> dict[str, Any]:
         state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ValueError(f"checkpoint {folder!r} has no file for rank {rank}") from None
+    except Exception as e:  # torch.load raises many kinds on a damaged file
+        first = (str(e).splitlines() or [""])[0]
+        raise ValueError(
+            f"{path!r} cannot be read, the file is damaged ({type(e).__name__}: {first}); "
+            f"{_earlier(folder)}"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} is not a lowcomm checkpoint file; {_earlier(folder)}")
     if state.get("rank") != rank or state.get("world_size") != world_size:
         raise ValueError(
             f"{path!r} holds rank {state.get('rank')} of {state.get('world_size')}, "

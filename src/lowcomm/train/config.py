@@ -88,9 +88,16 @@ _CO2_KEYS = (
     "nan_policy",
 )
 OUTER_KEYS: dict[str, tuple[str, ...]] = {
-    "co2": _CO2_KEYS,
+    "co2": (*_CO2_KEYS, "shard_outer_state"),
     "co2-eager": _CO2_KEYS,
-    "diloco": ("outer_lr", "outer_momentum", "nesterov", "compression", "nan_policy"),
+    "diloco": (
+        "outer_lr",
+        "outer_momentum",
+        "nesterov",
+        "compression",
+        "nan_policy",
+        "shard_outer_state",
+    ),
     "streaming": (
         "outer_lr",
         "outer_momentum",
@@ -100,6 +107,7 @@ OUTER_KEYS: dict[str, tuple[str, ...]] = {
         "mix",
         "compression",
         "nan_policy",
+        "shard_outer_state",
     ),
     "cocodc": (
         "outer_lr",
@@ -114,7 +122,7 @@ OUTER_KEYS: dict[str, tuple[str, ...]] = {
         "nan_policy",
     ),
     "localsgd": ("nan_policy",),
-    "slowmo": ("outer_lr", "outer_momentum", "compression", "nan_policy"),
+    "slowmo": ("outer_lr", "outer_momentum", "compression", "nan_policy", "shard_outer_state"),
     "ddp": ("compression",),
     "none": (),
 }
@@ -149,6 +157,7 @@ DEFAULT_WORKERS = 2
 
 _ALL_OUTER_KEYS = (
     *_CO2_KEYS,
+    "shard_outer_state",
     "num_fragments",
     "overlap",
     "mix",
@@ -273,6 +282,10 @@ class TrainConfig:
     """Compress what is communicated, with error feedback: pseudo-gradients (co2, co2-eager,
     diloco, slowmo, streaming, cocodc) or ddp's per-step gradients; a spec such as int4, int8:sr,
     bf16, topk:0.01, powersgd:4 or lgreco:powersgd (unset: fp32)."""
+    shard_outer_state: bool | None = None
+    """co2, diloco, slowmo, streaming: keep 1/N of the outer state (anchor, momentum, outer
+    optimizer) on each worker: reduce-scatter, update the owned chunk, all-gather (default
+    off)."""
     nan_policy: str | None = None
     """What an outer algorithm does when its averaged pseudo-gradient holds NaN or Inf: skip
     (drop that outer update alike on every rank, count and log it; default) or raise (stop the

@@ -100,6 +100,7 @@ MODE ``kill`` (default: SIGKILL itself), ``exit`` (``os._exit(3)``), ``hang`` (s
 exiting, until the others time out), ``raise`` (a ``RuntimeError``) or ``nan`` (set one value
 of its first parameter to NaN and go on: a diverging worker). Not a user setting."""
 
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
 _PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeout", re.IGNORECASE)
 
 
@@ -154,7 +155,10 @@ def _setup_worker_logging(rank: int, quiet: bool = False) -> None:
 def error_line(error: BaseException) -> str:
     """``"Type: first line of the message"``: how a worker's failure is reported."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    if not lines:
+        return type(error).__name__
+    # gloo prefixes its errors with its source location: "[/path/unbound_buffer.cc:78] Timed out"
+    return f"{type(error).__name__}: {_SOURCE_LOCATION.sub('', lines[0])}"
 
 
 def run_worker(
