@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.metrics import atomic_write, save_checkpoint, write_json
+from lowcomm.train.metrics import atomic_write, fsync_dir, save_checkpoint, write_json
 
 __all__ = [
     "CHECKPOINTS",
@@ -321,7 +321,7 @@ def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
     if os.path.exists(final):  # the same step from a run that was stopped later than this one
         shutil.rmtree(final)
     os.replace(partial, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final))
     complete = complete_checkpoints(out)
     for _, folder in complete[: max(0, len(complete) - keep)]:
         shutil.rmtree(folder, ignore_errors=True)
@@ -399,16 +399,3 @@ def truncate_metrics(path: str, step: int, *, source: str | None = None) -> None
             kept.append(line)
     data = "".join(line + "\n" for line in kept).encode()
     atomic_write(path, lambda f: f.write(data))
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -127,16 +127,22 @@ def atomic_write(path: str, write: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    try:  # make the rename itself durable; not possible on every platform
-        dir_fd = os.open(folder, os.O_RDONLY)
+    fsync_dir(folder)  # make the rename itself durable
+
+
+def fsync_dir(folder: str) -> None:
+    """fsync a folder, so that renames into it survive a crash (not possible on every
+    platform: then a no-op)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     except OSError:
         pass
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def write_json(path: str, obj: Any) -> None:
