@@ -5,21 +5,19 @@ from lowcomm.outer.co2 import CO2
 from lowcomm.outer.cocodc import CoCoDC
 from lowcomm.outer.diloco import DiLoCo, SlowMo
 from lowcomm.outer.local_sgd import LocalSGD
+from lowcomm.outer.registry import REGISTRY
 from lowcomm.outer.streaming import StreamingDiLoCo
 
 ALGORITHMS: dict[str, type[OuterAlgorithm]] = {
-    "co2": CO2,
-    "cocodc": CoCoDC,
-    "diloco": DiLoCo,
-    "localsgd": LocalSGD,
-    "slowmo": SlowMo,
-    "streaming": StreamingDiLoCo,
+    e.cls.name: e.cls for e in REGISTRY.values() if e.cls is not None and not e.fixed
 }
-"""The algorithms by the names the CLI uses for them."""
+"""The library's algorithm classes by their names (:mod:`lowcomm.outer.registry` has every
+``--algo`` value, variants and baselines included)."""
 
 __all__ = [
     "ALGORITHMS",
     "CO2",
+    "REGISTRY",
     "CoCoDC",
     "DiLoCo",
     "LocalSGD",

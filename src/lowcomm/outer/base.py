@@ -119,6 +119,10 @@ class OuterAlgorithm:
     """
 
     name: ClassVar[str] = "outer"
+    schedule: ClassVar[str] = "blocking"
+    """How it communicates (:data:`lowcomm.outer.registry.SCHEDULES`)."""
+    compressible: ClassVar[bool] = False
+    """Whether it takes ``compression=``."""
 
     def __init__(
         self,

@@ -104,6 +104,8 @@ class CO2(OuterAlgorithm):
     """
 
     name = "co2"
+    schedule = "one-round-stale"
+    compressible = True
 
     def __init__(
         self,

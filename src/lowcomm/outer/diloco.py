@@ -72,6 +72,7 @@ class DiLoCo(OuterAlgorithm):
     """
 
     name = "diloco"
+    compressible = True
     _default_nesterov = True
 
     def __init__(

@@ -131,6 +131,8 @@ class StreamingDiLoCo(OuterAlgorithm):
     """
 
     name = "streaming"
+    schedule = "fragments"
+    compressible = True
     _default_nesterov = True
 
     def __init__(

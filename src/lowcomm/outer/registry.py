@@ -1,0 +1,116 @@
+"""The one registry of algorithm names: every ``--algo`` value of ``lowcomm train``, what runs it
+and how it communicates. The CLI, the job's configuration, ``lowcomm bench``, ``lowcomm
+simulate``, the tests and the benchmarks read it; no other module lists algorithms.
+
+An entry is an outer algorithm of :mod:`lowcomm.outer` under its class's own ``name`` (``co2``),
+a variant of one with keywords fixed (``co2-eager``: CO2 with ``eager=True``), or one of the two
+baselines that are no outer algorithm: ``ddp`` (synchronous DistributedDataParallel, every step)
+and ``none`` (no synchronisation at all: the throughput ceiling).
+
+Example::
+
+    from lowcomm.outer.registry import REGISTRY
+    entry = REGISTRY["co2-eager"]
+    entry.cls, dict(entry.fixed)          # (CO2, {'eager': True})
+    [e.name for e in REGISTRY.values() if e.schedule == "blocking"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from lowcomm.outer.co2 import CO2
+from lowcomm.outer.cocodc import CoCoDC
+from lowcomm.outer.diloco import DiLoCo, SlowMo
+from lowcomm.outer.local_sgd import LocalSGD
+from lowcomm.outer.streaming import StreamingDiLoCo
+
+if TYPE_CHECKING:
+    from lowcomm.outer.base import OuterAlgorithm
+
+__all__ = ["BASELINES", "REGISTRY", "SCHEDULES", "AlgorithmEntry", "names", "outer_names"]
+
+SCHEDULES = ("blocking", "one-round-stale", "fragments", "every-step", "never")
+"""How an entry communicates: a blocking sync every H steps (LocalSGD, DiLoCo, SlowMo); the
+sync of round t applied at the end of round t + 1 (CO2); P fragments synced in turn, each τ
+steps overlapped (Streaming DiLoCo, CoCoDC); a blocking all-reduce of the gradients every step
+(DDP); never (the no-sync ceiling)."""
+
+
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    """One ``--algo`` value."""
+
+    name: str
+    """The name users type (``--algo NAME``, ``lowcomm.outer.ALGORITHMS[NAME]``)."""
+    summary: str
+    """One line for help texts and tables."""
+    cls: type[OuterAlgorithm] | None = None
+    """The class that runs it; ``None`` for the baselines ``ddp`` and ``none``."""
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    """Keywords this name fixes on ``cls`` (``co2-eager``: ``{"eager": True}``)."""
+    schedule: str = "blocking"
+    """One of :data:`SCHEDULES`."""
+    compressible: bool = False
+    """Whether ``--compression`` applies to it."""
+
+    def __post_init__(self) -> None:
+        assert self.schedule in SCHEDULES, self.schedule
+        object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
+
+    @property
+    def is_outer(self) -> bool:
+        """Whether a lowcomm outer algorithm runs it (not a baseline)."""
+        return self.cls is not None
+
+
+def _outer(
+    cls: type[OuterAlgorithm], summary: str, suffix: str = "", **fixed: Any
+) -> AlgorithmEntry:
+    return AlgorithmEntry(
+        name=f"{cls.name}-{suffix}" if suffix else cls.name,
+        summary=summary,
+        cls=cls,
+        fixed=fixed,
+        schedule=cls.schedule,
+        compressible=cls.compressible,
+    )
+
+
+_ENTRIES = (
+    _outer(CO2, "CO2: one-round-stale outer updates, fully overlapped"),
+    _outer(CO2, "CO2 with eager updates (own fresh delta, others' stale)", "eager", eager=True),
+    _outer(DiLoCo, "DiLoCo: Nesterov outer SGD on averaged pseudo-gradients"),
+    _outer(StreamingDiLoCo, "Streaming DiLoCo: fragments synced in turn, overlapped"),
+    _outer(CoCoDC, "CoCoDC: Streaming DiLoCo with delay compensation"),
+    _outer(LocalSGD, "LocalSGD: parameter averaging"),
+    _outer(SlowMo, "SlowMo: heavy-ball outer SGD with 1/lr scaling"),
+    AlgorithmEntry(
+        name="ddp",
+        summary="DistributedDataParallel: gradient all-reduce every step (baseline)",
+        schedule="every-step",
+        compressible=True,
+    ),
+    AlgorithmEntry(
+        name="none", summary="no synchronisation: the throughput ceiling", schedule="never"
+    ),
+)
+
+REGISTRY: Mapping[str, AlgorithmEntry] = MappingProxyType({e.name: e for e in _ENTRIES})
+"""Every ``--algo`` value, in the order help texts list them."""
+
+BASELINES = tuple(e.name for e in _ENTRIES if not e.is_outer)
+"""The entries that are no outer algorithm (``ddp``, ``none``)."""
+
+
+def names() -> tuple[str, ...]:
+    """Every registered name, in registry order."""
+    return tuple(REGISTRY)
+
+
+def outer_names() -> tuple[str, ...]:
+    """The names an outer algorithm runs (every name but the baselines)."""
+    return tuple(n for n, e in REGISTRY.items() if e.is_outer)
