@@ -252,6 +252,13 @@ class OuterAlgorithm:
     def world_size(self) -> int:
         return self.comm.world_size
 
+    @property
+    def anchor_views(self) -> list[torch.Tensor]:
+        """A for every trainable parameter, in model order: the consensus model to evaluate
+        (LocalSGD, which keeps no anchor: the parameters themselves)."""
+        anchor = getattr(self, "anchor", None)
+        return list(anchor.views) if anchor is not None else list(self.params)
+
     _discards_partial_round = True
     """Whether :meth:`finish` drops the steps taken since the last round boundary (and warns)."""
 
