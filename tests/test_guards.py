@@ -61,22 +61,14 @@ def _anchor(algo: lowcomm.OuterAlgorithm) -> list[torch.Tensor]:
 
 
 def _outer_state(algo: lowcomm.OuterAlgorithm) -> list[torch.Tensor]:
-    """CO2's momentum and gap statistic, the outer optimizers' buffers (DiLoCo, streaming)."""
-    if isinstance(algo, lowcomm.CO2):
-        return [v.clone() for v in [*algo.momentum.views, *algo.gap_stat.views]]
-    optimizers = (
-        [f.outer for f in algo.fragments]
-        if isinstance(algo, lowcomm.StreamingDiLoCo)
-        else [algo.outer]  # type: ignore[attr-defined]
-        if isinstance(algo, lowcomm.DiLoCo)
-        else []
-    )
+    """The outer state: CO2's momentum, gap statistic and last update, the outer optimizers'
+    buffers (DiLoCo, streaming); nothing for LocalSGD."""
     return [
         t.clone()
-        for opt in optimizers
-        for state in opt.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
+        for f in algo.fragments
+        if f.outer is not None
+        for t in f.outer.tensors()
+        if t.dim() > 0
     ]
 
 

@@ -3,7 +3,7 @@
 For every algorithm and group size N, N real processes on a gloo group (127.0.0.1) build the
 default GPT of ``lowcomm train``, wrap it in the algorithm with ``shard_outer_state`` off and
 on, train two rounds (so that lazily created outer state, such as SGD's momentum buffer,
-exists) and read :meth:`~lowcomm.outer.base.OuterAlgorithm.memory_report`: bytes of the
+exists) and read :meth:`~lowcomm.outer.engine.OuterAlgorithm.memory_report`: bytes of the
 distinct tensor storages behind
 
 * **state**, what persists between syncs (anchor, outer optimizer or momentum, statistics); and

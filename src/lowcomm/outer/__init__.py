@@ -1,9 +1,10 @@
-"""Outer-loop algorithms: one module each, a pure update function plus a stateful class."""
+"""Outer-loop algorithms on one engine (:mod:`lowcomm.outer.engine`): one short module each,
+with its hyperparameters as a dataclass and its math as pure functions (:mod:`.functional`)."""
 
-from lowcomm.outer.base import OuterAlgorithm
 from lowcomm.outer.co2 import CO2
 from lowcomm.outer.cocodc import CoCoDC
 from lowcomm.outer.diloco import DiLoCo, SlowMo
+from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.local_sgd import LocalSGD
 from lowcomm.outer.registry import REGISTRY
 from lowcomm.outer.streaming import StreamingDiLoCo

@@ -36,21 +36,43 @@ Example::
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
-from lowcomm.outer.base import Compression, _check_bool, _check_positive_int, clone_views
-from lowcomm.outer.fragment import OuterOptimizerFactory
+from lowcomm.outer.fragment import load_tensors
 from lowcomm.outer.functional import delay_compensation_
-from lowcomm.outer.streaming import StreamingDiLoCo
+from lowcomm.outer.hparams import (
+    check_bool,
+    check_nonnegative_float,
+    check_positive_int,
+    hyper,
+)
+from lowcomm.outer.streaming import FragmentsConfig, StreamingDiLoCo
 
-__all__ = ["CoCoDC"]
+__all__ = ["CoCoDC", "CoCoDCConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoCoDCConfig(FragmentsConfig):
+    """CoCoDC's hyperparameters (no ``mix``: the delay compensation merges)."""
+
+    lambda0: float = hyper(
+        0.2,
+        doc="delay-compensation strength (0: first order only)",
+        symbol="λ₀",
+        check=check_nonnegative_float(0.2),
+    )
+    adaptive: bool = hyper(
+        True, doc="pick fragments by all-reduced priority, or round-robin", check=check_bool
+    )
+    max_wait: int = hyper(
+        2,
+        doc="most rounds a fragment may wait before it is synced",
+        symbol="K",
+        check=check_positive_int(2),
+    )
 
 
 class CoCoDC(StreamingDiLoCo):
@@ -61,89 +83,31 @@ class CoCoDC(StreamingDiLoCo):
             term).
         adaptive: pick fragments by priority (default) or round-robin.
         max_wait: K, the most rounds a fragment may wait before it is synced (default 2).
-        Other arguments as :class:`~lowcomm.StreamingDiLoCo`, ``compression`` included
-        (``mix`` is not used: the delay compensation decides how local and global parameters
-        combine).
+        Other arguments as :class:`~lowcomm.StreamingDiLoCo`, ``compression`` included (not
+        ``mix``, nor ``shard_outer_state``).
     """
 
     name = "cocodc"
+    Config = CoCoDCConfig
+    config: CoCoDCConfig
 
-    def __init__(
-        self,
-        model_or_params: nn.Module | Iterable[torch.Tensor],
-        inner_optimizer: torch.optim.Optimizer,
-        *,
-        sync_every: int,
-        num_fragments: int | None = None,
-        fragments: Sequence[nn.Module | Iterable[torch.Tensor]] | None = None,
-        overlap: int = 0,
-        lambda0: float = 0.2,
-        adaptive: bool = True,
-        max_wait: int = 2,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        process_group: dist.ProcessGroup | Communicator | None = None,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        compression: Compression = None,
-        nan_policy: str = "skip",
-        check_consistency: bool = True,
-    ) -> None:
-        self.validate(lambda0=lambda0, adaptive=adaptive, max_wait=max_wait)
-        super().__init__(
-            model_or_params,
-            inner_optimizer,
-            sync_every=sync_every,
-            num_fragments=num_fragments,
-            fragments=fragments,
-            overlap=overlap,
-            mix=0.0,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            nesterov=nesterov,
-            outer_optimizer=outer_optimizer,
-            process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb,
-            compression=compression,
-            nan_policy=nan_policy,
-            check_consistency=check_consistency,
-        )
-        self.lambda0 = float(lambda0)
-        self.adaptive = bool(adaptive)
-        self.max_wait = int(max_wait)
-        self._snapshots = [frag.anchor.like() for frag in self.fragments]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._snapshots = [f.anchor.like() for f in self.fragments]
         self.last_launch = [0] * self.num_fragments
         """Sync index at which each fragment was last launched (0: never)."""
-
-    @classmethod
-    def validate(cls, **kwargs: Any) -> None:
-        super().validate(**kwargs)
-        if "lambda0" in kwargs:
-            lam = kwargs["lambda0"]
-            if (
-                isinstance(lam, bool)
-                or not isinstance(lam, numbers.Real)
-                or not math.isfinite(lam)
-                or float(lam) < 0
-            ):
-                raise ValueError(f"lambda0 must be a finite number >= 0, got {lam!r}; e.g. 0.2")
-        if "adaptive" in kwargs:
-            _check_bool("adaptive", kwargs["adaptive"])
-        if "max_wait" in kwargs:
-            _check_positive_int("max_wait", kwargs["max_wait"], 2)
 
     def _choose_fragment(self, k: int) -> int:
         busy = set(self._in_flight.values())
         free = [f for f in range(self.num_fragments) if f not in busy]
         assert free, "overlap < sync_every leaves at least one fragment free"
         waits = {f: k - self.last_launch[f] for f in free}
-        starving = [f for f in free if waits[f] >= self.max_wait * self.num_fragments]
+        starving = [f for f in free if waits[f] >= self.config.max_wait * self.num_fragments]
         if starving:
             f = max(starving, key=lambda f: (waits[f], -f))
-        elif not self.adaptive:
+        elif not self.config.adaptive:
             # round-robin over the free fragments, starting where plain Streaming DiLoCo would
-            rr = super()._choose_fragment(k)
+            rr = (k - 1) % self.num_fragments
             f = min(free, key=lambda f: (f - rr) % self.num_fragments)
         else:
             scores = torch.zeros(self.num_fragments, dtype=torch.float64)
@@ -166,27 +130,18 @@ class CoCoDC(StreamingDiLoCo):
     def _merge(self, f: int) -> None:
         frag = self.fragments[f]
         delay_compensation_(
-            frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=self.lambda0
+            frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=self.config.lambda0
         )
 
-    def _settings(self) -> dict[str, Any]:
+    def _extra_state(self) -> dict[str, Any]:
         return {
-            **super()._settings(),
-            "lambda0": self.lambda0,
-            "adaptive": self.adaptive,
-            "max_wait": self.max_wait,
+            "last_launch": list(self.last_launch),
+            "snapshots": [[v.clone() for v in s.views] for s in self._snapshots],
         }
 
-    def _extra_state(self) -> dict[str, Any]:
-        state = super()._extra_state()
-        state["last_launch"] = list(self.last_launch)
-        state["snapshots"] = [clone_views(s) for s in self._snapshots]
-        return state
-
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        super()._load_extra_state(state)
         if "last_launch" not in state or "snapshots" not in state:
             raise ValueError("CoCoDC state_dict is missing 'last_launch' or 'snapshots'")
-        self.last_launch = [int(x) for x in state["last_launch"]]
         for i, snap in enumerate(self._snapshots):
-            self._load_tensors({"s": state["snapshots"][i]}, "s", snap.views)
+            load_tensors({"s": state["snapshots"][i]}, "s", snap.views)
+        self.last_launch = [int(x) for x in state["last_launch"]]

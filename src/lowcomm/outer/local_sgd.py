@@ -4,8 +4,9 @@ Paper: Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020
 (https://arxiv.org/abs/1808.07217); Stich, "Local SGD Converges Fast and Communicates Little"
 (https://arxiv.org/abs/1805.09767).
 
-Blocking: the round waits for its all-reduce. Buffers are not averaged. ``finish()`` averages
-once more if steps were taken since the last round.
+On the outer engine: one fragment, no overlap, and the average is the anchor itself (no outer
+update): θᵢ ← mean(θ). Blocking. Buffers are not averaged. ``finish()`` averages once more if
+steps were taken since the last round.
 
 Numeric guard: LocalSGD keeps no anchor to fall back on. When the average holds NaN or Inf
 (``nan_policy="skip"``), the round is averaged again over the ranks whose own parameters are
@@ -27,110 +28,89 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.profiler import record_function
 
-from lowcomm.comm import DEFAULT_BUCKET_CAP_MB, Communicator
 from lowcomm.guard import NonFiniteError
-from lowcomm.outer.base import OuterAlgorithm
+from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
+from lowcomm.outer.fragment import Sync
+from lowcomm.outer.hparams import OuterConfig, check_positive_int, hyper
 
-__all__ = ["LocalSGD"]
+__all__ = ["LocalSGD", "LocalSGDConfig"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDConfig(OuterConfig):
+    """LocalSGD's hyperparameters."""
+
+    sync_every: int = hyper(doc="inner steps per round", symbol="H", check=check_positive_int(12))
 
 
 class LocalSGD(OuterAlgorithm):
     """θᵢ ← mean(θ) every ``sync_every`` (H) inner steps.
 
     Args:
-        model_or_params: an ``nn.Module`` or an iterable of parameters.
-        inner_optimizer: the optimizer whose ``step()`` drives the rounds.
         sync_every: H, inner steps per round.
-        process_group: the group to average over; ``None`` is WORLD.
-        bucket_cap_mb: size cap of one flat fp32 bucket (one collective each).
-        nan_policy, check_consistency: the guards every algorithm has (see
-            :class:`~lowcomm.outer.base.OuterAlgorithm`).
+        process_group, nan_policy, check_consistency: as every algorithm
+            (:class:`~lowcomm.outer.engine.OuterAlgorithm`).
     """
 
     name = "localsgd"
+    Config = LocalSGDConfig
+    _averages_params = True
+    _discards_partial_round = False
 
-    def __init__(
-        self,
-        model_or_params: nn.Module | Iterable[torch.Tensor],
-        inner_optimizer: torch.optim.Optimizer,
-        *,
-        sync_every: int,
-        process_group: dist.ProcessGroup | Communicator | None = None,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        nan_policy: str = "skip",
-        check_consistency: bool = True,
-    ) -> None:
-        self.validate(sync_every=sync_every, bucket_cap_mb=bucket_cap_mb)
-        if sync_every == 1:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.sync_every == 1:
             warnings.warn(
                 "LocalSGD with sync_every=1 averages parameters after every step; "
                 "DistributedDataParallel does the same with less work",
                 stacklevel=2,
             )
-        super().__init__(
-            model_or_params,
-            inner_optimizer,
-            sync_every=sync_every,
-            process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb,
-            nan_policy=nan_policy,
-            check_consistency=check_consistency,
-        )
-        self._buf = self._new_buckets()
         self._last_sync = 0
 
-    def _end_round(self) -> None:
-        with record_function(f"{self._profile_tag}::average"):
-            self._buf.copy_from(self.params)
-            own_ok = self._check_own(self._buf.buffers)
-            self.comm.all_reduce_mean(self._buf.buffers)
-            if not self._guard(self._buf.buffers, f"round {self.rounds + 1}"):
-                self._average_finite_ranks(own_ok)
-            self._buf.copy_to(self.params)
+    def _apply(self, k: int) -> None:
+        super()._apply(k)
         self._last_sync = self.local_step
 
-    def _average_finite_ranks(self, own_ok: bool) -> None:
-        """Replace the buffer by the mean of the ranks whose parameters are finite."""
-        self._buf.copy_from(self.params)
-        if not own_ok:
-            for b in self._buf.buffers:
+    def _after_finish(self, drained: bool) -> None:
+        # Average once more if steps were taken since the last round, so that every rank holds
+        # the same parameters and no local work is lost.
+        if self.local_step != self._last_sync:
+            self._launch(0)
+            self._apply(0)
+
+    def _on_non_finite(self, frag: AnyFragment, sync: Sync) -> None:
+        super()._on_non_finite(frag, sync)
+        # the anchor is the send buffer: average again over the ranks whose θ is finite
+        buf = frag.anchor
+        buf.copy_from(self.params)
+        if not sync.own_ok:
+            for b in buf.buffers:
                 b.zero_()
-        count = torch.tensor([1.0 if own_ok else 0.0], device=self._buf.device)
-        self.comm.all_reduce_mean([*self._buf.buffers, count])
+        count = torch.tensor([1.0 if sync.own_ok else 0.0], device=buf.device)
+        self.comm.all_reduce_mean([*buf.buffers, count])
         finite = round(float(count) * self.world_size)
         if finite == 0:
             raise NonFiniteError(
                 "LocalSGD: every rank's parameters hold NaN or Inf; nothing finite is left to "
                 "average (lower the learning rate, check the data)"
             )
-        torch._foreach_mul_(self._buf.buffers, self.world_size / finite)
+        torch._foreach_mul_(buf.buffers, self.world_size / finite)
         logger.warning(
-            "LocalSGD: round %d averaged over the %d of %d ranks whose parameters are finite",
-            self.rounds + 1,
+            "LocalSGD: %s averaged over the %d of %d ranks whose parameters are finite",
+            sync.label,
             finite,
             self.world_size,
         )
-
-    _discards_partial_round = False
-
-    def _finish(self) -> None:
-        # Average once more if steps were taken since the last round, so that every rank holds
-        # the same parameters and no local work is lost.
-        if self.local_step != self._last_sync:
-            self._end_round()
 
     def _extra_state(self) -> dict[str, Any]:
         return {"last_sync": self._last_sync}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._last_sync = int(state.get("last_sync", self.local_step))
+        self._last_sync = int(state.get("last_sync", state["local_step"]))

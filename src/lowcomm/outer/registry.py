@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,7 +30,7 @@ from lowcomm.outer.local_sgd import LocalSGD
 from lowcomm.outer.streaming import StreamingDiLoCo
 
 if TYPE_CHECKING:
-    from lowcomm.outer.base import OuterAlgorithm
+    from lowcomm.outer.engine import OuterAlgorithm
 
 __all__ = ["BASELINES", "REGISTRY", "SCHEDULES", "AlgorithmEntry", "names", "outer_names"]
 
@@ -76,7 +77,7 @@ def _outer(
         cls=cls,
         fixed=fixed,
         schedule=cls.schedule,
-        compressible=cls.compressible,
+        compressible=any(f.name == "compression" for f in dataclasses.fields(cls.Config)),
     )
 
 

@@ -555,7 +555,7 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
                 "final": [p.detach().clone() for p in _params(model)],
                 "events": list(comm.events),
                 "stats": algo.stats.as_dict(),
-                "buckets": len(algo._new_buckets().buffers),
+                "buckets": sum(len(f.anchor.buffers) for f in algo.fragments),
             }
         )
     return results
