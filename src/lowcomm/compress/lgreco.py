@@ -11,13 +11,24 @@ total error being at most ``max_error``; the adaptive compressor sets ``max_erro
 error of the uniform default (every layer at the family's default level), so the choice is
 never less accurate than the uniform setting and never larger.
 
+Totals are measured one way everywhere: :func:`total`, Python's built-in ``sum()`` over the
+layers in order — what ``sum(errors[l][c] for l, c in enumerate(picks))`` gives. Floating-point
+sums depend on the order and method (``math.fsum`` or numpy may differ in the last bit), so an
+assignment "meets" ``max_error`` when its :func:`total` is ≤ ``max_error``; compute budgets with
+``sum()`` or :func:`total` to have the assignment they came from accepted.
+
 :func:`choose` is the paper's dynamic programme over a discretised error budget: the budget is
 cut into ``resolution`` units u = max_error / resolution and every error is rounded **up** to
 whole units, ⌈e/u⌉. An assignment the programme accepts has Σ⌈e/u⌉ ≤ resolution, hence a real
-(undiscretised) total error ≤ max_error: the budget is never exceeded. The programme is exact for
-the discretised errors (so for errors that are multiples of u it equals brute force); rounding up
-may cost some size for other errors, at most one unit per layer of slack. Time
-O(layers × candidates × resolution).
+(undiscretised) total error ≤ max_error. The programme is exact for the discretised errors (so
+for errors that are multiples of u it equals brute force); rounding up may cost some size for
+other errors, at most one unit per layer of slack. That slack can hide an assignment whose total
+is within one unit per layer of the budget — in particular the uniform assignment whose total
+*is* the budget, which is how L-GreCo sets it — so :func:`choose` also evaluates every uniform
+assignment (all layers at candidate c) and the most accurate one exactly, and returns the
+smallest of everything that meets the budget: never larger than a uniform assignment that meets
+it, and never a rejection when the most accurate assignment meets it. Every answer is checked
+with :func:`total`. Time O(layers × candidates × resolution).
 
 The adaptive compressor (:class:`LGreCo`, used through
 :class:`~lowcomm.compress.feedback.Compressor`) re-measures and re-chooses every ``every``
@@ -54,7 +65,15 @@ from lowcomm.compress.codecs import (
     _reject_extra,
 )
 
-__all__ = ["FAMILIES", "LGreCo", "candidate_errors", "choose", "decide", "parse_lgreco"]
+__all__ = [
+    "FAMILIES",
+    "LGreCo",
+    "candidate_errors",
+    "choose",
+    "decide",
+    "parse_lgreco",
+    "total",
+]
 
 FAMILIES = ("powersgd", "topk", "int")
 """Codec families L-GreCo chooses within."""
@@ -63,6 +82,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_RESOLUTION = 1000
 """Units the error budget is cut into by :func:`choose`."""
+
+
+def total(values: Sequence[Sequence[float]], picks: Sequence[int]) -> float:
+    """Σ ``values[l][picks[l]]`` by Python's built-in ``sum()`` over the layers in order: how
+    :func:`choose` measures an assignment's total error (and size) against the budget."""
+    return sum(float(row[c]) for row, c in zip(values, picks))
 
 
 def choose(
@@ -75,11 +100,14 @@ def choose(
     """One candidate index per layer minimising Σ sizes with Σ errors ≤ ``max_error``.
 
     ``errors[l][c]`` and ``sizes[l][c]`` are candidate c's error and size in layer l (layers may
-    have different numbers of candidates). Exact dynamic programme over the budget cut into
-    ``resolution`` units, errors rounded up (see the module docstring): the result never
-    exceeds ``max_error``. Ties in size go to the smaller discretised error, then the lower
-    candidate index. Raises ``ValueError`` when no assignment fits the budget or the tables are
-    malformed.
+    have different numbers of candidates). Totals are :func:`total`. The answer is the smallest
+    of: the dynamic programme's over the budget cut into ``resolution`` units, errors rounded up;
+    every uniform assignment (candidate c in every layer); the most accurate assignment — among
+    those whose total error is ≤ ``max_error`` (see the module docstring). So the result never
+    exceeds ``max_error`` and is never larger than a uniform assignment that meets it. Ties in
+    size go to the programme's answer (its own ties to the smaller discretised error, then the
+    lower candidate index), then the lower uniform candidate. Raises ``ValueError`` when not even
+    the most accurate assignment meets the budget, or the tables are malformed.
     """
     if len(errors) != len(sizes):
         raise ValueError(f"errors has {len(errors)} layers but sizes has {len(sizes)}")
@@ -109,6 +137,31 @@ def choose(
             out.append(min(exact, key=lambda c: (float(s[c]), c)))
         return out
 
+    candidates = [] if (dp := _programme(errors, sizes, max_error, resolution)) is None else [dp]
+    candidates += [[c] * len(errors) for c in range(min(len(e) for e in errors))]
+    candidates.append(
+        [
+            min(range(len(e)), key=lambda c: (float(e[c]), float(s[c]), c))
+            for e, s in zip(errors, sizes)
+        ]
+    )
+    fits = [picks for picks in candidates if total(errors, picks) <= max_error]
+    if not fits:
+        raise ValueError(
+            f"no assignment meets max_error={max_error!r}: even the most accurate candidates "
+            f"total {total(errors, candidates[-1])!r}; raise the budget"
+        )
+    return min(fits, key=lambda picks: total(sizes, picks))  # first of equal sizes
+
+
+def _programme(
+    errors: Sequence[Sequence[float]],
+    sizes: Sequence[Sequence[float]],
+    max_error: float,
+    resolution: int,
+) -> list[int] | None:
+    """The dynamic programme's least-size assignment with Σ⌈e/u⌉ ≤ ``resolution`` (u =
+    ``max_error / resolution``), or ``None`` when no assignment fits in whole units."""
     unit = max_error / resolution
     g = resolution
     inf = math.inf
@@ -130,29 +183,17 @@ def choose(
         best = new
         picks.append(pick)
     finite = np.isfinite(best)
-    if finite.any():
-        j = int(np.flatnonzero(best == best[finite].min())[0])  # least size, then least error
-        out = [0] * len(errors)
-        for l in range(len(errors) - 1, -1, -1):
-            c = int(picks[l][j])
-            assert c >= 0
-            out[l] = c
-            j -= _units(float(errors[l][c]), unit, g)
-        assert j == 0
-        if math.fsum(float(errors[l][c]) for l, c in enumerate(out)) <= max_error:
-            return out
-    # Nothing fits the discretised budget (or float rounding pushed the sum over): the most
-    # accurate assignment is the only candidate left.
-    out = [
-        min(range(len(e)), key=lambda c: (float(e[c]), float(s[c]), c))
-        for e, s in zip(errors, sizes)
-    ]
-    if math.fsum(float(errors[l][c]) for l, c in enumerate(out)) <= max_error:
-        return out
-    raise ValueError(
-        f"no assignment meets max_error={max_error:g}: even the most accurate candidates "
-        "exceed it; raise the budget"
-    )
+    if not finite.any():
+        return None
+    j = int(np.flatnonzero(best == best[finite].min())[0])  # least size, then least error
+    out = [0] * len(errors)
+    for l in range(len(errors) - 1, -1, -1):
+        c = int(picks[l][j])
+        assert c >= 0
+        out[l] = c
+        j -= _units(float(errors[l][c]), unit, g)
+    assert j == 0
+    return out
 
 
 def decide(
@@ -163,19 +204,16 @@ def decide(
     resolution: int = DEFAULT_RESOLUTION,
 ) -> list[int]:
     """L-GreCo's choice for one measured table: :func:`choose` under the budget of the uniform
-    default (every layer at ``default_index``). The uniform default itself is kept when the
-    choice would be larger (the discretised budget can cost more than it saves) or when the
-    table is not usable (non-finite errors of a diverged run)."""
+    default (every layer at ``default_index``, its :func:`total`), hence never less accurate and
+    never larger than the uniform default. The uniform default itself is kept when the table is
+    not usable (non-finite errors of a diverged run)."""
     uniform = [default_index] * len(errors)
-    budget = math.fsum(float(row[default_index]) for row in errors)
     try:
-        picks = choose(errors, sizes, budget, resolution=resolution)
+        picks = choose(errors, sizes, total(errors, uniform), resolution=resolution)
     except ValueError as e:
         logger.warning("L-GreCo keeps the uniform setting: %s", e)
         return uniform
-    chosen = math.fsum(float(s[c]) for s, c in zip(sizes, picks))
-    if chosen > math.fsum(float(s[default_index]) for s in sizes):
-        return uniform
+    assert total(sizes, picks) <= total(sizes, uniform)
     return picks
 
 
