@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lowcomm.comm import Communicator, Handle, _DoneWork
+from lowcomm.comm import Communicator, DoneWork, Handle
 from lowcomm.compress.codecs import ElementwiseCodec, PowerSGD, orthogonalize
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CompressedHandle"]
 
-Work = dist.Work | _DoneWork
+Work = dist.Work | DoneWork
 
 
 @dataclass
@@ -117,7 +117,7 @@ class CompressedHandle(Handle):
             self._watch(lr.work_p)
 
     def _watch(self, work: Work | None) -> None:
-        if work is None or isinstance(work, _DoneWork):
+        if work is None or isinstance(work, DoneWork):
             return
         try:
             work.get_future().add_done_callback(self._on_done)
