@@ -2,7 +2,7 @@
 
 Quantised payloads cannot be summed in flight (gloo and NCCL add numbers, not codes), so the
 collective is chosen per codec. Per rank, with N ranks and c the compressed bytes one rank
-contributes for a bucket (:meth:`~lowcomm.compress.codecs.Codec.wire_nbytes` summed over its
+contributes for a bucket (:meth:`~lowcomm.compress.formats.Codec.wire_nbytes` summed over its
 tensors):
 
 * **bf16, int8/int4/int2, top-k, fp32** — *all-gather* of the compressed payloads, one per
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lowcomm.comm import Communicator, DoneWork, Handle
-from lowcomm.compress.codecs import ElementwiseCodec, PowerSGD, orthogonalize
+from lowcomm.compress.formats import ElementwiseCodec, PowerSGD, orthogonalize
 
 if TYPE_CHECKING:
     from lowcomm.compress.feedback import Compressor

@@ -51,18 +51,20 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from lowcomm.compress.codecs import (
+from lowcomm.compress.formats import (
     DEFAULT_BLOCK,
     Codec,
     ElementwiseCodec,
     PowerSGD,
     Quantize,
     TopK,
-    _flag,
-    _float,
-    _int,
-    _options,
-    _reject_extra,
+)
+from lowcomm.compress.options import (
+    flag_option,
+    float_option,
+    int_option,
+    reject_unknown,
+    split_options,
 )
 
 __all__ = [
@@ -244,7 +246,7 @@ def candidate_errors(
     Elementwise codecs by their round trip with deterministic rounding; PowerSGD rank r by one
     round of this rank's compression from the Q the next round would start from (``warm_q``,
     tensor ``index``'s current warm start, cut or extended to r columns):
-    :meth:`~lowcomm.compress.codecs.PowerSGD.local_error`."""
+    :meth:`~lowcomm.compress.formats.PowerSGD.local_error`."""
     x = x.detach().float()
     out: list[float] = []
     for codec in codecs:
@@ -266,7 +268,7 @@ class LGreCo:
 
     Args:
         family: ``"powersgd"`` (candidates are ranks), ``"topk"`` (densities) or ``"int"``
-            (bits of :class:`~lowcomm.compress.codecs.Quantize`).
+            (bits of :class:`~lowcomm.compress.formats.Quantize`).
         default: the uniform setting whose total error is the budget (rank 4, density 0.01,
             4 bits by default).
         candidates: the levels to choose from; by default ``default`` × {¼, ½, 1, 2, 4} for
@@ -365,8 +367,8 @@ class LGreCo:
 def parse_lgreco(spec: str) -> LGreCo:
     """An :class:`LGreCo` from ``"lgreco:FAMILY[:DEFAULT][:key=value]..."``."""
     _, *rest = spec.strip().split(":")
-    positional, keyed = _options("lgreco", rest)
-    _reject_extra(
+    positional, keyed = split_options(rest)
+    reject_unknown(
         spec, keyed, ("every", "min_numel", "resolution", "candidates", "block", "seed", "warm")
     )
     if not positional:
@@ -383,19 +385,21 @@ def parse_lgreco(spec: str) -> LGreCo:
         raise ValueError(
             f"compression {spec!r}: one default level at most, e.g. 'lgreco:topk:0.01'"
         )
-    default = _float(spec, "default", more[0]) if more else 0.0
+    default = float_option(spec, "default", more[0]) if more else 0.0
     cands: tuple[float, ...] = ()
     if "candidates" in keyed:
-        cands = tuple(_float(spec, "candidates", c) for c in keyed["candidates"].split("/") if c)
-    if "warm" in keyed and not _flag(spec, "warm", keyed["warm"]):
+        cands = tuple(
+            float_option(spec, "candidates", c) for c in keyed["candidates"].split("/") if c
+        )
+    if "warm" in keyed and not flag_option(spec, "warm", keyed["warm"]):
         raise ValueError(f"compression {spec!r}: L-GreCo's PowerSGD always warm-starts")
     return LGreCo(
         family=family,
         default=default,
         candidates=cands,
-        every=_int(spec, "every", keyed.get("every", "10")),
-        min_numel=_int(spec, "min_numel", keyed.get("min_numel", "1024")),
-        resolution=_int(spec, "resolution", keyed.get("resolution", str(DEFAULT_RESOLUTION))),
-        block=_int(spec, "block", keyed.get("block", str(DEFAULT_BLOCK))),
-        seed=_int(spec, "seed", keyed.get("seed", "0")),
+        every=int_option(spec, "every", keyed.get("every", "10")),
+        min_numel=int_option(spec, "min_numel", keyed.get("min_numel", "1024")),
+        resolution=int_option(spec, "resolution", keyed.get("resolution", str(DEFAULT_RESOLUTION))),
+        block=int_option(spec, "block", keyed.get("block", str(DEFAULT_BLOCK))),
+        seed=int_option(spec, "seed", keyed.get("seed", "0")),
     )
