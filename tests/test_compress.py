@@ -20,7 +20,7 @@ from lowcomm.compress import (
     TopK,
     parse_compression,
 )
-from lowcomm.compress.codecs import pack_bits, unpack_bits
+from lowcomm.compress.formats import pack_bits, unpack_bits
 from lowcomm.outer import CO2, CoCoDC, DiLoCo, StreamingDiLoCo
 from lowcomm.testing.reference import RefCompression
 

@@ -87,6 +87,45 @@ def test_choose_never_exceeds_the_budget(
     assert chosen <= math.fsum(sizes[l][c] for l, c in enumerate(accurate))
 
 
+@st.composite
+def uniform_instances(draw: st.DrawFn) -> tuple[list[list[float]], list[list[float]], int, int]:
+    """Tables with the same candidates in every layer, a uniform candidate and a resolution."""
+    layers, cands = draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    unit = st.floats(0, 1, allow_nan=False, exclude_max=True)
+    errors = [[draw(unit) for _ in range(cands)] for _ in range(layers)]
+    sizes = [[float(draw(st.integers(1, 50))) for _ in range(cands)] for _ in range(layers)]
+    return errors, sizes, draw(st.integers(0, cands - 1)), draw(st.integers(1, 1000))
+
+
+@settings(max_examples=500, deadline=None)
+@given(uniform_instances())
+def test_choose_accepts_the_budget_of_a_uniform_assignment(
+    inst: tuple[list[list[float]], list[list[float]], int, int],
+) -> None:
+    errors, sizes, c, resolution = inst
+    budget = sum(row[c] for row in errors)
+    pick = choose(errors, sizes, budget, resolution=resolution)
+    assert sum(errors[l][k] for l, k in enumerate(pick)) <= budget
+    assert sum(sizes[l][k] for l, k in enumerate(pick)) <= sum(row[c] for row in sizes)
+
+
+def test_choose_accepts_a_plain_sum_below_the_exact_one() -> None:
+    # the uniform assignment at candidate 1 is the most accurate one, and the plain sum of its
+    # errors is one ulp below their correctly rounded sum
+    errors = [
+        [0.7021227719986103, 0.055328646981933405, 0.2865613588800565],
+        [0.3793225620817874, 0.33303380320773956, 0.3825571619968171],
+        [0.8460317508179072, 0.4545358143132996, 0.4696164342612148],
+        [0.7323034836482556, 0.21069499109656709, 0.5655730501194198],
+        [0.9836099429575262, 0.2740261510357531, 0.8483295555171133],
+    ]
+    sizes = [[14, 42, 28], [5, 21, 26], [31, 36, 1], [26, 29, 15], [1, 43, 11]]
+    budget = sum(row[1] for row in errors)
+    assert budget < math.fsum(row[1] for row in errors)
+    assert choose(errors, sizes, budget) == [1] * 5
+    assert decide(errors, sizes, 1) == [1] * 5
+
+
 def test_choose_trades_error_between_layers() -> None:
     # layer 0 is cheap to compress hard, layer 1 is not: with the budget of "both at level 1"
     # plus a little, layer 0 goes to level 2

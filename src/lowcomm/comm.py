@@ -35,18 +35,17 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from lowcomm.compress.feedback import Compressor
-
 __all__ = [
     "CommStats",
     "Communicator",
+    "CompressedLauncher",
     "DDPCommMeter",
+    "DoneWork",
     "FlatBuckets",
     "Handle",
     "all_gather_wire_bytes",
@@ -196,7 +195,7 @@ class Handle:
 
     def __init__(
         self,
-        works: Sequence[dist.Work | _DoneWork],
+        works: Sequence[dist.Work | DoneWork],
         buffers: list[torch.Tensor],
         divisor: int,
         stats: CommStats,
@@ -252,7 +251,7 @@ class Handle:
         advance early must do so at the same point of the schedule on every rank."""
 
 
-class _DoneWork:
+class DoneWork:
     """A collective that has already completed (world size 1, or restored from a checkpoint)."""
 
     def wait(self) -> bool:
@@ -265,6 +264,22 @@ class _DoneWork:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+
+class CompressedLauncher(Protocol):
+    """What :meth:`Communicator.compressed_mean_async` launches through: compresses tensors with
+    this rank's state and starts their collectives on a communicator (a
+    :class:`lowcomm.compress.feedback.Compressor`). The transport knows no codec: compression
+    is built on top of it."""
+
+    def launch(
+        self,
+        comm: Communicator,
+        views: Sequence[torch.Tensor],
+        groups: Sequence[Sequence[int]],
+        *,
+        own: Sequence[torch.Tensor] | None = None,
+    ) -> Handle: ...
 
 
 class Communicator:
@@ -329,12 +344,12 @@ class Communicator:
         self.stats.wire_bytes += sum(
             reduce_scatter_wire_bytes(t.numel() * t.element_size(), self.world_size) for t in inputs
         )
-        works: list[dist.Work | _DoneWork] = []
+        works: list[dist.Work | DoneWork] = []
         for inp, out in zip(inputs, outputs):
             assert inp.numel() == out.numel() * self.world_size and inp.dtype == out.dtype
             if self.world_size == 1:
                 out.copy_(inp)
-                works.append(_DoneWork())
+                works.append(DoneWork())
             else:
                 works.append(self._launch_reduce_scatter(out, inp))
         return Handle(works, outputs, self.world_size, self.stats)
@@ -347,17 +362,17 @@ class Communicator:
         works = [self.all_gather_async(s, o) for s, o in zip(shards, outputs)]
         return Handle(works, outputs, 1, self.stats)
 
-    def all_reduce_sum_async(self, tensor: torch.Tensor) -> dist.Work | _DoneWork:
+    def all_reduce_sum_async(self, tensor: torch.Tensor) -> dist.Work | DoneWork:
         """Launch one SUM all-reduce of ``tensor`` in place (counted: ring wire bytes)."""
         payload = tensor.numel() * tensor.element_size()
         self.stats.collectives += 1
         self.stats.payload_bytes += payload
         self.stats.wire_bytes += ring_wire_bytes(payload, self.world_size)
         if self.world_size == 1:
-            return _DoneWork()
+            return DoneWork()
         return self._launch(tensor)
 
-    def all_gather_async(self, tensor: torch.Tensor, out: torch.Tensor) -> dist.Work | _DoneWork:
+    def all_gather_async(self, tensor: torch.Tensor, out: torch.Tensor) -> dist.Work | DoneWork:
         """Launch one all-gather of ``tensor`` into ``out`` (counted: ``tensor``'s bytes as
         payload, (N - 1) x payload on the wire)."""
         assert out.numel() == tensor.numel() * self.world_size and out.dtype == tensor.dtype
@@ -367,7 +382,7 @@ class Communicator:
         self.stats.wire_bytes += all_gather_wire_bytes(payload, self.world_size)
         if self.world_size == 1:
             out.copy_(tensor.reshape(-1))
-            return _DoneWork()
+            return DoneWork()
         return self._launch_all_gather(out, tensor)
 
     def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
@@ -376,9 +391,9 @@ class Communicator:
         self.stats.collectives += len(buffers)
         self.stats.payload_bytes += payload
         self.stats.wire_bytes += ring_wire_bytes(payload, self.world_size)
-        works: list[dist.Work | _DoneWork]
+        works: list[dist.Work | DoneWork]
         if self.world_size == 1:
-            works = [_DoneWork() for _ in buffers]
+            works = [DoneWork() for _ in buffers]
         else:
             works = [self._launch(b) for b in buffers]
         return Handle(works, buffers, self.world_size, self.stats)
@@ -390,7 +405,7 @@ class Communicator:
     def compressed_mean_async(
         self,
         buckets: FlatBuckets,
-        compressor: Compressor,
+        compressor: CompressedLauncher,
         *,
         own: FlatBuckets | None = None,
     ) -> Handle:
@@ -405,7 +420,7 @@ class Communicator:
 
     def completed(self, buffers: list[torch.Tensor]) -> Handle:
         """A handle whose result is already in ``buffers`` (restored from a checkpoint)."""
-        h = Handle([_DoneWork() for _ in buffers], buffers, 1, CommStats())
+        h = Handle([DoneWork() for _ in buffers], buffers, 1, CommStats())
         h.wait()
         return h
 

@@ -1,8 +1,8 @@
 """Compressed communication with error feedback, and L-GreCo layer-wise adaptive compression.
 
-* Codecs (:mod:`~lowcomm.compress.codecs`): :class:`BF16`, :class:`Quantize` (blockwise int8 /
+* Codecs (:mod:`~lowcomm.compress.formats`): :class:`BF16`, :class:`Quantize` (blockwise int8 /
   int4 / int2, optional stochastic rounding), :class:`TopK`, :class:`PowerSGD`; each reports its
-  exact wire bytes.
+  exact wire bytes. Spec strings (:mod:`~lowcomm.compress.codecs`): :func:`parse_compression`.
 * Collectives (:mod:`~lowcomm.compress.collectives`): all-gather of compressed payloads with
   decoding and averaging in rank order (elementwise codecs), PowerSGD's two all-reduces.
 * Error feedback (:class:`Compressor`): a residual per tensor on each rank.
@@ -19,19 +19,11 @@ Example::
     state, hook = lowcomm.compress.ddp_hook("powersgd:4"); ddp.register_comm_hook(state, hook)
 """
 
-from lowcomm.compress.codecs import (
-    BF16,
-    Codec,
-    ElementwiseCodec,
-    PowerSGD,
-    Quantize,
-    Raw,
-    TopK,
-    parse_compression,
-)
+from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.collectives import CompressedHandle
 from lowcomm.compress.ddp import DDPCompressionState, ddp_hook
 from lowcomm.compress.feedback import Compressor
+from lowcomm.compress.formats import BF16, Codec, ElementwiseCodec, PowerSGD, Quantize, Raw, TopK
 from lowcomm.compress.lgreco import LGreCo, choose
 
 __all__ = [

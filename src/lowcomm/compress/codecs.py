@@ -1,30 +1,8 @@
-"""Codecs: how one fp32 tensor becomes bytes on the wire, and back.
+"""Compression settings by name: every codec, and the spec strings that build them.
 
-Every codec reports the exact number of bytes it puts on the wire for a tensor of a given shape
-(:meth:`Codec.wire_nbytes`), scales and indices included. A codec whose encoding of a tensor
-would not be smaller than the tensor itself sends that tensor raw (fp32) instead
-(:meth:`Codec.compresses`); so do PowerSGD for 1-D tensors and every codec for tensors too small
-to gain.
-
-Wire formats (byte order: the machine's, little-endian on every platform torch supports; n the
-number of elements, ``⌈·⌉`` rounding up):
-
-* :class:`Raw` (``"fp32"``): n fp32 values, ``4n`` bytes.
-* :class:`BF16` (``"bf16"``): n bfloat16 values (round to nearest even), ``2n`` bytes.
-* :class:`Quantize` (``"int8"``, ``"int4"``, ``"int2"``): blockwise absmax quantisation to b
-  bits. The flattened tensor is cut into ⌈n/B⌉ blocks of B elements (the last may be short);
-  block j has the scale s_j = max|x| / q_max, q_max = 2^(b−1) − 1, and each element the code
-  q = round(x / s_j) ∈ [−q_max, q_max] (nearest, ties to even; or stochastic rounding
-  ⌊x / s_j + u⌋, u ~ U[0, 1), which is unbiased). Layout: ⌈n/B⌉ fp32 scales, then the codes
-  q + q_max as unsigned b-bit fields packed 8/b to a byte, element i in bits
-  ``b·(i mod 8/b)`` and up of byte ``i div (8/b)``: ``⌈n·b/8⌉ + 4·⌈n/B⌉`` bytes. Decoding is
-  q·s_j; the error per element is at most s_j / 2 (nearest) or below s_j (stochastic).
-* :class:`TopK` (``"topk:D"``): the k = max(1, ⌈D·n⌉) elements of largest magnitude. Layout:
-  k int32 indices (ascending), then their k fp32 values: ``8k`` bytes.
-* :class:`PowerSGD` (``"powersgd:R"``): a tensor reshaped to an (n₀ × m) matrix M
-  (n₀ = ``shape[0]``) is sent as two fp32 factors P (n₀ × r) and Q (m × r),
-  r = min(R, n₀, m): ``4·r·(n₀ + m)`` bytes, in two all-reduces (see
-  :mod:`lowcomm.compress.collectives`).
+The codec classes and their exact wire formats are defined in :mod:`lowcomm.compress.formats`
+and re-exported here; the adaptive setting :class:`~lowcomm.compress.lgreco.LGreCo` is defined
+in :mod:`lowcomm.compress.lgreco`. This module sits above both, so that neither imports it.
 
 Spec strings (:func:`parse_compression`): ``"bf16"``; ``"int8"``, ``"int4"``, ``"int2"`` with
 options ``block=B`` (or a bare number) and ``sr`` (stochastic rounding), e.g.
@@ -35,15 +13,25 @@ options ``block=B`` (or a bare number) and ``sr`` (stochastic rounding), e.g.
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:
-    from lowcomm.compress.lgreco import LGreCo
+from lowcomm.compress.formats import (
+    BF16,
+    DEFAULT_BLOCK,
+    Codec,
+    ElementwiseCodec,
+    PowerSGD,
+    Quantize,
+    Raw,
+    TopK,
+    orthogonalize,
+)
+from lowcomm.compress.lgreco import LGreCo, parse_lgreco
+from lowcomm.compress.options import (
+    flag_option,
+    float_option,
+    int_option,
+    reject_unknown,
+    split_options,
+)
 
 __all__ = [
     "BF16",
@@ -53,368 +41,10 @@ __all__ = [
     "Quantize",
     "Raw",
     "TopK",
+    "orthogonalize",
+    "parse_codec",
     "parse_compression",
 ]
-
-RAW_BYTES = 4
-"""Bytes per element of a tensor sent uncompressed (fp32)."""
-
-DEFAULT_BLOCK = 128
-"""Default block size B of :class:`Quantize`."""
-
-
-def _numel(shape: torch.Size | tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-class Codec(ABC):
-    """A compression scheme for one tensor. Codecs are immutable settings; per-worker state
-    (residuals, PowerSGD's Q, random generators) lives in a
-    :class:`~lowcomm.compress.feedback.Compressor`."""
-
-    @property
-    @abstractmethod
-    def spec(self) -> str:
-        """The spec string that :func:`parse_compression` turns back into this codec."""
-
-    @abstractmethod
-    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        """Wire bytes of a tensor of ``shape`` when this codec compresses it."""
-
-    def compresses(self, shape: torch.Size | tuple[int, ...]) -> bool:
-        """Whether a tensor of ``shape`` is compressed (else it is sent raw, fp32): only when
-        the encoding is strictly smaller than ``4·numel`` bytes."""
-        n = _numel(shape)
-        return n > 0 and self.encoded_nbytes(shape) < RAW_BYTES * n
-
-    def wire_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        """Exact bytes this codec puts on the wire for one tensor of ``shape`` from one rank
-        (its raw size when it does not compress it)."""
-        if self.compresses(shape):
-            return self.encoded_nbytes(shape)
-        return RAW_BYTES * _numel(shape)
-
-    def __str__(self) -> str:
-        return self.spec
-
-
-class ElementwiseCodec(Codec):
-    """A codec whose payloads are decoded independently per rank, so they travel by all-gather
-    (see :mod:`lowcomm.compress.collectives`)."""
-
-    stochastic: bool = False
-
-    @abstractmethod
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        """The wire bytes of ``x`` (any shape, fp32): a 1-D uint8 tensor of
-        :meth:`encoded_nbytes` bytes."""
-
-    @abstractmethod
-    def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        """The fp32 tensor of ``shape`` that ``payload`` (uint8, any storage offset) encodes."""
-
-    def roundtrip(
-        self, x: torch.Tensor, *, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """``decode(encode(x))``: what the other ranks receive for ``x``."""
-        return self.decode(self.encode(x, generator=generator), x.shape)
-
-
-def _as(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret uint8 bytes as ``dtype`` (copied, so any storage offset works)."""
-    return payload.contiguous().clone().view(dtype)
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1).contiguous().view(torch.uint8)
-
-
-@dataclass(frozen=True)
-class Raw(ElementwiseCodec):
-    """No compression: fp32 values, ``4n`` bytes. Spec ``"fp32"``."""
-
-    @property
-    def spec(self) -> str:
-        return "fp32"
-
-    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        return RAW_BYTES * _numel(shape)
-
-    def compresses(self, shape: torch.Size | tuple[int, ...]) -> bool:
-        return False
-
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        return _bytes(x.detach().float().clone())
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        return _as(payload, torch.float32).view(shape)
-
-
-@dataclass(frozen=True)
-class BF16(ElementwiseCodec):
-    """bfloat16 values (round to nearest even), ``2n`` bytes. Spec ``"bf16"``.
-
-    Sent by all-gather and summed in fp32 after decoding, not all-reduced in bf16: a bf16 sum
-    rounds every partial sum to 8 significant bits, so its error grows with N and depends on
-    the reduction order; decoding first keeps the only rounding the one each rank's error
-    feedback sees.
-    """
-
-    @property
-    def spec(self) -> str:
-        return "bf16"
-
-    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        return 2 * _numel(shape)
-
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        return _bytes(x.detach().to(torch.bfloat16))
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        return _as(payload, torch.bfloat16).float().view(shape)
-
-
-_PACKABLE_BITS = (2, 4, 8)
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``bits``-bit codes (uint8, each < 2^bits) 8/bits to a byte; element i goes
-    to bits ``bits·(i mod 8/bits)`` and up of byte ``i div (8/bits)``. ⌈n·bits/8⌉ bytes."""
-    assert bits in _PACKABLE_BITS
-    if bits == 8:
-        return codes.reshape(-1).to(torch.uint8)
-    per = 8 // bits
-    n = codes.numel()
-    padded = torch.zeros(-(-n // per) * per, dtype=torch.uint8, device=codes.device)
-    padded[:n] = codes.reshape(-1)
-    fields = padded.view(-1, per)
-    out = fields[:, 0].clone()
-    for i in range(1, per):
-        out |= fields[:, i] << (bits * i)
-    return out
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``n`` codes (uint8)."""
-    assert bits in _PACKABLE_BITS
-    if bits == 8:
-        return packed[:n].to(torch.uint8)
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    fields = [(packed >> (bits * i)) & mask for i in range(per)]
-    return torch.stack(fields, dim=1).reshape(-1)[:n]
-
-
-@dataclass(frozen=True)
-class Quantize(ElementwiseCodec):
-    """Blockwise absmax quantisation to ``bits`` ∈ {2, 4, 8} bits with one fp32 scale per block
-    of ``block`` elements; optional stochastic rounding. See the module docstring for the exact
-    layout: ``⌈n·bits/8⌉ + 4·⌈n/block⌉`` bytes. Specs ``"int8"``, ``"int4"``, ``"int2"``
-    (``:block=B``, ``:sr``)."""
-
-    bits: int = 8
-    block: int = DEFAULT_BLOCK
-    stochastic: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bits not in _PACKABLE_BITS:
-            raise ValueError(f"bits must be 2, 4 or 8, got {self.bits!r}; e.g. 'int4'")
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block!r}; e.g. 128")
-
-    @property
-    def qmax(self) -> int:
-        """Largest code magnitude, 2^(bits−1) − 1."""
-        return (1 << (self.bits - 1)) - 1
-
-    @property
-    def spec(self) -> str:
-        s = f"int{self.bits}"
-        if self.block != DEFAULT_BLOCK:
-            s += f":block={self.block}"
-        if self.stochastic:
-            s += ":sr"
-        return s
-
-    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        n = _numel(shape)
-        return -(-n * self.bits // 8) + 4 * -(-n // self.block)
-
-    def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
-        n = flat.numel()
-        nb = -(-n // self.block)
-        padded = torch.zeros(nb * self.block, dtype=torch.float32, device=flat.device)
-        padded[:n] = flat
-        return padded.view(nb, self.block)
-
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        flat = x.detach().reshape(-1).float()
-        n = flat.numel()
-        blocks = self._blocks(flat)
-        qmax = self.qmax
-        scale = blocks.abs().amax(dim=1) / qmax
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        y = blocks / safe.unsqueeze(1)
-        if self.stochastic:
-            u = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
-            q = torch.floor(y + u)
-        else:
-            q = torch.round(y)
-        codes = (q.clamp_(-qmax, qmax) + qmax).to(torch.uint8).reshape(-1)[:n]
-        return torch.cat([_bytes(scale), pack_bits(codes, self.bits)])
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        n = _numel(shape)
-        nb = -(-n // self.block)
-        scale = _as(payload[: 4 * nb], torch.float32)
-        codes = unpack_bits(payload[4 * nb :], self.bits, n)
-        q = torch.zeros(nb * self.block, dtype=torch.float32, device=payload.device)
-        q[:n] = codes.float() - self.qmax
-        return (q.view(nb, self.block) * scale.unsqueeze(1)).reshape(-1)[:n].view(shape)
-
-
-@dataclass(frozen=True)
-class TopK(ElementwiseCodec):
-    """The k = max(1, ⌈density·n⌉) elements of largest magnitude: k int32 indices (ascending)
-    then k fp32 values, ``8k`` bytes. Spec ``"topk:DENSITY"``."""
-
-    density: float = 0.01
-
-    def __post_init__(self) -> None:
-        d = self.density
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
-            raise ValueError(f"top-k density must be in (0, 1], got {d!r}; e.g. 'topk:0.01'")
-
-    @property
-    def spec(self) -> str:
-        return f"topk:{self.density:g}"
-
-    def k(self, n: int) -> int:
-        """Elements kept of a tensor of ``n``: max(1, ⌈density·n⌉), at most n."""
-        return min(n, max(1, math.ceil(self.density * n)))
-
-    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        return 8 * self.k(_numel(shape))
-
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        flat = x.detach().reshape(-1).float()
-        k = self.k(flat.numel())
-        idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
-        return torch.cat([_bytes(idx.to(torch.int32)), _bytes(flat[idx].contiguous())])
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        n = _numel(shape)
-        k = self.k(n)
-        idx = _as(payload[: 4 * k], torch.int32).long()
-        vals = _as(payload[4 * k : 8 * k], torch.float32)
-        out = torch.zeros(n, dtype=torch.float32, device=payload.device)
-        out[idx] = vals
-        return out.view(shape)
-
-
-@dataclass(frozen=True)
-class PowerSGD(Codec):
-    """Rank-``rank`` PowerSGD (Vogels et al., NeurIPS 2019, https://arxiv.org/abs/1905.13727).
-
-    A tensor of ≥ 2 dimensions is viewed as an (n₀ × m) matrix M (n₀ = ``shape[0]``) and sent
-    as P = M·Q (all-reduced, then orthogonalised to P̂) and Q = Mᵀ·P̂ (all-reduced): two fp32
-    factors, ``4·r·(n₀ + m)`` bytes with r = min(rank, n₀, m). Q starts from a random matrix
-    drawn from ``seed`` (the same on every rank) and, with ``warm_start``, each round starts
-    from the previous round's averaged Q. 1-D tensors, and matrices whose factors would not be
-    smaller than M (unless ``only_if_smaller=False``), are sent raw. Spec ``"powersgd:R"``
-    (``:warm=0``, ``:seed=S``).
-    """
-
-    rank: int = 4
-    warm_start: bool = True
-    seed: int = 0
-    only_if_smaller: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(
-                f"PowerSGD rank must be a positive integer, got {self.rank!r}; e.g. 'powersgd:4'"
-            )
-
-    @property
-    def spec(self) -> str:
-        s = f"powersgd:{self.rank}"
-        if not self.warm_start:
-            s += ":warm=0"
-        if self.seed:
-            s += f":seed={self.seed}"
-        if not self.only_if_smaller:
-            s += ":always=1"
-        return s
-
-    @staticmethod
-    def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-        """(n₀, m): the matrix a tensor of ``shape`` is viewed as."""
-        n0 = int(shape[0])
-        return n0, _numel(shape) // max(1, n0)
-
-    def effective_rank(self, shape: torch.Size | tuple[int, ...]) -> int:
-        n0, m = self.matrix_shape(shape)
-        return min(self.rank, n0, m)
-
-    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
-        n0, m = self.matrix_shape(shape)
-        return RAW_BYTES * self.effective_rank(shape) * (n0 + m)
-
-    def compresses(self, shape: torch.Size | tuple[int, ...]) -> bool:
-        if len(shape) < 2 or _numel(shape) == 0:
-            return False
-        if not self.only_if_smaller:
-            return True
-        return self.encoded_nbytes(shape) < RAW_BYTES * _numel(shape)
-
-    def initial_q(
-        self, shape: torch.Size | tuple[int, ...], index: int, draw: int = 0
-    ) -> torch.Tensor:
-        """The random (m × r) starting Q of tensor ``index``: the same on every rank (drawn from
-        ``seed``, ``index`` and ``draw``, on the CPU)."""
-        _, m = self.matrix_shape(shape)
-        r = self.effective_rank(shape)
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + index * 10_007 + draw) % (2**63))
-        return torch.randn(m, r, generator=g)
-
-    def start_q(
-        self,
-        shape: torch.Size | tuple[int, ...],
-        index: int,
-        previous: torch.Tensor | None,
-        *,
-        draw: int = 0,
-    ) -> torch.Tensor:
-        """The (m × r) Q a round starts from: with ``warm_start`` the previous round's mean Q
-        (``previous``; cut to r columns, or extended by :meth:`initial_q`'s columns when the
-        rank grew), else a fresh draw (``draw``: the round). The same on every rank."""
-        r = self.effective_rank(shape)
-        if not self.warm_start:
-            return self.initial_q(shape, index, draw=draw)
-        if previous is None:
-            return self.initial_q(shape, index)
-        if previous.shape[1] >= r:
-            return previous[:, :r].contiguous()
-        fresh = self.initial_q(shape, index).to(previous.device)
-        return torch.cat([previous, fresh[:, previous.shape[1] :]], dim=1)
-
-    def local_error(self, m: torch.Tensor, q: torch.Tensor) -> float:
-        """‖M − P̂·P̂ᵀ·M‖² for P̂ = orth(M·Q): the error of one rank's compression of ``m``
-        from the start ``q`` (one power-iteration step, as one round of PowerSGD)."""
-        rows, cols = self.matrix_shape(m.shape)
-        mat = m.detach().float().reshape(rows, cols)
-        p_hat = orthogonalize(mat @ q.to(mat.device))
-        return float(torch.sum((mat - p_hat @ (p_hat.t() @ mat)).double() ** 2))
-
-
-def orthogonalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning the columns of ``p`` (n × r, r ≤ n): the Q of a reduced QR
-    factorisation (Householder, deterministic for equal inputs)."""
-    return torch.linalg.qr(p, mode="reduced").Q
-
-
-# -- specs ---------------------------------------------------------------------------------------
 
 _SPEC_HELP = (
     "use 'bf16', 'int8', 'int4', 'int2' (options :block=B, :sr), 'topk:DENSITY' (e.g. "
@@ -423,61 +53,18 @@ _SPEC_HELP = (
 )
 
 
-def _options(name: str, parts: list[str]) -> tuple[list[str], dict[str, str]]:
-    positional: list[str] = []
-    keyed: dict[str, str] = {}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        if eq:
-            keyed[key.strip().lower()] = value.strip()
-        elif part.strip():
-            positional.append(part.strip().lower())
-    return positional, keyed
-
-
-def _int(spec: str, key: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"compression {spec!r}: {key} must be an integer, got {value!r}") from None
-
-
-def _float(spec: str, key: str, value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"compression {spec!r}: {key} must be a number, got {value!r}") from None
-
-
-def _flag(spec: str, key: str, value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"compression {spec!r}: {key} must be 0 or 1, got {value!r}")
-
-
-def _reject_extra(spec: str, keyed: dict[str, str], allowed: tuple[str, ...]) -> None:
-    extra = sorted(set(keyed) - set(allowed))
-    if extra:
-        raise ValueError(
-            f"compression {spec!r}: unknown option(s) {', '.join(extra)}; "
-            f"allowed: {', '.join(allowed) or 'none'}"
-        )
-
-
 def parse_codec(spec: str) -> Codec:
     """A fixed codec from its spec string (not ``lgreco``, not ``none``)."""
     name, *rest = spec.strip().split(":")
     name = name.strip().lower()
-    positional, keyed = _options(name, rest)
+    positional, keyed = split_options(rest)
     if name in ("fp32", "bf16"):
-        _reject_extra(spec, keyed, ())
+        reject_unknown(spec, keyed, ())
         if positional:
             raise ValueError(f"compression {spec!r}: {name} takes no options")
         return Raw() if name == "fp32" else BF16()
     if name in ("int8", "int4", "int2"):
-        _reject_extra(spec, keyed, ("block", "sr"))
+        reject_unknown(spec, keyed, ("block", "sr"))
         block, sr = DEFAULT_BLOCK, False
         for p in positional:
             if p == "sr":
@@ -489,30 +76,30 @@ def parse_codec(spec: str) -> Codec:
                     f"compression {spec!r}: unknown option {p!r}; e.g. 'int4:block=64:sr'"
                 )
         if "block" in keyed:
-            block = _int(spec, "block", keyed["block"])
+            block = int_option(spec, "block", keyed["block"])
         if "sr" in keyed:
-            sr = _flag(spec, "sr", keyed["sr"])
+            sr = flag_option(spec, "sr", keyed["sr"])
         if block < 1:
             raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'int4:block=128'")
         return Quantize(bits=int(name[3:]), block=block, stochastic=sr)
     if name == "topk":
-        _reject_extra(spec, keyed, ("density",))
+        reject_unknown(spec, keyed, ("density",))
         if len(positional) > 1:
             raise ValueError(f"compression {spec!r}: top-k takes one density, e.g. 'topk:0.01'")
         raw = keyed.get("density", positional[0] if positional else None)
         if raw is None:
             raise ValueError(f"compression {spec!r} needs a density, e.g. 'topk:0.01'")
-        return TopK(density=_float(spec, "density", raw))
+        return TopK(density=float_option(spec, "density", raw))
     if name == "powersgd":
-        _reject_extra(spec, keyed, ("rank", "warm", "seed", "always"))
+        reject_unknown(spec, keyed, ("rank", "warm", "seed", "always"))
         if len(positional) > 1:
             raise ValueError(f"compression {spec!r}: PowerSGD takes one rank, e.g. 'powersgd:4'")
-        rank = _int(spec, "rank", keyed.get("rank", positional[0] if positional else "4"))
+        rank = int_option(spec, "rank", keyed.get("rank", positional[0] if positional else "4"))
         return PowerSGD(
             rank=rank,
-            warm_start=_flag(spec, "warm", keyed.get("warm", "1")),
-            seed=_int(spec, "seed", keyed.get("seed", "0")),
-            only_if_smaller=not _flag(spec, "always", keyed.get("always", "0")),
+            warm_start=flag_option(spec, "warm", keyed.get("warm", "1")),
+            seed=int_option(spec, "seed", keyed.get("seed", "0")),
+            only_if_smaller=not flag_option(spec, "always", keyed.get("always", "0")),
         )
     raise ValueError(f"unknown compression {spec!r}; {_SPEC_HELP}")
 
@@ -521,8 +108,6 @@ def parse_compression(spec: str | Codec | LGreCo | None) -> Codec | LGreCo | Non
     """A codec, an :class:`~lowcomm.compress.lgreco.LGreCo` setting, or ``None`` from a spec
     string (see the module docstring), a codec instance, or ``None``. Raises ``ValueError``
     naming the fix for anything else."""
-    from lowcomm.compress.lgreco import LGreCo, parse_lgreco
-
     if spec is None or isinstance(spec, (Codec, LGreCo)):
         return spec
     if not isinstance(spec, str):

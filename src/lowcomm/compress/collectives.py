@@ -2,7 +2,7 @@
 
 Quantised payloads cannot be summed in flight (gloo and NCCL add numbers, not codes), so the
 collective is chosen per codec. Per rank, with N ranks and c the compressed bytes one rank
-contributes for a bucket (:meth:`~lowcomm.compress.codecs.Codec.wire_nbytes` summed over its
+contributes for a bucket (:meth:`~lowcomm.compress.formats.Codec.wire_nbytes` summed over its
 tensors):
 
 * **bf16, int8/int4/int2, top-k, fp32** — *all-gather* of the compressed payloads, one per
@@ -45,15 +45,15 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lowcomm.comm import Communicator, Handle, _DoneWork
-from lowcomm.compress.codecs import ElementwiseCodec, PowerSGD, orthogonalize
+from lowcomm.comm import Communicator, DoneWork, Handle
+from lowcomm.compress.formats import ElementwiseCodec, PowerSGD, orthogonalize
 
 if TYPE_CHECKING:
     from lowcomm.compress.feedback import Compressor
 
 __all__ = ["CompressedHandle"]
 
-Work = dist.Work | _DoneWork
+Work = dist.Work | DoneWork
 
 
 @dataclass
@@ -117,7 +117,7 @@ class CompressedHandle(Handle):
             self._watch(lr.work_p)
 
     def _watch(self, work: Work | None) -> None:
-        if work is None or isinstance(work, _DoneWork):
+        if work is None or isinstance(work, DoneWork):
             return
         try:
             work.get_future().add_done_callback(self._on_done)

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import CommStats, Communicator
-from lowcomm.compress.codecs import Codec, parse_compression
+from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.collectives import CompressedHandle
 from lowcomm.compress.feedback import Compressor
+from lowcomm.compress.formats import Codec
 from lowcomm.compress.lgreco import LGreCo
 
 __all__ = ["DDPCompressionState", "ddp_hook"]

@@ -27,15 +27,9 @@ import torch
 from torch.profiler import record_function
 
 from lowcomm.comm import Communicator
-from lowcomm.compress.codecs import (
-    Codec,
-    ElementwiseCodec,
-    PowerSGD,
-    Raw,
-    parse_codec,
-    parse_compression,
-)
+from lowcomm.compress.codecs import parse_codec, parse_compression
 from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup
+from lowcomm.compress.formats import Codec, ElementwiseCodec, PowerSGD, Raw
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.guard import all_finite, zero_non_finite_
 

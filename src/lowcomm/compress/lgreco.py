@@ -11,13 +11,24 @@ total error being at most ``max_error``; the adaptive compressor sets ``max_erro
 error of the uniform default (every layer at the family's default level), so the choice is
 never less accurate than the uniform setting and never larger.
 
+Totals are measured one way everywhere: :func:`total`, Python's built-in ``sum()`` over the
+layers in order — what ``sum(errors[l][c] for l, c in enumerate(picks))`` gives. Floating-point
+sums depend on the order and method (``math.fsum`` or numpy may differ in the last bit), so an
+assignment "meets" ``max_error`` when its :func:`total` is ≤ ``max_error``; compute budgets with
+``sum()`` or :func:`total` to have the assignment they came from accepted.
+
 :func:`choose` is the paper's dynamic programme over a discretised error budget: the budget is
 cut into ``resolution`` units u = max_error / resolution and every error is rounded **up** to
 whole units, ⌈e/u⌉. An assignment the programme accepts has Σ⌈e/u⌉ ≤ resolution, hence a real
-(undiscretised) total error ≤ max_error: the budget is never exceeded. The programme is exact for
-the discretised errors (so for errors that are multiples of u it equals brute force); rounding up
-may cost some size for other errors, at most one unit per layer of slack. Time
-O(layers × candidates × resolution).
+(undiscretised) total error ≤ max_error. The programme is exact for the discretised errors (so
+for errors that are multiples of u it equals brute force); rounding up may cost some size for
+other errors, at most one unit per layer of slack. That slack can hide an assignment whose total
+is within one unit per layer of the budget — in particular the uniform assignment whose total
+*is* the budget, which is how L-GreCo sets it — so :func:`choose` also evaluates every uniform
+assignment (all layers at candidate c) and the most accurate one exactly, and returns the
+smallest of everything that meets the budget: never larger than a uniform assignment that meets
+it, and never a rejection when the most accurate assignment meets it. Every answer is checked
+with :func:`total`. Time O(layers × candidates × resolution).
 
 The adaptive compressor (:class:`LGreCo`, used through
 :class:`~lowcomm.compress.feedback.Compressor`) re-measures and re-chooses every ``every``
@@ -40,21 +51,31 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from lowcomm.compress.codecs import (
+from lowcomm.compress.formats import (
     DEFAULT_BLOCK,
     Codec,
     ElementwiseCodec,
     PowerSGD,
     Quantize,
     TopK,
-    _flag,
-    _float,
-    _int,
-    _options,
-    _reject_extra,
+)
+from lowcomm.compress.options import (
+    flag_option,
+    float_option,
+    int_option,
+    reject_unknown,
+    split_options,
 )
 
-__all__ = ["FAMILIES", "LGreCo", "candidate_errors", "choose", "decide", "parse_lgreco"]
+__all__ = [
+    "FAMILIES",
+    "LGreCo",
+    "candidate_errors",
+    "choose",
+    "decide",
+    "parse_lgreco",
+    "total",
+]
 
 FAMILIES = ("powersgd", "topk", "int")
 """Codec families L-GreCo chooses within."""
@@ -63,6 +84,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_RESOLUTION = 1000
 """Units the error budget is cut into by :func:`choose`."""
+
+
+def total(values: Sequence[Sequence[float]], picks: Sequence[int]) -> float:
+    """Σ ``values[l][picks[l]]`` by Python's built-in ``sum()`` over the layers in order: how
+    :func:`choose` measures an assignment's total error (and size) against the budget."""
+    return sum(float(row[c]) for row, c in zip(values, picks))
 
 
 def choose(
@@ -75,11 +102,14 @@ def choose(
     """One candidate index per layer minimising Σ sizes with Σ errors ≤ ``max_error``.
 
     ``errors[l][c]`` and ``sizes[l][c]`` are candidate c's error and size in layer l (layers may
-    have different numbers of candidates). Exact dynamic programme over the budget cut into
-    ``resolution`` units, errors rounded up (see the module docstring): the result never
-    exceeds ``max_error``. Ties in size go to the smaller discretised error, then the lower
-    candidate index. Raises ``ValueError`` when no assignment fits the budget or the tables are
-    malformed.
+    have different numbers of candidates). Totals are :func:`total`. The answer is the smallest
+    of: the dynamic programme's over the budget cut into ``resolution`` units, errors rounded up;
+    every uniform assignment (candidate c in every layer); the most accurate assignment — among
+    those whose total error is ≤ ``max_error`` (see the module docstring). So the result never
+    exceeds ``max_error`` and is never larger than a uniform assignment that meets it. Ties in
+    size go to the programme's answer (its own ties to the smaller discretised error, then the
+    lower candidate index), then the lower uniform candidate. Raises ``ValueError`` when not even
+    the most accurate assignment meets the budget, or the tables are malformed.
     """
     if len(errors) != len(sizes):
         raise ValueError(f"errors has {len(errors)} layers but sizes has {len(sizes)}")
@@ -109,6 +139,31 @@ def choose(
             out.append(min(exact, key=lambda c: (float(s[c]), c)))
         return out
 
+    candidates = [] if (dp := _programme(errors, sizes, max_error, resolution)) is None else [dp]
+    candidates += [[c] * len(errors) for c in range(min(len(e) for e in errors))]
+    candidates.append(
+        [
+            min(range(len(e)), key=lambda c: (float(e[c]), float(s[c]), c))
+            for e, s in zip(errors, sizes)
+        ]
+    )
+    fits = [picks for picks in candidates if total(errors, picks) <= max_error]
+    if not fits:
+        raise ValueError(
+            f"no assignment meets max_error={max_error!r}: even the most accurate candidates "
+            f"total {total(errors, candidates[-1])!r}; raise the budget"
+        )
+    return min(fits, key=lambda picks: total(sizes, picks))  # first of equal sizes
+
+
+def _programme(
+    errors: Sequence[Sequence[float]],
+    sizes: Sequence[Sequence[float]],
+    max_error: float,
+    resolution: int,
+) -> list[int] | None:
+    """The dynamic programme's least-size assignment with Σ⌈e/u⌉ ≤ ``resolution`` (u =
+    ``max_error / resolution``), or ``None`` when no assignment fits in whole units."""
     unit = max_error / resolution
     g = resolution
     inf = math.inf
@@ -130,29 +185,17 @@ def choose(
         best = new
         picks.append(pick)
     finite = np.isfinite(best)
-    if finite.any():
-        j = int(np.flatnonzero(best == best[finite].min())[0])  # least size, then least error
-        out = [0] * len(errors)
-        for l in range(len(errors) - 1, -1, -1):
-            c = int(picks[l][j])
-            assert c >= 0
-            out[l] = c
-            j -= _units(float(errors[l][c]), unit, g)
-        assert j == 0
-        if math.fsum(float(errors[l][c]) for l, c in enumerate(out)) <= max_error:
-            return out
-    # Nothing fits the discretised budget (or float rounding pushed the sum over): the most
-    # accurate assignment is the only candidate left.
-    out = [
-        min(range(len(e)), key=lambda c: (float(e[c]), float(s[c]), c))
-        for e, s in zip(errors, sizes)
-    ]
-    if math.fsum(float(errors[l][c]) for l, c in enumerate(out)) <= max_error:
-        return out
-    raise ValueError(
-        f"no assignment meets max_error={max_error:g}: even the most accurate candidates "
-        "exceed it; raise the budget"
-    )
+    if not finite.any():
+        return None
+    j = int(np.flatnonzero(best == best[finite].min())[0])  # least size, then least error
+    out = [0] * len(errors)
+    for l in range(len(errors) - 1, -1, -1):
+        c = int(picks[l][j])
+        assert c >= 0
+        out[l] = c
+        j -= _units(float(errors[l][c]), unit, g)
+    assert j == 0
+    return out
 
 
 def decide(
@@ -163,19 +206,16 @@ def decide(
     resolution: int = DEFAULT_RESOLUTION,
 ) -> list[int]:
     """L-GreCo's choice for one measured table: :func:`choose` under the budget of the uniform
-    default (every layer at ``default_index``). The uniform default itself is kept when the
-    choice would be larger (the discretised budget can cost more than it saves) or when the
-    table is not usable (non-finite errors of a diverged run)."""
+    default (every layer at ``default_index``, its :func:`total`), hence never less accurate and
+    never larger than the uniform default. The uniform default itself is kept when the table is
+    not usable (non-finite errors of a diverged run)."""
     uniform = [default_index] * len(errors)
-    budget = math.fsum(float(row[default_index]) for row in errors)
     try:
-        picks = choose(errors, sizes, budget, resolution=resolution)
+        picks = choose(errors, sizes, total(errors, uniform), resolution=resolution)
     except ValueError as e:
         logger.warning("L-GreCo keeps the uniform setting: %s", e)
         return uniform
-    chosen = math.fsum(float(s[c]) for s, c in zip(sizes, picks))
-    if chosen > math.fsum(float(s[default_index]) for s in sizes):
-        return uniform
+    assert total(sizes, picks) <= total(sizes, uniform)
     return picks
 
 
@@ -206,7 +246,7 @@ def candidate_errors(
     Elementwise codecs by their round trip with deterministic rounding; PowerSGD rank r by one
     round of this rank's compression from the Q the next round would start from (``warm_q``,
     tensor ``index``'s current warm start, cut or extended to r columns):
-    :meth:`~lowcomm.compress.codecs.PowerSGD.local_error`."""
+    :meth:`~lowcomm.compress.formats.PowerSGD.local_error`."""
     x = x.detach().float()
     out: list[float] = []
     for codec in codecs:
@@ -228,7 +268,7 @@ class LGreCo:
 
     Args:
         family: ``"powersgd"`` (candidates are ranks), ``"topk"`` (densities) or ``"int"``
-            (bits of :class:`~lowcomm.compress.codecs.Quantize`).
+            (bits of :class:`~lowcomm.compress.formats.Quantize`).
         default: the uniform setting whose total error is the budget (rank 4, density 0.01,
             4 bits by default).
         candidates: the levels to choose from; by default ``default`` × {¼, ½, 1, 2, 4} for
@@ -327,8 +367,8 @@ class LGreCo:
 def parse_lgreco(spec: str) -> LGreCo:
     """An :class:`LGreCo` from ``"lgreco:FAMILY[:DEFAULT][:key=value]..."``."""
     _, *rest = spec.strip().split(":")
-    positional, keyed = _options("lgreco", rest)
-    _reject_extra(
+    positional, keyed = split_options(rest)
+    reject_unknown(
         spec, keyed, ("every", "min_numel", "resolution", "candidates", "block", "seed", "warm")
     )
     if not positional:
@@ -345,19 +385,21 @@ def parse_lgreco(spec: str) -> LGreCo:
         raise ValueError(
             f"compression {spec!r}: one default level at most, e.g. 'lgreco:topk:0.01'"
         )
-    default = _float(spec, "default", more[0]) if more else 0.0
+    default = float_option(spec, "default", more[0]) if more else 0.0
     cands: tuple[float, ...] = ()
     if "candidates" in keyed:
-        cands = tuple(_float(spec, "candidates", c) for c in keyed["candidates"].split("/") if c)
-    if "warm" in keyed and not _flag(spec, "warm", keyed["warm"]):
+        cands = tuple(
+            float_option(spec, "candidates", c) for c in keyed["candidates"].split("/") if c
+        )
+    if "warm" in keyed and not flag_option(spec, "warm", keyed["warm"]):
         raise ValueError(f"compression {spec!r}: L-GreCo's PowerSGD always warm-starts")
     return LGreCo(
         family=family,
         default=default,
         candidates=cands,
-        every=_int(spec, "every", keyed.get("every", "10")),
-        min_numel=_int(spec, "min_numel", keyed.get("min_numel", "1024")),
-        resolution=_int(spec, "resolution", keyed.get("resolution", str(DEFAULT_RESOLUTION))),
-        block=_int(spec, "block", keyed.get("block", str(DEFAULT_BLOCK))),
-        seed=_int(spec, "seed", keyed.get("seed", "0")),
+        every=int_option(spec, "every", keyed.get("every", "10")),
+        min_numel=int_option(spec, "min_numel", keyed.get("min_numel", "1024")),
+        resolution=int_option(spec, "resolution", keyed.get("resolution", str(DEFAULT_RESOLUTION))),
+        block=int_option(spec, "block", keyed.get("block", str(DEFAULT_BLOCK))),
+        seed=int_option(spec, "seed", keyed.get("seed", "0")),
     )

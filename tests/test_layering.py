@@ -1,0 +1,165 @@
+"""Layering of the package: no import cycles between modules, no imports of private names.
+
+Edges are read from the source (``ast``): ``import a.b`` and ``from a.b import c`` at module
+level or inside functions both count (``from a.b import c`` is an edge to ``a.b.c`` when that is
+a module, else to ``a.b``); imports under ``if TYPE_CHECKING:`` do not. A package's
+``__init__`` is the module named after the package; importing a submodule is not counted as an
+edge to its parent package.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "lowcomm"
+LOWER_LAYERS = ("lowcomm.comm", "lowcomm.link", "lowcomm.compress")
+"""Modules (and packages, with their submodules) held to the rules strictly now."""
+
+
+def _module_files() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(
+    tree: ast.AST, *, type_checking: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of ``tree``, at any depth; those under ``if TYPE_CHECKING:``
+    only with ``type_checking``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _imports(node, type_checking=type_checking)
+
+
+def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _graph(*, type_checking: bool = False) -> tuple[dict[str, set[str]], list[str]]:
+    """Import edges between the package's modules (with those only for type checkers if
+    ``type_checking``), and the private-name imports found."""
+    files = _module_files()
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    private: list[str] = []
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node in _imports(tree, type_checking=type_checking):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+                names: list[str] = []
+            else:
+                source = _absolute(module, node, is_package)
+                names = [alias.name for alias in node.names]
+                targets = [f"{source}.{n}" if f"{source}.{n}" in files else source for n in names]
+            for target in targets:
+                while target and target not in files and "." in target:
+                    target = target.rsplit(".", 1)[0]  # `import a.b.c`, c not a module
+                if target in files and target != module:
+                    edges[module].add(target)
+            for target in targets:
+                if target.split(".")[0] == PACKAGE and any(
+                    p.startswith("_") and not p.startswith("__") for p in target.split(".")
+                ):
+                    private.append(f"{module}: imports module {target}")
+            if isinstance(node, ast.ImportFrom) and source.split(".")[0] == PACKAGE:
+                for n in names:
+                    if n.startswith("_") and not n.startswith("__"):
+                        private.append(f"{module}: imports {n} from {source}")
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _in_lower_layers(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in LOWER_LAYERS)
+
+
+def test_checker_finds_cycles_and_private_imports() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "import x\n"
+        "if TYPE_CHECKING:\n    import hidden\nelse:\n    import shown\n"
+        "def f():\n    from y import _z\n"
+    )
+    found = [n.module if isinstance(n, ast.ImportFrom) else n.names[0].name for n in _imports(tree)]
+    assert found == ["typing", "x", "shown", "y"]
+    assert len(list(_imports(tree, type_checking=True))) == 5
+
+
+def test_comm_link_and_compress_have_no_cycles_or_private_imports() -> None:
+    edges, private = _graph()
+    assert "lowcomm.compress.feedback" in edges and "lowcomm.comm" in edges
+    assert [c for c in _cycles(edges) if any(_in_lower_layers(m) for m in c)] == []
+    assert [p for p in private if _in_lower_layers(p.split(":")[0])] == []
+    # the transport does not know about compression, not even for type checkers
+    typed, _ = _graph(type_checking=True)
+    for transport in ("lowcomm.comm", "lowcomm.link"):
+        assert not any(m.startswith("lowcomm.compress") for m in typed[transport]), transport
+
+
+@pytest.mark.xfail(strict=False, reason="train/ and outer/ refactor in progress")
+def test_package_has_no_cycles_or_private_imports() -> None:
+    edges, private = _graph()
+    assert _cycles(edges) == []
+    assert private == []
