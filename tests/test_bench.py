@@ -9,8 +9,8 @@ import os
 import pytest
 
 from lowcomm.bench import BenchSpec, Cell, interpolate_time_to_target, run_bench
-from lowcomm.bench.matrix import _assemble
 from lowcomm.bench.report import format_markdown
+from lowcomm.bench.results import assemble_results as _assemble
 from lowcomm.cli import main
 
 TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "batch_size": 4, "block_size": 16}

@@ -2,7 +2,8 @@
 (and, where permitted, real tc-shaped) links, against the no-sync ceiling measured in the same run,
 plus a micro-benchmark of lowcomm's per-step overhead. See :mod:`lowcomm.bench.matrix`."""
 
-from lowcomm.bench.matrix import BenchSpec, Cell, interpolate_time_to_target, run_bench
+from lowcomm.bench.matrix import BenchSpec, Cell, run_bench
 from lowcomm.bench.overhead import measure_overhead
+from lowcomm.bench.results import interpolate_time_to_target
 
 __all__ = ["BenchSpec", "Cell", "interpolate_time_to_target", "measure_overhead", "run_bench"]

@@ -17,6 +17,9 @@ Besides the matrix, a run measures:
   bandwidth and latency. Where netem is missing the real link has no added latency, so its
   emulated twin gets latency 0 too.
 
+The cells' rows become ``results.json`` in :mod:`lowcomm.bench.results` (ceilings, noise, time to
+target, goals) and Markdown and plots in :mod:`lowcomm.bench.report`.
+
 Example::
 
     spec = BenchSpec.quick(out="runs/bench")
@@ -25,28 +28,23 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import json
 import logging
 import os
-import platform
 import re
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from lowcomm.bench.results import assemble_results
 from lowcomm.link import EmulatedLink
+from lowcomm.outer.registry import BASELINES, REGISTRY, outer_names
 
 __all__ = [
     "QUICK_TARGET_S",
     "BenchSpec",
     "Cell",
-    "interpolate_time_to_target",
     "run_bench",
 ]
 
@@ -55,7 +53,21 @@ logger = logging.getLogger(__name__)
 QUICK_TARGET_S = 300.0
 """``--quick`` is sized to finish within this many seconds on 2 cores."""
 
-RESULTS_VERSION = 1
+_MATRIX_LEAVES_OUT = ("slowmo",)
+"""Algorithms the full matrix does not run by default: SlowMo is a DiLoCo preset (the same
+blocking schedule and payload), so its throughput is DiLoCo's."""
+
+
+def _matrix_algos() -> list[str]:
+    """The full matrix: every synchronising baseline, then every outer algorithm in registry
+    order, less :data:`_MATRIX_LEAVES_OUT` (the ceiling is measured inside every cell)."""
+    baselines = [n for n in BASELINES if REGISTRY[n].schedule != "never"]
+    return [*baselines, *(n for n in outer_names() if n not in _MATRIX_LEAVES_OUT)]
+
+
+def _cell_algos() -> list[str]:
+    """Every ``--algo`` value a cell can run: all but the no-sync ceiling (it is in every cell)."""
+    return [n for n, e in REGISTRY.items() if e.schedule != "never"]
 
 
 @dataclass(frozen=True)
@@ -114,17 +126,7 @@ class BenchSpec:
         quick: this is the ``--quick`` preset (reported).
     """
 
-    algos: list[str] = field(
-        default_factory=lambda: [
-            "ddp",
-            "co2",
-            "co2-eager",
-            "diloco",
-            "streaming",
-            "cocodc",
-            "localsgd",
-        ]
-    )
+    algos: list[str] = field(default_factory=_matrix_algos)
     links: list[str] = field(default_factory=lambda: ["tcp-80g", "1gbit", "100mbit", "10mbit"])
     workers: list[int] = field(default_factory=lambda: [2])
     steps: int = 240
@@ -169,9 +171,7 @@ class BenchSpec:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting and its fix."""
-        from lowcomm.train.config import ALGORITHM_CHOICES
-
-        choices = [a for a in ALGORITHM_CHOICES if a != "none"]
+        choices = _cell_algos()
         for key in ("algos", "real_algos", "overhead_algos"):
             for algo in getattr(self, key):
                 base, plus, codec = algo.partition("+")
@@ -186,9 +186,9 @@ class BenchSpec:
                         f"{key}: {algo!r} names no compression after '+'; e.g. co2+int4"
                     )
         for algo in self.overhead_algos:
-            if algo == "ddp":
+            if not REGISTRY[algo.partition("+")[0]].is_outer:
                 raise ValueError(
-                    "overhead_algos: 'ddp' has no lowcomm hook to measure; choose lowcomm "
+                    f"overhead_algos: {algo!r} has no lowcomm hook to measure; choose lowcomm "
                     "algorithms such as co2 or diloco"
                 )
         if not self.algos:
@@ -260,37 +260,21 @@ class BenchSpec:
         }
         return config_from_dict(values, source="bench").with_paths()
 
+    def train_settings(self) -> dict[str, Any]:
+        """The training settings every cell shares (model size, batch, learning rate, data), for
+        the report: those of a co2 cell, with ``train_overrides`` on top."""
+        cfg = self.train_config(Cell("co2", self.workers[0], self.links[0]), self.out)
+        keys = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "lr", "bucket_cap_mb")
+        settings = {k: getattr(cfg, k) for k in keys}
+        settings["data"] = cfg.data or "embedded corpus"
+        settings.update(self.train_overrides)
+        return settings
+
 
 def _algo_fields(algo: str) -> dict[str, Any]:
     """``"co2+int4"`` -> ``{"algo": "co2", "compression": "int4"}``."""
     base, _, codec = algo.partition("+")
     return {"algo": base, "compression": codec} if codec else {"algo": base}
-
-
-def interpolate_time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:
-    """Training time at which the validation loss first reaches ``target``.
-
-    Args:
-        curve: ``(tokens, train_s, val_loss)`` points in order.
-        target: the validation loss to reach.
-
-    Returns:
-        The time, linear between the last evaluation above the target and the first at or below
-        it; ``None`` when no evaluation reaches it.
-    """
-    previous: Sequence[float] | None = None
-    for point in curve:
-        _, t, loss = point
-        if loss <= target:
-            if previous is None:
-                return float(t)
-            _, t0, loss0 = previous
-            if loss0 == loss:
-                return float(t)
-            frac = (loss0 - target) / (loss0 - loss)
-            return float(t0 + frac * (t - t0))
-        previous = point
-    return None
 
 
 def _read_curve(cell_out: str) -> list[list[float]]:
@@ -393,16 +377,6 @@ def _rate_text(bps: float) -> str:
     return f"{bps:g}bit"
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-    }
-
-
 def run_bench(
     spec: BenchSpec,
     *,
@@ -481,150 +455,9 @@ def run_bench(
             f"ceiling), val {row['val_loss_final']:.3f}, {row['command_s']:.0f} s"
         )
 
-    results = _assemble(spec, rows, overhead, real_skipped, latency_applied)
+    results = assemble_results(spec, rows, overhead, real_skipped, latency_applied)
     results["memory"] = memory
     results["command"] = command
     results["elapsed_s"] = time.perf_counter() - t_start
     write_report(results, spec.out)
     return results
-
-
-def _assemble(
-    spec: BenchSpec,
-    rows: list[dict[str, Any]],
-    overhead: dict[str, Any] | None,
-    real_skipped: str | None,
-    latency_applied: bool,
-) -> dict[str, Any]:
-    cells = list(rows)
-    ceilings = []
-    for w in spec.workers:
-        speeds = [r["ceiling_tokens_per_s"] for r in cells if r["workers"] == w]
-        if not speeds:
-            continue
-        ceilings.append(
-            {
-                "workers": w,
-                "tokens_per_s": statistics.median(speeds),
-                "cells": len(speeds),
-                "drift": (max(speeds) - min(speeds)) / statistics.median(speeds),
-            }
-        )
-    matrix = [r for r in cells if r["role"] == "matrix"]
-    target = spec.target_loss
-    if target is None and matrix:
-        target = max(r["val_loss_final"] for r in matrix)
-    for r in cells:
-        r["target_loss"] = target
-        r["time_to_target_s"] = (
-            interpolate_time_to_target(r["curve"], target) if target is not None else None
-        )
-    model = {"parameters": rows[0].get("parameters") if rows else None}
-    # within a cell, the two halves of its ceiling: how much the machine moved during the cell
-    spreads = [_halves_spread(r["ceiling_segments_tokens_per_s"]) for r in cells]
-    noise = [x for x in spreads if x is not None]
-    return {
-        "version": RESULTS_VERSION,
-        "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "quick": spec.quick,
-        "machine": _machine(),
-        "model": model,
-        "settings": {
-            **{
-                k: v
-                for k, v in dataclasses.asdict(spec).items()
-                if k not in ("train_overrides", "out", "quick")
-            },
-            **_train_settings(spec),
-        },
-        "noise": statistics.median(noise) if noise else None,
-        "noise_max": max(noise) if noise else None,
-        "target_loss": target,
-        "ceilings": ceilings,
-        "cells": cells,
-        "real_links": {
-            "skipped": real_skipped,
-            "latency_applied": latency_applied,
-        },
-        "overhead": overhead,
-        "goals": _goals(cells, overhead),
-    }
-
-
-def _halves_spread(segments: Sequence[float]) -> float | None:
-    if len(segments) < 2:
-        return None
-    return abs(segments[0] - segments[-1]) / statistics.fmean(segments)
-
-
-def _train_settings(spec: BenchSpec) -> dict[str, Any]:
-    cfg = spec.train_config(Cell("co2", spec.workers[0], spec.links[0]), spec.out)
-    keys = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "lr", "bucket_cap_mb")
-    settings = {k: getattr(cfg, k) for k in keys}
-    settings["data"] = cfg.data or "embedded corpus"
-    settings.update(spec.train_overrides)
-    return settings
-
-
-def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The issue's performance goals, each ``met`` True/False (or None: not measured)."""
-
-    def find(algo: str) -> dict[str, Any] | None:
-        for r in cells:
-            if (
-                r["role"] == "matrix"
-                and r["algo"] == algo
-                and r["workers"] == 2
-                and r["link"] == "100mbit"
-            ):
-                return r
-        return None
-
-    goals = []
-    co2 = find("co2")
-    goals.append(
-        {
-            "goal": "CO2 on emulated 100mbit, 2 workers: >= 95% of the ceiling's tokens/s",
-            "value": None if co2 is None else co2["ratio_to_ceiling"],
-            "limit": 0.95,
-            "format": ".1%",
-            "met": None if co2 is None else co2["ratio_to_ceiling"] >= 0.95,
-            "kind": "min",
-        }
-    )
-    ddp = find("ddp")
-    goals.append(
-        {
-            "goal": "DDP on emulated 100mbit, 2 workers: communication-bound (well below the "
-            "ceiling; < 50%)",
-            "value": None if ddp is None else ddp["ratio_to_ceiling"],
-            "limit": 0.5,
-            "format": ".1%",
-            "met": None if ddp is None else ddp["ratio_to_ceiling"] < 0.5,
-            "kind": "max",
-        }
-    )
-    hook = list((overhead or {}).get("algorithms", []))
-    worst_hook = max((a["hook_fraction"] for a in hook), default=None)
-    goals.append(
-        {
-            "goal": "inner-step overhead of the hook <= 2% of a bare step (worst algorithm)",
-            "value": worst_hook,
-            "limit": 0.02,
-            "format": ".3%",
-            "met": None if worst_hook is None else worst_hook <= 0.02,
-            "kind": "max",
-        }
-    )
-    worst_outer = max((a["outer_over_inner"] for a in hook), default=None)
-    goals.append(
-        {
-            "goal": "outer-step compute <= one inner step (worst algorithm)",
-            "value": worst_outer,
-            "limit": 1.0,
-            "format": ".2f",
-            "met": None if worst_outer is None else worst_outer <= 1.0,
-            "kind": "max",
-        }
-    )
-    return goals

@@ -24,7 +24,9 @@ import torch
 __all__ = ["MEMORY_ALGOS", "measure_memory"]
 
 MEMORY_ALGOS = ("co2", "diloco", "streaming")
-"""The algorithms that take ``shard_outer_state``."""
+"""The algorithms measured by default: one of each kind of outer state ``shard_outer_state``
+shards (CO2's, DiLoCo's outer optimizer, Streaming DiLoCo's per fragment); SlowMo's is DiLoCo's,
+and co2-eager, cocodc and localsgd do not shard."""
 
 
 def _job(

@@ -1,0 +1,200 @@
+"""The results of a ``lowcomm bench`` run (``results.json``): the measured cells with their
+time to the target loss, the no-sync ceiling per worker count and its noise, the settings and the
+machine, and the performance goals each run is checked against.
+
+Example::
+
+    results = assemble_results(spec, rows, overhead, real_skipped=None, latency_applied=True)
+    [g["met"] for g in results["goals"]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lowcomm.bench.matrix import BenchSpec
+
+__all__ = ["RESULTS_VERSION", "assemble_results", "interpolate_time_to_target"]
+
+RESULTS_VERSION = 1
+
+
+def interpolate_time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:
+    """Training time at which the validation loss first reaches ``target``.
+
+    Args:
+        curve: ``(tokens, train_s, val_loss)`` points in order.
+        target: the validation loss to reach.
+
+    Returns:
+        The time, linear between the last evaluation above the target and the first at or below
+        it; ``None`` when no evaluation reaches it.
+    """
+    previous: Sequence[float] | None = None
+    for point in curve:
+        _, t, loss = point
+        if loss <= target:
+            if previous is None:
+                return float(t)
+            _, t0, loss0 = previous
+            if loss0 == loss:
+                return float(t)
+            frac = (loss0 - target) / (loss0 - loss)
+            return float(t0 + frac * (t - t0))
+        previous = point
+    return None
+
+
+def assemble_results(
+    spec: BenchSpec,
+    rows: list[dict[str, Any]],
+    overhead: dict[str, Any] | None,
+    real_skipped: str | None,
+    latency_applied: bool,
+) -> dict[str, Any]:
+    """The ``results.json`` of a run: ``rows`` (one per cell, as the cells ran) with every cell's
+    time to the target loss, the ceiling per worker count, the noise of the ceiling ratios, the
+    settings, the machine, the overhead micro-benchmark and the goals. The caller adds
+    ``memory``, ``command`` and ``elapsed_s``."""
+    cells = list(rows)
+    ceilings = []
+    for w in spec.workers:
+        speeds = [r["ceiling_tokens_per_s"] for r in cells if r["workers"] == w]
+        if not speeds:
+            continue
+        ceilings.append(
+            {
+                "workers": w,
+                "tokens_per_s": statistics.median(speeds),
+                "cells": len(speeds),
+                "drift": (max(speeds) - min(speeds)) / statistics.median(speeds),
+            }
+        )
+    matrix = [r for r in cells if r["role"] == "matrix"]
+    target = spec.target_loss
+    if target is None and matrix:
+        target = max(r["val_loss_final"] for r in matrix)
+    for r in cells:
+        r["target_loss"] = target
+        r["time_to_target_s"] = (
+            interpolate_time_to_target(r["curve"], target) if target is not None else None
+        )
+    model = {"parameters": rows[0].get("parameters") if rows else None}
+    # within a cell, the two halves of its ceiling: how much the machine moved during the cell
+    spreads = [_halves_spread(r["ceiling_segments_tokens_per_s"]) for r in cells]
+    noise = [x for x in spreads if x is not None]
+    return {
+        "version": RESULTS_VERSION,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": spec.quick,
+        "machine": _machine(),
+        "model": model,
+        "settings": {
+            **{
+                k: v
+                for k, v in dataclasses.asdict(spec).items()
+                if k not in ("train_overrides", "out", "quick")
+            },
+            **spec.train_settings(),
+        },
+        "noise": statistics.median(noise) if noise else None,
+        "noise_max": max(noise) if noise else None,
+        "target_loss": target,
+        "ceilings": ceilings,
+        "cells": cells,
+        "real_links": {
+            "skipped": real_skipped,
+            "latency_applied": latency_applied,
+        },
+        "overhead": overhead,
+        "goals": _goals(cells, overhead),
+    }
+
+
+def _halves_spread(segments: Sequence[float]) -> float | None:
+    if len(segments) < 2:
+        return None
+    return abs(segments[0] - segments[-1]) / statistics.fmean(segments)
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The issue's performance goals, each ``met`` True/False (or None: not measured)."""
+
+    def find(algo: str) -> dict[str, Any] | None:
+        for r in cells:
+            if (
+                r["role"] == "matrix"
+                and r["algo"] == algo
+                and r["workers"] == 2
+                and r["link"] == "100mbit"
+            ):
+                return r
+        return None
+
+    goals = []
+    co2 = find("co2")
+    goals.append(
+        {
+            "goal": "CO2 on emulated 100mbit, 2 workers: >= 95% of the ceiling's tokens/s",
+            "value": None if co2 is None else co2["ratio_to_ceiling"],
+            "limit": 0.95,
+            "format": ".1%",
+            "met": None if co2 is None else co2["ratio_to_ceiling"] >= 0.95,
+            "kind": "min",
+        }
+    )
+    ddp = find("ddp")
+    goals.append(
+        {
+            "goal": "DDP on emulated 100mbit, 2 workers: communication-bound (well below the "
+            "ceiling; < 50%)",
+            "value": None if ddp is None else ddp["ratio_to_ceiling"],
+            "limit": 0.5,
+            "format": ".1%",
+            "met": None if ddp is None else ddp["ratio_to_ceiling"] < 0.5,
+            "kind": "max",
+        }
+    )
+    hook = list((overhead or {}).get("algorithms", []))
+    worst_hook = max((a["hook_fraction"] for a in hook), default=None)
+    goals.append(
+        {
+            "goal": "inner-step overhead of the hook <= 2% of a bare step (worst algorithm)",
+            "value": worst_hook,
+            "limit": 0.02,
+            "format": ".3%",
+            "met": None if worst_hook is None else worst_hook <= 0.02,
+            "kind": "max",
+        }
+    )
+    worst_outer = max((a["outer_over_inner"] for a in hook), default=None)
+    goals.append(
+        {
+            "goal": "outer-step compute <= one inner step (worst algorithm)",
+            "value": worst_outer,
+            "limit": 1.0,
+            "format": ".2f",
+            "met": None if worst_outer is None else worst_outer <= 1.0,
+            "kind": "max",
+        }
+    )
+    return goals

@@ -1,0 +1,572 @@
+"""The α-β cost model of ``lowcomm simulate``: one training round per algorithm, in closed form.
+
+The pure computation: the workload and the network (:class:`Workload`, :class:`Network`), the
+collectives' costs, each algorithm's overlap rule (:func:`step_time`, chosen by the algorithm's
+``schedule`` in :data:`lowcomm.outer.registry.REGISTRY`) and the projection to N workers
+(:func:`project`). Nothing here reads files or prints.
+
+**Communication (α-β, Hockney).** A ring all-reduce of ``S`` bytes over ``n`` workers sends
+``2 (n - 1)`` messages of ``S / n`` bytes in sequence, so on a link of bandwidth β (bits/s) and
+per-message latency α (s) it takes
+
+    T_ring(S, n) = 2 (n - 1) α + 2 (n - 1) / n · 8 S / β          (0 when n = 1)
+
+(:func:`ring_allreduce_time`). Nodes of ``G`` GPUs with a fast link inside and one slow NIC per
+node are modelled hierarchically (:func:`hierarchical_allreduce_time`): reduce-scatter inside the
+node, then ``G`` concurrent inter-node rings, one per ``S / G`` shard, that share the node's NIC
+(so the NIC carries the whole ``2 (m - 1) / m · S`` of an ``m``-node ring), then all-gather inside
+the node. lowcomm's own link emulation (:mod:`lowcomm.link`) charges a collective
+``α + 2 (n - 1) / n · 8 S / β`` (latency once, first in first out), which
+:func:`emulated_allreduce_time` reproduces for calibration against ``lowcomm bench``.
+
+**Compute.** ``t_c`` is the time of one inner step (forward, backward, inner optimizer) on one
+worker, measured or given; it does not change with N (weak scaling: every worker keeps its batch).
+The payload is the parameter count × bytes per element (4 for fp32, lowcomm's buckets; 2 for
+bf16), or a measured payload.
+
+**Overlap rules**, one per registry schedule (per worker; H = ``sync_every``; T = all-reduce time
+of the whole payload; ``t_o`` = one outer update):
+
+* ``never`` (``none``): no communication, step = t_c (the ceiling).
+* ``every-step`` (``ddp``, synchronous AdamW/SGD): all-reduce of the gradients every step. DDP
+  launches bucket all-reduces during backward, so at most the backward share ``b`` of ``t_c`` can
+  hide them: step = t_c + max(0, T − b·t_c). ``b = 2/3`` by default (backward ≈ twice forward);
+  ``b = 0`` is no overlap, which is what lowcomm's emulated DDP shows when the model fits in one
+  or two buckets (the link delay then starts after backward has finished).
+* ``blocking`` (``localsgd``, ``slowmo``, ``diloco``): blocking all-reduce every H steps:
+  round = H·t_c + T + t_o.
+* ``one-round-stale`` (``co2``, ``co2-eager``): the all-reduce launched at the end of round r is
+  waited for at the end of round r + 1, so it overlaps H steps and the outer update:
+  round = max(H·t_c + t_o, T). Communication is exposed only when T > H·t_c + t_o, and then
+  exactly by the excess (the link is the bottleneck; first in, first out).
+* ``fragments`` (``streaming``: Streaming DiLoCo, and ``cocodc``): P fragments of S / P bytes,
+  one synced every H / P steps; each all-reduce (time T_f) is launched ``overlap`` (τ) steps
+  before its sync point, so each sync point exposes max(0, T_f − τ·t_c). The link carries one
+  fragment at a time, so a round is never shorter than P·T_f:
+  round = max(H·t_c + P·max(0, T_f − τ·t_c) + t_o, P·T_f). CoCoDC's adaptive fragment choice
+  adds a blocking all-reduce of P float64 scores at each sync point (a latency-bound collective).
+
+Throughput is N × tokens per worker step / step time. *Scaling efficiency* at N is
+throughput(N) / (N / N₀ · throughput(N₀)) against the smallest N₀ projected. The CO2 paper's
+*scalability ratio* is the same quantity against its first multi-node point, 16 GPUs (two nodes):
+throughput(128) / (8 · throughput(16)); see :func:`~lowcomm.bench.simulate.co2_paper_scenario`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from lowcomm.outer.cocodc import CoCoDC
+from lowcomm.outer.registry import REGISTRY, AlgorithmEntry, names
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_WORKERS",
+    "Algorithm",
+    "CostModel",
+    "Network",
+    "PaperFigure",
+    "Projection",
+    "Scenario",
+    "StepTime",
+    "Workload",
+    "emulated_allreduce_time",
+    "hierarchical_allreduce_time",
+    "project",
+    "ring_allreduce_time",
+    "solve_compute_time",
+    "step_time",
+]
+
+ALGORITHMS = names()
+"""Algorithms the model knows: every ``lowcomm train --algo`` value, in registry order."""
+
+DEFAULT_WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+_SCORE_BYTES = 8  # CoCoDC all-reduces one float64 priority score per fragment
+
+CostModel = Literal["ring", "emulated"]
+
+
+# --- communication ----------------------------------------------------------------------------
+
+
+def _check_collective(payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {n!r}")
+    if not payload_bytes >= 0:
+        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes!r}")
+    if not bandwidth_bps > 0:
+        raise ValueError(f"bandwidth must be > 0 bits/s, got {bandwidth_bps!r}")
+    if not (latency_s >= 0 and math.isfinite(latency_s)):
+        raise ValueError(f"latency must be a finite number >= 0 s, got {latency_s!r}")
+
+
+def ring_allreduce_time(
+    payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float
+) -> float:
+    """Time of a ring all-reduce of ``payload_bytes`` over ``n`` workers (α-β model).
+
+    ``2 (n - 1) α + 2 (n - 1) / n · 8 S / β``: a reduce-scatter and an all-gather of ``n - 1``
+    steps each, every step one message of ``S / n`` bytes; 0 for ``n = 1``.
+
+    Args:
+        payload_bytes: S, bytes each worker contributes.
+        n: workers in the ring.
+        bandwidth_bps: β, link bandwidth in bits/s per worker, each direction.
+        latency_s: α, latency per message in seconds.
+    """
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * latency_s + 2 * (n - 1) / n * 8.0 * payload_bytes / bandwidth_bps
+
+
+def emulated_allreduce_time(
+    payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float
+) -> float:
+    """What lowcomm's :class:`~lowcomm.link.EmulatedLink` charges: α + 2 (n - 1) / n · 8 S / β.
+
+    The emulation books the ring's wire bytes on one FIFO link and adds the latency once
+    (propagation overlaps the next transfer), so a set of buckets launched together costs the
+    same as one bucket of their total size. 0 for ``n = 1``.
+    """
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    if n == 1:
+        return 0.0
+    return latency_s + 2 * (n - 1) / n * 8.0 * payload_bytes / bandwidth_bps
+
+
+def hierarchical_allreduce_time(
+    payload_bytes: float,
+    n: int,
+    *,
+    gpus_per_node: int,
+    bandwidth_bps: float,
+    latency_s: float,
+    intra_bandwidth_bps: float | None,
+    intra_latency_s: float = 0.0,
+) -> float:
+    """All-reduce over nodes of ``gpus_per_node`` GPUs: fast link inside, one slow NIC per node.
+
+    Within one node (``n <= G``) this is a ring on the fast link. Across ``m = n / G`` nodes:
+    reduce-scatter inside each node (``(G - 1) α_i + (G - 1) / G · 8 S / β_i``), then G concurrent
+    inter-node rings on ``S / G`` bytes each, which share the node's NIC: together
+    ``T_ring(S, m)`` on (β, α); then all-gather inside the node (as the reduce-scatter).
+    ``intra_bandwidth_bps=None`` makes the fast link free.
+
+    Args:
+        payload_bytes: S, bytes per GPU.
+        n: GPUs in all; a multiple of ``gpus_per_node`` when above it.
+        gpus_per_node: G.
+        bandwidth_bps: β, the inter-node bandwidth per node (its NIC), bits/s.
+        latency_s: α, inter-node latency per message.
+        intra_bandwidth_bps: β_i, bandwidth of the fast link per GPU, bits/s.
+        intra_latency_s: α_i, latency per message on the fast link.
+    """
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    g = gpus_per_node
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"gpus_per_node must be an integer >= 1, got {g!r}")
+    intra_bw = math.inf if intra_bandwidth_bps is None else intra_bandwidth_bps
+    if n <= g:
+        return ring_allreduce_time(payload_bytes, n, intra_bw, intra_latency_s)
+    if n % g:
+        raise ValueError(
+            f"workers ({n}) must be a multiple of gpus_per_node ({g}) above one node; "
+            f"e.g. {g * math.ceil(n / g)}"
+        )
+    _check_collective(payload_bytes, g, intra_bw, intra_latency_s)
+    inside = 2 * ((g - 1) * intra_latency_s + (g - 1) / g * 8.0 * payload_bytes / intra_bw)
+    return inside + ring_allreduce_time(payload_bytes, n // g, bandwidth_bps, latency_s)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Network:
+    """The links between workers."""
+
+    bandwidth_bps: float
+    """β: bandwidth of the slow link in bits/s; per node (its NIC) when gpus_per_node > 1."""
+    latency_s: float = 0.0
+    """α: latency per message on the slow link, in seconds."""
+    gpus_per_node: int = 1
+    """G: workers per node; 1 puts every worker on the slow link (a flat ring)."""
+    intra_bandwidth_bps: float | None = None
+    """β_i: bandwidth of the fast link inside a node, per GPU, bits/s (None: free)."""
+    intra_latency_s: float = 0.0
+    """α_i: latency per message on the fast link."""
+    cost: CostModel = "ring"
+    """"ring": the α-β ring; "emulated": what lowcomm's link emulation charges (flat only)."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bps > 0:
+            raise ValueError(
+                f"bandwidth must be > 0 bits/s, got {self.bandwidth_bps!r}; e.g. 80e9 (80 Gbit/s)"
+            )
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency must be a finite number >= 0 s, got {self.latency_s!r}")
+        g = self.gpus_per_node
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"gpus_per_node must be an integer >= 1, got {g!r}")
+        if self.intra_bandwidth_bps is not None and not self.intra_bandwidth_bps > 0:
+            raise ValueError(
+                f"intra_bandwidth must be > 0 bits/s, got {self.intra_bandwidth_bps!r}"
+            )
+        if not (self.intra_latency_s >= 0 and math.isfinite(self.intra_latency_s)):
+            raise ValueError(
+                f"intra_latency must be a finite number >= 0 s, got {self.intra_latency_s!r}"
+            )
+        if self.cost not in ("ring", "emulated"):
+            raise ValueError(f"cost must be 'ring' or 'emulated', got {self.cost!r}")
+        if self.cost == "emulated" and g != 1:
+            raise ValueError("the emulated link is flat: use gpus_per_node=1 with cost='emulated'")
+
+    def allreduce_time(self, payload_bytes: float, n: int) -> float:
+        """Seconds for one mean all-reduce of ``payload_bytes`` per worker over ``n`` workers."""
+        if self.cost == "emulated":
+            return emulated_allreduce_time(payload_bytes, n, self.bandwidth_bps, self.latency_s)
+        if self.gpus_per_node == 1:
+            return ring_allreduce_time(payload_bytes, n, self.bandwidth_bps, self.latency_s)
+        return hierarchical_allreduce_time(
+            payload_bytes,
+            n,
+            gpus_per_node=self.gpus_per_node,
+            bandwidth_bps=self.bandwidth_bps,
+            latency_s=self.latency_s,
+            intra_bandwidth_bps=self.intra_bandwidth_bps,
+            intra_latency_s=self.intra_latency_s,
+        )
+
+    def nodes(self, n: int) -> int:
+        return max(1, math.ceil(n / self.gpus_per_node))
+
+
+# --- workload and algorithms ------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class Workload:
+    """What one worker computes and sends."""
+
+    parameters: float
+    """Model parameters (all are synchronised)."""
+    tokens_per_step: float
+    """Tokens (or samples) one worker processes per inner step."""
+    step_time_s: float
+    """t_c: compute time of one inner step on one worker (forward, backward, inner optimizer)."""
+    bytes_per_param: float = 4.0
+    """Bytes per synchronised element: 4 for fp32 (lowcomm's buckets), 2 for bf16/fp16."""
+    payload_bytes: float | None = None
+    """Bytes per worker per full synchronisation; None: parameters × bytes_per_param."""
+    backward_fraction: float = 2.0 / 3.0
+    """b: share of t_c during which DDP's gradient all-reduce can overlap backward (0: none)."""
+    outer_time_s: float = 0.0
+    """t_o: compute time of one outer update (all fragments together)."""
+
+    def __post_init__(self) -> None:
+        for key in ("parameters", "tokens_per_step", "bytes_per_param"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
+        if not (self.step_time_s >= 0 and math.isfinite(self.step_time_s)):
+            raise ValueError(f"step_time must be a finite number >= 0 s, got {self.step_time_s!r}")
+        if self.payload_bytes is not None and not self.payload_bytes >= 0:
+            raise ValueError(f"payload_bytes must be >= 0, got {self.payload_bytes!r}")
+        if not 0.0 <= self.backward_fraction <= 1.0:
+            raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction!r}")
+        if not (self.outer_time_s >= 0 and math.isfinite(self.outer_time_s)):
+            raise ValueError(
+                f"outer_time must be a finite number >= 0 s, got {self.outer_time_s!r}"
+            )
+
+    @property
+    def payload(self) -> float:
+        """Bytes per worker in one full synchronisation."""
+        if self.payload_bytes is not None:
+            return self.payload_bytes
+        return self.parameters * self.bytes_per_param
+
+
+@dataclass(kw_only=True, frozen=True)
+class Algorithm:
+    """One algorithm and its schedule."""
+
+    name: str
+    """One of :data:`ALGORITHMS`."""
+    sync_every: int = 1
+    """H: inner steps per round (the CO2 paper's τ); ignored by ddp and none."""
+    num_fragments: int = 1
+    """P: streaming/cocodc fragments; H must be a multiple of P."""
+    overlap: int = 0
+    """τ: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied."""
+    adaptive: bool = True
+    """cocodc: fragments chosen by an all-reduced priority score (a blocking collective)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.name!r}")
+        for key, low in (("sync_every", 1), ("num_fragments", 1), ("overlap", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        if self.schedule == "fragments":
+            if self.sync_every % self.num_fragments:
+                raise ValueError(
+                    f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
+                    f"({self.num_fragments}) for {self.name}"
+                )
+            if self.overlap >= self.sync_every:
+                raise ValueError(
+                    f"overlap ({self.overlap}) must be < sync_every ({self.sync_every}) for "
+                    f"{self.name}"
+                )
+
+    @property
+    def entry(self) -> AlgorithmEntry:
+        """Its entry in :data:`lowcomm.outer.registry.REGISTRY`."""
+        return REGISTRY[self.name]
+
+    @property
+    def schedule(self) -> str:
+        """How it communicates (one of :data:`lowcomm.outer.registry.SCHEDULES`): the overlap
+        rule :func:`step_time` applies."""
+        return self.entry.schedule
+
+    @property
+    def period(self) -> int:
+        """Inner steps per synchronisation: 1 for a sync every step (ddp), else ``sync_every``."""
+        return 1 if self.schedule == "every-step" else self.sync_every
+
+    @property
+    def label(self) -> str:
+        """Short name for tables and plots, e.g. ``co2 H=48``."""
+        if not self.entry.is_outer:
+            return self.name
+        text = f"{self.name} H={self.sync_every}"
+        if self.schedule == "fragments":
+            text += f" P={self.num_fragments} overlap={self.overlap}"
+        return text
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Per-worker time of one inner step, averaged over a round."""
+
+    step_s: float
+    """Wall time per inner step."""
+    compute_s: float
+    """t_c."""
+    comm_s: float
+    """All-reduce time per inner step (all of a round's collectives, divided by H)."""
+    exposed_s: float
+    """Communication not hidden behind compute, per inner step."""
+    outer_s: float
+    """Outer-update compute per inner step."""
+    queued_s: float = 0.0
+    """Time collectives wait for the link behind earlier ones, per inner step (link-bound)."""
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        """1 − blocked / in flight, as lowcomm's counters define it (in flight from launch to
+        completion, queueing included); None without communication."""
+        in_flight = self.comm_s + self.queued_s
+        if in_flight <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.exposed_s / in_flight))
+
+
+def step_time(algorithm: Algorithm, workload: Workload, network: Network, n: int) -> StepTime:
+    """Time per inner step of ``algorithm`` on ``n`` workers; see the module docstring's rules."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {n!r}")
+    t = workload.step_time_s
+    schedule = algorithm.schedule
+    if schedule == "never" or n == 1:
+        return StepTime(t, t, 0.0, 0.0, 0.0)
+    payload = workload.payload
+    if schedule == "every-step":
+        comm = network.allreduce_time(payload, n)
+        exposed = max(0.0, comm - workload.backward_fraction * t)
+        return StepTime(t + exposed, t, comm, exposed, 0.0)
+    h = algorithm.sync_every
+    outer = workload.outer_time_s
+    if schedule == "blocking":
+        comm = network.allreduce_time(payload, n)
+        return StepTime(t + (comm + outer) / h, t, comm / h, comm / h, outer / h)
+    if schedule == "one-round-stale":
+        comm = network.allreduce_time(payload, n)
+        window = h * t + outer
+        exposed = max(0.0, comm - window)
+        # link-bound: each all-reduce also queues behind the previous one for the excess
+        return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
+    assert schedule == "fragments", schedule
+    p = algorithm.num_fragments
+    frag = network.allreduce_time(payload / p, n)
+    score = 0.0
+    if _scores_fragments(algorithm):
+        score = network.allreduce_time(_SCORE_BYTES * p, n)
+    per_point = max(0.0, frag - algorithm.overlap * t) + score
+    compute_bound = h * t + p * per_point + outer
+    link_bound = p * (frag + score)
+    round_s = max(compute_bound, link_bound)
+    exposed = round_s - h * t - outer
+    queued = max(0.0, link_bound - compute_bound)
+    return StepTime(round_s / h, t, p * (frag + score) / h, exposed / h, outer / h, queued / h)
+
+
+def _scores_fragments(algorithm: Algorithm) -> bool:
+    """Whether each sync point also all-reduces a priority score per fragment: CoCoDC's adaptive
+    transmission (its class and variants, unless ``adaptive`` is off or fixed off)."""
+    entry = algorithm.entry
+    if entry.cls is None or not issubclass(entry.cls, CoCoDC):
+        return False
+    return bool(entry.fixed.get("adaptive", algorithm.adaptive))
+
+
+def solve_compute_time(
+    target_step_s: float, algorithm: Algorithm, workload: Workload, network: Network, n: int
+) -> float:
+    """The compute time t_c at which ``algorithm`` on ``n`` workers takes ``target_step_s``.
+
+    Bisection on t_c; the step time is non-decreasing in t_c for ddp, the blocking algorithms and
+    CO2, which is what it is used for (turning a measured throughput into a compute time).
+    """
+
+    def f(t: float) -> float:
+        return step_time(algorithm, replace(workload, step_time_s=t), network, n).step_s
+
+    if not (target_step_s > 0 and math.isfinite(target_step_s)):
+        raise ValueError(f"target step time must be a finite number > 0, got {target_step_s!r}")
+    lo, hi = 0.0, target_step_s
+    if f(lo) > target_step_s:
+        raise ValueError(
+            f"no compute time gives {target_step_s:.6g} s per step for {algorithm.label} on {n} "
+            f"workers: communication alone exposes {f(lo):.6g} s"
+        )
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if f(mid) < target_step_s:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * target_step_s:
+            break
+    return 0.5 * (lo + hi)
+
+
+# --- projection -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One algorithm at one worker count (a row of the projection table)."""
+
+    algo: str
+    """Label, e.g. ``co2 H=48``."""
+    name: str
+    sync_every: int
+    workers: int
+    nodes: int
+    step_time_s: float
+    compute_s: float
+    comm_per_step_s: float
+    exposed_per_step_s: float
+    hidden_fraction: float | None
+    tokens_per_s: float
+    tokens_per_s_per_worker: float
+    scaling_efficiency: float
+    """throughput(N) / (N / N₀ · throughput(N₀)), N₀ the smallest N projected."""
+    scalability_ratio: float | None
+    """The same against ``scalability_base`` workers (the CO2 paper's 16); None without it."""
+
+
+def _check_workers(workers: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(workers)
+    if not out:
+        raise ValueError("workers must list at least one worker count, e.g. 8,16,32")
+    for n in out:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"workers must be integers >= 1, got {n!r}")
+    return tuple(sorted(set(out)))
+
+
+def project(
+    workload: Workload,
+    network: Network,
+    algorithms: Sequence[Algorithm],
+    workers: Iterable[int] = DEFAULT_WORKERS,
+    *,
+    scalability_base: int | None = None,
+) -> list[Projection]:
+    """Throughput, step time, exposed communication and scaling of each algorithm at each N."""
+    ns = _check_workers(workers)
+    if not algorithms:
+        raise ValueError("algorithms must name at least one algorithm, e.g. ddp,co2")
+    rows: list[Projection] = []
+    for algo in algorithms:
+        times = {n: step_time(algo, workload, network, n) for n in ns}
+        thr = {n: n * workload.tokens_per_step / times[n].step_s for n in ns}
+        n0 = ns[0]
+        for n in ns:
+            st = times[n]
+            ratio = None
+            if scalability_base is not None and scalability_base in thr:
+                ratio = thr[n] / (n / scalability_base * thr[scalability_base])
+            rows.append(
+                Projection(
+                    algo=algo.label,
+                    name=algo.name,
+                    sync_every=algo.period,
+                    workers=n,
+                    nodes=network.nodes(n),
+                    step_time_s=st.step_s,
+                    compute_s=st.compute_s,
+                    comm_per_step_s=st.comm_s,
+                    exposed_per_step_s=st.exposed_s,
+                    hidden_fraction=st.hidden_fraction,
+                    tokens_per_s=thr[n],
+                    tokens_per_s_per_worker=thr[n] / n,
+                    scaling_efficiency=thr[n] / (n / n0 * thr[n0]),
+                    scalability_ratio=ratio,
+                )
+            )
+    return rows
+
+
+# --- scenarios --------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class PaperFigure:
+    """A figure a paper reports (or that follows from its figures), for the comparison table."""
+
+    algo: str
+    """Label of the matching :class:`Algorithm`."""
+    workers: int
+    metric: Literal["tokens_per_s", "scalability_ratio"]
+    value: float
+    note: str = ""
+    reported: bool = True
+    """False for a figure derived from reported ones (plotted differently)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Scenario:
+    """Everything a projection needs, with the assumptions stated."""
+
+    name: str
+    workload: Workload
+    network: Network
+    algorithms: tuple[Algorithm, ...]
+    workers: tuple[int, ...] = DEFAULT_WORKERS
+    scalability_base: int | None = None
+    """Worker count the scalability ratio is taken against (None: not reported)."""
+    unit: str = "tokens"
+    """What ``tokens_per_step`` counts (the CO2 paper reports words, i.e. tokens)."""
+    notes: tuple[str, ...] = ()
+    """Assumptions and sources, printed with every report."""
+    paper: tuple[PaperFigure, ...] = ()
+    sources: tuple[str, ...] = ()
