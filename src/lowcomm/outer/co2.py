@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,6 +50,7 @@ from lowcomm.outer.fragment import OuterState, Sync, load_tensors
 from lowcomm.outer.functional import co2_outer_update_
 from lowcomm.outer.hparams import (
     HyperparameterError,
+    OuterConfig,
     ShardableConfig,
     check_bool,
     check_momentum,
@@ -100,12 +101,15 @@ class CO2Config(ShardableConfig):
     )
     outer_momentum: float = hyper(0.5, doc="outer momentum", symbol="β", check=check_momentum)
     nesterov: bool = hyper(
-        False, doc="A ← A − α(Λ⊙Δ̄ + β·m) instead of A ← A − α·m", check=check_bool
+        False,
+        doc="Nesterov outer momentum (CO2: A ← A − α(Λ⊙Δ̄ + β·m) instead of A ← A − α·m)",
+        check=check_bool,
     )
     clip: float | None = hyper(
         1.0,
-        doc="outer momentum clipping threshold (None: no clipping)",
+        doc='outer momentum clipping threshold (None, in a job "none": no clipping)',
         symbol="φ",
+        job_type="float | str | None",
         check=check_optional(check_positive_float(1.0)),
     )
     clip_mode: str = hyper(
@@ -236,7 +240,7 @@ class CO2(OuterAlgorithm):
     """
 
     name = "co2"
-    Config = CO2Config
+    Config: ClassVar[type[OuterConfig]] = CO2Config
     config: CO2Config
     schedule = "one-round-stale"
     _apply_unlaunched = True

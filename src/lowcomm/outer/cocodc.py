@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.outer.fragment import load_tensors
 from lowcomm.outer.functional import delay_compensation_
 from lowcomm.outer.hparams import (
+    OuterConfig,
     check_bool,
     check_nonnegative_float,
     check_positive_int,
@@ -88,7 +89,7 @@ class CoCoDC(StreamingDiLoCo):
     """
 
     name = "cocodc"
-    Config = CoCoDCConfig
+    Config: ClassVar[type[OuterConfig]] = CoCoDCConfig
     config: CoCoDCConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +33,7 @@ from lowcomm.outer.fragment import OptimizerState, OuterOptimizerFactory, OuterS
 from lowcomm.outer.hparams import (
     CompressionConfig,
     HyperparameterError,
+    OuterConfig,
     ShardableConfig,
     check_bool,
     check_momentum,
@@ -119,7 +120,7 @@ class DiLoCo(OuterAlgorithm):
     """
 
     name = "diloco"
-    Config = DiLoCoConfig
+    Config: ClassVar[type[OuterConfig]] = DiLoCoConfig
     config: OuterSGDConfig
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
@@ -157,7 +158,7 @@ class SlowMo(DiLoCo):
     """
 
     name = "slowmo"
-    Config = SlowMoConfig
+    Config: ClassVar[type[OuterConfig]] = SlowMoConfig
     config: SlowMoConfig  # type: ignore[assignment]
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:

@@ -140,7 +140,7 @@ class OuterAlgorithm:
                     f"model_or_params must be an nn.Module or an iterable of parameters, got "
                     f"{type(model_or_params).__name__}"
                 ) from e
-        named = _collect_params(model_or_params)
+        named = _collect_params(model_or_params)  # type: ignore[arg-type]
         self.params = [p for _, p in named]
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -170,7 +170,7 @@ class OuterAlgorithm:
         self._profile_tag = f"lowcomm::{self.name}"
         self._to_advance: list[tuple[int, Sync]] = []
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
-        groups = self._fragment_groups(model_or_params)
+        groups = self._fragment_groups(model_or_params)  # type: ignore[arg-type]
         self.fragments: list[AnyFragment] = [self._new_fragment(g, i) for i, g in enumerate(groups)]
         self.num_fragments = len(self.fragments)
         self.interval = self.sync_every // self.num_fragments
@@ -198,8 +198,9 @@ class OuterAlgorithm:
         """The fragments' parameters (default: the whole model, one fragment)."""
         return [self.params]
 
-    def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState | None:
-        """The update rule and its state over ``anchor`` (``None``: A ← the average)."""
+    def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
+        """The update rule and its state over ``anchor`` (not called when
+        ``_averages_params``: the average is the anchor)."""
         raise NotImplementedError
 
     def _keeps_own(self) -> bool:
@@ -212,7 +213,7 @@ class OuterAlgorithm:
             return ShardedFragment(
                 params,
                 self,
-                outer=self._outer_state,  # type: ignore[arg-type]
+                outer=self._outer_state,
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 gather_into_snapshot=self._overlap() == 0,
             )

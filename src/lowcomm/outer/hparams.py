@@ -64,11 +64,13 @@ def hyper(
     symbol: str = "",
     check: Check | None = None,
     job: bool = True,
+    job_type: str | None = None,
 ) -> Any:
     """A hyperparameter field: ``doc`` is its help text, ``symbol`` the paper's (H, α, β, φ,
     τ, λ₀), ``check(key, value)`` raises :class:`HyperparameterError`; ``job=False`` keeps it
-    out of ``lowcomm train``'s flags (callables, modules)."""
-    meta = {"doc": doc, "symbol": symbol, "check": check, "job": job}
+    out of ``lowcomm train``'s flags (callables, modules); ``job_type`` is the flag's type
+    where it differs from the field's (a spec string for a codec object)."""
+    meta = {"doc": doc, "symbol": symbol, "check": check, "job": job, "job_type": job_type}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -205,6 +207,7 @@ class CompressionConfig(OuterConfig):
         doc="compress what is communicated, with error feedback: a codec or a spec such as "
         "int4, int8:sr, bf16, topk:0.01, powersgd:4 or lgreco:powersgd (unset: fp32)",
         check=_check_compression,
+        job_type="str | None",
     )
 
 

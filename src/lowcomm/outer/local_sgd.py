@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,7 +60,7 @@ class LocalSGD(OuterAlgorithm):
     """
 
     name = "localsgd"
-    Config = LocalSGDConfig
+    Config: ClassVar[type[OuterConfig]] = LocalSGDConfig
     _averages_params = True
     _discards_partial_round = False
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,7 +40,13 @@ from torch import nn
 from lowcomm.outer.diloco import OuterSGDConfig
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterState
-from lowcomm.outer.hparams import HyperparameterError, ShardableConfig, check_positive_int, hyper
+from lowcomm.outer.hparams import (
+    HyperparameterError,
+    OuterConfig,
+    ShardableConfig,
+    check_positive_int,
+    hyper,
+)
 
 __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_blocks"]
 
@@ -183,7 +189,7 @@ class StreamingDiLoCo(OuterAlgorithm):
     """
 
     name = "streaming"
-    Config = StreamingConfig
+    Config: ClassVar[type[OuterConfig]] = StreamingConfig
     config: FragmentsConfig
     schedule = "fragments"
     # Fragments are synced at their own sync points, not at round boundaries; the docstring

@@ -18,10 +18,11 @@ and the mean is the mean of the decoded contributions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from lowcomm.compress.codecs import (
 )
 from lowcomm.compress.feedback import worker_generator
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
+from lowcomm.outer import ALGORITHMS
 from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW
 
 __all__ = [
@@ -50,35 +52,11 @@ __all__ = [
 ]
 
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "localsgd": {},
-    "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
-    "slowmo": {"outer_lr": 1.0, "outer_momentum": 0.5},
-    "streaming": {
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "nesterov": True,
-        "overlap": 0,
-        "mix": 0.0,
-    },
-    "cocodc": {
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "nesterov": True,
-        "overlap": 0,
-        "lambda0": 0.2,
-        "adaptive": True,
-        "max_wait": 2,
-    },
-    "co2": {
-        "outer_lr": 1.0,
-        "outer_momentum": 0.5,
-        "nesterov": False,
-        "clip": 1.0,
-        "clip_mode": "value",
-        "gap_penalty": "gap_aware",
-        "eager": False,
-    },
+    name: {f.name: f.default for f in dataclasses.fields(cls.Config) if f.default is not MISSING}
+    for name, cls in ALGORITHMS.items()
 }
+"""Each algorithm's default hyperparameters, from its dataclass (a scenario's ``hyper``
+overrides them)."""
 
 
 def toy_model(seed: int = 0) -> nn.Module:

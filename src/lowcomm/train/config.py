@@ -44,8 +44,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from lowcomm.outer import OuterAlgorithm
+from lowcomm.outer.co2 import CO2
+from lowcomm.outer.diloco import SlowMo
+from lowcomm.outer.engine import OuterAlgorithm
+from lowcomm.outer.hparams import HyperparameterError, ShardableConfig, public_fields
+from lowcomm.outer.registry import BASELINES, REGISTRY, AlgorithmEntry, names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,83 +67,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ALGORITHM_CHOICES = (
-    "co2",
-    "co2-eager",
-    "diloco",
-    "streaming",
-    "cocodc",
-    "localsgd",
-    "slowmo",
-    "ddp",
-    "none",
-)
-"""Values of ``--algo``; ``ddp`` is the synchronous DistributedDataParallel baseline."""
+ALGORITHM_CHOICES = names()
+"""Values of ``--algo`` (:mod:`lowcomm.outer.registry`); ``ddp`` is the synchronous
+DistributedDataParallel baseline."""
 
-_CO2_KEYS = (
-    "outer_lr",
-    "outer_momentum",
-    "nesterov",
-    "clip",
-    "clip_mode",
-    "gap_penalty",
-    "compression",
-    "nan_policy",
-)
-OUTER_KEYS: dict[str, tuple[str, ...]] = {
-    "co2": (*_CO2_KEYS, "shard_outer_state"),
-    "co2-eager": _CO2_KEYS,
-    "diloco": (
-        "outer_lr",
-        "outer_momentum",
-        "nesterov",
-        "compression",
-        "nan_policy",
-        "shard_outer_state",
-    ),
-    "streaming": (
-        "outer_lr",
-        "outer_momentum",
-        "nesterov",
-        "num_fragments",
-        "overlap",
-        "mix",
-        "compression",
-        "nan_policy",
-        "shard_outer_state",
-    ),
-    "cocodc": (
-        "outer_lr",
-        "outer_momentum",
-        "nesterov",
-        "num_fragments",
-        "overlap",
-        "lambda0",
-        "adaptive",
-        "max_wait",
-        "compression",
-        "nan_policy",
-    ),
-    "localsgd": ("nan_policy",),
-    "slowmo": ("outer_lr", "outer_momentum", "compression", "nan_policy", "shard_outer_state"),
-    "ddp": ("compression",),
-    "none": (),
-}
-"""The outer-loop keywords each algorithm takes (besides ``sync_every`` and ``bucket_cap_mb``)."""
-
-NO_OUTER_ALGORITHM = ("ddp", "none")
+NO_OUTER_ALGORITHM = BASELINES
 """``--algo`` values without a lowcomm algorithm: the DDP baseline, and ``none``, the no-sync
 ceiling (the same workers training with no communication at all, for throughput comparisons)."""
 
-JOB_ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {"co2-eager": ("co2", {"eager": True})}
-"""``--algo`` values that are a ``lowcomm.outer.ALGORITHMS`` entry with fixed keywords; every other
-value (but ``ddp``) is an ``ALGORITHMS`` name itself."""
+JOB_KEYS = ("sync_every", "bucket_cap_mb")
+"""Algorithm keywords that are fields of the job itself (every algorithm gets them)."""
 
-JOB_OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "co2": {"outer_lr": 0.5},
-    "co2-eager": {"outer_lr": 0.5},
-}
-"""Where this job's defaults differ from the library's, for the small GPT it trains.
+JOB_OUTER_DEFAULTS: dict[type[OuterAlgorithm], dict[str, Any]] = {CO2: {"outer_lr": 0.5}}
+"""Where this job's defaults differ from the library's, for the small GPT it trains (for an
+algorithm and the names that run it with keywords fixed).
 
 CO2 applies each round's average one round late. When local training moves the model far
 within a round (as it does for this small GPT at a useful inner learning rate), the stale
@@ -149,26 +89,44 @@ beta = 0 and unstable for any beta > 0, which shows as a validation loss that ri
 alpha = 0.5 is comfortably stable here. The library keeps the paper's alpha = 1.0, meant for
 large models whose rounds move them little; the README explains the choice."""
 
+
+def _outer_fields(entry: AlgorithmEntry) -> list[dataclasses.Field[Any]]:
+    """The job fields of ``entry``: its class's public hyperparameters but the job's own and
+    those a registered name fixes (``eager``: ``--algo co2-eager``), the keywords common to
+    every algorithm last."""
+    if entry.cls is None:
+        return []
+    fixed = {k for e in REGISTRY.values() if e.cls is entry.cls for k in e.fixed}
+    common = {f.name for f in dataclasses.fields(ShardableConfig)}
+    keys = [f for f in public_fields(entry.cls.Config) if f.name not in (*JOB_KEYS, *fixed)]
+    return sorted(keys, key=lambda f: f.name in common)
+
+
+OUTER_KEYS: dict[str, tuple[str, ...]] = {
+    name: ("compression",)
+    if entry.cls is None and entry.compressible
+    else tuple(f.name for f in _outer_fields(entry))
+    for name, entry in REGISTRY.items()
+}
+"""The outer-loop keywords each ``--algo`` takes (besides ``sync_every`` and ``bucket_cap_mb``),
+from its algorithm's hyperparameter dataclass."""
+
+_OUTER_FIELDS: dict[str, dataclasses.Field[Any]] = {}
+for _entry in REGISTRY.values():
+    for _f in _outer_fields(_entry):
+        _OUTER_FIELDS.setdefault(_f.name, _f)
+_ALL_OUTER_KEYS = tuple(_OUTER_FIELDS)
+
 NODE_SHARDING = ("none", "zero")
 """Values of ``--node-sharding``: how the processes of a node hold the inner AdamW state."""
 
 DEFAULT_WORKERS = 2
 """Worker processes when neither ``workers`` nor ``procs_per_node`` is set (one node)."""
 
-_ALL_OUTER_KEYS = (
-    *_CO2_KEYS,
-    "shard_outer_state",
-    "num_fragments",
-    "overlap",
-    "mix",
-    "lambda0",
-    "adaptive",
-    "max_wait",
-)
 _BACKENDS = ("auto", "gloo", "nccl")
 _LR_SCHEDULES = ("cosine", "constant")
-# An algorithm's ValueError starts with the keyword it is about: "outer_lr must be ...",
-# "overlap=12 must be < sync_every=12 ...", "nesterov=True needs ...".
+# A ValueError from an algorithm class that is not ours may start with the keyword it is
+# about ("outer_lr must be ..."); ours raise HyperparameterError, which carries it.
 _LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
 
 
@@ -183,9 +141,34 @@ class ConfigError(ValueError):
         super().__init__(f"{key} {problem}" if key else problem)
 
 
+def _job_type(f: dataclasses.Field[Any]) -> str:
+    """The annotation of a job field for an algorithm field (all may be None: unset)."""
+    declared = f.metadata.get("job_type") or str(f.type)
+    return declared if declared.endswith("None") else f"{declared} | None"
+
+
+def _with_outer_fields(cls: type) -> type:
+    """Add a field, default ``None``, for every outer hyperparameter of the registered
+    algorithms (:data:`OUTER_KEYS`), after ``weight_decay``: their flags and TOML keys."""
+    annotations: dict[str, Any] = {}
+    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+        annotations[name] = annotation
+        if name == "weight_decay":
+            for key, f in _OUTER_FIELDS.items():
+                annotations[key] = _job_type(f)
+                setattr(cls, key, None)
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass(kw_only=True)
+@_with_outer_fields
 class TrainConfig:
     """Everything ``lowcomm train`` needs; see the module docstring for how it is filled."""
+
+    if TYPE_CHECKING:  # the outer hyperparameters, added by _with_outer_fields
+
+        def __getattr__(self, name: str) -> Any: ...
 
     # --- job -------------------------------------------------------------------------------
     algo: str = "co2"
@@ -249,47 +232,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to weight matrices and embeddings only."""
 
-    # --- outer optimizer (None = the algorithm's default) ----------------------------------
-    outer_lr: float | None = None
-    """alpha: outer learning rate (co2 and co2-eager 0.5 in this job, library default 1.0; diloco
-    streaming and cocodc 0.7; slowmo 1.0)."""
-    outer_momentum: float | None = None
-    """beta: outer momentum (co2 0.5, diloco, streaming and cocodc 0.9, slowmo 0.5)."""
-    nesterov: bool | None = None
-    """Nesterov outer momentum (co2 off, diloco, streaming and cocodc on)."""
-    clip: float | str | None = None
-    """phi: co2 outer momentum clipping threshold (default 1.0); the string "none" disables it."""
-    clip_mode: str | None = None
-    """co2 clipping: "value" (elementwise clamp, default) or "norm" (scale to L2 norm <= phi)."""
-    gap_penalty: str | float | None = None
-    """co2 staleness penalty: "gap_aware" (default), "none", or a constant divisor >= 1."""
-    num_fragments: int | None = None
-    """P: streaming/cocodc fragments, transformer blocks strided across them (default 1, at most
-    n_layer); sync_every must be a multiple of P."""
-    overlap: int | None = None
-    """tau: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied
-    (default 0, below sync_every)."""
-    mix: float | None = None
-    """streaming mixing factor in [0, 1] at a sync point: theta <- (1 - mix) * A + mix * theta
-    (default 0)."""
-    lambda0: float | None = None
-    """cocodc delay-compensation strength lambda0 >= 0 (default 0.2; 0: first order only)."""
-    adaptive: bool | None = None
-    """cocodc: pick fragments by all-reduced priority (default) or round-robin (--no-adaptive)."""
-    max_wait: int | None = None
-    """cocodc: most rounds a fragment may wait before it is synced (default 2)."""
-    compression: str | None = None
-    """Compress what is communicated, with error feedback: pseudo-gradients (co2, co2-eager,
-    diloco, slowmo, streaming, cocodc) or ddp's per-step gradients; a spec such as int4, int8:sr,
-    bf16, topk:0.01, powersgd:4 or lgreco:powersgd (unset: fp32)."""
-    shard_outer_state: bool | None = None
-    """co2, diloco, slowmo, streaming: keep 1/N of the outer state (anchor, momentum, outer
-    optimizer) on each worker: reduce-scatter, update the owned chunk, all-gather (default
-    off)."""
-    nan_policy: str | None = None
-    """What an outer algorithm does when its averaged pseudo-gradient holds NaN or Inf: skip
-    (drop that outer update alike on every rank, count and log it; default) or raise (stop the
-    run)."""
+    # --- outer hyperparameters: one field per keyword of the algorithms' dataclasses,
+    # inserted here by _with_outer_fields (None = the algorithm's default) -----------------
 
     # --- evaluation and output -------------------------------------------------------------
     eval_every: int = 60
@@ -504,8 +448,9 @@ class TrainConfig:
 
     def _check_outer(self) -> None:
         # Any other string is left for the algorithm to reject.
-        if isinstance(self.clip, str) and self.clip.lower() == "none":
-            self.clip = "none"
+        clip = getattr(self, "clip", None)
+        if isinstance(clip, str) and clip.lower() == "none":
+            setattr(self, "clip", "none")  # noqa: B010 (a field added by _with_outer_fields)
         if self.algo == "ddp" and self.compression is not None:
             from lowcomm.compress import parse_compression
 
@@ -523,7 +468,7 @@ class TrainConfig:
             cls.validate(**self.algorithm_kwargs())
         except ValueError as e:
             raise _config_error(e) from None
-        if self.algo == "slowmo" and self.lr_schedule == "cosine" and self.min_lr_ratio == 0:
+        if issubclass(cls, SlowMo) and self.lr_schedule == "cosine" and self.min_lr_ratio == 0:
             raise ConfigError(
                 "min_lr_ratio",
                 "must be > 0 for slowmo with the cosine schedule: SlowMo divides its update by "
@@ -549,26 +494,29 @@ class TrainConfig:
 
     def algorithm_class(self) -> type[OuterAlgorithm]:
         """The ``lowcomm.outer.ALGORITHMS`` class that runs ``algo`` (not for ``ddp``)."""
-        from lowcomm.outer import ALGORITHMS
+        from lowcomm import outer
 
-        name = JOB_ALGORITHMS.get(self.algo, (self.algo, {}))[0]
-        return ALGORITHMS[name]
+        entry = REGISTRY[self.algo]
+        assert entry.cls is not None, f"{self.algo} runs no outer algorithm"
+        return outer.ALGORITHMS[entry.cls.name]
 
     def algorithm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``algorithm_class()(model, inner, **kwargs)``.
 
-        ``sync_every`` and ``bucket_cap_mb`` always, the fixed keywords of :data:`JOB_ALGORITHMS`,
-        plus the outer hyperparameters the user set that apply to the algorithm (else
-        :data:`JOB_OUTER_DEFAULTS`); ``clip="none"`` becomes ``clip=None`` (no clipping).
+        ``sync_every`` and ``bucket_cap_mb`` always, the keywords the registry entry fixes
+        (``co2-eager``: ``eager=True``), plus the outer hyperparameters the user set that apply
+        to the algorithm (else :data:`JOB_OUTER_DEFAULTS`); ``clip="none"`` becomes
+        ``clip=None`` (no clipping).
         """
-        if self.algo in NO_OUTER_ALGORITHM:
+        entry = REGISTRY[self.algo]
+        if entry.cls is None:
             return {}
         kwargs: dict[str, Any] = {
             "sync_every": self.sync_every,
             "bucket_cap_mb": self.bucket_cap_mb,
-            **JOB_ALGORITHMS.get(self.algo, ("", {}))[1],
+            **entry.fixed,
         }
-        job_defaults = JOB_OUTER_DEFAULTS.get(self.algo, {})
+        job_defaults = JOB_OUTER_DEFAULTS.get(entry.cls, {})
         for key in OUTER_KEYS[self.algo]:
             value = getattr(self, key)
             if value is None:
@@ -630,16 +578,22 @@ def _field_names() -> list[str]:
 
 
 def _config_error(error: ValueError) -> ConfigError:
-    """An algorithm's ``ValueError`` as a :class:`ConfigError` keyed by the keyword its message
-    starts with, when that is a config field (``"overlap=12 must be ..."`` -> key ``overlap``,
-    problem ``"(12) must be ..."``)."""
-    message = str(error)
-    match = _LEADING_KEYWORD.match(message)
-    if match is None or match.group(1) not in _field_names():
-        return ConfigError(None, message)
-    key, value, problem = match.groups()
-    if value:
-        problem = f"({value[1:]}) {problem}"
+    """An algorithm's ``ValueError`` as a :class:`ConfigError` keyed by the keyword it is about:
+    :class:`~lowcomm.outer.hparams.HyperparameterError` carries it (``overlap``, problem
+    ``"(12) must be ..."``); any other ``ValueError`` is keyed by the keyword its message
+    starts with, when that is a config field."""
+    if isinstance(error, HyperparameterError):
+        key, shown, problem = error.key, error.shown, error.problem
+    else:
+        match = _LEADING_KEYWORD.match(str(error))
+        if match is None or match.group(1) not in _field_names():
+            return ConfigError(None, str(error))
+        key, value, problem = match.groups()
+        shown = value[1:] if value else None
+    if key is None or key not in _field_names():
+        return ConfigError(None, str(error))
+    if shown is not None:
+        problem = f"({shown}) {problem}"
     if key == "clip":
         problem += "; or 'none' to disable clipping"
     return ConfigError(key, problem)
@@ -730,4 +684,23 @@ def field_docs() -> dict[str, str]:
             and isinstance(nxt.value.value, str)
         ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
+    docs.update({key: _outer_doc(key) for key in _ALL_OUTER_KEYS})
     return docs
+
+
+def _outer_doc(key: str) -> str:
+    """Help for an outer hyperparameter: its symbol and text from the algorithms' dataclasses
+    and each algorithm's default (this job's where it differs)."""
+    f = _OUTER_FIELDS[key]
+    symbol = f.metadata.get("symbol")
+    text = f"{symbol}: {f.metadata['doc']}" if symbol else str(f.metadata["doc"])
+    groups: dict[str, list[str]] = {}
+    for name, entry in REGISTRY.items():
+        if entry.cls is None or key not in OUTER_KEYS[name]:
+            continue
+        library = entry.cls.Config.field(key).default
+        job = JOB_OUTER_DEFAULTS.get(entry.cls, {}).get(key, library)
+        value = f"{job} in this job, library {library}" if job != library else f"{library}"
+        groups.setdefault(value, []).append(name)
+    defaults = "; ".join(f"{', '.join(algos)} {value}" for value, algos in groups.items())
+    return f"{text} (default: {defaults})"
