@@ -39,7 +39,7 @@ from typing import Any
 
 from lowcomm.bench.results import assemble_results
 from lowcomm.link import EmulatedLink
-from lowcomm.outer.registry import BASELINES, REGISTRY, outer_names
+from lowcomm.registry import BASELINES, REGISTRY, outer_names
 
 __all__ = [
     "QUICK_TARGET_S",

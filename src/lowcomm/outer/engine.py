@@ -23,21 +23,15 @@ gives the constructor's keywords, and override the few hooks that make them what
 :meth:`OuterAlgorithm._outer_state` (the update rule), :meth:`~OuterAlgorithm._merge`,
 :meth:`~OuterAlgorithm._choose_fragment`, :meth:`~OuterAlgorithm._outer_input`.
 
-Two guards run in every algorithm (:mod:`lowcomm.guard`):
-
-* **Consistency at start.** At the first :meth:`~OuterAlgorithm.step` (or :meth:`finish`) every
-  rank compares, across the group, the model as it was when the algorithm was built (parameter
-  names, shapes, dtypes, a checksum of the values) and the algorithm's settings; a difference
-  fails on every rank with a ``ValueError`` naming the first one. After :meth:`load_state_dict`
-  the values are not compared (ranks resuming mid-round legitimately differ), the rest is.
-  ``check_consistency=False`` turns it off.
-* **Numeric guard.** A NaN or Inf in the averaged pseudo-gradient (identical on every rank, so
-  every rank decides alike without another collective) skips that outer update: the anchor and
-  the outer state stay as they were, the skip is counted (``skipped_updates``) and logged, and
-  every rank zeroes the non-finite values of its own inner-optimizer state and error-feedback
-  residuals and goes back to the anchor, so that the rank that diverged can recover. A rank
-  that finds its own pseudo-gradient non-finite when it launches it does the same at once.
-  ``nan_policy="raise"`` raises :class:`~lowcomm.guard.NonFiniteError` instead.
+Two guards run in every algorithm (:mod:`lowcomm.guard`). **Consistency at start**: at the
+first :meth:`~OuterAlgorithm.step` the ranks compare the model as built (names, shapes, dtypes,
+a checksum) and the settings, and fail alike naming the first difference (after
+:meth:`~OuterAlgorithm.load_state_dict` the values are not compared; ``check_consistency=False``
+turns it off). **Numeric guard**: an average holding NaN or Inf (bit-identical on every rank,
+so every rank decides alike) skips that outer update, is counted in ``skipped_updates`` and
+logged, and every rank zeroes the non-finite values of its inner-optimizer state and residuals
+and, if diverged, goes back to the anchor; a rank whose own contribution is non-finite at
+launch does so at once. ``nan_policy="raise"`` raises :class:`~lowcomm.guard.NonFiniteError`.
 """
 
 from __future__ import annotations
@@ -106,7 +100,7 @@ class OuterAlgorithm:
     Config: ClassVar[type[OuterConfig]] = OuterConfig
     """The algorithm's hyperparameters; the constructor takes its fields as keywords."""
     schedule: ClassVar[str] = "blocking"
-    """How it communicates (:data:`lowcomm.outer.registry.SCHEDULES`)."""
+    """How it communicates (:data:`lowcomm.registry.SCHEDULES`)."""
     _discards_partial_round: ClassVar[bool] = True
     """Whether :meth:`finish` drops the steps taken since the last round boundary (and warns)."""
     _averages_params: ClassVar[bool] = False

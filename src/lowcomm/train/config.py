@@ -48,7 +48,7 @@ from lowcomm.outer.co2 import CO2
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.hparams import HyperparameterError, ShardableConfig, public_fields
-from lowcomm.outer.registry import BASELINES, REGISTRY, AlgorithmEntry, names
+from lowcomm.registry import BASELINES, REGISTRY, AlgorithmEntry, names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,7 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ALGORITHM_CHOICES = names()
-"""Values of ``--algo`` (:mod:`lowcomm.outer.registry`); ``ddp`` is the synchronous
+"""Values of ``--algo`` (:mod:`lowcomm.registry`); ``ddp`` is the synchronous
 DistributedDataParallel baseline."""
 
 NO_OUTER_ALGORITHM = BASELINES

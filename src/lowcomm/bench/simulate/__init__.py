@@ -9,7 +9,7 @@ The parts:
 
 * :mod:`~lowcomm.bench.simulate.model`: the α-β cost model: workload, network, the collectives'
   costs and each algorithm's overlap rule (chosen by its schedule in
-  :data:`lowcomm.outer.registry.REGISTRY`), projected to N workers; the formulas are there;
+  :data:`lowcomm.registry.REGISTRY`), projected to N workers; the formulas are there;
 * :mod:`~lowcomm.bench.simulate.paper`: the ``co2-paper`` preset, the paper's figures and the
   comparison with them;
 * :mod:`~lowcomm.bench.simulate.calibration`: predicted against measured ``lowcomm bench`` cells;

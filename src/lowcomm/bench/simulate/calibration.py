@@ -25,7 +25,7 @@ from lowcomm.bench.simulate.model import (
     Workload,
     step_time,
 )
-from lowcomm.outer.registry import REGISTRY
+from lowcomm.registry import REGISTRY
 
 __all__ = ["CalibrationRow", "calibrate", "load_results", "scenario_from_results"]
 

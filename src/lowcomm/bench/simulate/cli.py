@@ -19,7 +19,7 @@ from lowcomm.bench.simulate.calibration import load_results, scenario_from_resul
 from lowcomm.bench.simulate.model import ALGORITHMS, Algorithm, Network, Scenario, Workload
 from lowcomm.bench.simulate.paper import PRESETS, preset
 from lowcomm.bench.simulate.report import format_markdown, run_simulate
-from lowcomm.outer.registry import REGISTRY
+from lowcomm.registry import REGISTRY
 
 __all__ = ["add_subcommand"]
 

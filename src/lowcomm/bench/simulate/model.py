@@ -2,7 +2,7 @@
 
 The pure computation: the workload and the network (:class:`Workload`, :class:`Network`), the
 collectives' costs, each algorithm's overlap rule (:func:`step_time`, chosen by the algorithm's
-``schedule`` in :data:`lowcomm.outer.registry.REGISTRY`) and the projection to N workers
+``schedule`` in :data:`lowcomm.registry.REGISTRY`) and the projection to N workers
 (:func:`project`). Nothing here reads files or prints.
 
 **Communication (α-β, Hockney).** A ring all-reduce of ``S`` bytes over ``n`` workers sends
@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from lowcomm.outer.cocodc import CoCoDC
-from lowcomm.outer.registry import REGISTRY, AlgorithmEntry, names
+from lowcomm.registry import REGISTRY, AlgorithmEntry, names
 
 __all__ = [
     "ALGORITHMS",
@@ -326,12 +326,12 @@ class Algorithm:
 
     @property
     def entry(self) -> AlgorithmEntry:
-        """Its entry in :data:`lowcomm.outer.registry.REGISTRY`."""
+        """Its entry in :data:`lowcomm.registry.REGISTRY`."""
         return REGISTRY[self.name]
 
     @property
     def schedule(self) -> str:
-        """How it communicates (one of :data:`lowcomm.outer.registry.SCHEDULES`): the overlap
+        """How it communicates (one of :data:`lowcomm.registry.SCHEDULES`): the overlap
         rule :func:`step_time` applies."""
         return self.entry.schedule
 

@@ -9,7 +9,7 @@ and ``none`` (no synchronisation at all: the throughput ceiling).
 
 Example::
 
-    from lowcomm.outer.registry import REGISTRY
+    from lowcomm.registry import REGISTRY
     entry = REGISTRY["co2-eager"]
     entry.cls, dict(entry.fixed)          # (CO2, {'eager': True})
     [e.name for e in REGISTRY.values() if e.schedule == "blocking"]
@@ -23,11 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from lowcomm.outer.co2 import CO2
-from lowcomm.outer.cocodc import CoCoDC
-from lowcomm.outer.diloco import DiLoCo, SlowMo
-from lowcomm.outer.local_sgd import LocalSGD
-from lowcomm.outer.streaming import StreamingDiLoCo
+from lowcomm.outer import CO2, CoCoDC, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
 
 if TYPE_CHECKING:
     from lowcomm.outer.engine import OuterAlgorithm
