@@ -209,34 +209,14 @@ class CO2State:
 
 class CO2(OuterAlgorithm):
     """CO2: one-round-stale, fully overlapped outer updates with staleness gap penalty and
-    outer momentum clipping.
+    outer momentum clipping (see the module docstring).
 
-    Args:
-        sync_every: H, inner steps per round (the paper's τ; default 12).
-        outer_lr: α, the outer learning rate (default 1.0).
-        outer_momentum: β, the outer momentum (default 0.5).
-        nesterov: A ← A − α(Λ⊙Δ̄ + β·m) instead of A ← A − α·m (default False).
-        clip: φ, the outer momentum clipping threshold; ``None`` disables clipping (default 1.0).
-        clip_mode: ``"value"`` clamps m elementwise to [−φ, φ]; ``"norm"`` scales m to global
-            L2 norm ≤ φ.
-        gap_penalty: Λ: ``"gap_aware"`` (default; Λ = 1 / max(1, |g| / (c + ε)), g the gap
-            between the anchor and the stale average model, c a running mean of |Δ̄|),
-            ``"none"`` (Λ = 1), or a float λ ≥ 1 (Λ = 1/λ, a constant divisor).
-        eager: eager updates (see the module docstring; default False).
-        compression: compress the pseudo-gradients, with error feedback on each rank (a codec
-            or a spec such as ``"int4"``, ``"topk:0.01"``, ``"powersgd:4"``,
-            ``"lgreco:powersgd"``; see :mod:`lowcomm.compress`). Still one round stale and
-            overlapped: the compressed collective is launched at the end of round t and
-            decoded at the end of round t + 1; PowerSGD's second all-reduce goes out H/2 inner
-            steps after the first. Eager updates use this rank's decoded contribution as Δᵢ
-            and need a single-phase codec (not PowerSGD).
-        shard_outer_state: keep 1/N of the anchor, momentum, gap statistic and last update on
-            each rank (:mod:`lowcomm.outer.fragment`): the parameters are reduce-scattered at
-            the end of round t, the owner's update and the anchor's all-gather go out H/2
-            steps later, and θ takes the anchor at the end of round t + 1 — still fully
-            overlapped. Not with ``eager``, ``compression`` or ``clip_mode="norm"``.
-        process_group, bucket_cap_mb, nan_policy, check_consistency: as every algorithm
-            (:class:`~lowcomm.outer.engine.OuterAlgorithm`).
+    With ``compression`` the compressed collective is still launched at the end of round t
+    and decoded at the end of round t + 1 (PowerSGD's second all-reduce H/2 steps after the
+    first); eager updates then use this rank's decoded contribution as Δᵢ and need a
+    single-phase codec. With ``shard_outer_state`` the parameters are reduce-scattered at the
+    end of round t, the owner's update and the anchor's all-gather go out H/2 steps later, and
+    θ takes the anchor at the end of round t + 1 (not with ``eager`` or ``clip_mode="norm"``).
     """
 
     name = "co2"

@@ -46,7 +46,7 @@ from lowcomm.outer.functional import delay_compensation_
 from lowcomm.outer.hparams import (
     OuterConfig,
     check_bool,
-    check_nonnegative_float,
+    check_number,
     check_positive_int,
     hyper,
 )
@@ -63,7 +63,7 @@ class CoCoDCConfig(FragmentsConfig):
         0.2,
         doc="delay-compensation strength (0: first order only)",
         symbol="λ₀",
-        check=check_nonnegative_float(0.2),
+        check=check_number("must be a finite number >= 0, got {value!r}; e.g. 0.2", 0),
     )
     adaptive: bool = hyper(
         True, doc="pick fragments by all-reduced priority, or round-robin", check=check_bool
@@ -77,16 +77,8 @@ class CoCoDCConfig(FragmentsConfig):
 
 
 class CoCoDC(StreamingDiLoCo):
-    """CoCoDC: Streaming DiLoCo + delay compensation + adaptive transmission.
-
-    Args:
-        lambda0: λ₀ of the delay compensation (≥ 0; default 0.2; 0 keeps only the first-order
-            term).
-        adaptive: pick fragments by priority (default) or round-robin.
-        max_wait: K, the most rounds a fragment may wait before it is synced (default 2).
-        Other arguments as :class:`~lowcomm.StreamingDiLoCo`, ``compression`` included (not
-        ``mix``, nor ``shard_outer_state``).
-    """
+    """CoCoDC: Streaming DiLoCo + delay compensation + adaptive transmission (see the module
+    docstring); no ``mix`` (the compensation merges) and no ``shard_outer_state``."""
 
     name = "cocodc"
     Config: ClassVar[type[OuterConfig]] = CoCoDCConfig

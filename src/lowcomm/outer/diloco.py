@@ -99,25 +99,9 @@ class DiLoCoConfig(OuterSGDConfig, ShardableConfig):
 
 
 class DiLoCo(OuterAlgorithm):
-    """DiLoCo: outer optimizer on the anchor, stepped with the averaged pseudo-gradient.
-
-    Args:
-        sync_every: H, inner steps per round.
-        outer_lr: α, the outer learning rate (default 0.7).
-        outer_momentum: β, the outer momentum (default 0.9).
-        nesterov: Nesterov momentum for the outer SGD (default True).
-        outer_optimizer: a factory ``params -> torch.optim.Optimizer`` building the outer
-            optimizer over the anchor tensors; overrides ``outer_lr``/``outer_momentum``/
-            ``nesterov``.
-        compression: compress the pseudo-gradients, with error feedback on each rank: a codec
-            of :mod:`lowcomm.compress` or a spec such as ``"int4"``, ``"topk:0.01"``,
-            ``"powersgd:4"``, ``"lgreco:powersgd"`` (default ``None``: exact fp32 all-reduce).
-        shard_outer_state: keep 1/N of the anchor and of the outer optimizer's state on each
-            rank (reduce-scatter, update the owned chunk, all-gather: see
-            :mod:`lowcomm.outer.fragment`); the outer optimizer must be elementwise.
-        process_group, bucket_cap_mb, nan_policy, check_consistency: as every algorithm
-            (:class:`~lowcomm.outer.engine.OuterAlgorithm`).
-    """
+    """DiLoCo: the outer optimizer (default Nesterov SGD, lr 0.7, momentum 0.9) stepped on the
+    anchor with the averaged pseudo-gradient; with ``shard_outer_state`` it must be
+    elementwise (it steps this rank's chunks)."""
 
     name = "diloco"
     Config: ClassVar[type[OuterConfig]] = DiLoCoConfig
@@ -150,11 +134,6 @@ class SlowMo(DiLoCo):
 
     With γ the inner optimizer's current learning rate (``param_groups[0]["lr"]``), every round:
     m ← β·m + Δ̄/γ; A ← A − α·γ·m — i.e. DiLoCo with ``SGD(lr=α·γ, momentum=β)`` stepped on Δ̄/γ.
-
-    Args:
-        outer_lr: α, the slow learning rate (default 1.0).
-        outer_momentum: β, the slow momentum (default 0.5).
-        Other arguments as :class:`DiLoCo` (not ``nesterov`` or ``outer_optimizer``).
     """
 
     name = "slowmo"

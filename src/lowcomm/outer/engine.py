@@ -70,7 +70,7 @@ from lowcomm.outer.fragment import (
     Sync,
     optimizer_settings,
 )
-from lowcomm.outer.hparams import HyperparameterError, OuterConfig
+from lowcomm.outer.hparams import HyperparameterError, OuterConfig, describe
 
 __all__ = ["OuterAlgorithm", "storage_nbytes"]
 
@@ -115,6 +115,8 @@ class OuterAlgorithm:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.__signature__ = _signature(cls.Config)  # type: ignore[attr-defined]
+        if cls.__doc__ and "Keywords (its" not in cls.__doc__:
+            cls.__doc__ = cls.__doc__.rstrip() + "\n" + describe(cls.Config)
 
     def __init__(
         self,

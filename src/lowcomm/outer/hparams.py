@@ -33,10 +33,11 @@ __all__ = [
     "OuterConfig",
     "check_bool",
     "check_momentum",
-    "check_nonnegative_float",
+    "check_number",
     "check_optional",
     "check_positive_float",
     "check_positive_int",
+    "describe",
     "hyper",
     "public_fields",
 ]
@@ -74,54 +75,46 @@ def hyper(
     return dataclasses.field(default=default, metadata=meta)
 
 
-def check_positive_int(example: int) -> Check:
+def check_number(
+    message: str,
+    low: float,
+    high: float = math.inf,
+    *,
+    integer: bool = False,
+    open_low: bool = False,
+    open_high: bool = True,
+) -> Check:
+    """A check that the value is a finite (``integer``) number in the range; ``message`` is
+    formatted with ``key`` and ``value``."""
+
     def check(key: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-            raise HyperparameterError(
-                key, f"must be a positive integer, got {value!r}; e.g. {key}={example}"
-            )
+        kind = numbers.Integral if integer else numbers.Real
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, kind)
+            and math.isfinite(value)
+            and (low < value if open_low else low <= value)
+            and (value < high if open_high else value <= high)
+        )
+        if not ok:
+            raise HyperparameterError(key, message.format(key=key, value=value))
 
     return check
+
+
+def check_positive_int(example: int) -> Check:
+    return check_number(
+        f"must be a positive integer, got {{value!r}}; e.g. {{key}}={example}", 1, integer=True
+    )
 
 
 def check_positive_float(example: float) -> Check:
-    def check(key: str, value: Any) -> None:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise HyperparameterError(
-                key, f"must be a finite number > 0, got {value!r}; e.g. {key}={example}"
-            )
-
-    return check
+    return check_number(
+        f"must be a finite number > 0, got {{value!r}}; e.g. {{key}}={example}", 0, open_low=True
+    )
 
 
-def check_nonnegative_float(example: float) -> Check:
-    def check(key: str, value: Any) -> None:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-            or float(value) < 0
-        ):
-            raise HyperparameterError(
-                key, f"must be a finite number >= 0, got {value!r}; e.g. {example}"
-            )
-
-    return check
-
-
-def check_momentum(key: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or not 0 <= float(value) < 1
-    ):
-        raise HyperparameterError(key, f"must be in [0, 1), got {value!r}; e.g. {key}=0.9")
+check_momentum = check_number("must be in [0, 1), got {value!r}; e.g. {key}=0.9", 0, 1)
 
 
 def check_bool(key: str, value: Any) -> None:
@@ -237,3 +230,13 @@ def public_fields(config: type[OuterConfig]) -> list[dataclasses.Field[Any]]:
     """The fields ``lowcomm train`` exposes as flags and TOML keys (not callables, modules, or
     the engine's own ``bucket_cap_mb`` and ``check_consistency``)."""
     return [f for f in dataclasses.fields(config) if f.metadata.get("job", True)]
+
+
+def describe(config: type[OuterConfig]) -> str:
+    """The keyword list of an algorithm's docstring, from its dataclass."""
+    lines = ["", "    Keywords (its ``Config``; and ``process_group``, ``None`` for WORLD):"]
+    for f in dataclasses.fields(config):
+        symbol = f" ({f.metadata['symbol']})" if f.metadata.get("symbol") else ""
+        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+        lines.append(f"        {f.name}{symbol}: {f.metadata['doc']} ({default}).")
+    return "\n".join(lines)

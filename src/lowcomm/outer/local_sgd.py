@@ -51,13 +51,7 @@ class LocalSGDConfig(OuterConfig):
 
 
 class LocalSGD(OuterAlgorithm):
-    """θᵢ ← mean(θ) every ``sync_every`` (H) inner steps.
-
-    Args:
-        sync_every: H, inner steps per round.
-        process_group, nan_policy, check_consistency: as every algorithm
-            (:class:`~lowcomm.outer.engine.OuterAlgorithm`).
-    """
+    """θᵢ ← mean(θ) every ``sync_every`` (H) inner steps."""
 
     name = "localsgd"
     Config: ClassVar[type[OuterConfig]] = LocalSGDConfig

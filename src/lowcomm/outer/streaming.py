@@ -29,7 +29,6 @@ Example::
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -44,23 +43,12 @@ from lowcomm.outer.hparams import (
     HyperparameterError,
     OuterConfig,
     ShardableConfig,
+    check_number,
     check_positive_int,
     hyper,
 )
 
 __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_blocks"]
-
-
-def _check_overlap(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
-        raise HyperparameterError(key, f"must be an integer >= 0, got {value!r}")
-
-
-def _check_mix(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
-        raise HyperparameterError(
-            key, f"must be in [0, 1], got {value!r}; 0 keeps the global model"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +70,7 @@ class FragmentsConfig(OuterSGDConfig):
         0,
         doc="inner steps a fragment's all-reduce runs before it is applied (below sync_every)",
         symbol="τ",
-        check=_check_overlap,
+        check=check_number("must be an integer >= 0, got {value!r}", 0, integer=True),
     )
 
     def check(self) -> None:
@@ -112,7 +100,9 @@ class StreamingConfig(FragmentsConfig, ShardableConfig):
         0.0,
         doc="mixing factor at a sync point: θ ← (1 − mix)·A + mix·θ",
         symbol="α",
-        check=_check_mix,
+        check=check_number(
+            "must be in [0, 1], got {value!r}; 0 keeps the global model", 0, 1, open_high=False
+        ),
     )
 
 
@@ -161,32 +151,12 @@ def split_by_blocks(model: nn.Module, num_fragments: int) -> list[list[torch.Ten
 
 
 class StreamingDiLoCo(OuterAlgorithm):
-    """Streaming DiLoCo: P fragments synced in turn, each all-reduce overlapped with τ steps.
-
-    Args:
-        model_or_params: an ``nn.Module`` (needed for automatic fragments) or parameters.
-        sync_every: H: each fragment is synced once every H inner steps; a multiple of P.
-        num_fragments: P, for automatic fragments (:func:`split_by_blocks`). Default 1.
-        fragments: explicit fragments instead: a list of modules or of parameter lists that
-            together hold every trainable parameter exactly once.
-        overlap: τ, inner steps between launching a fragment's all-reduce and applying it
-            (0 ≤ τ < H; τ ≥ H/P keeps several fragments in flight).
-        mix: α of the paper, θ_p ← (1 − α)·Â_p + α·θ_p at the sync point (0 ≤ α ≤ 1).
-        outer_lr, outer_momentum, nesterov, outer_optimizer: the outer optimizer of every
-            fragment, as :class:`~lowcomm.DiLoCo` (one optimizer per fragment).
-        compression: compress each fragment's pseudo-gradient, with error feedback on each
-            rank (a codec or a spec such as ``"int4"``, ``"powersgd:4"``; see
-            :mod:`lowcomm.compress`). Still overlapped: the compressed collective is launched
-            τ steps early; PowerSGD's second all-reduce goes out τ/2 steps after the first.
-        shard_outer_state: keep 1/N of every fragment's anchor and outer optimizer state on
-            each rank (:mod:`lowcomm.outer.fragment`): the reduce-scatter is launched τ steps
-            early, the owner's update and the all-gather halfway to the sync point.
-        process_group, bucket_cap_mb, nan_policy, check_consistency: as every algorithm
-            (:class:`~lowcomm.outer.engine.OuterAlgorithm`).
-
-    ``finish()`` applies every all-reduce still in flight and then resets every fragment to
-    its anchor, so all ranks agree; local progress since a fragment's last sync is dropped.
-    """
+    """Streaming DiLoCo: P fragments synced in turn, each all-reduce overlapped with τ steps
+    (see the module docstring); one outer optimizer per fragment, as :class:`~lowcomm.DiLoCo`.
+    Automatic fragments (``num_fragments``) need the model as an ``nn.Module``
+    (:func:`split_by_blocks`). ``finish()`` applies every all-reduce still in flight and then
+    resets every fragment to its anchor, so all ranks agree; local progress since a fragment's
+    last sync is dropped."""
 
     name = "streaming"
     Config: ClassVar[type[OuterConfig]] = StreamingConfig
