@@ -21,17 +21,12 @@ Computation in DiLoCo", 2025, https://arxiv.org/abs/2502.12996): step 2 uses
 Δ̄ᵗ⁻¹ (a missing part counts as 0, so round 0 already applies Δᵢ⁰/N). Anchors then differ a
 little across ranks; ``finish()`` replaces them by their mean so that all ranks agree.
 
-Paper symbols → arguments: H ``sync_every`` (the paper's τ), α ``outer_lr``, β
-``outer_momentum``, φ ``clip``, Λ ``gap_penalty``.
-
-Example::
+Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
 
     algo = lowcomm.CO2(model, inner, sync_every=12)
-    for x, y in loader:
-        loss_fn(model(x), y).backward()
-        inner.step(); inner.zero_grad()
-        algo.step()
-    algo.finish()
+
+Paper symbols → arguments: H ``sync_every`` (the paper's τ), α ``outer_lr``, β
+``outer_momentum``, φ ``clip``, Λ ``gap_penalty``.
 """
 
 from __future__ import annotations
@@ -53,11 +48,12 @@ from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
     check_bool,
-    check_momentum,
     check_optional,
     check_positive_float,
     check_positive_int,
     hyper,
+    outer_lr,
+    outer_momentum,
 )
 
 __all__ = ["CLIP_MODES", "CO2", "CO2Config", "CO2State"]
@@ -96,10 +92,8 @@ class CO2Config(ShardableConfig):
     sync_every: int = hyper(
         12, doc="inner steps per round (the paper's τ)", symbol="H", check=check_positive_int(12)
     )
-    outer_lr: float = hyper(
-        1.0, doc="outer learning rate", symbol="α", check=check_positive_float(1.0)
-    )
-    outer_momentum: float = hyper(0.5, doc="outer momentum", symbol="β", check=check_momentum)
+    outer_lr: float = outer_lr(1.0)
+    outer_momentum: float = outer_momentum(0.5)
     nesterov: bool = hyper(
         False,
         doc="Nesterov outer momentum (CO2: A ← A − α(Λ⊙Δ̄ + β·m) instead of A ← A − α·m)",
@@ -232,10 +226,6 @@ class CO2(OuterAlgorithm):
         return CO2State(self.config, anchor)
 
     def _keeps_own(self) -> bool:
-        return self.config.eager
-
-    @property
-    def eager(self) -> bool:
         return self.config.eager
 
     @property

@@ -10,14 +10,9 @@ On the outer engine: one fragment, no overlap. Every H inner steps: Δ̄ ← mea
 The inner optimizer's state is never touched. (Streaming DiLoCo is the same with P fragments
 and τ steps of overlap.)
 
-Example::
+Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
 
-    algo = lowcomm.DiLoCo(model, inner, sync_every=50)   # Nesterov SGD, lr 0.7, momentum 0.9
-    for x, y in loader:
-        loss_fn(model(x), y).backward()
-        inner.step(); inner.zero_grad()
-        algo.step()
-    algo.finish()
+    algo = lowcomm.DiLoCo(model, inner, sync_every=50)
 """
 
 from __future__ import annotations
@@ -36,10 +31,9 @@ from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
     check_bool,
-    check_momentum,
-    check_positive_float,
-    check_positive_int,
     hyper,
+    outer_lr,
+    outer_momentum,
 )
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "OuterSGDConfig", "SlowMo", "SlowMoConfig"]
@@ -58,11 +52,8 @@ def _check_factory(key: str, value: Any) -> None:
 class OuterSGDConfig(CompressionConfig):
     """The outer optimizer of DiLoCo and the fragment methods: SGD, or any optimizer."""
 
-    sync_every: int = hyper(doc="inner steps per round", symbol="H", check=check_positive_int(12))
-    outer_lr: float = hyper(
-        0.7, doc="outer learning rate", symbol="α", check=check_positive_float(0.7)
-    )
-    outer_momentum: float = hyper(0.9, doc="outer momentum", symbol="β", check=check_momentum)
+    outer_lr: float = outer_lr(0.7)
+    outer_momentum: float = outer_momentum(0.9)
     nesterov: bool = hyper(True, doc="Nesterov outer momentum", check=check_bool)
     outer_optimizer: OuterOptimizerFactory | None = hyper(
         None,
@@ -122,11 +113,8 @@ class DiLoCo(OuterAlgorithm):
 class SlowMoConfig(ShardableConfig):
     """SlowMo's hyperparameters."""
 
-    sync_every: int = hyper(doc="inner steps per round", symbol="H", check=check_positive_int(12))
-    outer_lr: float = hyper(
-        1.0, doc="slow learning rate", symbol="α", check=check_positive_float(1.0)
-    )
-    outer_momentum: float = hyper(0.5, doc="slow momentum", symbol="β", check=check_momentum)
+    outer_lr: float = outer_lr(1.0, "slow learning rate")
+    outer_momentum: float = outer_momentum(0.5, "slow momentum")
 
 
 class SlowMo(DiLoCo):

@@ -39,6 +39,8 @@ __all__ = [
     "check_positive_int",
     "describe",
     "hyper",
+    "outer_lr",
+    "outer_momentum",
     "public_fields",
 ]
 
@@ -208,6 +210,17 @@ class CompressionConfig(OuterConfig):
 class ShardableConfig(CompressionConfig):
     """An algorithm whose outer state may be sharded across the ranks."""
 
+    def check(self) -> None:
+        super().check()
+        if self.shard_outer_state and self.compression is not None:
+            raise HyperparameterError(
+                "shard_outer_state",
+                "cannot be combined with compression: a sharded sync reduce-scatters the "
+                "parameters, and the codecs' error feedback needs every rank's own "
+                "pseudo-gradient; drop one of them",
+                shown="True",
+            )
+
     shard_outer_state: bool = hyper(
         False,
         doc="keep 1/N of the outer state (anchor, momentum, outer optimizer) on each rank: "
@@ -215,15 +228,15 @@ class ShardableConfig(CompressionConfig):
         check=check_bool,
     )
 
-    def check(self) -> None:
-        super().check()
-        if self.shard_outer_state and self.compression is not None:
-            raise HyperparameterError(
-                None,
-                "shard_outer_state=True cannot be combined with compression: a sharded "
-                "sync reduce-scatters the parameters, and the codecs' error feedback needs "
-                "every rank's own pseudo-gradient; drop one of them",
-            )
+
+def outer_lr(default: float, doc: str = "outer learning rate") -> Any:
+    """The ``outer_lr`` (α) field with ``default``."""
+    return hyper(default, doc=doc, symbol="α", check=check_positive_float(default))
+
+
+def outer_momentum(default: float, doc: str = "outer momentum") -> Any:
+    """The ``outer_momentum`` (β) field with ``default``."""
+    return hyper(default, doc=doc, symbol="β", check=check_momentum)
 
 
 def public_fields(config: type[OuterConfig]) -> list[dataclasses.Field[Any]]:

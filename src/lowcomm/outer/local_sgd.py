@@ -14,14 +14,9 @@ finite (one more all-reduce, only then), every rank takes that average, and the 
 diverged zero the non-finite values of their inner-optimizer state. With no finite rank left
 the run stops with :class:`~lowcomm.guard.NonFiniteError` whatever the policy.
 
-Example::
+Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
 
     algo = lowcomm.LocalSGD(model, inner, sync_every=8)
-    for x, y in loader:
-        loss_fn(model(x), y).backward()
-        inner.step(); inner.zero_grad()
-        algo.step()
-    algo.finish()
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import torch
 from lowcomm.guard import NonFiniteError
 from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
 from lowcomm.outer.fragment import Sync
-from lowcomm.outer.hparams import OuterConfig, check_positive_int, hyper
+from lowcomm.outer.hparams import OuterConfig
 
 __all__ = ["LocalSGD", "LocalSGDConfig"]
 
@@ -45,9 +40,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class LocalSGDConfig(OuterConfig):
-    """LocalSGD's hyperparameters."""
-
-    sync_every: int = hyper(doc="inner steps per round", symbol="H", check=check_positive_int(12))
+    """LocalSGD's hyperparameters: the engine's own."""
 
 
 class LocalSGD(OuterAlgorithm):

@@ -17,14 +17,9 @@ launch would then fall before the first step, are skipped.
 Paper symbols → arguments: H ``sync_every``, P ``num_fragments``, τ ``overlap``, α ``mix``
 (the paper's mixing factor), outer α/β ``outer_lr``/``outer_momentum``.
 
-Example::
+Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
 
     algo = lowcomm.StreamingDiLoCo(model, inner, sync_every=48, num_fragments=4, overlap=2)
-    for x, y in loader:
-        loss_fn(model(x), y).backward()
-        inner.step(); inner.zero_grad()
-        algo.step()
-    algo.finish()
 """
 
 from __future__ import annotations
