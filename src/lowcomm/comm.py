@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -51,6 +51,7 @@ __all__ = [
     "all_gather_wire_bytes",
     "reduce_scatter_wire_bytes",
     "ring_wire_bytes",
+    "storage_nbytes",
 ]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -487,3 +488,12 @@ class DDPCommMeter:
                 torch.cuda.current_stream().synchronize()  # NCCL: wait for the real end
             self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
             self._last_launch = None
+
+
+def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -23,25 +23,16 @@ gives the constructor's keywords, and override the few hooks that make them what
 :meth:`OuterAlgorithm._outer_state` (the update rule), :meth:`~OuterAlgorithm._merge`,
 :meth:`~OuterAlgorithm._choose_fragment`, :meth:`~OuterAlgorithm._outer_input`.
 
-Two guards run in every algorithm (:mod:`lowcomm.guard`). **Consistency at start**: at the
-first :meth:`~OuterAlgorithm.step` the ranks compare the model as built (names, shapes, dtypes,
-a checksum) and the settings, and fail alike naming the first difference (after
-:meth:`~OuterAlgorithm.load_state_dict` the values are not compared; ``check_consistency=False``
-turns it off). **Numeric guard**: an average holding NaN or Inf (bit-identical on every rank,
-so every rank decides alike) skips that outer update, is counted in ``skipped_updates`` and
-logged, and every rank zeroes the non-finite values of its inner-optimizer state and residuals
-and, if diverged, goes back to the anchor; a rank whose own contribution is non-finite at
-launch does so at once. ``nan_policy="raise"`` raises :class:`~lowcomm.guard.NonFiniteError`.
+Two guards run in every algorithm: :mod:`lowcomm.outer.guards`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, ClassVar
 
@@ -51,35 +42,31 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import CommStats, Communicator
+from lowcomm.comm import CommStats, Communicator, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
-from lowcomm.compress.feedback import Compressor
 from lowcomm.guard import (
     Description,
-    NonFiniteError,
     all_finite,
-    check_same_across_ranks,
     describe_tensors,
-    optimizer_state_tensors,
-    zero_non_finite_,
 )
 from lowcomm.outer.fragment import (
     Fragment,
     OuterState,
     ShardedFragment,
     Sync,
-    optimizer_settings,
+    collect_params,
 )
-from lowcomm.outer.hparams import HyperparameterError, OuterConfig, describe
+from lowcomm.outer.guards import Guards
+from lowcomm.outer.hparams import HyperparameterError, OuterConfig, describe, signature
 
-__all__ = ["OuterAlgorithm", "storage_nbytes"]
+__all__ = ["OuterAlgorithm"]
 
 logger = logging.getLogger(__name__)
 
 AnyFragment = Fragment | ShardedFragment
 
 
-class OuterAlgorithm:
+class OuterAlgorithm(Guards):
     """The engine: see the module docstring. Not used directly.
 
     Every algorithm takes, besides its own hyperparameters (its ``Config``):
@@ -114,7 +101,7 @@ class OuterAlgorithm:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = _signature(cls.Config)  # type: ignore[attr-defined]
+        cls.__signature__ = signature(cls.Config)  # type: ignore[attr-defined]
         if cls.__doc__ and "Keywords (its" not in cls.__doc__:
             cls.__doc__ = cls.__doc__.rstrip() + "\n" + describe(cls.Config)
 
@@ -136,7 +123,7 @@ class OuterAlgorithm:
                     f"model_or_params must be an nn.Module or an iterable of parameters, got "
                     f"{type(model_or_params).__name__}"
                 ) from e
-        named = _collect_params(model_or_params)  # type: ignore[arg-type]
+        named = collect_params(model_or_params)  # type: ignore[arg-type]
         self.params = [p for _, p in named]
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -394,106 +381,6 @@ class OuterAlgorithm:
             for frag in self.fragments:
                 frag.anchor.copy_to(frag.params)
 
-    # -- guards --------------------------------------------------------------------------------
-
-    def _settings(self) -> dict[str, Any]:
-        """The settings every rank must share, compared at start."""
-        # the optimizers first: a different outer_lr then names the optimizer's group lr
-        settings: dict[str, Any] = {"algorithm": self.name}
-        settings.update(optimizer_settings("inner optimizer", self.inner))
-        outer = self.fragments[0].outer
-        if outer is not None:
-            settings.update(outer.settings())
-        for f in dataclasses.fields(self.config):
-            value = getattr(self.config, f.name)
-            if f.name in ("check_consistency", "outer_optimizer", "fragments"):
-                continue
-            if f.name == "compression":
-                value = None if self.compression is None else self.compression.spec
-            settings[f.name] = value
-        settings["fragment sizes"] = [frag.numel for frag in self.fragments]
-        settings["overlap"] = self.overlap
-        return settings
-
-    def _check_consistency(self) -> None:
-        model, self._unchecked = self._unchecked, None
-        assert model is not None
-        settings = [(f"setting {k}", repr(v)) for k, v in self._settings().items()]
-        check_same_across_ranks(
-            model + settings,
-            what=f"{type(self).__name__} inputs",
-            hint=(
-                "every rank must build the same model from the same seed (or load the same "
-                "weights) and pass the same settings, before training starts"
-            ),
-            process_group=self.comm.group,
-        )
-
-    def _on_non_finite(self, frag: AnyFragment, sync: Sync) -> None:
-        """The average of ``sync`` holds NaN or Inf (decided alike on every rank)."""
-        self._skip(sync.label)
-
-    def _skip(self, what: str) -> None:
-        """Count a skipped update, then raise (``nan_policy="raise"``) or recover this rank
-        (:meth:`_recover_local`) and log."""
-        self.skipped_updates += 1
-        message = (
-            f"{type(self).__name__}: the averaged pseudo-gradient of {what} holds NaN or Inf "
-            f"(inner step {self.local_step}, rank {self.comm.rank})"
-        )
-        if self.nan_policy == "raise":
-            # every rank raises here alike: finish what is in flight so that no rank leaves a
-            # collective half done (its peers would wait, and its process abort at exit)
-            self._drain()
-            raise NonFiniteError(
-                f"{message}; a worker diverged (lower the learning rate, check the data), or "
-                "use nan_policy='skip' to drop such updates"
-            )
-        fixed = self._recover_local()
-        logger.warning(
-            "%s: update skipped alike on every rank (%d skipped so far)%s",
-            message,
-            self.skipped_updates,
-            f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
-        )
-
-    def check_own(self, delta: Sequence[torch.Tensor]) -> bool:
-        """At launch: whether this rank's own contribution is finite. If not, this rank
-        diverged: log it and recover its local state now, so that it trains correctly from
-        the anchor while the poisoned average is on its way (every rank will skip it)."""
-        if all_finite(delta):
-            return True
-        fixed = self._recover_local()
-        logger.warning(
-            "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
-            "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
-            type(self).__name__,
-            self.comm.rank,
-            self.local_step,
-            fixed,
-        )
-        return False
-
-    def _recover_local(self) -> int:
-        """Zero the non-finite values of this rank's inner-optimizer state and error-feedback
-        residuals (returns how many tensors had any); a rank whose parameters are not finite
-        goes back to the anchors."""
-        fixed = zero_non_finite_(optimizer_state_tensors(self.inner))
-        fixed += sum(c.drop_non_finite() for c in self._compressors())
-        if not all_finite(self.params):
-            for frag in self.fragments:
-                frag.anchor.copy_to(frag.params)
-        return fixed
-
-    def _compressors(self) -> list[Compressor]:
-        return [f.compressor for f in self.fragments if f.compressor is not None]
-
-    def _drain(self) -> None:
-        """Wait for every collective in flight (not applying it): before raising alike."""
-        for frag in self.fragments:
-            for sync in frag.pending:
-                sync.wait()
-
     # -- hook form -----------------------------------------------------------------------------
 
     def __enter__(self) -> OuterAlgorithm:
@@ -638,73 +525,3 @@ class OuterAlgorithm:
             cls.Config(**kwargs)
         except TypeError as e:
             raise HyperparameterError(None, f"{cls.__name__}: {e}") from None
-
-
-def _signature(config: type[OuterConfig]) -> inspect.Signature:
-    """The constructor's signature, from the hyperparameter dataclass."""
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    params = [
-        inspect.Parameter("model_or_params", positional),
-        inspect.Parameter("inner_optimizer", positional),
-    ]
-    for f in dataclasses.fields(config):
-        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
-        params.append(inspect.Parameter(f.name, keyword, default=default, annotation=f.type))
-    params.append(inspect.Parameter("process_group", keyword, default=None))
-    return inspect.Signature(params)
-
-
-def _collect_params(
-    model_or_params: nn.Module | list[torch.Tensor],
-) -> list[tuple[str, torch.Tensor]]:
-    """The trainable parameters with their names (``params[i]`` when not from a module)."""
-    named: list[tuple[str, torch.Tensor]]
-    if isinstance(model_or_params, nn.Module):
-        named = [(n, p) for n, p in model_or_params.named_parameters() if p.requires_grad]
-    elif isinstance(model_or_params, torch.Tensor):
-        raise ValueError(
-            "model_or_params must be an nn.Module or an iterable of parameters, got a single "
-            "tensor; wrap it in a list: [param]"
-        )
-    else:
-        try:
-            named = [(f"params[{i}]", p) for i, p in enumerate(model_or_params) if p.requires_grad]
-        except (TypeError, AttributeError) as e:
-            raise ValueError(
-                f"model_or_params must be an nn.Module or an iterable of parameters, got "
-                f"{type(model_or_params).__name__}"
-            ) from e
-    if not named:
-        raise ValueError(
-            "no trainable parameters: model_or_params has no tensor with requires_grad=True"
-        )
-    # FSDP2 (fully_shard) parameters are DTensors: work on this rank's local shard, which
-    # shares their storage (ranks with the same place in their node groups hold matching
-    # shards, so averaging those across node groups averages the model)
-    named = [(n, _local(p)) for n, p in named]
-    params = [p for _, p in named]
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        raise ValueError(
-            f"all parameters must be on one device, found {sorted(map(str, devices))}; "
-            "pass the parameters of one device (one algorithm per device group)"
-        )
-    if any(not p.is_floating_point() for p in params):
-        raise ValueError("all trainable parameters must be floating point")
-    return named
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (same storage); any other tensor as it is."""
-    to_local = getattr(param, "to_local", None)
-    return to_local() if callable(to_local) else param
-
-
-def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 from lowcomm.comm import Communicator, FlatBuckets, Handle
 from lowcomm.compress.codecs import Codec
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Fragment",
+    "collect_params",
     "OptimizerState",
     "OuterState",
     "ShardedFragment",
@@ -509,3 +511,49 @@ def _load_compression(compressor: Compressor | None, state: dict[str, Any]) -> N
             f"compression={compressor.spec!r}; resume with the same compression"
         )
     compressor.load_state_dict(saved)
+
+
+def collect_params(
+    model_or_params: nn.Module | list[torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    """The trainable parameters with their names (``params[i]`` when not from a module)."""
+    named: list[tuple[str, torch.Tensor]]
+    if isinstance(model_or_params, nn.Module):
+        named = [(n, p) for n, p in model_or_params.named_parameters() if p.requires_grad]
+    elif isinstance(model_or_params, torch.Tensor):
+        raise ValueError(
+            "model_or_params must be an nn.Module or an iterable of parameters, got a single "
+            "tensor; wrap it in a list: [param]"
+        )
+    else:
+        try:
+            named = [(f"params[{i}]", p) for i, p in enumerate(model_or_params) if p.requires_grad]
+        except (TypeError, AttributeError) as e:
+            raise ValueError(
+                f"model_or_params must be an nn.Module or an iterable of parameters, got "
+                f"{type(model_or_params).__name__}"
+            ) from e
+    if not named:
+        raise ValueError(
+            "no trainable parameters: model_or_params has no tensor with requires_grad=True"
+        )
+    # FSDP2 (fully_shard) parameters are DTensors: work on this rank's local shard, which
+    # shares their storage (ranks with the same place in their node groups hold matching
+    # shards, so averaging those across node groups averages the model)
+    named = [(n, _local(p)) for n, p in named]
+    params = [p for _, p in named]
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"all parameters must be on one device, found {sorted(map(str, devices))}; "
+            "pass the parameters of one device (one algorithm per device group)"
+        )
+    if any(not p.is_floating_point() for p in params):
+        raise ValueError("all trainable parameters must be floating point")
+    return named
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (same storage); any other tensor as it is."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -41,6 +42,7 @@ __all__ = [
     "hyper",
     "outer_lr",
     "outer_momentum",
+    "signature",
     "public_fields",
 ]
 
@@ -91,13 +93,13 @@ def check_number(
 
     def check(key: str, value: Any) -> None:
         kind = numbers.Integral if integer else numbers.Real
-        ok = (
-            not isinstance(value, bool)
-            and isinstance(value, kind)
-            and math.isfinite(value)
-            and (low < value if open_low else low <= value)
-            and (value < high if open_high else value <= high)
-        )
+        ok = not isinstance(value, bool) and isinstance(value, kind)
+        if ok:
+            # integers compare exactly (however large); other numbers must be finite floats
+            x: Any = int(value) if isinstance(value, numbers.Integral) else float(value)
+            ok = isinstance(x, int) or math.isfinite(x)
+            ok = ok and (low < x if open_low else low <= x)
+            ok = ok and (x < high if open_high else x <= high)
         if not ok:
             raise HyperparameterError(key, message.format(key=key, value=value))
 
@@ -253,3 +255,18 @@ def describe(config: type[OuterConfig]) -> str:
         default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
         lines.append(f"        {f.name}{symbol}: {f.metadata['doc']} ({default}).")
     return "\n".join(lines)
+
+
+def signature(config: type[OuterConfig]) -> inspect.Signature:
+    """The constructor's signature, from the hyperparameter dataclass."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("model_or_params", positional),
+        inspect.Parameter("inner_optimizer", positional),
+    ]
+    for f in dataclasses.fields(config):
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        params.append(inspect.Parameter(f.name, keyword, default=default, annotation=f.type))
+    params.append(inspect.Parameter("process_group", keyword, default=None))
+    return inspect.Signature(params)

@@ -1,0 +1,162 @@
+"""The guards every outer algorithm has (a base of :class:`~lowcomm.outer.engine.OuterAlgorithm`).
+
+Two guards run in every algorithm (the checks are in :mod:`lowcomm.guard`).
+
+**Consistency at start**: at the first ``step()`` the ranks compare the model as built (names,
+shapes, dtypes, a checksum) and the settings, and fail alike naming the first difference (after
+``load_state_dict()`` the values are not compared; ``check_consistency=False`` turns it off).
+
+**Numeric guard**: an average holding NaN or Inf (bit-identical on every rank, so every rank
+decides alike) skips that outer update, is counted in ``skipped_updates`` and logged, and every
+rank zeroes the non-finite values of its inner-optimizer state and residuals and, if diverged,
+goes back to the anchor; a rank whose own contribution is non-finite at launch does so at once.
+``nan_policy="raise"`` raises :class:`~lowcomm.guard.NonFiniteError` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from lowcomm.compress.feedback import Compressor
+from lowcomm.guard import (
+    Description,
+    NonFiniteError,
+    all_finite,
+    check_same_across_ranks,
+    optimizer_state_tensors,
+    zero_non_finite_,
+)
+from lowcomm.outer.fragment import Sync, optimizer_settings
+
+if TYPE_CHECKING:
+    from lowcomm.comm import Communicator
+    from lowcomm.compress.codecs import Codec
+    from lowcomm.compress.lgreco import LGreCo
+    from lowcomm.outer.engine import AnyFragment
+    from lowcomm.outer.hparams import OuterConfig
+
+__all__ = ["Guards"]
+
+logger = logging.getLogger(__name__)
+
+
+class Guards:
+    """Consistency at start and the numeric guard, over the engine's state."""
+
+    name: ClassVar[str]
+    config: OuterConfig
+    comm: Communicator
+    inner: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    fragments: list[AnyFragment]
+    compression: Codec | LGreCo | None
+    nan_policy: str
+    overlap: int
+    local_step: int
+    skipped_updates: int
+    _unchecked: Description | None
+
+    # -- guards --------------------------------------------------------------------------------
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings every rank must share, compared at start."""
+        # the optimizers first: a different outer_lr then names the optimizer's group lr
+        settings: dict[str, Any] = {"algorithm": self.name}
+        settings.update(optimizer_settings("inner optimizer", self.inner))
+        outer = self.fragments[0].outer
+        if outer is not None:
+            settings.update(outer.settings())
+        for f in dataclasses.fields(self.config):
+            value = getattr(self.config, f.name)
+            if f.name in ("check_consistency", "outer_optimizer", "fragments"):
+                continue
+            if f.name == "compression":
+                value = None if self.compression is None else self.compression.spec
+            settings[f.name] = value
+        settings["fragment sizes"] = [frag.numel for frag in self.fragments]
+        settings["overlap"] = self.overlap
+        return settings
+
+    def _check_consistency(self) -> None:
+        model, self._unchecked = self._unchecked, None
+        assert model is not None
+        settings = [(f"setting {k}", repr(v)) for k, v in self._settings().items()]
+        check_same_across_ranks(
+            model + settings,
+            what=f"{type(self).__name__} inputs",
+            hint=(
+                "every rank must build the same model from the same seed (or load the same "
+                "weights) and pass the same settings, before training starts"
+            ),
+            process_group=self.comm.group,
+        )
+
+    def _on_non_finite(self, frag: AnyFragment, sync: Sync) -> None:
+        """The average of ``sync`` holds NaN or Inf (decided alike on every rank)."""
+        self._skip(sync.label)
+
+    def _skip(self, what: str) -> None:
+        """Count a skipped update, then raise (``nan_policy="raise"``) or recover this rank
+        (:meth:`_recover_local`) and log."""
+        self.skipped_updates += 1
+        message = (
+            f"{type(self).__name__}: the averaged pseudo-gradient of {what} holds NaN or Inf "
+            f"(inner step {self.local_step}, rank {self.comm.rank})"
+        )
+        if self.nan_policy == "raise":
+            # every rank raises here alike: finish what is in flight so that no rank leaves a
+            # collective half done (its peers would wait, and its process abort at exit)
+            self._drain()
+            raise NonFiniteError(
+                f"{message}; a worker diverged (lower the learning rate, check the data), or "
+                "use nan_policy='skip' to drop such updates"
+            )
+        fixed = self._recover_local()
+        logger.warning(
+            "%s: update skipped alike on every rank (%d skipped so far)%s",
+            message,
+            self.skipped_updates,
+            f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
+        )
+
+    def check_own(self, delta: Sequence[torch.Tensor]) -> bool:
+        """At launch: whether this rank's own contribution is finite. If not, this rank
+        diverged: log it and recover its local state now, so that it trains correctly from
+        the anchor while the poisoned average is on its way (every rank will skip it)."""
+        if all_finite(delta):
+            return True
+        fixed = self._recover_local()
+        logger.warning(
+            "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
+            "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
+            type(self).__name__,
+            self.comm.rank,
+            self.local_step,
+            fixed,
+        )
+        return False
+
+    def _recover_local(self) -> int:
+        """Zero the non-finite values of this rank's inner-optimizer state and error-feedback
+        residuals (returns how many tensors had any); a rank whose parameters are not finite
+        goes back to the anchors."""
+        fixed = zero_non_finite_(optimizer_state_tensors(self.inner))
+        fixed += sum(c.drop_non_finite() for c in self._compressors())
+        if not all_finite(self.params):
+            for frag in self.fragments:
+                frag.anchor.copy_to(frag.params)
+        return fixed
+
+    def _compressors(self) -> list[Compressor]:
+        return [f.compressor for f in self.fragments if f.compressor is not None]
+
+    def _drain(self) -> None:
+        """Wait for every collective in flight (not applying it): before raising alike."""
+        for frag in self.fragments:
+            for sync in frag.pending:
+                sync.wait()
