@@ -213,7 +213,7 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
     import io
 
     from lowcomm.outer import ALGORITHMS
-    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+    from lowcomm.testing import inner_step, make_inner, toy_model
 
     def build() -> tuple:
         model = toy_model(3)
@@ -230,14 +230,14 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
 
     model, inner, algo = build()
     for step in range(1, 13):
-        _inner_step(model, inner, rank, step, 3)
+        inner_step(model, inner, rank, step, 3)
         algo.step()
     algo.finish()
     straight = [p.detach().clone() for p in model.parameters()]
 
     model, inner, algo = build()
     for step in range(1, cut + 1):
-        _inner_step(model, inner, rank, step, 3)
+        inner_step(model, inner, rank, step, 3)
         algo.step()
     was_in_flight = getattr(algo, "in_flight", False)
     buf = io.BytesIO()
@@ -249,7 +249,7 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
     inner.load_state_dict(saved["i"])
     algo.load_state_dict(saved["a"])
     for step in range(cut + 1, 13):
-        _inner_step(model, inner, rank, step, 3)
+        inner_step(model, inner, rank, step, 3)
         algo.step()
     algo.finish()
     resumed = [p.detach().clone() for p in model.parameters()]
@@ -282,7 +282,7 @@ def _subgroup_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from lowcomm.outer import CO2
-    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+    from lowcomm.testing import inner_step, make_inner, toy_model
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
@@ -296,7 +296,7 @@ def _subgroup_worker(rank: int, world_size: int) -> dict:
         raise AssertionError("an algorithm on a group without this rank must be refused")
     algo = CO2(model, inner, sync_every=2, process_group=mine)
     for step in range(1, 9):
-        _inner_step(model, inner, rank, step, 5)
+        inner_step(model, inner, rank, step, 5)
         algo.step()
     algo.finish()
     return {"params": [p.detach().clone() for p in model.parameters()], "n": algo.world_size}

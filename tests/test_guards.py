@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 import lowcomm
 from lowcomm.guard import NonFiniteError, _first_difference, describe_tensors
-from lowcomm.testing import run_workers
-from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+from lowcomm.testing import inner_step, make_inner, run_workers, toy_model
 
 H = 3
 POISON_STEP = 4  # rank 1's first parameter gets a NaN right after this step (round 2)
@@ -86,7 +85,7 @@ def _poisoned_run(rank: int, name: str, policy: str) -> dict[str, Any]:
     anchors, outer, before_avg = [], [], None
     raised_at = None
     for step in range(1, STEPS + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         if name == "localsgd" and step == 2 * H:
             before_avg = [p.detach().clone() for p in model.parameters()]
         try:

@@ -17,8 +17,7 @@ import torch
 
 import lowcomm
 from lowcomm.guard import NonFiniteError
-from lowcomm.testing import run_workers
-from lowcomm.testing.reference import _inner_step, make_inner
+from lowcomm.testing import inner_step, make_inner, run_workers
 
 H = 4
 STEPS = 18  # 4 rounds and a half: finish() also drains a sync in flight mid-round
@@ -71,7 +70,7 @@ def _run(rank: int, name: str, shard: bool) -> dict[str, Any]:
     algo = _build(name, model, shard)
     trace = []
     for step in range(1, STEPS + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         algo.step()
         trace.append([p.detach().clone() for p in model.parameters()])
     memory = algo.memory_report()
@@ -88,7 +87,7 @@ def _resume_run(rank: int, name: str, cut: int) -> list[torch.Tensor]:
     model = _model()
     algo = _build(name, model, True)
     for step in range(1, cut + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         algo.step()
     saved = {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
@@ -101,7 +100,7 @@ def _resume_run(rank: int, name: str, cut: int) -> list[torch.Tensor]:
     algo.inner.load_state_dict(saved["inner"])
     algo.load_state_dict(saved["algo"])
     for step in range(cut + 1, STEPS + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         algo.step()
     algo.finish()
     return [p.detach().clone() for p in model.parameters()]
@@ -112,7 +111,7 @@ def _poisoned(rank: int, policy: str) -> Any:
     algo = _build("co2", model, True, nan_policy=policy)
     try:
         for step in range(1, STEPS + 1):
-            _inner_step(model, algo.inner, rank, step, 0)
+            inner_step(model, algo.inner, rank, step, 0)
             algo.step()
             if rank == 1 and step == 5:
                 with torch.no_grad():

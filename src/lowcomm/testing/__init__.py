@@ -4,11 +4,20 @@ usable by anyone checking an integration."""
 
 from lowcomm.testing.dist import run_workers
 from lowcomm.testing.recording import RecordingCommunicator
-from lowcomm.testing.reference import ReferenceRun, reference_run, toy_batch, toy_model
+from lowcomm.testing.reference import (
+    ReferenceRun,
+    inner_step,
+    make_inner,
+    reference_run,
+    toy_batch,
+    toy_model,
+)
 
 __all__ = [
     "RecordingCommunicator",
     "ReferenceRun",
+    "inner_step",
+    "make_inner",
     "reference_run",
     "run_workers",
     "toy_batch",
