@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from lowcomm.outer.registry import outer_names
 from lowcomm.testing import run_workers
 from lowcomm.testing.reference import distributed_run, reference_run
 
@@ -261,20 +262,25 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
     return {"straight": straight, "resumed": resumed, "in_flight": was_in_flight}
 
 
+# (algorithm, the inner step after which its state is saved and restored)
+STATE_DICT_CUTS = [
+    ("co2", 6),
+    ("co2", 7),
+    ("co2-eager", 6),
+    ("diloco", 4),
+    ("slowmo", 6),
+    ("localsgd", 5),
+    ("streaming", 5),
+    ("cocodc", 5),
+]
+
+
+def test_every_outer_algorithm_resumes_from_its_state_dict() -> None:
+    assert {name for name, _ in STATE_DICT_CUTS} == set(outer_names())
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    "algo_name,cut",
-    [
-        ("co2", 6),
-        ("co2", 7),
-        ("co2-eager", 6),
-        ("diloco", 4),
-        ("slowmo", 6),
-        ("localsgd", 5),
-        ("streaming", 5),
-        ("cocodc", 5),
-    ],
-)
+@pytest.mark.parametrize("algo_name,cut", STATE_DICT_CUTS)
 def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
     for r in run_workers(_resume_worker, 2, algo_name, cut):
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
