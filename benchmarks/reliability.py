@@ -1,14 +1,16 @@
 """Reliability table: what ``lowcomm train`` does when a worker dies and when its input is bad.
 
-Every row comes from real ``lowcomm train`` processes (tiny model, 2 workers, 12 steps, gloo on
-127.0.0.1), run one after another (bad inputs two at a time):
+Every row comes from real ``lowcomm train`` processes (the tiny job of
+:mod:`lowcomm.testing.jobs`: tiny model, 2 workers, 12 steps, gloo on 127.0.0.1), run one after
+another (bad inputs two at a time):
 
 1. **Kill points and resumes.** For every algorithm, an uninterrupted reference run with
    checkpoints; then runs in which one worker is killed (SIGKILL) or exits at a chosen step,
    through the fault hook ``LOWCOMM_FAULT_INJECT`` (it fires right after that step's
    ``algo.step()``, before its evaluation and checkpoint), each resumed with ``--resume``. The
    resumed run's every rank state at the last step, rank 0's final model and algorithm state and
-   its metrics are compared bit for bit with the reference's.
+   its metrics are compared bit for bit with the reference's (:mod:`lowcomm.testing.runs`, the
+   comparison the resume tests assert).
 2. **Faults and restarts.** Faults of every mode (kill, exit, raise, hang) with
    ``--max-restarts 1``: whether the job completed with the fault-free final state, how long the
    failed worker group took to stop and to be restarted, and the line the restarted group
@@ -41,7 +43,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import platform
 import re
@@ -60,17 +61,22 @@ from typing import Any
 import torch
 
 import lowcomm
-from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS, TINY_JOB_STEPS
+from lowcomm.registry import REGISTRY, outer_names
+from lowcomm.testing.jobs import (
+    TINY_JOB,
+    TINY_JOB_ALGO_ARGS,
+    TINY_JOB_ARGS,
+    TINY_JOB_STEPS,
+    read_summary,
+)
+from lowcomm.testing.runs import RunComparison, compare_runs
 from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.loop import FAULT_ENV
 
 HERE = Path(__file__).resolve().parent
 
-# the tiny job: 12 steps, rounds of 4, 2 workers, dropout (lowcomm.testing.jobs)
-BASE = TINY_JOB_ARGS
-STEPS = TINY_JOB_STEPS
-WORKERS = 2
-ALGO_ARGS = TINY_JOB_ALGO_ARGS
+# the tiny job (lowcomm.testing.jobs): 12 steps, rounds of 4, 2 workers, dropout
+WORKERS = int(TINY_JOB["workers"])
 REFERENCE_EVERY = 3  # reference runs checkpoint at steps 3, 6, 9 and 12
 RUN_TIMEOUT_S = 150.0  # any single lowcomm train process
 REFUSAL_TIMEOUT_S = 90.0
@@ -265,7 +271,7 @@ def _git_state(repo: Path) -> str:
 
 
 def train_args(algo: str, out: Path, *extra: str) -> list[str]:
-    return ["--algo", algo, *BASE, *ALGO_ARGS[algo], "--out", str(out), *extra]
+    return ["--algo", algo, *TINY_JOB_ARGS, *TINY_JOB_ALGO_ARGS[algo], "--out", str(out), *extra]
 
 
 @dataclass
@@ -327,107 +333,9 @@ class Lab:
         return self.references[algo]
 
 
-# --- comparing two runs bit for bit ------------------------------------------------------------
-
-
-@dataclass
-class Comparison:
-    tensors: int = 0  # tensors compared
-    differing_tensors: list[str] = field(default_factory=list)
-    differing_values: list[str] = field(default_factory=list)  # non-tensor state and metrics
-    problem: str | None = None  # what could not be compared
-
-    @property
-    def identical(self) -> bool:
-        return self.problem is None and not self.differing_tensors and not self.differing_values
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
-def _compare(a: Any, b: Any, where: str, result: Comparison) -> None:
-    """Walk nested checkpoint contents; a tensor is equal when its dtype, shape and every bit
-    are; other values by ``==`` (NaN equals NaN)."""
-    if isinstance(a, torch.Tensor):
-        result.tensors += 1
-        same = (
-            isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(_bits(a), _bits(b))
-        )
-        if not same:
-            result.differing_tensors.append(where)
-    elif isinstance(a, dict):
-        if not isinstance(b, dict) or a.keys() != b.keys():
-            result.differing_values.append(f"{where} (keys)")
-            return
-        for key in a:
-            _compare(a[key], b[key], f"{where}.{key}", result)
-    elif isinstance(a, (list, tuple)):
-        if not isinstance(b, (list, tuple)) or len(a) != len(b):
-            result.differing_values.append(f"{where} (length)")
-            return
-        for i, (x, y) in enumerate(zip(a, b)):
-            _compare(x, y, f"{where}[{i}]", result)
-    elif not (a == b or (a != a and b != b)):
-        result.differing_values.append(where)
-
-
-def _rank_state(run: Path, step: int, rank: int) -> dict[str, Any]:
-    path = run / ckpt.CHECKPOINTS / f"step-{step:06d}" / f"rank-{rank}.pt"
-    state: dict[str, Any] = torch.load(path, weights_only=True)
-    # wall-clock times and blocked time are measurements, not state
-    state.pop("comm_stats", None)
-    state.pop("progress", None)
-    return state
-
-
-def _metric_numbers(run: Path) -> list[tuple[Any, ...]]:
-    """What a resume must not change: the loss records, the validation losses, the rounds."""
-    numbers: list[tuple[Any, ...]] = []
-    with open(run / "metrics.jsonl", encoding="utf-8") as f:
-        for r in map(json.loads, f):
-            if r["kind"] == "step":
-                numbers.append(("step", r["step"], r["steps"], r["loss"], r["lr"], r["tokens"]))
-            elif r["kind"] == "eval":
-                numbers.append(("eval", r["step"], r["val_loss"], r["rounds"], r["payload_bytes"]))
-    return numbers
-
-
-def compare_runs(reference: Path, run: Path) -> Comparison:
-    """``run`` against ``reference``: every rank's state at the last step, rank 0's final model
-    and algorithm state, the metrics, and the summary's losses, tokens and payload."""
-    result = Comparison()
-    try:
-        for rank in range(WORKERS):
-            a, b = _rank_state(reference, STEPS, rank), _rank_state(run, STEPS, rank)
-            _compare(a, b, f"rank{rank}", result)
-        final_ref = torch.load(reference / "checkpoint.pt", weights_only=True)
-        final = torch.load(run / "checkpoint.pt", weights_only=True)
-        for key in ("model", "algorithm"):
-            _compare(final_ref[key], final[key], f"final.{key}", result)
-        ref_numbers, numbers = _metric_numbers(reference), _metric_numbers(run)
-        if len(ref_numbers) != len(numbers):
-            result.differing_values.append("metrics (record count)")
-        result.differing_values += [
-            f"metrics[{i}]" for i, (x, y) in enumerate(zip(ref_numbers, numbers)) if x != y
-        ]
-        summaries = [json.loads((r / "summary.json").read_text()) for r in (reference, run)]
-        for key in ("val_loss_initial", "val_loss_final", "tokens"):
-            if summaries[0][key] != summaries[1][key]:
-                result.differing_values.append(f"summary.{key}")
-        if summaries[0]["comm_mean"]["payload_bytes"] != summaries[1]["comm_mean"]["payload_bytes"]:
-            result.differing_values.append("summary.comm_mean.payload_bytes")
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        result.problem = f"{type(e).__name__}: {e}"
-    return result
-
-
 def resumed_at(run: Path) -> list[int] | None:
     try:
-        return list(json.loads((run / "summary.json").read_text())["resumed_at"])
+        return list(read_summary(run)["resumed_at"])
     except (OSError, KeyError, ValueError):
         return None
 
@@ -455,13 +363,14 @@ def _kill_points(algo: str) -> list[KillPoint]:
     """Two kill points per algorithm (rank 1 killed mid-round, rank 0 exiting right after an
     all-reduce was launched); a fault at a checkpoint step for co2 and the fragment methods, and
     two more for co2."""
-    fragmented = algo in ("streaming", "cocodc")
+    schedule = REGISTRY[algo].schedule
+    fragmented = schedule == "fragments"
     # resumes from step 9; co2's checkpoint there holds round 2's result, not yet applied, the
     # fragment methods' the all-reduce launched at step 9
     points = [KillPoint(algo, "mid-round", 1, 10, "kill", 3)]
     if fragmented:  # fragment all-reduces are launched at odd steps
         points.append(KillPoint(algo, "all-reduce just launched (in flight)", 0, 11, "exit", 4))
-    elif algo == "ddp":  # an all-reduce every step, completed within it
+    elif schedule == "every-step":  # an all-reduce every step, completed within it
         points.append(KillPoint(algo, "after a step's all-reduce", 0, 8, "exit", 4))
     else:  # round 2's all-reduce is launched at step 8; co2's stays in flight through round 3
         points.append(KillPoint(algo, "round all-reduce just launched", 0, 8, "exit", 4))
@@ -477,7 +386,7 @@ def _kill_points(algo: str) -> list[KillPoint]:
     return points
 
 
-KILL_POINTS: list[KillPoint] = [p for algo in ALGO_ARGS for p in _kill_points(algo)]
+KILL_POINTS: list[KillPoint] = [p for algo in TINY_JOB_ALGO_ARGS for p in _kill_points(algo)]
 KILL_POINTS_QUICK: list[KillPoint] = [
     KillPoint("co2", "round all-reduce just launched", 1, 8, "kill", 4)
 ]
@@ -499,7 +408,7 @@ def kill_resume_rows(lab: Lab, points: Sequence[KillPoint]) -> list[Row]:
         faulted = lab.train(args, out.with_suffix(".faulted.log"), fault=fault)
         resumed = lab.train([*args, "--resume"], out.with_suffix(".resumed.log"))
         if resumed.returncode != 0:
-            result = Comparison(problem=f"resume failed: {resumed.last_line()}")
+            result = RunComparison(problem=f"resume failed: {resumed.last_line()}")
         else:
             result = compare_runs(reference, out)
         at = resumed_at(out)
@@ -570,7 +479,7 @@ def _seconds(t: float | None) -> str:
     return "-" if t is None else f"{t:.1f}"
 
 
-def _verdict(result: Comparison) -> str:
+def _verdict(result: RunComparison) -> str:
     if result.problem is not None:
         return f"no ({result.problem})"
     if result.identical:
@@ -844,14 +753,13 @@ def bad_input_totals(rows: list[Row]) -> str:
 
 # --- section 4: numeric guard -----------------------------------------------------------------
 
-GUARD_ALGOS = ["co2", "co2-eager", "diloco", "slowmo", "localsgd", "streaming", "cocodc"]
+GUARD_ALGOS = list(outer_names())
 GUARD_FAULT = "1:5:nan"  # rank 1's first parameter turns NaN after step 5 (mid-round 2)
 
 
 def _summary_of(out: Path) -> dict[str, Any] | None:
     try:
-        with open(out / "summary.json", encoding="utf-8") as f:
-            return dict(json.load(f))
+        return read_summary(out)
     except (OSError, ValueError):
         return None
 
@@ -1009,10 +917,10 @@ SECTIONS: list[Section] = [
         "A worker is killed (SIGKILL) or exits (`os._exit(3)`) right after `algo.step()` of the "
         "step given, before that step's evaluation and checkpoint; the run is then resumed with "
         "`--resume` (the latest complete checkpoint) and compared with an uninterrupted run "
-        f"checkpointing every {REFERENCE_EVERY} steps: both ranks' full state at step {STEPS} "
-        "(model, inner optimizer, algorithm state, RNG states), rank 0's final model and "
-        "algorithm state, and the metrics and summary numbers, bit for bit. Streaming DiLoCo "
-        "and CoCoDC run 2 fragments with overlap 1.",
+        f"checkpointing every {REFERENCE_EVERY} steps: both ranks' full state at step "
+        f"{TINY_JOB_STEPS} (model, inner optimizer, algorithm state, RNG states), rank 0's "
+        "final model and algorithm state, and the metrics and summary numbers, bit for bit. "
+        "Streaming DiLoCo and CoCoDC run 2 fragments with overlap 1.",
         (
             "algorithm",
             "kill point",
@@ -1138,8 +1046,10 @@ def render(
         "# Reliability of `lowcomm train`",
         "",
         "What `lowcomm train` does when a worker dies and when its input is bad, from real "
-        "processes: a tiny GPT (2 layers, width 32, context 16, batch 2), 2 workers, 12 inner "
-        "steps, rounds of 4, dropout 0.1, gloo on 127.0.0.1. Faults are injected with the "
+        f"processes: a tiny GPT ({TINY_JOB['n_layer']} layers, width {TINY_JOB['n_embd']}, "
+        f"context {TINY_JOB['block_size']}, batch {TINY_JOB['batch_size']}), {WORKERS} workers, "
+        f"{TINY_JOB_STEPS} inner steps, rounds of {TINY_JOB['sync_every']}, dropout "
+        f"{TINY_JOB['dropout']}, gloo on 127.0.0.1. Faults are injected with the "
         f"test-only hook `{FAULT_ENV}=RANK:STEP[:MODE]`. Kill points: a faulted run resumed "
         "from its checkpoint must end bit-identical to an uninterrupted one. Faults: whether the "
         "job completes under `--max-restarts 1` and how the failure is reported. Bad inputs: "

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from lowcomm.testing.jobs import TrainJob, run_train_job
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +25,20 @@ def single_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def train_job(tmp_path: Any) -> TrainJob:
+    """Run a small ``lowcomm train`` job in the test process and return its summary dict:
+    ``train_job("--algo", "co2", *TINY_JOB_ARGS, out=folder)``
+    (:func:`lowcomm.testing.jobs.run_train_job`); without ``out``, in a fresh folder under the
+    test's ``tmp_path``. A job that does not exit with 0 fails the test."""
+    numbers = itertools.count()
+
+    def run(*argv: str, out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        return run_train_job(tmp_path / f"job-{next(numbers)}" if out is None else out, *argv)
+
+    return run
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowcomm
-from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+from lowcomm.testing import inner_step, make_inner, toy_model
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
@@ -76,7 +76,7 @@ def test_bad_model_and_optimizer() -> None:
 def test_context_manager_form_equals_explicit_steps(cls: type) -> None:
     model, inner, algo = _build(cls)
     for step in range(1, 10):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     algo.finish()
     explicit = [p.detach().clone() for p in model.parameters()]
@@ -84,7 +84,7 @@ def test_context_manager_form_equals_explicit_steps(cls: type) -> None:
     model, inner, algo = _build(cls)
     with algo:
         for step in range(1, 10):
-            _inner_step(model, inner, 0, step, 2)  # no algo.step(): the hook calls it
+            inner_step(model, inner, 0, step, 2)  # no algo.step(): the hook calls it
     assert algo.local_step == 9 and algo.rounds == 3
     assert not inner._optimizer_step_post_hooks  # hook removed on exit
     assert all(torch.equal(a, b) for a, b in zip(explicit, model.parameters()))
@@ -93,7 +93,7 @@ def test_context_manager_form_equals_explicit_steps(cls: type) -> None:
 def test_co2_finish_applies_the_last_round_and_is_idempotent() -> None:
     model, inner, algo = _build(lowcomm.CO2)
     for step in range(1, 7):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     assert algo.in_flight and algo.outer_updates == 1
     algo.finish()
@@ -108,7 +108,7 @@ def test_co2_finish_applies_the_last_round_and_is_idempotent() -> None:
 def test_finish_warns_about_a_partial_round() -> None:
     model, inner, algo = _build(lowcomm.DiLoCo)
     for step in range(1, 5):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     with pytest.warns(UserWarning, match="discards 1 inner step"):
         algo.finish()
@@ -118,7 +118,7 @@ def test_finish_warns_about_a_partial_round() -> None:
 def test_localsgd_finish_keeps_a_partial_round() -> None:
     model, inner, algo = _build(lowcomm.LocalSGD)
     for step in range(1, 5):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     before = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
@@ -133,12 +133,12 @@ def test_one_rank_co2_is_stale_by_exactly_one_round() -> None:
     model, inner, algo = _build(lowcomm.CO2, gap_penalty="none", clip=None, outer_momentum=0.0)
     start = [p.detach().clone() for p in model.parameters()]
     for step in range(1, 4):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         local_round1 = [p.detach().clone() for p in model.parameters()]  # θ at the round's end
         algo.step()
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
     for step in range(4, 7):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     for p, want in zip(model.parameters(), local_round1):
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
@@ -147,7 +147,7 @@ def test_one_rank_co2_is_stale_by_exactly_one_round() -> None:
 def test_finish_warns_once_and_localsgd_finish_twice_communicates_once() -> None:
     model, inner, algo = _build(lowcomm.CO2)
     for step in range(1, 5):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -156,7 +156,7 @@ def test_finish_warns_once_and_localsgd_finish_twice_communicates_once() -> None
     assert len(caught) == 1
     model, inner, algo = _build(lowcomm.LocalSGD)
     for step in range(1, 5):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     algo.finish()
     done = algo.stats.collectives
@@ -168,7 +168,7 @@ def test_exception_inside_the_context_removes_the_hook_without_finishing() -> No
     model, inner, algo = _build(lowcomm.CO2)
     with pytest.raises(RuntimeError, match="boom"), algo:
         for step in range(1, 7):
-            _inner_step(model, inner, 0, step, 2)
+            inner_step(model, inner, 0, step, 2)
         raise RuntimeError("boom")
     assert not inner._optimizer_step_post_hooks
     assert algo.in_flight  # finish() was not called: other ranks may be gone
@@ -180,12 +180,12 @@ def test_exception_inside_the_context_removes_the_hook_without_finishing() -> No
 def test_state_dict_is_a_snapshot(cls: type) -> None:
     model, inner, algo = _build(cls)
     for step in range(1, 7):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     saved = algo.state_dict()
     frozen = copy.deepcopy(saved)
     for step in range(7, 13):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
 
     def same(a: Any, b: Any) -> bool:
@@ -217,7 +217,7 @@ def test_state_dict_refuses_other_configurations() -> None:
 def test_state_dict_is_weights_only_loadable(tmp_path: Any) -> None:
     model, inner, algo = _build(lowcomm.CO2)
     for step in range(1, 7):
-        _inner_step(model, inner, 0, step, 2)
+        inner_step(model, inner, 0, step, 2)
         algo.step()
     torch.save(algo.state_dict(), tmp_path / "s.pt")
     state = torch.load(tmp_path / "s.pt", weights_only=True)

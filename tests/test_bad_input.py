@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowcomm
-from lowcomm.testing.reference import make_inner, toy_model
+from lowcomm.testing import make_inner, toy_model
 from lowcomm.train.config import OUTER_KEYS, ConfigError, TrainConfig, config_from_dict
 
 # Values of every kind a config file or a typo can produce.

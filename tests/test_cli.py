@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.cli import main
+from lowcomm.testing.jobs import TrainJob, read_summary, tiny_job_args
 from lowcomm.train import launcher
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.launcher import WorkerFailed
 
-TINY = [
-    "--steps", "6", "--sync-every", "3", "--eval-every", "3", "--eval-batches", "2",
-    "--batch-size", "2", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
-    "--n-embd", "32", "--warmup", "2", "--workers", "2", "--log-every", "2",
-]  # fmt: skip
+# 6 steps, rounds of 3, 1 layer, no dropout, printing its table
+TINY = tiny_job_args(
+    steps=6, sync_every=3, eval_every=3, eval_batches=2, n_layer=1, dropout=None, quiet=None
+)
 
 
 def _one_error_line(capsys: Any) -> str:
@@ -264,13 +264,16 @@ def test_launch_keeps_the_worker_traceback(tmp_path: Any) -> None:
 
 def _check_run(
     out: str,
+    summary: dict[str, Any],
     algo: str,
     *,
     steps: int = 6,
     evals: tuple[int, ...] = (0, 3, 6),
     workers: int = 2,
     log_every: int = 2,
-) -> dict[str, Any]:
+) -> None:
+    """The run folder ``out`` and its ``summary``: every file, the metrics' records, the
+    summary's counters and the final checkpoint."""
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "loss.png", "summary.json"):
         assert os.path.isfile(os.path.join(out, name)), name
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -291,8 +294,6 @@ def _check_run(
         assert 0 <= r["train_s"] <= r["elapsed_s"]
     train_times = [r["train_s"] for r in eval_records]
     assert train_times == sorted(train_times)
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
     assert summary["algo"] == algo and summary["workers"] == workers
     assert summary["steps"] == steps
     assert summary["val_loss_final"] < summary["val_loss_initial"]
@@ -308,14 +309,13 @@ def _check_run(
     assert ckpt["step"] == steps and ckpt["config"]["algo"] == algo
     assert ckpt["rank"] == 0 and "rank 0" in ckpt["note"]
     assert "wte.weight" in ckpt["model"] and "state" in ckpt["optimizer"]
-    return summary
 
 
 @pytest.mark.timeout(180)
-def test_train_ddp_end_to_end(tmp_path: Any, capsys: Any) -> None:
+def test_train_ddp_end_to_end(train_job: TrainJob, tmp_path: Any, capsys: Any) -> None:
     out = str(tmp_path / "ddp")
-    assert main(["train", "--algo", "ddp", *TINY, "--out", out]) == 0
-    summary = _check_run(out, "ddp")
+    summary = train_job("--algo", "ddp", *TINY, out=out)
+    _check_run(out, summary, "ddp")
     # DDP all-reduces every gradient every step.
     per_step = summary["comm_mean"]["payload_bytes_per_step"]
     assert per_step >= 4 * summary["parameters"]
@@ -325,10 +325,10 @@ def test_train_ddp_end_to_end(tmp_path: Any, capsys: Any) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("algo", ["co2", "co2-eager"])
-def test_train_co2_end_to_end(algo: str, tmp_path: Any, capsys: Any) -> None:
+def test_train_co2_end_to_end(algo: str, train_job: TrainJob, tmp_path: Any, capsys: Any) -> None:
     out = str(tmp_path / algo)
-    assert main(["train", "--algo", algo, *TINY, "--out", out]) == 0
-    summary = _check_run(out, algo)
+    summary = train_job("--algo", algo, *TINY, out=out)
+    _check_run(out, summary, algo)
     assert summary["comm_mean"]["rounds"] == 2
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ckpt["algorithm"]["rounds"] == 2
@@ -360,7 +360,8 @@ def test_under_torchrun_the_worker_runs_in_process(tmp_path: Any) -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = _check_run(out, "streaming", steps=8, evals=(0, 4, 8))
+    summary = read_summary(out)
+    _check_run(out, summary, "streaming", steps=8, evals=(0, 4, 8))
     assert summary["workers"] == 2  # torchrun's world size, not --workers 7
     assert summary["comm_mean"]["rounds"] == 2
     assert "--workers is ignored" in proc.stderr
@@ -396,21 +397,21 @@ def torchrun_rank0_of_1(monkeypatch: Any) -> Iterator[None]:
 
 @pytest.mark.timeout(120)
 def test_train_localsgd_in_process_as_torchrun_rank(
-    tmp_path: Any, torchrun_rank0_of_1: None, capsys: Any
+    train_job: TrainJob, tmp_path: Any, torchrun_rank0_of_1: None, capsys: Any
 ) -> None:
     out = str(tmp_path / "localsgd")
-    assert main(["train", "--algo", "localsgd", *TINY, "--out", out]) == 0
-    summary = _check_run(out, "localsgd", workers=1)
+    summary = train_job("--algo", "localsgd", *TINY, out=out)
+    _check_run(out, summary, "localsgd", workers=1)
     assert summary["comm_mean"]["rounds"] == 2
     assert capsys.readouterr().out.count("val loss") == 1
 
 
 @pytest.mark.timeout(180)
-def test_train_cocodc_end_to_end(tmp_path: Any) -> None:
+def test_train_cocodc_end_to_end(train_job: TrainJob, tmp_path: Any) -> None:
     out = str(tmp_path / "cocodc")
-    argv = ["train", "--algo", "cocodc", *TINY, "--n-layer", "2", "--sync-every", "2"]
-    assert main([*argv, "--num-fragments", "2", "--overlap", "1", "--out", out]) == 0
-    summary = _check_run(out, "cocodc", evals=(0, 4, 6))  # eval every 3 -> every 4 (H=2)
+    argv = ["--algo", "cocodc", *TINY, "--n-layer", "2", "--sync-every", "2"]
+    summary = train_job(*argv, "--num-fragments", "2", "--overlap", "1", out=out)
+    _check_run(out, summary, "cocodc", evals=(0, 4, 6))  # eval every 3 -> every 4 (H=2)
     # one fragment launched per sync point (every step), plus one small priority all-reduce each
     assert summary["comm_mean"]["collectives"] >= 2 * 6 - 2
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
@@ -419,13 +420,10 @@ def test_train_cocodc_end_to_end(tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_train_over_an_emulated_link_is_labelled_emulated(tmp_path: Any, capsys: Any) -> None:
-    out = str(tmp_path / "ddp-link")
+def test_train_over_an_emulated_link_is_labelled_emulated(train_job: TrainJob, capsys: Any) -> None:
     # 10 kbit/s: each step's gradient all-reduce (~70 KB) takes seconds on the emulated link
-    argv = ["train", "--algo", "ddp", *TINY, "--steps", "2", "--eval-every", "2"]
-    assert main([*argv, "--link", "1000kbit:1ms", "--out", out]) == 0
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
+    argv = ["--algo", "ddp", *TINY, "--steps", "2", "--eval-every", "2"]
+    summary = train_job(*argv, "--link", "1000kbit:1ms")
     assert summary["link"] == "1000kbit:1ms (emulated)"
     wire = summary["comm_mean"]["wire_bytes"]
     # every byte went through the emulated link: the blocked time is at least its transfer time
@@ -434,27 +432,23 @@ def test_train_over_an_emulated_link_is_labelled_emulated(tmp_path: Any, capsys:
 
 
 @pytest.mark.timeout(180)
-def test_train_without_synchronisation_is_the_ceiling(tmp_path: Any) -> None:
+def test_train_without_synchronisation_is_the_ceiling(train_job: TrainJob, tmp_path: Any) -> None:
     out = str(tmp_path / "none")
-    assert main(["train", "--algo", "none", *TINY, "--out", out]) == 0
-    summary = _check_run(out, "none")
+    summary = train_job("--algo", "none", *TINY, out=out)
+    _check_run(out, summary, "none")
     assert summary["sync_every"] is None
     assert summary["comm_mean"]["payload_bytes"] == 0 and summary["comm_mean"]["collectives"] == 0
 
 
 @pytest.mark.timeout(240)
 def test_ceiling_steps_measure_in_the_same_processes_without_touching_training(
-    tmp_path: Any, capsys: Any
+    train_job: TrainJob, tmp_path: Any, capsys: Any
 ) -> None:
     plain, with_ceiling = str(tmp_path / "plain"), str(tmp_path / "ceiling")
-    assert main(["train", "--algo", "co2", *TINY, "--out", plain]) == 0
-    assert (
-        main(["train", "--algo", "co2", *TINY, "--ceiling-steps", "5", "--out", with_ceiling]) == 0
-    )
+    train_job("--algo", "co2", *TINY, out=plain)
+    summary = train_job("--algo", "co2", *TINY, "--ceiling-steps", "5", out=with_ceiling)
     printed = capsys.readouterr().out
     assert "without sync (5 steps in the same processes)" in printed and "of ceiling" in printed
-    with open(os.path.join(with_ceiling, "summary.json")) as f:
-        summary = json.load(f)
     ceiling = summary["ceiling"]
     assert ceiling["steps"] == 5 and len(ceiling["segments_tokens_per_s"]) == 2  # 2 before, 3 after
     assert ceiling["tokens_per_s"] > 0
@@ -466,14 +460,13 @@ def test_ceiling_steps_measure_in_the_same_processes_without_touching_training(
 
 
 @pytest.mark.timeout(240)
-def test_compression_flag_shrinks_the_bytes_of_co2_and_ddp(tmp_path: Any, capsys: Any) -> None:
+def test_compression_flag_shrinks_the_bytes_of_co2_and_ddp(
+    train_job: TrainJob, tmp_path: Any, capsys: Any
+) -> None:
     payload = {}
     for algo, spec in (("co2", None), ("co2", "int4"), ("ddp", None), ("ddp", "powersgd:2")):
-        out = str(tmp_path / f"{algo}-{spec}")
-        argv = ["train", "--algo", algo, *TINY, "--out", out]
-        assert main(argv + (["--compression", spec] if spec else [])) == 0
-        with open(os.path.join(out, "summary.json")) as f:
-            summary = json.load(f)
+        argv = ["--algo", algo, *TINY]
+        summary = train_job(*argv, *(["--compression", spec] if spec else []))
         assert summary["compression"] == spec
         payload[algo, spec] = summary["comm_mean"]["payload_bytes"]
     assert "compression       int4" in capsys.readouterr().out

@@ -82,7 +82,7 @@ def _bytes_job(rank: int, world_size: int) -> dict[str, Any]:
     """Two DiLoCo rounds per codec: the counters against the codecs' byte formulas."""
     from lowcomm.compress import parse_compression
     from lowcomm.outer import DiLoCo
-    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+    from lowcomm.testing import inner_step, make_inner, toy_model
 
     out = {}
     for spec in ("bf16", "int8", "int4:16", "topk:0.2", "powersgd:2"):
@@ -90,7 +90,7 @@ def _bytes_job(rank: int, world_size: int) -> dict[str, Any]:
         inner = make_inner("sgd", model.parameters())
         algo = DiLoCo(model, inner, sync_every=2, compression=spec, bucket_cap_mb=SMALL_BUCKETS)
         for step in range(1, 5):
-            _inner_step(model, inner, rank, step, 0)
+            inner_step(model, inner, rank, step, 0)
             algo.step()
         codec = parse_compression(spec)
         shapes = algo.anchor.shapes
@@ -164,8 +164,8 @@ def _link_job(rank: int, world_size: int) -> dict[str, Any]:
 def _schedule_job(rank: int, world_size: int) -> dict[str, Any]:
     """When compressed collectives are launched and waited, in inner steps."""
     from lowcomm.outer import CO2, StreamingDiLoCo
+    from lowcomm.testing import inner_step, make_inner, toy_model
     from lowcomm.testing.recording import RecordingCommunicator
-    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
 
     out = {}
     for name, spec in (("co2-int8", "int8"), ("co2-powersgd", "powersgd:2"), ("stream", "int4")):
@@ -187,7 +187,7 @@ def _schedule_job(rank: int, world_size: int) -> dict[str, Any]:
             algo = CO2(model, inner, sync_every=4, compression=spec, process_group=comm)
         comm.clock = functools.partial(getattr, algo, "local_step")
         for step in range(1, 13):
-            _inner_step(model, inner, rank, step, 1)
+            inner_step(model, inner, rank, step, 1)
             algo.step()
         algo.finish()
         out[name] = comm.events
@@ -196,7 +196,7 @@ def _schedule_job(rank: int, world_size: int) -> dict[str, Any]:
 
 def _resume_job(rank: int, world_size: int, algo_name: str, spec: str, cut: int) -> bool:
     from lowcomm.outer import ALGORITHMS
-    from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+    from lowcomm.testing import inner_step, make_inner, toy_model
 
     def build() -> tuple:
         model = toy_model(3)
@@ -210,14 +210,14 @@ def _resume_job(rank: int, world_size: int, algo_name: str, spec: str, cut: int)
 
     model, inner, algo = build()
     for step in range(1, 13):
-        _inner_step(model, inner, rank, step, 3)
+        inner_step(model, inner, rank, step, 3)
         algo.step()
     algo.finish()
     straight = [p.detach().clone() for p in model.parameters()]
 
     model, inner, algo = build()
     for step in range(1, cut + 1):
-        _inner_step(model, inner, rank, step, 3)
+        inner_step(model, inner, rank, step, 3)
         algo.step()
     buf = io.BytesIO()
     torch.save({"m": model.state_dict(), "i": inner.state_dict(), "a": algo.state_dict()}, buf)
@@ -228,7 +228,7 @@ def _resume_job(rank: int, world_size: int, algo_name: str, spec: str, cut: int)
     inner.load_state_dict(saved["i"])
     algo.load_state_dict(saved["a"])
     for step in range(cut + 1, 13):
-        _inner_step(model, inner, rank, step, 3)
+        inner_step(model, inner, rank, step, 3)
         algo.step()
     algo.finish()
     return all(torch.equal(a, p) for a, p in zip(straight, model.parameters()))

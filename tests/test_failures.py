@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from lowcomm.cli import main
+from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS, read_summary
+from lowcomm.testing.runs import assert_same_run, read_records
 from lowcomm.train import launcher
 from lowcomm.train.loop import FAULT_ENV
-from test_resume import ALGO_ARGS, BASE, assert_same_run
 
 ABORT = "terminate called"  # what a C++ std::terminate at shutdown prints
 
@@ -28,7 +29,8 @@ def _train(out: str, *extra: str, fault: str | None = None) -> subprocess.Comple
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if fault is not None:
         env[FAULT_ENV] = fault
-    cmd = [sys.executable, "-m", "lowcomm", "train", "--algo", "co2", *BASE, *ALGO_ARGS["co2"]]
+    cmd = [sys.executable, "-m", "lowcomm", "train", "--algo", "co2", *TINY_JOB_ARGS]
+    cmd += TINY_JOB_ALGO_ARGS["co2"]
     return subprocess.run(
         [*cmd, "--out", out, *extra], capture_output=True, text=True, timeout=150, env=env
     )
@@ -47,8 +49,7 @@ def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path:
     assert "worker group restarted (restart 1) after a failure" in proc.stderr
     assert ABORT not in proc.stderr
     assert_same_run(clean, restarted, resumed_at=[9])
-    with open(os.path.join(restarted, "metrics.jsonl")) as f:
-        resumes = [r for r in map(json.loads, f) if r["kind"] == "resume"]
+    resumes = [r for r in read_records(restarted) if r["kind"] == "resume"]
     assert [(r["step"], r["restart"]) for r in resumes] == [(9, 1)]
 
 
@@ -69,7 +70,7 @@ def test_the_failing_worker_is_named_not_its_peers(
 ) -> None:
     out = str(tmp_path / "run")
     monkeypatch.setenv(FAULT_ENV, "1:5:raise")
-    assert main(["train", "--algo", "diloco", *BASE, "--out", out]) == 1
+    assert main(["train", "--algo", "diloco", *TINY_JOB_ARGS, "--out", out]) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     expected = f"worker rank 1 failed: RuntimeError: fault injected by {FAULT_ENV} at step 5"
     assert line.startswith(f"lowcomm train: error: {expected} (traceback: "), line
@@ -83,7 +84,8 @@ def test_a_stalled_worker_makes_the_others_time_out(
 ) -> None:
     out = str(tmp_path / "run")
     monkeypatch.setenv(FAULT_ENV, "1:5:hang")
-    argv = ["train", "--algo", "localsgd", *BASE, "--collective-timeout", "2", "--out", out]
+    argv = ["train", "--algo", "localsgd", *TINY_JOB_ARGS, "--collective-timeout", "2"]
+    argv += ["--out", out]
     assert main(argv) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("lowcomm train: error: worker rank 0 failed: RuntimeError:"), line
@@ -96,8 +98,7 @@ def test_a_diverging_worker_is_skipped_or_stops_the_run(tmp_path: Any) -> None:
     skipped = str(tmp_path / "skip")
     proc = _train(skipped, fault="1:5:nan")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(skipped, "summary.json")) as f:
-        summary = json.load(f)
+    summary = read_summary(skipped)
     assert summary["skipped_updates"] == 1
     assert summary["val_loss_final"] < summary["val_loss_initial"]  # finite, and it learned
     assert "update skipped alike on every rank (1 skipped so far)" in proc.stderr

@@ -19,35 +19,32 @@ import torch.distributed as dist
 
 import lowcomm
 from lowcomm.guard import NonFiniteError, _first_difference, describe_tensors
-from lowcomm.testing import run_workers
-from lowcomm.testing.reference import _inner_step, make_inner, toy_model
+from lowcomm.registry import REGISTRY
+from lowcomm.testing import inner_step, make_inner, run_workers, toy_model
 
 H = 3
 POISON_STEP = 4  # rank 1's first parameter gets a NaN right after this step (round 2)
 STEPS = 15
 
-# name -> (class, keywords); streaming/cocodc: 2 fragments, a sync point every 2 steps
-GUARDED: dict[str, tuple[str, dict[str, Any]]] = {
-    "co2": ("CO2", {}),
-    "co2-eager": ("CO2", {"eager": True}),
-    "co2-int8": ("CO2", {"compression": "int8"}),
-    "diloco": ("DiLoCo", {}),
-    "diloco-powersgd": ("DiLoCo", {"compression": "powersgd:2"}),
-    "slowmo": ("SlowMo", {}),
-    "streaming": ("StreamingDiLoCo", {"sync_every": 4, "overlap": 1}),
-    "cocodc": ("CoCoDC", {"sync_every": 4, "overlap": 1}),
-    "localsgd": ("LocalSGD", {}),
+FRAGMENTS = {"sync_every": 4, "overlap": 1}  # 2 fragments: a sync point every 2 steps
+
+# name -> (class, keywords): every outer algorithm of the registry, and two compressed ones
+GUARDED: dict[str, tuple[type[lowcomm.OuterAlgorithm], dict[str, Any]]] = {
+    name: (entry.cls, {**entry.fixed, **(FRAGMENTS if entry.schedule == "fragments" else {})})
+    for name, entry in REGISTRY.items()
+    if entry.cls is not None
 }
+GUARDED["co2-int8"] = (lowcomm.CO2, {"compression": "int8"})
+GUARDED["diloco-powersgd"] = (lowcomm.DiLoCo, {"compression": "powersgd:2"})
 
 
 def _build(name: str, model: torch.nn.Module, **extra: Any) -> lowcomm.OuterAlgorithm:
-    cls_name, kwargs = GUARDED[name]
-    cls = getattr(lowcomm, cls_name)
+    cls, kwargs = GUARDED[name]
     kwargs = {"sync_every": H, **kwargs, **extra}
-    if cls_name in ("StreamingDiLoCo", "CoCoDC"):
+    if cls.schedule == "fragments":
         kwargs["fragments"] = [model[0], model[2]]
     inner = make_inner("adamw", model.parameters())
-    return cls(model, inner, **kwargs)  # type: ignore[no-any-return]
+    return cls(model, inner, **kwargs)
 
 
 def _anchor(algo: lowcomm.OuterAlgorithm) -> list[torch.Tensor]:
@@ -78,7 +75,7 @@ def _poisoned_run(rank: int, name: str, policy: str) -> dict[str, Any]:
     anchors, outer, before_avg = [], [], None
     raised_at = None
     for step in range(1, STEPS + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         if name == "localsgd" and step == 2 * H:
             before_avg = [p.detach().clone() for p in model.parameters()]
         try:

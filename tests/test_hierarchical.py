@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,20 +24,17 @@ import pytest
 import torch
 
 from lowcomm.cli import main
+from lowcomm.testing.jobs import read_summary, run_train_job, tiny_job_args
+from lowcomm.testing.runs import assert_identical, final_state, metric_numbers, rank_state
 from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.launcher import check_torchrun_layout
 from lowcomm.train.loop import FAULT_ENV
-from test_resume import _numbers, _records, assert_identical
-from test_resume import _rank_state as _rank_state_with_intra
 
-# 12 steps, rounds of 4: the checkpoint of step 6 is mid-round, that of step 12 right after a
-# round; dropout so that the RNG state matters on resume.
-BASE = [
-    "--steps", "12", "--sync-every", "4", "--eval-every", "4", "--eval-batches", "1",
-    "--batch-size", "2", "--block-size", "16", "--n-layer", "2", "--n-head", "2",
-    "--n-embd", "32", "--warmup", "2", "--log-every", "2", "--dropout", "0.1", "--quiet",
-]  # fmt: skip
+# The tiny job without its worker count (the runs give their layout): 12 steps, rounds of 4, so
+# the checkpoint of step 6 is mid-round, that of step 12 right after a round; dropout so that
+# the RNG state matters on resume.
+BASE = tiny_job_args(workers=None)
 NODES_2X2 = ["--nodes", "2", "--procs-per-node", "2"]
 RUNS: dict[str, list[str]] = {
     "co2": ["--algo", "co2", *NODES_2X2, "--checkpoint-every", "6"],
@@ -64,26 +60,11 @@ def run(tmp_path_factory: Any) -> Callable[[str], tuple[str, str]]:
             out = str(tmp_path_factory.mktemp("runs") / name)
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                assert main(_argv(name, out)) == 0
+                run_train_job(out, *BASE, *RUNS[name])
             runs[name] = (out, printed.getvalue())
         return runs[name]
 
     return get
-
-
-def _rank_state(out: str, step: int, rank: int) -> dict[str, Any]:
-    state = _rank_state_with_intra(out, step, rank)
-    state.pop("intra_node_stats")  # blocked and in-flight times: measurements, not state
-    return state
-
-
-def _summary(out: str) -> dict[str, Any]:
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f)
-
-
-def _final(out: str) -> dict[str, Any]:
-    return torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
 
 
 @pytest.mark.timeout(180)
@@ -93,7 +74,7 @@ def test_2x2_run_from_the_cli_reports_its_layout(run: Callable[[str], tuple[str,
     assert workers == [["workers", "4", "(2", "nodes", "x", "2)"]], printed
     assert "DDP inside each node, co2 across nodes" in printed
     assert "cross-node wire / worker" in printed and "intra-node wire / worker" in printed
-    summary = _summary(out)
+    summary = read_summary(out)
     assert summary["workers"] == 4 and summary["replicas_identical"] is True
     layout = summary["layout"]
     assert (layout["nodes"], layout["procs_per_node"], layout["node_sharding"]) == (2, 2, "none")
@@ -116,19 +97,19 @@ def test_a_node_holds_one_replica_and_every_rank_ends_with_the_same(
 ) -> None:
     out, _ = run("co2")
     # step 6, mid-round: the processes of a node agree (DDP), the nodes do not (own data)
-    mid = [_rank_state(out, 6, r) for r in range(4)]
+    mid = [rank_state(out, 6, r) for r in range(4)]
     for a, b in ((0, 1), (2, 3)):
         assert_identical(mid[a]["model"], mid[b]["model"], f"step 6 ranks {a}, {b}")
         assert_identical(mid[a]["optimizer"], mid[b]["optimizer"], f"AdamW ranks {a}, {b}")
     assert not torch.equal(mid[0]["model"]["wte.weight"], mid[2]["model"]["wte.weight"])
     # step 12, right after a round: all four hold the anchor, and the same algorithm state
     # (the round's average in flight included), from which finish() ends alike everywhere
-    end = [_rank_state(out, 12, r) for r in range(4)]
+    end = [rank_state(out, 12, r) for r in range(4)]
     for r in range(1, 4):
         assert_identical(end[0]["model"], end[r]["model"], f"step 12 rank {r}")
         assert_identical(end[0]["algorithm"], end[r]["algorithm"], f"algorithm rank {r}")
     # after finish(): the parameters of every rank, by checksum
-    workers = _summary(out)["comm_per_worker"]
+    workers = read_summary(out)["comm_per_worker"]
     assert len({w["params_checksum"] for w in workers}) == 1
 
 
@@ -140,12 +121,14 @@ def test_one_process_per_node_is_the_flat_job_bit_for_bit(
     # group {0, 1}) against DiLoCo on 2 workers: same seeds, same data per rank.
     hier, _ = run("diloco-2x1")
     flat, _ = run("diloco-flat")
-    assert_identical(_final(flat)["model"], _final(hier)["model"], "final model")
-    assert_identical(_final(flat)["algorithm"], _final(hier)["algorithm"], "final algorithm")
-    assert_identical(_final(flat)["optimizer"], _final(hier)["optimizer"], "final AdamW")
-    assert _numbers(_records(hier)) == _numbers(_records(flat))
-    assert _summary(hier)["layout"]["procs_per_node"] == 1
-    assert _summary(flat)["layout"] is None
+    assert_identical(final_state(flat)["model"], final_state(hier)["model"], "final model")
+    assert_identical(
+        final_state(flat)["algorithm"], final_state(hier)["algorithm"], "final algorithm"
+    )
+    assert_identical(final_state(flat)["optimizer"], final_state(hier)["optimizer"], "final AdamW")
+    assert metric_numbers(hier) == metric_numbers(flat)
+    assert read_summary(hier)["layout"]["procs_per_node"] == 1
+    assert read_summary(flat)["layout"] is None
 
 
 @pytest.mark.timeout(180)
@@ -155,23 +138,28 @@ def test_zero_inside_the_node_gives_the_same_bits(
     plain, _ = run("co2")
     zero, _ = run("co2-zero")
     # AdamW is elementwise per parameter: sharding it changes no bit
-    assert_identical(_final(plain)["model"], _final(zero)["model"], "final model")
-    assert_identical(_final(plain)["algorithm"], _final(zero)["algorithm"], "final algorithm")
+    assert_identical(final_state(plain)["model"], final_state(zero)["model"], "final model")
+    assert_identical(
+        final_state(plain)["algorithm"], final_state(zero)["algorithm"], "final algorithm"
+    )
     # checkpoint.pt holds the whole AdamW state, gathered from the shards of node 0
-    assert_identical(_final(plain)["optimizer"]["state"], _final(zero)["optimizer"]["state"])
+    assert_identical(
+        final_state(plain)["optimizer"]["state"], final_state(zero)["optimizer"]["state"]
+    )
     for g_plain, g_zero in zip(
-        _final(plain)["optimizer"]["param_groups"], _final(zero)["optimizer"]["param_groups"]
+        final_state(plain)["optimizer"]["param_groups"],
+        final_state(zero)["optimizer"]["param_groups"],
     ):
         for key in ("params", "lr", "weight_decay", "betas", "eps"):
             assert g_plain[key] == g_zero[key], key
     for r in range(4):
-        assert_identical(_rank_state(plain, 6, r)["model"], _rank_state(zero, 6, r)["model"])
-    assert _numbers(_records(zero)) == _numbers(_records(plain))
+        assert_identical(rank_state(plain, 6, r)["model"], rank_state(zero, 6, r)["model"])
+    assert metric_numbers(zero) == metric_numbers(plain)
     # a rank's checkpoint holds its shard: the two processes of a node split the parameters
-    shards = [_rank_state(zero, 6, r)["optimizer"]["state"] for r in range(2)]
-    n_params = len(_final(plain)["optimizer"]["state"])
+    shards = [rank_state(zero, 6, r)["optimizer"]["state"] for r in range(2)]
+    n_params = len(final_state(plain)["optimizer"]["state"])
     assert len(shards[0]) + len(shards[1]) == n_params and shards[0] and shards[1]
-    summary = _summary(zero)
+    summary = read_summary(zero)
     assert summary["layout"]["node_sharding"] == "zero" and summary["replicas_identical"]
 
 
@@ -182,9 +170,9 @@ def test_ddp_with_nodes_is_ddp_over_every_process_zero_sharded_in_the_node(
     nodes, printed = run("ddp-2x2-zero")
     flat, _ = run("ddp-4")
     for key in ("model", "optimizer"):
-        assert_identical(_final(flat)[key], _final(nodes)[key], f"final {key}")
-    assert _numbers(_records(nodes)) == _numbers(_records(flat))
-    layout = _summary(nodes)["layout"]
+        assert_identical(final_state(flat)[key], final_state(nodes)[key], f"final {key}")
+    assert metric_numbers(nodes) == metric_numbers(flat)
+    layout = read_summary(nodes)["layout"]
     assert (layout["across_nodes"], layout["intra_node"]) == ("ddp", None)
     assert "zero (AdamW state across the 2 processes of a node)" in printed
     assert "DDP inside each node" not in printed
@@ -206,11 +194,11 @@ def test_zero_run_killed_and_resumed_is_bit_identical(
     monkeypatch.delenv(FAULT_ENV)
     assert main([*argv, "--resume"]) == 0
     for r in range(4):  # model, AdamW shard, CO2 state, RNG states of every rank
-        assert_identical(_rank_state(ref, 12, r), _rank_state(out, 12, r), f"rank {r}")
+        assert_identical(rank_state(ref, 12, r), rank_state(out, 12, r), f"rank {r}")
     for key in ("model", "optimizer", "algorithm"):
-        assert_identical(_final(ref)[key], _final(out)[key], f"final {key}")
-    assert _numbers(_records(out)) == _numbers(_records(ref))
-    assert _summary(out)["resumed_at"] == [6]
+        assert_identical(final_state(ref)[key], final_state(out)[key], f"final {key}")
+    assert metric_numbers(out) == metric_numbers(ref)
+    assert read_summary(out)["resumed_at"] == [6]
 
 
 @pytest.mark.timeout(120)

@@ -16,16 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from lowcomm.cli import main
-from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS
+from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS, run_train_job
+from lowcomm.testing.runs import assert_same_run
 from lowcomm.train import checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.loop import FAULT_ENV
 
-BASE = TINY_JOB_ARGS
-ALGO_ARGS = TINY_JOB_ALGO_ARGS
 REFERENCE_EVERY = 3  # the uninterrupted runs checkpoint at 3, 6, 9, 12
 
 # (algo, checkpoint_every, rank killed, step killed at): the run resumes from the last multiple
@@ -46,8 +44,12 @@ CASES = [
 ]
 
 
+def _flags(algo: str) -> list[str]:
+    return ["--algo", algo, *TINY_JOB_ARGS, *TINY_JOB_ALGO_ARGS[algo]]
+
+
 def _argv(algo: str, out: str, *extra: str) -> list[str]:
-    return ["train", "--algo", algo, *BASE, *ALGO_ARGS[algo], "--out", out, *extra]
+    return ["train", *_flags(algo), "--out", out, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -58,84 +60,16 @@ def reference(tmp_path_factory: Any) -> Callable[[str], str]:
     def get(algo: str) -> str:
         if algo not in runs:
             out = str(tmp_path_factory.mktemp("reference") / algo)
-            assert main(_argv(algo, out, "--checkpoint-every", str(REFERENCE_EVERY))) == 0
+            run_train_job(out, *_flags(algo), "--checkpoint-every", str(REFERENCE_EVERY))
             runs[algo] = out
         return runs[algo]
 
     return get
 
 
-def assert_identical(a: Any, b: Any, where: str = "") -> None:
-    """Bitwise equality of nested checkpoint contents (tensors: dtype, shape and every bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(_bytes(a), _bytes(b)), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys(), b)
-        for key in a:
-            assert_identical(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), (where, a, b)  # NaN equals NaN here
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
-def _rank_state(out: str, step: int, rank: int) -> dict[str, Any]:
-    path = os.path.join(out, ckpt.CHECKPOINTS, f"step-{step:06d}", f"rank-{rank}.pt")
-    state = torch.load(path, weights_only=True)
-    # wall-clock times and blocked time are measurements, not state
-    state.pop("comm_stats")
-    state.pop("progress")
-    return state
-
-
-def _records(out: str) -> list[dict[str, Any]]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _numbers(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """What must not change: the loss records' values, the validation losses, the rounds."""
-    out: list[tuple[Any, ...]] = []
-    for r in records:
-        if r["kind"] == "step":
-            out.append(("step", r["step"], r["steps"], r["loss"], r["lr"], r["tokens"]))
-        elif r["kind"] == "eval":
-            out.append(("eval", r["step"], r["val_loss"], r["rounds"], r["payload_bytes"]))
-    return out
-
-
-def assert_same_run(reference: str, out: str, *, resumed_at: list[int]) -> None:
-    """``out`` ended exactly as ``reference``: every rank's state at the last step, rank 0's
-    final model and algorithm state, and the metrics; it resumed at ``resumed_at``."""
-    for rank in range(2):
-        assert_identical(_rank_state(reference, 12, rank), _rank_state(out, 12, rank), f"r{rank}")
-    final_ref = torch.load(os.path.join(reference, "checkpoint.pt"), weights_only=True)
-    final = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
-    assert_identical(final_ref["model"], final["model"], "final.model")
-    assert_identical(final_ref["algorithm"], final["algorithm"], "final.algorithm")
-    records = _records(out)
-    assert _numbers(records) == _numbers(_records(reference))
-    steps = [r for r in records if r["kind"] == "step"]
-    assert sum(r["steps"] for r in steps) == 12  # every step in exactly one record
-    resumes = [r for r in records if r["kind"] == "resume"]
-    assert [r["step"] for r in resumes] == resumed_at
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
-    assert summary["resumed_at"] == resumed_at
-    with open(os.path.join(reference, "summary.json")) as f:
-        summary_ref = json.load(f)
-    for key in ("val_loss_initial", "val_loss_final", "tokens"):
-        assert summary[key] == summary_ref[key], key
-    # the communication counters continue across the resume
-    assert summary["comm_mean"]["payload_bytes"] == summary_ref["comm_mean"]["payload_bytes"]
+def test_every_algorithm_has_a_kill_point() -> None:
+    """Every ``--algo`` of the registry that synchronises is killed and resumed above."""
+    assert {case.values[0] for case in CASES} == set(TINY_JOB_ALGO_ARGS)
 
 
 @pytest.mark.timeout(240)

@@ -17,8 +17,8 @@ import torch
 
 import lowcomm
 from lowcomm.guard import NonFiniteError
-from lowcomm.testing import run_workers
-from lowcomm.testing.reference import _inner_step, make_inner
+from lowcomm.testing import inner_step, make_inner, run_workers
+from lowcomm.testing.jobs import TrainJob, tiny_job_args
 
 H = 4
 STEPS = 18  # 4 rounds and a half: finish() also drains a sync in flight mid-round
@@ -71,7 +71,7 @@ def _run(rank: int, name: str, shard: bool) -> dict[str, Any]:
     algo = _build(name, model, shard)
     trace = []
     for step in range(1, STEPS + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         algo.step()
         trace.append([p.detach().clone() for p in model.parameters()])
     memory = algo.memory_report()
@@ -88,7 +88,7 @@ def _resume_run(rank: int, name: str, cut: int) -> list[torch.Tensor]:
     model = _model()
     algo = _build(name, model, True)
     for step in range(1, cut + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         algo.step()
     saved = {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
@@ -101,7 +101,7 @@ def _resume_run(rank: int, name: str, cut: int) -> list[torch.Tensor]:
     algo.inner.load_state_dict(saved["inner"])
     algo.load_state_dict(saved["algo"])
     for step in range(cut + 1, STEPS + 1):
-        _inner_step(model, algo.inner, rank, step, 0)
+        inner_step(model, algo.inner, rank, step, 0)
         algo.step()
     algo.finish()
     return [p.detach().clone() for p in model.parameters()]
@@ -112,7 +112,7 @@ def _poisoned(rank: int, policy: str) -> Any:
     algo = _build("co2", model, True, nan_policy=policy)
     try:
         for step in range(1, STEPS + 1):
-            _inner_step(model, algo.inner, rank, step, 0)
+            inner_step(model, algo.inner, rank, step, 0)
             algo.step()
             if rank == 1 and step == 5:
                 with torch.no_grad():
@@ -230,15 +230,12 @@ def test_unshardable_settings_are_refused(cls: type, kwargs: dict[str, Any], mat
         cls.validate(sync_every=4, **kwargs)
 
 
-TINY_JOB = [
-    "--steps", "16", "--sync-every", "4", "--eval-every", "8", "--eval-batches", "1",
-    "--batch-size", "2", "--block-size", "16", "--n-layer", "2", "--n-head", "2",
-    "--n-embd", "32", "--workers", "2", "--quiet",
-]  # fmt: skip
+# 16 steps, rounds of 4, the CLI's warmup, log interval and dropout
+TINY_JOB = tiny_job_args(steps=16, eval_every=8, warmup=None, log_every=None, dropout=None)
 
 
 @pytest.mark.timeout(240)
-def test_lowcomm_train_shard_outer_state(tmp_path: Any, capsys: Any) -> None:
+def test_lowcomm_train_shard_outer_state(train_job: TrainJob, tmp_path: Any, capsys: Any) -> None:
     import json
 
     from lowcomm.cli import main
@@ -246,9 +243,8 @@ def test_lowcomm_train_shard_outer_state(tmp_path: Any, capsys: Any) -> None:
     losses = {}
     for name, extra in (("plain", []), ("sharded", ["--shard-outer-state"])):
         out = tmp_path / name
-        assert main(["train", "--algo", "diloco", *TINY_JOB, "--out", str(out), *extra]) == 0
-        with open(out / "summary.json") as f:
-            losses[name] = json.load(f)["val_loss_final"]
+        summary = train_job("--algo", "diloco", *TINY_JOB, *extra, out=out)
+        losses[name] = summary["val_loss_final"]
         with open(out / "config.json") as f:
             assert json.load(f)["shard_outer_state"] == (name == "sharded" or None)
     assert losses["sharded"] == pytest.approx(losses["plain"], rel=1e-5)

@@ -27,8 +27,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from lowcomm.testing import run_workers  # noqa: E402
-from lowcomm.testing.reference import toy_model  # noqa: E402
+from lowcomm.testing import run_workers, toy_model  # noqa: E402
 
 SYNC_EVERY = 3
 STEPS = 12  # a multiple of SYNC_EVERY: no partial round for either implementation
@@ -86,7 +85,7 @@ def _parity_worker(
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
     import lowcomm
-    from lowcomm.testing.reference import _inner_step, make_inner
+    from lowcomm.testing import inner_step, make_inner
 
     out: dict[str, Any] = {}
 
@@ -110,7 +109,7 @@ def _parity_worker(
         fragment_update_alpha=0.0,
     ):
         for step in range(1, STEPS + 1):
-            _inner_step(model, inner, rank, step, SEED)
+            inner_step(model, inner, rank, step, SEED)
             if step % SYNC_EVERY == 0:
                 rounds.append(_snapshot(model))
     out["torchft"] = {
@@ -127,7 +126,7 @@ def _parity_worker(
     rounds = []
     with algo:
         for step in range(1, STEPS + 1):
-            _inner_step(model, inner, rank, step, SEED)
+            inner_step(model, inner, rank, step, SEED)
             if step % SYNC_EVERY == 0:
                 rounds.append(_snapshot(model))
     out["lowcomm"] = {"rounds": rounds, "final": _snapshot(model), "rounds_done": algo.rounds}
@@ -242,7 +241,7 @@ def _streaming_worker(
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
     import lowcomm
-    from lowcomm.testing.reference import _inner_step, make_inner
+    from lowcomm.testing import inner_step, make_inner
 
     out: dict[str, Any] = {}
 
@@ -269,7 +268,7 @@ def _streaming_worker(
         fragment_update_alpha=mix,
     ) as diloco:
         for step in range(1, STREAM_STEPS + 1):
-            _inner_step(model, inner, rank, step, SEED)
+            inner_step(model, inner, rank, step, SEED)
             if step % STREAM_INTERVAL == 0:
                 points.append(
                     {"theta": _snapshot(model), "anchor": _torchft_anchors(diloco, model)}
@@ -296,7 +295,7 @@ def _streaming_worker(
     points = []
     with algo:
         for step in range(1, STREAM_STEPS + 1):
-            _inner_step(model, inner, rank, step, SEED)
+            inner_step(model, inner, rank, step, SEED)
             if step % STREAM_INTERVAL == 0:
                 points.append(
                     {

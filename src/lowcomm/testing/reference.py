@@ -45,6 +45,7 @@ __all__ = [
     "RefCompression",
     "ReferenceRun",
     "distributed_run",
+    "inner_step",
     "make_inner",
     "reference_run",
     "toy_batch",
@@ -78,6 +79,7 @@ def toy_batch(worker: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torc
 
 
 def make_inner(kind: str, params: Any) -> torch.optim.Optimizer:
+    """The inner optimizer of the toy problem: ``"sgd"`` (lr 0.1) or ``"adamw"`` (lr 0.01)."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1)
     if kind == "adamw":
@@ -85,9 +87,21 @@ def make_inner(kind: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(f"unknown inner optimizer {kind!r}")
 
 
-def _inner_step(
+def inner_step(
     model: nn.Module, inner: torch.optim.Optimizer, worker: int, step: int, seed: int
 ) -> None:
+    """One inner step of worker ``worker`` at step ``step`` on the toy problem: MSE loss of
+    ``model`` on :func:`toy_batch` ``(worker, step, seed)``, backward, ``inner.step()``, gradients
+    zeroed. The references and the real algorithms' test runs take exactly this step, so their
+    parameters can be compared bit for bit.
+
+    Example::
+
+        model = toy_model()
+        inner = make_inner("sgd", model.parameters())
+        for step in range(1, 4):
+            inner_step(model, inner, worker=0, step=step, seed=0)
+    """
     x, y = toy_batch(worker, step, seed)
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
@@ -403,7 +417,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
             _schedule_lr(inners[w], step, scenario)
-            _inner_step(models[w], inners[w], w, step, seed)
+            inner_step(models[w], inners[w], w, step, seed)
         if algo in ("streaming", "cocodc"):
             with torch.no_grad():
                 tau = hyper["overlap"]
@@ -520,7 +534,7 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
         rounds = []
         for step in range(1, sc["steps"] + 1):
             _schedule_lr(inner, step, sc)
-            _inner_step(model, inner, rank, step, seed)
+            inner_step(model, inner, rank, step, seed)
             algo.step()
             if step % sc["sync_every"] == 0:
                 rounds.append([p.detach().clone() for p in _params(model)])
