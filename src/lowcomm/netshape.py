@@ -732,16 +732,20 @@ def _raise_failure(
     failed_rank: int | None,
     timeout_s: float,
 ) -> None:
-    """Raise ``WorkerFailed`` for the root cause: the earliest failure a worker recorded, else
-    the first worker seen to exit with an error (its output's last line as the error), else
-    (``failed_rank`` ``None``: the job timed out) the first worker that was still running."""
-    from lowcomm.train.launcher import WorkerFailed, _first_recorded_failure, _save_text
+    """Raise ``WorkerFailed`` for the root cause (:func:`~lowcomm.train.failures.root_cause`
+    of the workers' records, ``failed_rank`` the first worker seen to exit with an error); a
+    worker without a record is described by its exit and its output's last line, and a job
+    that timed out (``failed_rank`` ``None``) without any record by the first worker that was
+    still running."""
+    from lowcomm.train.failures import read_failures, root_cause, save_traceback
+    from lowcomm.train.launcher import WorkerFailed
 
-    recorded = _first_recorded_failure(scratch)
-    if recorded is not None:
-        rank = int(recorded["rank"])
-        path = _save_text(recorded["traceback"], cfg.out, rank)
-        raise WorkerFailed(rank, str(recorded["error"]), path)
+    cause = root_cause(read_failures(scratch), [] if failed_rank is None else [failed_rank])
+    record = cause[1] if cause is not None else None
+    if record is not None:
+        rank = int(record["rank"])
+        path = save_traceback(record.get("traceback"), cfg.out, rank)
+        raise WorkerFailed(rank, str(record["error"]), path)
     timed_out = failed_rank is None
     if failed_rank is None:
         # Stopped by _stop: the first worker that had not finished.
@@ -762,7 +766,7 @@ def _raise_failure(
     last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
     if last and not timed_out:
         error = f"{error}: {last}"
-    path = _save_text(tail, cfg.out, rank)
+    path = save_traceback(tail, cfg.out, rank)
     raise WorkerFailed(rank, error, path)
 
 
@@ -773,7 +777,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
     """``python -m lowcomm.netshape --worker CONFIG.json [--failure-dir DIR]``: one worker of
     :func:`launch_shaped`, set up from the environment it is given."""
     from lowcomm.train.config import config_from_dict
-    from lowcomm.train.loop import run_worker
+    from lowcomm.train.worker import run_worker
 
     parser = argparse.ArgumentParser(prog="python -m lowcomm.netshape")
     parser.add_argument("--worker", required=True, metavar="CONFIG_JSON")

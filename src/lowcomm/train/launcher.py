@@ -1,6 +1,6 @@
 """Start the workers of a ``lowcomm train`` job.
 
-Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
+Two ways, one worker function (:func:`lowcomm.train.worker.run_worker`):
 
 * **Local** (the default): ``workers`` processes on this machine through torch's own elastic
   launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port, spawn). The
@@ -24,16 +24,15 @@ torchrun started (:func:`check_torchrun_layout`)::
 
 Workers write their own output (rank 0 shows the progress bar). Either way a failed worker
 becomes a :class:`WorkerFailed` naming its rank and error, with its traceback saved to
-``<out>/error-rank<r>.txt``. The root cause is reported, not its knock-on effects: a worker
-killed by a signal (no Python error of its own) is named over the peers that then lost their
-connection to it; collectives time out after ``collective_timeout`` seconds, so a stalled worker
-cannot hang the others forever.
+``<out>/error-rank<r>.txt``. The root cause is reported, not its knock-on effects, by the one
+rule of :func:`lowcomm.train.failures.root_cause`: a worker killed by a signal (no Python error
+of its own) is named over the peers that then lost their connection to it; collectives time out
+after ``collective_timeout`` seconds, so a stalled worker cannot hang the others forever.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -45,16 +44,11 @@ from typing import Any
 
 import torch
 
-from lowcomm.train import checkpoint as ckpt
+import lowcomm.train.checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.loop import (
-    attempt,
-    error_line,
-    host_loopback_store,
-    resolve_backend,
-    run_worker,
-)
+from lowcomm.train.failures import attempt, error_line, read_failures, root_cause, save_traceback
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
+from lowcomm.train.worker import host_loopback_store, resolve_backend, run_worker
 
 __all__ = [
     "WorkerFailed",
@@ -238,7 +232,7 @@ def _unshared_agent_store() -> Iterator[None]:
     By default the agent shares one store with all attempts (listening on every interface),
     and a restarted group can read the previous attempt's addresses from it and fail to
     connect (pytorch/pytorch#135712). With sharing off, rank 0 hosts a fresh store on loopback
-    at a new port for every attempt (:func:`lowcomm.train.loop.run_worker`). The setting is
+    at a new port for every attempt (:func:`lowcomm.train.worker.run_worker`). The setting is
     torch's environment variable, read by the agent in this process; it is restored afterwards.
     """
     key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -253,15 +247,19 @@ def _unshared_agent_store() -> Iterator[None]:
             os.environ[key] = saved
 
 
-def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    # A worker that raised wrote an error file; peers torn down after it only carry a signal.
-    # Prefer the one with an error, then the earliest, then the lowest rank.
+def _most_likely_first(failures: dict[int, Any]) -> list[int]:
+    """The ranks of torch elastic's failures, the most likely root cause first.
+
+    A worker that raised wrote an error file; peers torn down after it only carry a signal.
+    Those with an error first, then the earliest, then the lowest rank.
+    """
+
     def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
         has_error = failure.error_file_data.get("message") not in (None, "", "<NONE>")
         return (not has_error, failure.timestamp, rank)
 
-    return min(failures.items(), key=key)
+    return [rank for rank, _ in sorted(failures.items(), key=key)]
 
 
 def _failure_message(failure: Any) -> str:
@@ -311,7 +309,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         try:
             return run_worker(cfg, False)
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
-            path = _save_text(traceback.format_exc(), cfg.out, rank)
+            path = save_traceback(traceback.format_exc(), cfg.out, rank)
             raise WorkerFailed(rank, error_line(e), path) from e
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -346,7 +344,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         except ChildFailedError as e:
             # The agent gives up after the last of its max_restarts restarts.
             rank, error, text = _final_failure(e.failures, log_dir, attempt=cfg.max_restarts)
-            path = _save_text(text, cfg.out, rank)
+            path = save_traceback(text, cfg.out, rank)
             raise WorkerFailed(rank, error, path) from None
         except SignalException:  # Ctrl-C / SIGTERM reached the launcher: workers are stopped
             raise KeyboardInterrupt from None
@@ -356,59 +354,18 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
 def _final_failure(
     failures: dict[int, Any], folder: str, *, attempt: int
 ) -> tuple[int, str, str | None]:
-    """``(rank, error, traceback)`` of the root cause of a failed attempt.
+    """``(rank, error, traceback)`` of the root cause of a failed attempt
+    (:func:`~lowcomm.train.failures.root_cause` of the records the workers wrote in ``folder``).
 
     ``failures`` are torch elastic's (global rank -> ``ProcessFailure``: exit code, error file);
-    ``folder`` holds what the workers recorded themselves. In order of preference: the earliest
-    recorded error that is not a lost peer; a worker that failed without a record of its own
-    (killed by a signal, or ``os._exit``) when every record is a lost peer (its peers losing
-    their connection to it); the earliest record; torch elastic's own choice.
+    a worker that left no record of its own is described from them.
     """
-    records = _recorded_failures(folder, attempt=attempt)
-    primary = [r for r in records if not r.get("peer_lost")]
-    if primary:
-        first = min(primary, key=lambda r: (r["time"], r["rank"]))
-        return int(first["rank"]), str(first["error"]), first.get("traceback")
-    recorded = {int(r["rank"]) for r in records}
-    silent = {rank: f for rank, f in failures.items() if rank not in recorded}
-    if silent:
-        rank, failure = _root_cause(silent)
-        return rank, _failure_message(failure), _traceback_of(failure)
-    if records:
-        first = min(records, key=lambda r: (r["time"], r["rank"]))
-        return int(first["rank"]), str(first["error"]), first.get("traceback")
-    rank, failure = _root_cause(failures)
-    return rank, _failure_message(failure), _traceback_of(failure)
-
-
-def _recorded_failures(folder: str, *, attempt: int | None = None) -> list[dict[str, Any]]:
-    """The ``failure-rank<r>[-attempt<a>].json`` records :func:`run_worker` wrote in ``folder``
-    (those of one attempt of the worker group, or all)."""
-    records = []
-    for name in os.listdir(folder):
-        if name.startswith("failure-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if attempt is None or int(record.get("attempt", 0)) == attempt:
-                records.append(record)
-    return records
-
-
-def _first_recorded_failure(folder: str) -> dict[str, Any] | None:
-    """The root cause among the records :func:`run_worker` wrote in ``folder``: the earliest that
-    is not a lost peer, else the earliest.
-
-    A worker that fails takes its peers down with it (their collectives lose a partner), and
-    torch elastic may report any of them; the earliest exception is the one that matters.
-    """
-    records = _recorded_failures(folder)
-    if not records:
-        return None
-    primary = [r for r in records if not r.get("peer_lost")] or records
-    return min(primary, key=lambda r: (r["time"], r["rank"]))
+    cause = root_cause(read_failures(folder, attempt=attempt), _most_likely_first(failures))
+    assert cause is not None, "torch elastic reports at least one failure"
+    rank, record = cause
+    if record is not None:
+        return rank, str(record["error"]), record.get("traceback")
+    return rank, _failure_message(failures[rank]), _traceback_of(failures[rank])
 
 
 def _traceback_of(failure: Any) -> str | None:
@@ -417,20 +374,6 @@ def _traceback_of(failure: Any) -> str | None:
         return None
     text = message.get("extraInfo", {}).get("py_callstack")
     return str(text) if text else None
-
-
-def _save_text(text: str | None, out: str | None, rank: int) -> str | None:
-    """Keep a failed worker's traceback as ``<out>/error-rank<r>.txt``; its path, or ``None``."""
-    if not text or out is None:
-        return None
-    path = os.path.join(out, f"error-rank{rank}.txt")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError:
-        return None
-    return path
 
 
 @contextlib.contextmanager
