@@ -18,16 +18,14 @@ every process. ``node_sharding="zero"`` replaces each process's AdamW by a
 ``ZeroRedundancyOptimizer`` over the node's group (over every process for ddp on one node).
 
 Validation loss is measured at step 0, every ``eval_interval`` steps (a multiple of
-``sync_every``, right after a round boundary, where the live parameters equal the consensus
-anchor on every rank) and at the end after ``algo.finish()``. Two algorithms differ:
-
-* ``streaming``: fragments are synced at different steps, so the live parameters are never the
-  consensus as a whole between sync points; the anchor A (``algo.anchor_views``) is evaluated
-  instead, copied into the model for the evaluation and the live parameters restored after it,
-  so training is unaffected;
-* ``co2-eager``: right after a round boundary rank 0's live parameters equal its own anchor,
-  which holds its own fresh pseudo-gradient as well as the others' stale ones; that is what is
-  evaluated.
+``sync_every``, right after a round boundary) and at the end after ``algo.finish()``. With an
+outer algorithm the model evaluated is its consensus, the anchor A (``algo.anchor_views``; for
+LocalSGD, which keeps none, the averaged parameters), copied into the model for the evaluation
+and the live parameters restored after it, so training is unaffected. Right after a round
+boundary most algorithms' live parameters equal A, so evaluating A changes nothing for them;
+it matters where they never are the consensus as a whole (``streaming``, ``cocodc``: fragments
+synced at different steps). With ``co2-eager`` each rank's A holds its own fresh
+pseudo-gradient as well as the others' stale ones; rank 0's is what is evaluated.
 
 Every rank evaluates the same batches, which keeps the ranks in step (a rank evaluating alone
 would make the others wait in their next collective and distort the blocked-time counters);
@@ -69,7 +67,6 @@ from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
 from lowcomm.guard import check_same_across_ranks, checksum
 from lowcomm.link import EmulatedLink
-from lowcomm.outer import StreamingDiLoCo
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.failures import attempt
@@ -392,11 +389,10 @@ class _Job:
         return int(getattr(algo, "rounds", 0)) if algo is not None else 0
 
     def evaluate(self, step: int) -> float:
-        """Validation loss (see the module docstring for what is evaluated); rank 0 records
-        it."""
+        """Validation loss of the consensus model (module docstring); rank 0 records it."""
         t0 = time.perf_counter()
         algo = self.sync.algo
-        if isinstance(algo, StreamingDiLoCo):
+        if algo is not None:
             val_loss = _evaluate_with(self.gpt, self.val, algo.anchor_views)
         else:
             val_loss = _evaluate(self.gpt, self.val)

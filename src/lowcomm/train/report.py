@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.link import EmulatedLink
+from lowcomm.outer.registry import REGISTRY
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.metrics import MetricsWriter
 from lowcomm.train.nodes import describe_layout, node_link
@@ -22,8 +23,6 @@ from lowcomm.train.nodes import describe_layout, node_link
 __all__ = ["Progress", "format_summary", "resolved_config", "run_summary"]
 
 logger = logging.getLogger(__name__)
-
-_COMPRESSIBLE = ("co2", "co2-eager", "diloco", "slowmo", "streaming", "cocodc", "ddp")
 
 
 class Progress:
@@ -236,6 +235,7 @@ def run_summary(
     mean = {k: _mean([w[k] for w in workers]) for k in keys}
     checksums = {w.get("params_checksum") for w in workers}
     tokens_per_s = tokens / train_s if train_s > 0 else None
+    entry = REGISTRY[cfg.algo]
     if ceiling is not None and tokens_per_s is not None:
         ceiling["ratio"] = tokens_per_s / ceiling["tokens_per_s"]
     return {
@@ -244,9 +244,9 @@ def run_summary(
         "out": cfg.out,
         "workers": world,
         "steps": cfg.steps,
-        "sync_every": {"ddp": 1, "none": None}.get(cfg.algo, cfg.sync_every),
+        "sync_every": {"every-step": 1, "never": None}.get(entry.schedule, cfg.sync_every),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
-        "compression": cfg.compression if cfg.algo in _COMPRESSIBLE else None,
+        "compression": cfg.compression if entry.compressible else None,
         "parameters": n_params,
         "tokens": tokens,
         "wall_time_s": wall_s,
