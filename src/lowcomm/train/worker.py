@@ -9,7 +9,9 @@ records an exception for the launcher (:mod:`lowcomm.train.failures`) before it 
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import logging
 import os
 import socket
@@ -18,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowcomm.train.config import TrainConfig
+from lowcomm.train.config import TrainConfig, config_from_dict
 from lowcomm.train.failures import attempt, describe_attempt, record_failure
 from lowcomm.train.loop import train
 
-__all__ = ["host_loopback_store", "resolve_backend", "run_worker"]
+__all__ = ["host_loopback_store", "main", "resolve_backend", "run_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,3 +167,17 @@ def host_loopback_store(port: int, **kwargs: Any) -> dist.TCPStore:
         raise
     listener.detach()  # the store's server owns the socket now and closes it
     return store
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lowcomm.train CONFIG_JSON [--failure-dir DIR]``: one worker of a job that
+    :func:`lowcomm.train.launcher.launch_processes` started, set up from the environment it is
+    given (``torch.distributed``'s ``env://`` variables)."""
+    parser = argparse.ArgumentParser(prog="python -m lowcomm.train")
+    parser.add_argument("config", metavar="CONFIG_JSON")
+    parser.add_argument("--failure-dir", default=None)
+    args = parser.parse_args(argv)
+    with open(args.config, encoding="utf-8") as f:
+        cfg = config_from_dict(json.load(f), source=args.config)
+    run_worker(cfg, False, args.failure_dir)
+    return 0
