@@ -828,7 +828,7 @@ def _consistency_job(rank: int, world_size: int, cases: list[str]) -> list[str |
     """Each case on a real 2-rank gloo group: the message every rank raised, or None."""
     from lowcomm.data import load_corpus
     from lowcomm.train.config import TrainConfig
-    from lowcomm.train.loop import _check_same_job
+    from lowcomm.train.loop import check_same_job
 
     messages: list[str | None] = []
     for case in cases:
@@ -839,7 +839,7 @@ def _consistency_job(rank: int, world_size: int, cases: list[str]) -> list[str |
                 if case == "job_data" and other:
                     corpus.val = corpus.val[:-1]
                 lr = 1e-3 if case == "job_lr" and other else 2e-3
-                _check_same_job(TrainConfig(algo="co2", lr=lr, out=f"runs/r{rank}"), corpus)
+                check_same_job(TrainConfig(algo="co2", lr=lr, out=f"runs/r{rank}"), corpus)
             else:
                 torch.manual_seed(4 if case == "seed" and other else 3)
                 width = 9 if case == "shape" and other else 8

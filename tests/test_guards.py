@@ -152,7 +152,7 @@ def _job_settings_case(rank: int, case: str) -> str | None:
     change what is reported, such as the output folder)."""
     from lowcomm.data import load_corpus
     from lowcomm.train.config import TrainConfig
-    from lowcomm.train.loop import _check_same_job
+    from lowcomm.train.loop import check_same_job
 
     kwargs: dict[str, Any] = {"algo": "co2", "out": f"runs/node{rank}"}
     if case == "lr" and rank == 1:
@@ -161,7 +161,7 @@ def _job_settings_case(rank: int, case: str) -> str | None:
     if case == "data" and rank == 1:
         corpus.val = corpus.val[:-1]
     try:
-        _check_same_job(TrainConfig(**kwargs), corpus)
+        check_same_job(TrainConfig(**kwargs), corpus)
     except ValueError as e:
         return str(e)
     return None

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import lowcomm.netshape as netshape
-from lowcomm.netshape import (
+import lowcomm.bench.netshape.network as netshape
+from lowcomm.bench.netshape import (
     NETEM_UNAVAILABLE,
     NetshapeError,
     ShapedNetwork,

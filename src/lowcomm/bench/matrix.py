@@ -13,7 +13,7 @@ Besides the matrix, a run measures:
   so a machine whose speed drifts between cells (a shared machine) moves both alike; the
   difference between the two halves is reported as the noise of the ratios;
 * **emulator validation** (optional; Linux, root, iproute2): cells run on a *real* link shaped with
-  ``tc`` (:mod:`lowcomm.netshape`) beside the same cell on the emulated link of the same
+  ``tc`` (:mod:`lowcomm.bench.netshape`) beside the same cell on the emulated link of the same
   bandwidth and latency. Where netem is missing the real link has no added latency, so its
   emulated twin gets latency 0 too.
 
@@ -338,7 +338,7 @@ def _run_cell(spec: BenchSpec, cell: Cell, net_factory: Callable[..., Any] | Non
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if cell.shaping == "real":
-        from lowcomm.netshape import ShapedNetwork, launch_shaped
+        from lowcomm.bench.netshape import ShapedNetwork, launch_shaped
 
         parsed = EmulatedLink.parse(str(cell.link))
         factory = net_factory or ShapedNetwork
@@ -408,7 +408,7 @@ def run_bench(
     latency_applied = False
     if spec.real_links and spec.real_algos:
         if net_factory is None:
-            from lowcomm.netshape import netem_available, unavailable_reason
+            from lowcomm.bench.netshape import netem_available, unavailable_reason
 
             real_skipped = unavailable_reason()
             latency_applied = real_skipped is None and netem_available()

@@ -34,7 +34,7 @@ def _job(
 ) -> list[dict[str, Any]]:
     from lowcomm.data import get_batch, load_corpus, make_generator
     from lowcomm.train.config import config_from_dict
-    from lowcomm.train.loop import _inner_optimizer, build_gpt
+    from lowcomm.train.model import build_gpt, inner_optimizer
 
     rows = []
     for algo in algos:
@@ -43,7 +43,7 @@ def _job(
         for sharded in (False, True):
             torch.manual_seed(cfg.seed)
             model = build_gpt(cfg, corpus.vocab_size)
-            inner = _inner_optimizer(model, cfg)
+            inner = inner_optimizer(model, cfg)
             kwargs: dict[str, Any] = {**cfg.algorithm_kwargs(), "shard_outer_state": sharded}
             outer = cfg.algorithm_class()(model, inner, **kwargs)
             gen = make_generator(cfg.seed, rank)

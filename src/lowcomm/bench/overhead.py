@@ -92,7 +92,7 @@ def _measure_one(
 ) -> dict[str, Any]:
     from lowcomm.data import get_batch, load_corpus, make_generator
     from lowcomm.train.config import config_from_dict
-    from lowcomm.train.loop import _inner_optimizer, build_gpt
+    from lowcomm.train.model import build_gpt, inner_optimizer
 
     base, _, codec = algo_name.partition("+")
     fields: dict[str, Any] = {"algo": base, "compression": codec} if codec else {"algo": base}
@@ -104,7 +104,7 @@ def _measure_one(
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         model = build_gpt(cfg, corpus.vocab_size)
-        return model, _inner_optimizer(model, cfg)
+        return model, inner_optimizer(model, cfg)
 
     bare_model, bare_opt = build()
     hooked_model, hooked_opt = build()

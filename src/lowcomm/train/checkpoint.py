@@ -63,6 +63,7 @@ import torch
 
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.metrics import atomic_write, fsync_dir, save_checkpoint, write_json
+from lowcomm.train.paths import CHECKPOINTS, LATEST, STEP_FOLDER, run_folder_of, step_folder_name
 
 __all__ = [
     "CHECKPOINTS",
@@ -86,12 +87,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 """Version of the checkpoint layout, stored in every manifest and rank file."""
-
-LATEST = "latest"
-"""The value of ``resume`` meaning "the latest complete checkpoint under ``out``"."""
-
-CHECKPOINTS = "checkpoints"
-"""The folder under ``out`` that holds the checkpoints."""
 
 MANIFEST = "meta.json"
 """Written last, by rank 0: its presence makes a checkpoint complete."""
@@ -119,25 +114,7 @@ RESUME_FREE_KEYS = frozenset(
 """Settings that may differ between a checkpoint and the run resuming from it: they change what
 is measured, reported or kept, not the training itself."""
 
-_STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL_DIR = re.compile(r"\.step-(\d+)\.partial")
-
-
-def _step_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def run_folder_of(path: str) -> str:
-    """The run folder a ``--resume`` path belongs to (lexically): ``RUN/checkpoints/step-N`` and
-    ``RUN/checkpoints`` give ``RUN``; anything else is taken to be a run folder itself."""
-    norm = os.path.normpath(path)
-    base = os.path.basename(norm)
-    parent = os.path.dirname(norm)
-    if _STEP_DIR.fullmatch(base) and os.path.basename(parent) == CHECKPOINTS:
-        return os.path.dirname(parent) or "."
-    if base == CHECKPOINTS:
-        return parent or "."
-    return norm
 
 
 def complete_checkpoints(out: str) -> list[tuple[int, str]]:
@@ -149,7 +126,7 @@ def complete_checkpoints(out: str) -> list[tuple[int, str]]:
         return []
     found = []
     for name in names:
-        match = _STEP_DIR.fullmatch(name)
+        match = STEP_FOLDER.fullmatch(name)
         folder = os.path.join(root, name)
         if match and os.path.isfile(os.path.join(folder, MANIFEST)):
             found.append((int(match.group(1)), folder))
@@ -169,7 +146,7 @@ def find_checkpoint(spec: str, out: str | None) -> str:
         where = out
     elif os.path.isfile(os.path.join(spec, MANIFEST)):
         return spec
-    elif _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(spec))):
+    elif STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(spec))):
         raise ConfigError(
             "resume",
             f"{spec!r} is not a complete checkpoint (no {MANIFEST}: it was not finished or does "
@@ -282,7 +259,7 @@ def _rank_file(folder: str, rank: int) -> str:
 
 
 def _partial_folder(out: str, step: int) -> str:
-    return os.path.join(out, CHECKPOINTS, f".{_step_name(step)}.partial")
+    return os.path.join(out, CHECKPOINTS, f".{step_folder_name(step)}.partial")
 
 
 def write_rank_state(out: str, step: int, rank: int, state: dict[str, Any]) -> None:
@@ -317,7 +294,7 @@ def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
             **manifest,
         },
     )
-    final = os.path.join(out, CHECKPOINTS, _step_name(step))
+    final = os.path.join(out, CHECKPOINTS, step_folder_name(step))
     if os.path.exists(final):  # the same step from a run that was stopped later than this one
         shutil.rmtree(final)
     os.replace(partial, final)

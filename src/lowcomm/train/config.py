@@ -546,7 +546,7 @@ class TrainConfig:
         name = self.name
         if out is None and self.resume is not None:
             # Resuming without --out continues the run the checkpoint belongs to.
-            from lowcomm.train.checkpoint import LATEST, run_folder_of
+            from lowcomm.train.paths import LATEST, run_folder_of
 
             if self.resume == LATEST:
                 raise ConfigError(

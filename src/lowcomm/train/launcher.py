@@ -1,6 +1,6 @@
 """Start the workers of a ``lowcomm train`` job.
 
-Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
+Three ways, one worker function (:func:`lowcomm.train.worker.run_worker`):
 
 * **Local** (the default): ``workers`` processes on this machine through torch's own elastic
   launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port, spawn). The
@@ -15,6 +15,11 @@ Two ways, one worker function (:func:`lowcomm.train.loop.run_worker`):
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
           --rdzv-endpoint HOST:29400 -m lowcomm train --algo co2
 
+* **Processes placed by the caller** (:func:`launch_processes`): one process per worker, each
+  started with a command prefix and environment of the caller's choosing, such as a network
+  namespace of :mod:`lowcomm.bench.netshape` (``ip netns exec NS``) and the ``env://``
+  variables of its address there.
+
 With ``nodes`` K > 1 and ``procs_per_node`` M, the local launch starts K x M workers, emulating
 K nodes of M processes (ranks node-major); under torchrun the flags must describe the layout
 torchrun started (:func:`check_torchrun_layout`)::
@@ -22,45 +27,47 @@ torchrun started (:func:`check_torchrun_layout`)::
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
           --rdzv-endpoint HOST:29400 -m lowcomm train --algo co2 --nodes 2 --procs-per-node 4
 
-Workers write their own output (rank 0 shows the progress bar). Either way a failed worker
+Workers write their own output (rank 0 shows the progress bar). Every way a failed worker
 becomes a :class:`WorkerFailed` naming its rank and error, with its traceback saved to
-``<out>/error-rank<r>.txt``. The root cause is reported, not its knock-on effects: a worker
-killed by a signal (no Python error of its own) is named over the peers that then lost their
-connection to it; collectives time out after ``collective_timeout`` seconds, so a stalled worker
-cannot hang the others forever.
+``<out>/error-rank<r>.txt``. The root cause is reported, not its knock-on effects, by the one
+rule of :func:`lowcomm.train.failures.root_cause`: a worker killed by a signal (no Python error
+of its own) is named over the peers that then lost their connection to it; collectives time out
+after ``collective_timeout`` seconds, so a stalled worker cannot hang the others forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from lowcomm.train import checkpoint as ckpt
+import lowcomm.train.checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.loop import (
-    attempt,
-    error_line,
-    host_loopback_store,
-    resolve_backend,
-    run_worker,
-)
+from lowcomm.train.failures import attempt, error_line, read_failures, root_cause, save_traceback
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
+from lowcomm.train.worker import host_loopback_store, resolve_backend, run_worker
 
 __all__ = [
     "WorkerFailed",
+    "WorkerProcess",
     "check_environment",
     "check_torchrun_layout",
     "launch",
+    "launch_processes",
     "prepare_output",
     "under_torchrun",
 ]
@@ -238,7 +245,7 @@ def _unshared_agent_store() -> Iterator[None]:
     By default the agent shares one store with all attempts (listening on every interface),
     and a restarted group can read the previous attempt's addresses from it and fail to
     connect (pytorch/pytorch#135712). With sharing off, rank 0 hosts a fresh store on loopback
-    at a new port for every attempt (:func:`lowcomm.train.loop.run_worker`). The setting is
+    at a new port for every attempt (:func:`lowcomm.train.worker.run_worker`). The setting is
     torch's environment variable, read by the agent in this process; it is restored afterwards.
     """
     key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -253,15 +260,19 @@ def _unshared_agent_store() -> Iterator[None]:
             os.environ[key] = saved
 
 
-def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    # A worker that raised wrote an error file; peers torn down after it only carry a signal.
-    # Prefer the one with an error, then the earliest, then the lowest rank.
+def _most_likely_first(failures: dict[int, Any]) -> list[int]:
+    """The ranks of torch elastic's failures, the most likely root cause first.
+
+    A worker that raised wrote an error file; peers torn down after it only carry a signal.
+    Those with an error first, then the earliest, then the lowest rank.
+    """
+
     def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
         has_error = failure.error_file_data.get("message") not in (None, "", "<NONE>")
         return (not has_error, failure.timestamp, rank)
 
-    return min(failures.items(), key=key)
+    return [rank for rank, _ in sorted(failures.items(), key=key)]
 
 
 def _failure_message(failure: Any) -> str:
@@ -311,7 +322,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         try:
             return run_worker(cfg, False)
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
-            path = _save_text(traceback.format_exc(), cfg.out, rank)
+            path = save_traceback(traceback.format_exc(), cfg.out, rank)
             raise WorkerFailed(rank, error_line(e), path) from e
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -346,69 +357,192 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         except ChildFailedError as e:
             # The agent gives up after the last of its max_restarts restarts.
             rank, error, text = _final_failure(e.failures, log_dir, attempt=cfg.max_restarts)
-            path = _save_text(text, cfg.out, rank)
+            path = save_traceback(text, cfg.out, rank)
             raise WorkerFailed(rank, error, path) from None
         except SignalException:  # Ctrl-C / SIGTERM reached the launcher: workers are stopped
             raise KeyboardInterrupt from None
     return results.get(0)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerProcess:
+    """Where and how one worker of :func:`launch_processes` runs."""
+
+    env: Mapping[str, str]
+    """Added to this process's environment: ``torch.distributed``'s ``env://`` variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (the worker splits the machine's cores by it), and whatever else the
+    place needs (``GLOO_SOCKET_IFNAME``)."""
+    prefix: Sequence[str] = ()
+    """A command that runs the worker's command line in its place (``ip netns exec NS``)."""
+
+
+def launch_processes(
+    cfg: TrainConfig, workers: Sequence[WorkerProcess], *, timeout_s: float
+) -> dict[str, Any]:
+    """Run the job as one process per entry of ``workers`` (rank r is ``workers[r]``) and wait
+    for all of them; return rank 0's summary (``<out>/summary.json``).
+
+    Each process is ``[*prefix, python, -m, lowcomm.train, CONFIG_JSON, --failure-dir, DIR]``
+    (:func:`lowcomm.train.worker.main`) with its ``env``, in a session of its own, its output
+    captured. Call :func:`check_environment` and :func:`prepare_output` first, as for
+    :func:`launch`.
+
+    Raises:
+        WorkerFailed: a worker failed (the root cause is reported) or the job did not finish
+            within ``timeout_s`` (then every worker still running is stopped).
+    """
+    if len(workers) != cfg.world_size:
+        raise ValueError(f"{len(workers)} worker processes for a job of {cfg.world_size}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    assert cfg.out is not None, "call TrainConfig.with_paths() first"
+    with tempfile.TemporaryDirectory(prefix="lowcomm-workers-") as scratch:
+        config_path = os.path.join(scratch, "config.json")
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f)
+        command = [sys.executable, "-m", "lowcomm.train", config_path, "--failure-dir", scratch]
+        procs: list[subprocess.Popen[bytes]] = []
+        logs: list[str] = []
+        try:
+            for rank, worker in enumerate(workers):
+                logs.append(os.path.join(scratch, f"worker-rank{rank}.log"))
+                with open(logs[-1], "wb") as log:
+                    # A session of its own: the worker and anything it starts stop together.
+                    procs.append(
+                        subprocess.Popen(
+                            [*worker.prefix, *command],
+                            env={**os.environ, **worker.env},
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            outcome, failed_rank = _wait(procs, time.monotonic() + timeout_s)
+        finally:
+            _stop(procs)
+        if outcome != "ok":
+            _raise_failure(cfg, procs, logs, scratch, failed_rank=failed_rank, timeout_s=timeout_s)
+    summary_path = os.path.join(cfg.out, "summary.json")
+    try:
+        with open(summary_path, encoding="utf-8") as f:
+            summary: dict[str, Any] = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"the workers finished but {summary_path} cannot be read: {e}") from e
+    return summary
+
+
+_PEER_GRACE_S = 3.0
+_STOP_GRACE_S = 5.0
+_TAIL_LINES = 40
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], deadline: float) -> tuple[str, int | None]:
+    """``("ok", None)`` when all exited 0; ``("failed", rank)`` once a worker exits otherwise
+    (after a short grace for the others to record their own errors); ``("timeout", None)`` at
+    ``deadline``."""
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return "ok", None
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            grace = min(deadline, time.monotonic() + _PEER_GRACE_S)
+            while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+            return "failed", failed[0]
+        if time.monotonic() >= deadline:
+            return "timeout", None
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the workers still running (SIGTERM to each one's process group, then SIGKILL)."""
+    running = [p for p in procs if p.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for p in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        running = [p for p in running if p.poll() is None]
+        if not running:
+            return
+    for p in running:  # pragma: no cover - SIGKILL does not fail
+        logger.error("worker process %d did not stop", p.pid)
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-_TAIL_LINES:])
+
+
+def _raise_failure(
+    cfg: TrainConfig,
+    procs: list[subprocess.Popen[bytes]],
+    logs: list[str],
+    scratch: str,
+    *,
+    failed_rank: int | None,
+    timeout_s: float,
+) -> None:
+    """Raise ``WorkerFailed`` for the root cause (:func:`~lowcomm.train.failures.root_cause`
+    of the workers' records, ``failed_rank`` the first worker seen to exit with an error); a
+    worker without a record is described by its exit and its output's last line, and a job
+    that timed out (``failed_rank`` ``None``) without any record by the first worker that was
+    still running."""
+    timed_out = failed_rank is None
+    cause = root_cause(read_failures(scratch), [] if failed_rank is None else [failed_rank])
+    record = cause[1] if cause is not None else None
+    if record is not None:
+        rank = int(record["rank"])
+        path = save_traceback(record.get("traceback"), cfg.out, rank)
+        raise WorkerFailed(rank, str(record["error"]), path)
+    if failed_rank is None:
+        # Stopped by _stop: the first worker that had not finished.
+        stopped = [
+            r for r, p in enumerate(procs) if p.returncode in (-signal.SIGTERM, -signal.SIGKILL)
+        ]
+        rank = stopped[0] if stopped else 0
+        error = f"did not finish within {timeout_s:g} s and was stopped"
+    else:
+        rank = failed_rank
+        code = procs[rank].returncode
+        assert code is not None
+        if code < 0:
+            error = f"killed by signal {-code} ({signal.Signals(-code).name})"
+        else:
+            error = f"exited with code {code}"
+    tail = _tail(logs[rank])
+    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+    if last and not timed_out:
+        error = f"{error}: {last}"
+    path = save_traceback(tail, cfg.out, rank)
+    raise WorkerFailed(rank, error, path)
+
+
 def _final_failure(
     failures: dict[int, Any], folder: str, *, attempt: int
 ) -> tuple[int, str, str | None]:
-    """``(rank, error, traceback)`` of the root cause of a failed attempt.
+    """``(rank, error, traceback)`` of the root cause of a failed attempt
+    (:func:`~lowcomm.train.failures.root_cause` of the records the workers wrote in ``folder``).
 
     ``failures`` are torch elastic's (global rank -> ``ProcessFailure``: exit code, error file);
-    ``folder`` holds what the workers recorded themselves. In order of preference: the earliest
-    recorded error that is not a lost peer; a worker that failed without a record of its own
-    (killed by a signal, or ``os._exit``) when every record is a lost peer (its peers losing
-    their connection to it); the earliest record; torch elastic's own choice.
+    a worker that left no record of its own is described from them.
     """
-    records = _recorded_failures(folder, attempt=attempt)
-    primary = [r for r in records if not r.get("peer_lost")]
-    if primary:
-        first = min(primary, key=lambda r: (r["time"], r["rank"]))
-        return int(first["rank"]), str(first["error"]), first.get("traceback")
-    recorded = {int(r["rank"]) for r in records}
-    silent = {rank: f for rank, f in failures.items() if rank not in recorded}
-    if silent:
-        rank, failure = _root_cause(silent)
-        return rank, _failure_message(failure), _traceback_of(failure)
-    if records:
-        first = min(records, key=lambda r: (r["time"], r["rank"]))
-        return int(first["rank"]), str(first["error"]), first.get("traceback")
-    rank, failure = _root_cause(failures)
-    return rank, _failure_message(failure), _traceback_of(failure)
-
-
-def _recorded_failures(folder: str, *, attempt: int | None = None) -> list[dict[str, Any]]:
-    """The ``failure-rank<r>[-attempt<a>].json`` records :func:`run_worker` wrote in ``folder``
-    (those of one attempt of the worker group, or all)."""
-    records = []
-    for name in os.listdir(folder):
-        if name.startswith("failure-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if attempt is None or int(record.get("attempt", 0)) == attempt:
-                records.append(record)
-    return records
-
-
-def _first_recorded_failure(folder: str) -> dict[str, Any] | None:
-    """The root cause among the records :func:`run_worker` wrote in ``folder``: the earliest that
-    is not a lost peer, else the earliest.
-
-    A worker that fails takes its peers down with it (their collectives lose a partner), and
-    torch elastic may report any of them; the earliest exception is the one that matters.
-    """
-    records = _recorded_failures(folder)
-    if not records:
-        return None
-    primary = [r for r in records if not r.get("peer_lost")] or records
-    return min(primary, key=lambda r: (r["time"], r["rank"]))
+    cause = root_cause(read_failures(folder, attempt=attempt), _most_likely_first(failures))
+    assert cause is not None, "torch elastic reports at least one failure"
+    rank, record = cause
+    if record is not None:
+        return rank, str(record["error"]), record.get("traceback")
+    return rank, _failure_message(failures[rank]), _traceback_of(failures[rank])
 
 
 def _traceback_of(failure: Any) -> str | None:
@@ -417,20 +551,6 @@ def _traceback_of(failure: Any) -> str | None:
         return None
     text = message.get("extraInfo", {}).get("py_callstack")
     return str(text) if text else None
-
-
-def _save_text(text: str | None, out: str | None, rank: int) -> str | None:
-    """Keep a failed worker's traceback as ``<out>/error-rank<r>.txt``; its path, or ``None``."""
-    if not text or out is None:
-        return None
-    path = os.path.join(out, f"error-rank{rank}.txt")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError:
-        return None
-    return path
 
 
 @contextlib.contextmanager

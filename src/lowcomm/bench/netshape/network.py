@@ -47,19 +47,16 @@ which removes their interfaces and qdiscs, and checks that none is left; an ``at
 the same if the block is never left. Names carry a random token, so concurrent networks do not
 collide.
 
-Example::
+Example (a training job on the network: :func:`lowcomm.bench.netshape.launch_shaped`)::
 
-    cfg = TrainConfig(algo="co2", workers=2, backend="gloo").with_paths()
-    with ShapedNetwork(2, 100e6) as net:
-        summary = launch_shaped(cfg, net)
-    print(summary["tokens_per_s"], summary["network"]["description"])
+    with ShapedNetwork(2, 100e6, latency_s=0.01) as net:
+        ping = [*net.exec_prefix(0), "ping", "-c", "3", net.addresses[1]]
+        subprocess.run(ping, check=True)  # about 20 ms round trip where netem is available
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import contextlib
 import dataclasses
 import functools
 import ipaddress
@@ -71,24 +68,18 @@ import random
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from lowcomm.train.config import TrainConfig
-
 __all__ = [
     "NETEM_UNAVAILABLE",
     "NetshapeError",
     "ShapedNetwork",
-    "launch_shaped",
     "netem_available",
     "tbf_parameters",
     "unavailable_reason",
@@ -111,9 +102,6 @@ _BURST_TIME_S = 1e-3
 _QUEUE_MIN_BYTES = 256 * 1024
 _QUEUE_TIME_S = 0.1
 _DEFAULT_PORT = 29500
-_STOP_GRACE_S = 5.0
-_PEER_GRACE_S = 3.0
-_TAIL_LINES = 40
 
 
 class NetshapeError(RuntimeError):
@@ -558,238 +546,3 @@ class ShapedNetwork:
     def __repr__(self) -> str:
         state = f"on {self.subnet}" if self._active else "not entered"
         return f"ShapedNetwork({self.world_size} workers, {self.describe()}, {state})"
-
-
-# --- a training job on it --------------------------------------------------------------------
-
-
-def launch_shaped(
-    cfg: TrainConfig, net: ShapedNetwork, *, timeout_s: float = 900.0
-) -> dict[str, Any]:
-    """Run a ``lowcomm train`` job with one worker process in each namespace of ``net``.
-
-    Workers are ``ip netns exec NS python -m lowcomm.netshape --worker CONFIG.json`` with the
-    environment of :meth:`ShapedNetwork.worker_env` (``LOCAL_RANK`` 0 and ``LOCAL_WORLD_SIZE``
-    the world size, so they split this machine's cores), gloo bound to their shaped veth. Their
-    output is captured; rank 0's summary gets a ``network`` entry describing the real link, in
-    the returned dict and in ``<out>/summary.json``.
-
-    Args:
-        cfg: the configuration, ``name`` and ``out`` resolved (:meth:`TrainConfig.with_paths`),
-            ``workers`` equal to ``net.world_size`` and no emulated ``link``; backend gloo
-            (``auto`` means gloo here).
-        net: an entered :class:`ShapedNetwork`.
-        timeout_s: stop the workers and fail after this many seconds.
-
-    Returns:
-        Rank 0's run summary.
-
-    Raises:
-        ValueError: ``cfg`` does not fit ``net``.
-        lowcomm.train.config.ConfigError: the environment checks of ``lowcomm train`` failed.
-        lowcomm.train.launcher.WorkerFailed: a worker failed (the first failure is reported) or
-            the job did not finish within ``timeout_s``.
-    """
-    from lowcomm.train.launcher import check_environment, prepare_output
-
-    if not net.active:
-        raise ValueError(
-            "launch_shaped needs an entered network: `with ShapedNetwork(...) as net:`"
-        )
-    if cfg.out is None or cfg.name is None:
-        raise ValueError("cfg needs its paths resolved: pass cfg.with_paths()")
-    if cfg.workers != net.world_size:
-        raise ValueError(
-            f"cfg.workers ({cfg.workers}) must equal the network's world size ({net.world_size})"
-        )
-    if cfg.link is not None:
-        raise ValueError(
-            f"cfg.link ({cfg.link!r}) must be unset: the real network is shaped, an emulated "
-            "link would add its delays on top"
-        )
-    if cfg.backend == "nccl":
-        raise ValueError("the shaped network carries gloo traffic; use backend gloo (or auto)")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    cfg = dataclasses.replace(cfg, backend="gloo")
-    check_environment(cfg)
-    prepare_output(cfg)
-    with tempfile.TemporaryDirectory(prefix="lowcomm-shaped-") as scratch:
-        config_path = os.path.join(scratch, "config.json")
-        with open(config_path, "w", encoding="utf-8") as f:
-            json.dump(cfg.to_dict(), f)
-        _run_workers(cfg, net, config_path, scratch, timeout_s)
-    from lowcomm.train.metrics import write_json
-
-    assert cfg.out is not None
-    summary_path = os.path.join(cfg.out, "summary.json")
-    try:
-        with open(summary_path, encoding="utf-8") as f:
-            summary: dict[str, Any] = json.load(f)
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"the workers finished but {summary_path} cannot be read: {e}") from e
-    summary["network"] = {
-        "shaping": "real",
-        "description": net.describe(),
-        "bandwidth_bps": net.bandwidth_bps,
-        "latency_s": net.latency_s,
-        "latency_applied": net.latency_applied,
-    }
-    write_json(summary_path, summary)
-    return summary
-
-
-def _run_workers(
-    cfg: TrainConfig, net: ShapedNetwork, config_path: str, scratch: str, timeout_s: float
-) -> None:
-    """Start one worker per namespace, wait for all; raise ``WorkerFailed`` on a failure."""
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[str] = []
-    try:
-        for rank in range(net.world_size):
-            env = {
-                **os.environ,
-                **net.worker_env(rank),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": str(net.world_size),
-            }
-            worker = ["-m", "lowcomm.netshape", "--worker", config_path, "--failure-dir", scratch]
-            cmd = [*net.exec_prefix(rank), sys.executable, *worker]
-            log_path = os.path.join(scratch, f"worker-rank{rank}.log")
-            logs.append(log_path)
-            with open(log_path, "wb") as log:
-                # A session of its own: the worker and anything it starts are stopped together.
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        outcome, failed_rank = _wait(procs, time.monotonic() + timeout_s)
-    finally:
-        _stop(procs)
-    if outcome == "ok":
-        return
-    _raise_failure(cfg, procs, logs, scratch, failed_rank=failed_rank, timeout_s=timeout_s)
-
-
-def _wait(procs: list[subprocess.Popen[bytes]], deadline: float) -> tuple[str, int | None]:
-    """``("ok", None)`` when all exited 0; ``("failed", rank)`` once a worker exits otherwise
-    (after a short grace for the others to record their own errors); ``("timeout", None)`` at
-    ``deadline``."""
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
-            return "ok", None
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            grace = min(deadline, time.monotonic() + _PEER_GRACE_S)
-            while time.monotonic() < grace and any(p.poll() is None for p in procs):
-                time.sleep(0.05)
-            return "failed", failed[0]
-        if time.monotonic() >= deadline:
-            return "timeout", None
-        time.sleep(0.1)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Stop the workers still running (SIGTERM to each one's process group, then SIGKILL)."""
-    running = [p for p in procs if p.poll() is None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)
-        deadline = time.monotonic() + _STOP_GRACE_S
-        for p in running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        running = [p for p in running if p.poll() is None]
-        if not running:
-            return
-    for p in running:  # pragma: no cover - SIGKILL does not fail
-        logger.error("netshape: worker process %d did not stop", p.pid)
-
-
-def _tail(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-_TAIL_LINES:])
-
-
-def _raise_failure(
-    cfg: TrainConfig,
-    procs: list[subprocess.Popen[bytes]],
-    logs: list[str],
-    scratch: str,
-    *,
-    failed_rank: int | None,
-    timeout_s: float,
-) -> None:
-    """Raise ``WorkerFailed`` for the root cause: the earliest failure a worker recorded, else
-    the first worker seen to exit with an error (its output's last line as the error), else
-    (``failed_rank`` ``None``: the job timed out) the first worker that was still running."""
-    from lowcomm.train.launcher import WorkerFailed, _first_recorded_failure, _save_text
-
-    recorded = _first_recorded_failure(scratch)
-    if recorded is not None:
-        rank = int(recorded["rank"])
-        path = _save_text(recorded["traceback"], cfg.out, rank)
-        raise WorkerFailed(rank, str(recorded["error"]), path)
-    timed_out = failed_rank is None
-    if failed_rank is None:
-        # Stopped by _stop: the first worker that had not finished.
-        stopped = [
-            r for r, p in enumerate(procs) if p.returncode in (-signal.SIGTERM, -signal.SIGKILL)
-        ]
-        rank = stopped[0] if stopped else 0
-        error = f"did not finish within {timeout_s:g} s and was stopped"
-    else:
-        rank = failed_rank
-        code = procs[rank].returncode
-        assert code is not None
-        if code < 0:
-            error = f"killed by signal {-code} ({signal.Signals(-code).name})"
-        else:
-            error = f"exited with code {code}"
-    tail = _tail(logs[rank])
-    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
-    if last and not timed_out:
-        error = f"{error}: {last}"
-    path = _save_text(tail, cfg.out, rank)
-    raise WorkerFailed(rank, error, path)
-
-
-# --- worker entry point ----------------------------------------------------------------------
-
-
-def _worker_main(argv: list[str] | None = None) -> int:
-    """``python -m lowcomm.netshape --worker CONFIG.json [--failure-dir DIR]``: one worker of
-    :func:`launch_shaped`, set up from the environment it is given."""
-    from lowcomm.train.config import config_from_dict
-    from lowcomm.train.loop import run_worker
-
-    parser = argparse.ArgumentParser(prog="python -m lowcomm.netshape")
-    parser.add_argument("--worker", required=True, metavar="CONFIG_JSON")
-    parser.add_argument("--failure-dir", default=None)
-    args = parser.parse_args(argv)
-    with open(args.worker, encoding="utf-8") as f:
-        cfg = config_from_dict(json.load(f), source=args.worker)
-    run_worker(cfg, False, args.failure_dir)
-    return 0
-
-
-if __name__ == "__main__":
-    code = _worker_main()
-    # The run is over and its files are written. Skip the interpreter's finalization: objects
-    # of gloo's C++ threads released there can abort (SIGABRT) a worker whose run succeeded.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -1,0 +1,183 @@
+"""One worker process of a ``lowcomm train`` job: set up from its environment, train, tear down.
+
+:func:`run_worker` is what every launcher of :mod:`lowcomm.train.launcher` runs in each worker
+process: it reads torch elastic's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT``...), picks the device and backend, configures logging, joins
+the process group with a bounded collective timeout, runs :func:`lowcomm.train.loop.train`, and
+records an exception for the launcher (:mod:`lowcomm.train.failures`) before it propagates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowcomm.train.config import TrainConfig, config_from_dict
+from lowcomm.train.failures import attempt, describe_attempt, record_failure
+from lowcomm.train.loop import train
+
+__all__ = ["host_loopback_store", "main", "resolve_backend", "run_worker"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``nccl`` when CUDA is available, else ``gloo``."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def _loopback_interface() -> str | None:
+    """Name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover - platforms without if_nameindex
+        return None
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _setup_worker_logging(rank: int, quiet: bool = False) -> None:
+    # Spawned workers start with a fresh interpreter: configure the lowcomm loggers again.
+    # Under torchrun the CLI in this same process has configured them already.
+    root = logging.getLogger("lowcomm")
+    root.setLevel(logging.INFO if rank == 0 and not quiet else logging.WARNING)
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    fmt = "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.propagate = False
+
+
+def run_worker(
+    cfg: TrainConfig, launched_locally: bool, failure_dir: str | None = None
+) -> dict[str, Any] | None:
+    """Entry point of one worker process: set up ``torch.distributed`` from the environment
+    (torchrun / elastic launch variables), train, tear down.
+
+    Args:
+        cfg: the checked configuration, ``name`` and ``out`` resolved. Passed as it is (pickled
+            to a spawned worker), so it is not checked again.
+        launched_locally: ``True`` when ``lowcomm train`` launched this worker on this machine;
+            gloo is then bound to the loopback interface.
+        failure_dir: where to record an exception (:func:`~lowcomm.train.failures.record_failure`),
+            so the launcher can tell the first failure from its knock-on effects, and a
+            restarted group what went wrong.
+
+    Returns:
+        The run summary on global rank 0, ``None`` elsewhere.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _run_worker(cfg, launched_locally, rank, failure_dir)
+    except BaseException as e:
+        if failure_dir is not None:
+            record_failure(failure_dir, rank, e)
+        raise
+
+
+def _run_worker(
+    cfg: TrainConfig, launched_locally: bool, rank: int, failure_dir: str | None
+) -> dict[str, Any] | None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    _setup_worker_logging(rank, cfg.quiet)
+    # Workers on one machine share its cores; oversubscribing them slows everyone down.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+    backend = resolve_backend(cfg.backend)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        if launched_locally:
+            lo = _loopback_interface()
+            if lo is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    if rank == 0 and attempt() > 0:
+        logger.warning(
+            "worker group restarted (restart %d) after a failure: %s",
+            attempt(),
+            describe_attempt(failure_dir, attempt() - 1),
+        )
+    # A collective that waits longer than this for a peer fails instead of hanging: a dead or
+    # stalled worker stops the others within a bounded time.
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout)
+    if launched_locally:
+        store = _loopback_store(rank, timeout)
+        world = int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    try:
+        summary = train(cfg, device=device)
+        # Leave together: a rank tearing down its process group while rank 0 is still writing
+        # the run folder can abort in gloo's connection threads at interpreter exit.
+        dist.barrier()
+        return summary
+    finally:
+        dist.destroy_process_group()
+
+
+def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store of a locally launched group, at the ``MASTER_PORT`` the elastic agent chose.
+
+    Rank 0 hosts it on a socket bound to 127.0.0.1 (a store created by ``env://`` listens on
+    every interface); the others connect to it. The launcher has the agent pick a fresh port for
+    every attempt, so a restarted group never reads the previous attempt's addresses.
+    """
+    port = int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    return host_loopback_store(port, timeout=timeout)
+
+
+def host_loopback_store(port: int, **kwargs: Any) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on 127.0.0.1 only, at ``port`` (0: a free port; read it
+    back from ``store.port``). ``kwargs`` go to ``TCPStore`` (``timeout``, ``multi_tenant``)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        store = dist.TCPStore(
+            "127.0.0.1",
+            int(listener.getsockname()[1]),
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+            **kwargs,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it
+    return store
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lowcomm.train CONFIG_JSON [--failure-dir DIR]``: one worker of a job that
+    :func:`lowcomm.train.launcher.launch_processes` started, set up from the environment it is
+    given (``torch.distributed``'s ``env://`` variables)."""
+    parser = argparse.ArgumentParser(prog="python -m lowcomm.train")
+    parser.add_argument("config", metavar="CONFIG_JSON")
+    parser.add_argument("--failure-dir", default=None)
+    args = parser.parse_args(argv)
+    with open(args.config, encoding="utf-8") as f:
+        cfg = config_from_dict(json.load(f), source=args.config)
+    run_worker(cfg, False, args.failure_dir)
+    return 0
