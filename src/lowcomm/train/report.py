@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.link import EmulatedLink
-from lowcomm.outer.registry import REGISTRY
+from lowcomm.registry import REGISTRY
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.metrics import MetricsWriter
 from lowcomm.train.nodes import describe_layout, node_link
