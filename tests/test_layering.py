@@ -158,7 +158,6 @@ def test_comm_link_and_compress_have_no_cycles_or_private_imports() -> None:
         assert not any(m.startswith("lowcomm.compress") for m in typed[transport]), transport
 
 
-@pytest.mark.xfail(strict=False, reason="train/ and outer/ refactor in progress")
 def test_package_has_no_cycles_or_private_imports() -> None:
     edges, private = _graph()
     assert _cycles(edges) == []

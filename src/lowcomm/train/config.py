@@ -44,11 +44,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lowcomm.outer.co2 import CO2
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
-from lowcomm.outer.hparams import HyperparameterError, ShardableConfig, public_fields
-from lowcomm.registry import BASELINES, REGISTRY, AlgorithmEntry, names
+from lowcomm.outer.hparams import HyperparameterError
+from lowcomm.registry import BASELINES, REGISTRY, names
+from lowcomm.train.errors import ConfigError, check_float, check_int, check_string
+from lowcomm.train.outer_keys import (
+    ALL_OUTER_KEYS,
+    JOB_OUTER_DEFAULTS,
+    OUTER_KEYS,
+    outer_doc,
+    with_outer_fields,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,48 +82,6 @@ NO_OUTER_ALGORITHM = BASELINES
 """``--algo`` values without a lowcomm algorithm: the DDP baseline, and ``none``, the no-sync
 ceiling (the same workers training with no communication at all, for throughput comparisons)."""
 
-JOB_KEYS = ("sync_every", "bucket_cap_mb")
-"""Algorithm keywords that are fields of the job itself (every algorithm gets them)."""
-
-JOB_OUTER_DEFAULTS: dict[type[OuterAlgorithm], dict[str, Any]] = {CO2: {"outer_lr": 0.5}}
-"""Where this job's defaults differ from the library's, for the small GPT it trains (for an
-algorithm and the names that run it with keywords fixed).
-
-CO2 applies each round's average one round late. When local training moves the model far
-within a round (as it does for this small GPT at a useful inner learning rate), the stale
-update behaves like e(t+1) = e(t) - alpha * (beta * m + e(t-1)): marginally stable at alpha = 1,
-beta = 0 and unstable for any beta > 0, which shows as a validation loss that rises and falls.
-alpha = 0.5 is comfortably stable here. The library keeps the paper's alpha = 1.0, meant for
-large models whose rounds move them little; the README explains the choice."""
-
-
-def _outer_fields(entry: AlgorithmEntry) -> list[dataclasses.Field[Any]]:
-    """The job fields of ``entry``: its class's public hyperparameters but the job's own and
-    those a registered name fixes (``eager``: ``--algo co2-eager``), the keywords common to
-    every algorithm last."""
-    if entry.cls is None:
-        return []
-    fixed = {k for e in REGISTRY.values() if e.cls is entry.cls for k in e.fixed}
-    common = {f.name for f in dataclasses.fields(ShardableConfig)}
-    keys = [f for f in public_fields(entry.cls.Config) if f.name not in (*JOB_KEYS, *fixed)]
-    return sorted(keys, key=lambda f: f.name in common)
-
-
-OUTER_KEYS: dict[str, tuple[str, ...]] = {
-    name: ("compression",)
-    if entry.cls is None and entry.compressible
-    else tuple(f.name for f in _outer_fields(entry))
-    for name, entry in REGISTRY.items()
-}
-"""The outer-loop keywords each ``--algo`` takes (besides ``sync_every`` and ``bucket_cap_mb``),
-from its algorithm's hyperparameter dataclass."""
-
-_OUTER_FIELDS: dict[str, dataclasses.Field[Any]] = {}
-for _entry in REGISTRY.values():
-    for _f in _outer_fields(_entry):
-        _OUTER_FIELDS.setdefault(_f.name, _f)
-_ALL_OUTER_KEYS = tuple(_OUTER_FIELDS)
-
 NODE_SHARDING = ("none", "zero")
 """Values of ``--node-sharding``: how the processes of a node hold the inner AdamW state."""
 
@@ -130,43 +95,12 @@ _LR_SCHEDULES = ("cosine", "constant")
 _LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
 
 
-class ConfigError(ValueError):
-    """A bad configuration value. ``key`` is the field name (``None`` when several are involved);
-    ``problem`` is the message without the key, so the CLI can name the flag or TOML key instead.
-    """
-
-    def __init__(self, key: str | None, problem: str) -> None:
-        self.key = key
-        self.problem = problem
-        super().__init__(f"{key} {problem}" if key else problem)
-
-
-def _job_type(f: dataclasses.Field[Any]) -> str:
-    """The annotation of a job field for an algorithm field (all may be None: unset)."""
-    declared = f.metadata.get("job_type") or str(f.type)
-    return declared if declared.endswith("None") else f"{declared} | None"
-
-
-def _with_outer_fields(cls: type) -> type:
-    """Add a field, default ``None``, for every outer hyperparameter of the registered
-    algorithms (:data:`OUTER_KEYS`), after ``weight_decay``: their flags and TOML keys."""
-    annotations: dict[str, Any] = {}
-    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
-        annotations[name] = annotation
-        if name == "weight_decay":
-            for key, f in _OUTER_FIELDS.items():
-                annotations[key] = _job_type(f)
-                setattr(cls, key, None)
-    cls.__annotations__ = annotations
-    return cls
-
-
 @dataclass(kw_only=True)
-@_with_outer_fields
+@with_outer_fields
 class TrainConfig:
     """Everything ``lowcomm train`` needs; see the module docstring for how it is filled."""
 
-    if TYPE_CHECKING:  # the outer hyperparameters, added by _with_outer_fields
+    if TYPE_CHECKING:  # the outer hyperparameters, added by with_outer_fields
 
         def __getattr__(self, name: str) -> Any: ...
 
@@ -285,36 +219,36 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError("link", str(e).removeprefix("link ")) from None
         for key in ("workers", "steps", "sync_every", "batch_size", "block_size"):
-            _check_int(key, getattr(self, key), low=1)
+            check_int(key, getattr(self, key), low=1)
         for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches", "log_every"):
-            _check_int(key, getattr(self, key), low=1)
-        _check_int("seed", self.seed, low=0)
-        _check_int("warmup", self.warmup, low=0)
-        _check_int("ceiling_steps", self.ceiling_steps, low=0)
-        _check_int("checkpoint_every", self.checkpoint_every, low=0)
-        _check_int("keep_checkpoints", self.keep_checkpoints, low=1)
-        _check_int("max_restarts", self.max_restarts, low=0)
-        _check_float("collective_timeout", self.collective_timeout, low=0.0, low_open=True)
+            check_int(key, getattr(self, key), low=1)
+        check_int("seed", self.seed, low=0)
+        check_int("warmup", self.warmup, low=0)
+        check_int("ceiling_steps", self.ceiling_steps, low=0)
+        check_int("checkpoint_every", self.checkpoint_every, low=0)
+        check_int("keep_checkpoints", self.keep_checkpoints, low=1)
+        check_int("max_restarts", self.max_restarts, low=0)
+        check_float("collective_timeout", self.collective_timeout, low=0.0, low_open=True)
         if self.n_embd % self.n_head:
             raise ConfigError(
                 "n_embd",
                 f"({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                 f"try n_embd {self.n_head * max(1, round(self.n_embd / self.n_head))}",
             )
-        _check_float("lr", self.lr, low=0.0, low_open=True)
-        _check_float("weight_decay", self.weight_decay, low=0.0)
+        check_float("lr", self.lr, low=0.0, low_open=True)
+        check_float("weight_decay", self.weight_decay, low=0.0)
         if self.lr_schedule not in _LR_SCHEDULES:
             raise ConfigError(
                 "lr_schedule",
                 f"must be one of {', '.join(_LR_SCHEDULES)}, got {self.lr_schedule!r}",
             )
-        _check_float("min_lr_ratio", self.min_lr_ratio, low=0.0)
+        check_float("min_lr_ratio", self.min_lr_ratio, low=0.0)
         if self.min_lr_ratio > 1.0:
             raise ConfigError("min_lr_ratio", f"must be <= 1, got {self.min_lr_ratio}")
-        _check_float("dropout", self.dropout, low=0.0)
+        check_float("dropout", self.dropout, low=0.0)
         if self.dropout >= 1.0:
             raise ConfigError("dropout", f"must be < 1, got {self.dropout}")
-        _check_float("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_open=True)
+        check_float("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_open=True)
         if self.backend not in _BACKENDS:
             raise ConfigError(
                 "backend", f"must be one of {', '.join(_BACKENDS)}, got {self.backend!r}"
@@ -323,7 +257,7 @@ class TrainConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.data is not None:
-            _check_string("data", self.data)
+            check_string("data", self.data)
             if not os.path.exists(os.path.expanduser(self.data)):
                 raise ConfigError(
                     "data",
@@ -337,11 +271,11 @@ class TrainConfig:
         """Resolve ``workers`` and ``procs_per_node`` from each other and ``nodes``, refusing
         values that conflict. Afterwards ``workers`` is the world size; with one node
         ``procs_per_node`` is ``None`` (one node is the flat layout, ``workers`` processes)."""
-        _check_int("nodes", self.nodes, low=1)
+        check_int("nodes", self.nodes, low=1)
         if self.procs_per_node is not None:
-            _check_int("procs_per_node", self.procs_per_node, low=1)
+            check_int("procs_per_node", self.procs_per_node, low=1)
         if self.workers is not None:
-            _check_int("workers", self.workers, low=1)
+            check_int("workers", self.workers, low=1)
         if self.node_sharding not in NODE_SHARDING:
             raise ConfigError(
                 "node_sharding",
@@ -432,7 +366,7 @@ class TrainConfig:
     def _check_paths(self) -> None:
         for key in ("out", "name", "resume"):
             if getattr(self, key) is not None:
-                _check_string(key, getattr(self, key))
+                check_string(key, getattr(self, key))
         if self.resume is not None and self.overwrite:
             raise ConfigError(
                 "resume",
@@ -450,7 +384,7 @@ class TrainConfig:
         # Any other string is left for the algorithm to reject.
         clip = getattr(self, "clip", None)
         if isinstance(clip, str) and clip.lower() == "none":
-            setattr(self, "clip", "none")  # noqa: B010 (a field added by _with_outer_fields)
+            setattr(self, "clip", "none")  # noqa: B010 (a field added by with_outer_fields)
         if self.algo == "ddp" and self.compression is not None:
             from lowcomm.compress import parse_compression
 
@@ -485,7 +419,7 @@ class TrainConfig:
 
     def outer_keys_set(self) -> list[str]:
         """Outer hyperparameters the user set (not None), in field order."""
-        return [k for k in _ALL_OUTER_KEYS if getattr(self, k) is not None]
+        return [k for k in ALL_OUTER_KEYS if getattr(self, k) is not None]
 
     def ignored_outer_keys(self) -> list[str]:
         """Outer hyperparameters the user set that do not apply to ``algo``."""
@@ -599,30 +533,6 @@ def _config_error(error: ValueError) -> ConfigError:
     return ConfigError(key, problem)
 
 
-def _check_string(key: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(key, f"must be a non-empty string, got {value!r}")
-
-
-def _check_int(key: str, value: Any, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, f"must be an integer, got {value!r}")
-    if value < low:
-        raise ConfigError(key, f"must be >= {low}, got {value}")
-
-
-def _check_float(
-    key: str, value: Any, *, low: float, low_open: bool = False, hint: str = ""
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(key, f"must be a number, got {value!r}")
-    bad = not math.isfinite(value) or (value <= low if low_open else value < low)
-    if bad:
-        op = ">" if low_open else ">="
-        extra = f" {hint}" if hint else ""
-        raise ConfigError(key, f"must be a finite number {op} {low:g}{extra}, got {value}")
-
-
 def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
     """Build a :class:`TrainConfig` from a flat mapping; unknown keys raise :class:`ConfigError`."""
     names = _field_names()
@@ -684,23 +594,5 @@ def field_docs() -> dict[str, str]:
             and isinstance(nxt.value.value, str)
         ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
-    docs.update({key: _outer_doc(key) for key in _ALL_OUTER_KEYS})
+    docs.update({key: outer_doc(key) for key in ALL_OUTER_KEYS})
     return docs
-
-
-def _outer_doc(key: str) -> str:
-    """Help for an outer hyperparameter: its symbol and text from the algorithms' dataclasses
-    and each algorithm's default (this job's where it differs)."""
-    f = _OUTER_FIELDS[key]
-    symbol = f.metadata.get("symbol")
-    text = f"{symbol}: {f.metadata['doc']}" if symbol else str(f.metadata["doc"])
-    groups: dict[str, list[str]] = {}
-    for name, entry in REGISTRY.items():
-        if entry.cls is None or key not in OUTER_KEYS[name]:
-            continue
-        library = entry.cls.Config.field(key).default
-        job = JOB_OUTER_DEFAULTS.get(entry.cls, {}).get(key, library)
-        value = f"{job} in this job, library {library}" if job != library else f"{library}"
-        groups.setdefault(value, []).append(name)
-    defaults = "; ".join(f"{', '.join(algos)} {value}" for value, algos in groups.items())
-    return f"{text} (default: {defaults})"

@@ -1,0 +1,43 @@
+"""Errors and value checks of the ``lowcomm train`` configuration."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["ConfigError", "check_float", "check_int", "check_string"]
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``key`` is the field name (``None`` when several are involved);
+    ``problem`` is the message without the key, so the CLI can name the flag or TOML key instead.
+    """
+
+    def __init__(self, key: str | None, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key} {problem}" if key else problem)
+
+
+def check_string(key: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"must be a non-empty string, got {value!r}")
+
+
+def check_int(key: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    if value < low:
+        raise ConfigError(key, f"must be >= {low}, got {value}")
+
+
+def check_float(
+    key: str, value: Any, *, low: float, low_open: bool = False, hint: str = ""
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, f"must be a number, got {value!r}")
+    bad = not math.isfinite(value) or (value <= low if low_open else value < low)
+    if bad:
+        op = ">" if low_open else ">="
+        extra = f" {hint}" if hint else ""
+        raise ConfigError(key, f"must be a finite number {op} {low:g}{extra}, got {value}")
