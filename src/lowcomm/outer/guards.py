@@ -32,6 +32,7 @@ from lowcomm.guard import (
     zero_non_finite_,
 )
 from lowcomm.outer.fragment import Sync, optimizer_settings
+from lowcomm.outer.hparams import ShardableConfig
 
 if TYPE_CHECKING:
     from lowcomm.comm import Communicator
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from lowcomm.outer.hparams import OuterConfig
 
 __all__ = ["Guards"]
+
+_NOT_COMPARED = ("check_consistency", "outer_optimizer", "fragments")
+"""Keywords the guard does not compare (callables and modules: the settings they make are)."""
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +68,24 @@ class Guards:
     # -- guards --------------------------------------------------------------------------------
 
     def _settings(self) -> dict[str, Any]:
-        """The settings every rank must share, compared at start."""
-        # the optimizers first: a different outer_lr then names the optimizer's group lr
+        """The settings every rank must share, compared at start: the keywords every
+        algorithm has (``sync_every`` … ``shard_outer_state``), the optimizers, then the
+        algorithm's own (so a different ``outer_lr`` of DiLoCo names its optimizer's lr, and a
+        different ``shard_outer_state`` names itself, not the chunks it makes)."""
+        common = {f.name for f in dataclasses.fields(ShardableConfig)}
+        fields = [f for f in dataclasses.fields(self.config) if f.name not in _NOT_COMPARED]
         settings: dict[str, Any] = {"algorithm": self.name}
-        settings.update(optimizer_settings("inner optimizer", self.inner))
-        outer = self.fragments[0].outer
-        if outer is not None:
-            settings.update(outer.settings())
-        for f in dataclasses.fields(self.config):
+        for f in sorted(fields, key=lambda f: f.name not in common):
+            if f.name not in common and "inner optimizer" not in settings:
+                settings.update(optimizer_settings("inner optimizer", self.inner))
+                outer = self.fragments[0].outer
+                settings.update({} if outer is None else outer.settings())
             value = getattr(self.config, f.name)
-            if f.name in ("check_consistency", "outer_optimizer", "fragments"):
-                continue
             if f.name == "compression":
                 value = None if self.compression is None else self.compression.spec
             settings[f.name] = value
+        if "inner optimizer" not in settings:
+            settings.update(optimizer_settings("inner optimizer", self.inner))
         settings["fragment sizes"] = [frag.numel for frag in self.fragments]
         settings["overlap"] = self.overlap
         return settings
