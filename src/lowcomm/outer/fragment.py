@@ -304,8 +304,9 @@ class Fragment:
         """Anchor, outer state and the completed (not applied) result of the sync in flight:
         resuming gives the same numbers as not stopping."""
         assert len(self.pending) <= 1, "state_dict() between inner steps"
-        state: dict[str, Any] = {"anchor": _clone(self.anchor.views)}
-        if self.outer is not None:
+        state: dict[str, Any] = {}
+        if self.outer is not None:  # LocalSGD's anchor is its buffer, refilled at each launch
+            state["anchor"] = _clone(self.anchor.views)
             state.update(self.outer.state_dict())
         state["pending_avg_delta"] = state["pending_own_delta"] = None
         for sync in self.pending:
@@ -321,8 +322,8 @@ class Fragment:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sharded" in state:
             raise ValueError(_sharding_mismatch(True, self.engine))
-        load_tensors(state, "anchor", self.anchor.views)
         if self.outer is not None:
+            load_tensors(state, "anchor", self.anchor.views)
             self.outer.load_state_dict(state)
         _load_compression(self.compressor, state)
         self.pending.clear()
