@@ -199,6 +199,7 @@ class OuterAlgorithm(Guards):
                 outer=self._outer_state,
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 gather_into_snapshot=self._overlap() == 0,
+                keep_reference=depth > 1,
             )
         return Fragment(
             params,

@@ -17,8 +17,9 @@ chunk r of every bucket. Launch snapshots θ and reduce-scatters it (SUM, then /
 4-byte all-reduce beside it counting the ranks whose θ is not finite; the second phase
 (:meth:`Sync.advance`, which the engine calls halfway to the apply step) forms the owner's chunk
 of Δ̄ = A_ref − θ̄, steps the outer state on its chunk of A and all-gathers the new anchor;
-complete waits for the all-gather. A_ref is the anchor θ was last merged from, kept per chunk
-(an update applied early, while the sync before is still in flight, does not move it). A
+complete waits for the all-gather. A_ref is the anchor θ was last merged from: this rank's
+chunk of A, or, when the next sync is launched before the last is applied (CO2), the chunk as
+it was before the last update, kept in one more chunk (that update ran early). A
 reduce-scatter and an all-gather put the same bytes on the wire as one ring all-reduce. Results
 equal the unsharded ones up to rounding (Δ̄ = A − mean θ here, mean(A − θ) there).
 """
@@ -343,7 +344,8 @@ class Fragment:
 
 class ShardedFragment:
     """A fragment whose anchor and outer state are sharded across the ranks (see the module
-    docstring). ``gather_into_snapshot`` all-gathers the new anchor into the snapshot buffer
+    docstring). ``keep_reference``: syncs overlap (see A_ref there). ``gather_into_snapshot``
+    all-gathers the new anchor into the snapshot buffer
     (one full buffer instead of two; for blocking syncs, where nothing reads the anchor
     between launch and apply). The outer state must be elementwise (SGD, Adam, CO2's rule: no
     per-tensor norms), as chunks are not parameters."""
@@ -359,6 +361,7 @@ class ShardedFragment:
         outer: Callable[[list[torch.Tensor]], OuterState],
         bucket_cap_mb: float,
         gather_into_snapshot: bool = False,
+        keep_reference: bool = False,
     ) -> None:
         self.params = list(params)
         self.engine = engine
@@ -375,11 +378,10 @@ class ShardedFragment:
         )
         self.anchor = self.snapshot if gather_into_snapshot else self.snapshot.like()
         self.anchor.copy_from(self.params)
-        # this rank's chunks: the anchor, the anchor θ was last merged from (A_ref), A_ref as
-        # of the launch in flight, and the reduce-scatter's output
+        # this rank's chunks: the anchor, A_ref where it differs (keep_reference), and the
+        # reduce-scatter's output
         self.shard = [self._chunk(b).clone() for b in self.anchor.buffers]
-        self.merged = [s.clone() for s in self.shard]
-        self._launch_ref = [s.clone() for s in self.shard]
+        self.reference = [s.clone() for s in self.shard] if keep_reference else None
         self.reduced = [torch.zeros_like(s) for s in self.shard]
         self._flag = torch.zeros(1, device=device)
         self._reduce: Handle | None = None
@@ -402,7 +404,6 @@ class ShardedFragment:
         self.snapshot.copy_from(self.params)
         own_ok = self.engine.check_own(self.snapshot.views)
         self._flag.fill_(0.0 if own_ok else 1.0)
-        torch._foreach_copy_(self._launch_ref, self.merged)
         self._reduce = self.comm.reduce_scatter_mean_async(self.snapshot.buffers, self.reduced)
         # a count of ranks (SUM), not a mean
         self._flag_handle = Handle(
@@ -420,15 +421,17 @@ class ShardedFragment:
         finite = round(float(self._flag_handle.wait()[0])) == 0
         self._reduce = self._flag_handle = None
         # -(θ̄ − A), bitwise A − θ̄, as pseudo_gradient_ computes it
-        torch._foreach_sub_(self.reduced, self._launch_ref)
+        torch._foreach_sub_(self.reduced, self.shard if self.reference is None else self.reference)
         torch._foreach_neg_(self.reduced)
+        if self.reference is not None:
+            # the next sync was launched from the anchor as it is before this update
+            torch._foreach_copy_(self.reference, self.shard)
         sync.applied = self.engine.on_average(self, sync, self.shard, self.reduced, finite)
         sync._gather = self.comm.all_gather_into_async(self.shard, self.anchor.buffers)
 
     def complete(self) -> bool:
         sync = self.pending.popleft()
         sync.wait()
-        torch._foreach_copy_(self.merged, self.shard)
         return sync.applied
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -440,8 +443,7 @@ class ShardedFragment:
         return [
             *self.snapshot.buffers,
             *self.anchor.buffers,
-            *self.merged,
-            *self._launch_ref,
+            *(self.reference or []),
             *self.reduced,
             self._flag,
         ]
@@ -456,7 +458,7 @@ class ShardedFragment:
             "sharded": {"world_size": self.world_size, "rank": self.rank},
             "anchor": _clone(self.anchor.views),
             "shard": _clone(self.shard),
-            "merged": _clone(self.merged),
+            "reference": None if self.reference is None else _clone(self.reference),
             "pending": bool(self.pending),
             "pending_applied": applied,
             **self.outer.state_dict(),
@@ -472,12 +474,15 @@ class ShardedFragment:
                 f"state_dict was saved with sharded outer state {saved!r} but this rank has "
                 f"{mine!r}; resume with shard_outer_state and the same ranks"
             )
-        for key, into in (("shard", self.shard), ("merged", self.merged)):
+        chunks = [("shard", self.shard)]
+        if self.reference is not None:
+            chunks.append(("reference", self.reference))
+        for key, into in chunks:
             src = state.get(key)
             if src is None or [t.shape for t in src] != [t.shape for t in into]:
                 raise ValueError(f"sharded state_dict[{key!r}] does not fit this fragment")
         self.outer.load_state_dict(state)
-        for key, into in (("shard", self.shard), ("merged", self.merged)):
+        for key, into in chunks:
             torch._foreach_copy_(into, [t.to(d.device) for t, d in zip(state[key], into)])
         load_tensors(state, "anchor", self.anchor.views)
         self.pending.clear()
