@@ -13,8 +13,6 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "lowcomm"
 LOWER_LAYERS = ("lowcomm.comm", "lowcomm.link", "lowcomm.compress")
