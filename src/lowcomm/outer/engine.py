@@ -153,12 +153,13 @@ class OuterAlgorithm(Guards):
         self._profile_tag = f"lowcomm::{self.name}"
         self._to_advance: list[tuple[int, Sync]] = []
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
+        self.overlap = self._overlap()
+        """τ: inner steps between a fragment's launch and its apply."""
         groups = self._fragment_groups(model_or_params)  # type: ignore[arg-type]
         self.fragments: list[AnyFragment] = [self._new_fragment(g, i) for i, g in enumerate(groups)]
         self.num_fragments = len(self.fragments)
         self.interval = self.sync_every // self.num_fragments
         """Inner steps between sync points: H / P."""
-        self.overlap = self._overlap()
         # The model as built, compared across ranks at the first step (values hashed now).
         self._unchecked: Description | None = (
             describe_tensors(named) if self.config.check_consistency else None
@@ -191,14 +192,14 @@ class OuterAlgorithm(Guards):
         return False
 
     def _new_fragment(self, params: list[torch.Tensor], index: int) -> AnyFragment:
-        depth = 2 if self._overlap() >= self.sync_every else 1
+        depth = 2 if self.overlap >= self.sync_every else 1
         if self.shard_outer_state:
             return ShardedFragment(
                 params,
                 self,
                 outer=self._outer_state,
                 bucket_cap_mb=self.config.bucket_cap_mb,
-                gather_into_snapshot=self._overlap() == 0,
+                gather_into_snapshot=self.overlap == 0,
                 keep_reference=depth > 1,
             )
         return Fragment(

@@ -73,22 +73,21 @@ class Guards:
         algorithm's own (so a different ``outer_lr`` of DiLoCo names its optimizer's lr, and a
         different ``shard_outer_state`` names itself, not the chunks it makes)."""
         common = {f.name for f in dataclasses.fields(ShardableConfig)}
-        fields = [f for f in dataclasses.fields(self.config) if f.name not in _NOT_COMPARED]
+        fields = [f.name for f in dataclasses.fields(self.config) if f.name not in _NOT_COMPARED]
         settings: dict[str, Any] = {"algorithm": self.name}
-        for f in sorted(fields, key=lambda f: f.name not in common):
-            if f.name not in common and "inner optimizer" not in settings:
-                settings.update(optimizer_settings("inner optimizer", self.inner))
-                outer = self.fragments[0].outer
-                settings.update({} if outer is None else outer.settings())
-            value = getattr(self.config, f.name)
-            if f.name == "compression":
-                value = None if self.compression is None else self.compression.spec
-            settings[f.name] = value
-        if "inner optimizer" not in settings:
-            settings.update(optimizer_settings("inner optimizer", self.inner))
+        settings.update({k: self._setting(k) for k in fields if k in common})
+        settings.update(optimizer_settings("inner optimizer", self.inner))
+        outer = self.fragments[0].outer
+        settings.update({} if outer is None else outer.settings())
+        settings.update({k: self._setting(k) for k in fields if k not in common})
         settings["fragment sizes"] = [frag.numel for frag in self.fragments]
         settings["overlap"] = self.overlap
         return settings
+
+    def _setting(self, key: str) -> Any:
+        if key == "compression":  # a codec object compares by its spec
+            return None if self.compression is None else self.compression.spec
+        return getattr(self.config, key)
 
     def _check_consistency(self) -> None:
         model, self._unchecked = self._unchecked, None
