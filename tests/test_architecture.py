@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import lowcomm
-from lowcomm.outer.hparams import HyperparameterError
+from lowcomm.hparams import HyperparameterError
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import OUTER_KEYS, TrainConfig, field_docs
 

@@ -21,10 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowcomm.hparams import HyperparameterError
+
 __all__ = [
     "NAN_POLICIES",
     "NonFiniteError",
     "all_finite",
+    "check_nan_policy",
+    "optimizer_settings",
+    "optimizer_state_tensors",
     "check_same_across_ranks",
     "describe_tensors",
     "zero_non_finite_",
@@ -35,6 +40,15 @@ NAN_POLICIES = ("skip", "raise")
 
 Description = list[tuple[str, str]]
 """An ordered list of ``(what, value)`` pairs every rank should hold identically."""
+
+
+def check_nan_policy(key: str, value: Any) -> None:
+    if value not in NAN_POLICIES:
+        raise HyperparameterError(
+            key,
+            f"must be 'skip' or 'raise', got {value!r}; 'skip' drops an outer update whose "
+            "average holds NaN/Inf, 'raise' stops the run",
+        )
 
 
 class NonFiniteError(FloatingPointError):
@@ -149,3 +163,15 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
                 out.append(value)
     return out
+
+
+def optimizer_settings(what: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's type and hyperparameters per group (not its parameters), for the
+    consistency guard."""
+    settings: dict[str, Any] = {what: type(optimizer).__name__}
+    for i, group in enumerate(optimizer.param_groups):
+        settings[f"{what} group {i} size"] = len(group["params"])
+        for k, v in sorted(group.items()):
+            if k != "params":
+                settings[f"{what} group {i} {k}"] = v
+    return settings

@@ -13,6 +13,8 @@ options ``block=B`` (or a bare number) and ``sr`` (stochastic rounding), e.g.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lowcomm.compress.formats import (
     BF16,
     DEFAULT_BLOCK,
@@ -32,8 +34,10 @@ from lowcomm.compress.options import (
     reject_unknown,
     split_options,
 )
+from lowcomm.hparams import HyperparameterError
 
 __all__ = [
+    "check_compression",
     "BF16",
     "Codec",
     "ElementwiseCodec",
@@ -121,3 +125,15 @@ def parse_compression(spec: str | Codec | LGreCo | None) -> Codec | LGreCo | Non
     if key.split(":")[0].strip() == "lgreco":
         return parse_lgreco(spec)
     return parse_codec(spec)
+
+
+def check_compression(key: str, value: Any) -> None:
+    """The hyperparameter check of a ``compression`` setting (a spec, codec or ``None``)."""
+    if value is not None:
+        try:
+            parse_compression(value)
+        except ValueError as e:
+            message = str(e)
+            if message.startswith(f"{key} "):
+                raise HyperparameterError(key, message.removeprefix(f"{key} ")) from None
+            raise HyperparameterError(None, message) from None

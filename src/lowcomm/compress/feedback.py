@@ -33,7 +33,7 @@ from lowcomm.compress.formats import Codec, ElementwiseCodec, PowerSGD, Raw
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.guard import all_finite, zero_non_finite_
 
-__all__ = ["Compressor", "worker_generator"]
+__all__ = ["Compressor", "load_compression_state", "worker_generator"]
 
 logger = logging.getLogger(__name__)
 
@@ -326,3 +326,21 @@ class Compressor:
         self.launches = int(state["launches"])
         self.decisions = int(state.get("decisions", 0))
         self._pending = None
+
+
+def load_compression_state(compressor: Compressor | None, state: dict[str, Any]) -> None:
+    """Restore a compressor from ``state["compression"]``; refuses a mismatch either way."""
+    saved = state.get("compression")
+    if compressor is None:
+        if saved is not None:
+            raise ValueError(
+                f"state_dict was saved with compression={saved.get('codec')!r} but this run "
+                "has none; resume with the same compression"
+            )
+        return
+    if saved is None:
+        raise ValueError(
+            f"state_dict was saved without compression but this run has "
+            f"compression={compressor.spec!r}; resume with the same compression"
+        )
+    compressor.load_state_dict(saved)

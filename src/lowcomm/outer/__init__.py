@@ -14,13 +14,5 @@ ALGORITHMS: dict[str, type[OuterAlgorithm]] = {
 }
 """The library's algorithm classes by their names."""
 
-__all__ = [
-    "ALGORITHMS",
-    "CO2",
-    "CoCoDC",
-    "DiLoCo",
-    "LocalSGD",
-    "OuterAlgorithm",
-    "SlowMo",
-    "StreamingDiLoCo",
-]
+__all__ = ["ALGORITHMS", "CO2", "CoCoDC", "DiLoCo", "LocalSGD", "OuterAlgorithm", "SlowMo"]
+__all__ += ["StreamingDiLoCo"]

@@ -1,88 +1,69 @@
 """CO2: local updates with an outer all-reduce that overlaps a whole round of compute.
 
-Paper: Sun et al., "CO2: Efficient Distributed Training with Full Communication-Computation
-Overlap", ICLR 2024 (https://arxiv.org/abs/2401.16265). Staleness gap penalty in Gap-Aware form:
-Barkai et al., "Gap-Aware Mitigation of Gradient Staleness", ICLR 2020
-(https://arxiv.org/abs/1909.10802).
+Paper: Sun et al., ICLR 2024 (https://arxiv.org/abs/2401.16265); staleness gap penalty in
+Gap-Aware form: Barkai et al., ICLR 2020 (https://arxiv.org/abs/1909.10802). On the engine: one
+fragment, overlap τ = H. At the end of round t:
 
-On the outer engine: one fragment, overlap τ = H. Round t ends after H inner steps:
+1. Dᵢᵗ ← A_t − θᵢ; launch its all-reduce without waiting.
+2. Wait for round t − 1's (it had a whole round) → Δ̄ᵗ⁻¹; one outer step
+   (:func:`~lowcomm.outer.functional.co2_outer_update_`): penalty Λ, m ← β·m + Λ ⊙ Δ̄ᵗ⁻¹,
+   clip to φ, A_{t+1} = A_t − α·m. At t = 0: A_1 = A_0.
+3. θᵢ ← A_{t+1}. ``finish()`` applies the last all-reduce: θ = A on every rank.
 
-1. Dᵢᵗ ← A_t − θᵢ into a send buffer; launch its all-reduce asynchronously. Do not wait.
-2. If a previous round is in flight: wait for it → Δ̄ᵗ⁻¹ (it had a whole round to finish) and
-   take one outer step (:func:`~lowcomm.outer.functional.co2_outer_update_`): gap penalty Λ,
-   momentum m ← β·m + Λ ⊙ Δ̄ᵗ⁻¹, clipping to φ, A_{t+1} = A_t − α·m. At t = 0: A_1 = A_0.
-3. θᵢ ← A_{t+1}.
+Eager updates (``eager=True``; Kale et al. 2025, https://arxiv.org/abs/2502.12996): step 2
+uses Δᵢᵗ/N + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N), this rank's own fresh delta and the others' stale part (a
+missing part counts 0). Anchors then differ a little across ranks; ``finish()`` takes their
+mean. Paper symbols: H ``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``,
+φ ``clip``, Λ ``gap_penalty``.
 
-``finish()`` waits for the last all-reduce, applies it, and leaves θ = A on every rank.
-
-Eager updates (``eager=True``; Kale et al., "Eager Updates For Overlapped Communication and
-Computation in DiLoCo", 2025, https://arxiv.org/abs/2502.12996): step 2 uses
-Δᵢᵗ/N + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N) — this rank's own fresh delta and the others' stale part — instead of
-Δ̄ᵗ⁻¹ (a missing part counts as 0, so round 0 already applies Δᵢ⁰/N). Anchors then differ a
-little across ranks; ``finish()`` replaces them by their mean so that all ranks agree.
-
-Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
+Example::
 
     algo = lowcomm.CO2(model, inner, sync_every=12)
-
-Paper symbols → arguments: H ``sync_every`` (the paper's τ), α ``outer_lr``, β
-``outer_momentum``, φ ``clip``, Λ ``gap_penalty``.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.compress.codecs import PowerSGD, parse_compression
-from lowcomm.compress.lgreco import LGreCo
-from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
-from lowcomm.outer.fragment import OuterState, Sync, load_tensors
-from lowcomm.outer.functional import co2_outer_update_
-from lowcomm.outer.hparams import (
+from lowcomm.hparams import (
     HyperparameterError,
-    OuterConfig,
-    ShardableConfig,
     check_bool,
+    check_choice,
+    check_number,
     check_optional,
     check_positive_float,
     check_positive_int,
     hyper,
-    outer_lr,
-    outer_momentum,
 )
+from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
+from lowcomm.outer.fragment import OuterState, Sync
+from lowcomm.outer.functional import co2_outer_update_
+from lowcomm.outer.hparams import OuterConfig, ShardableConfig, outer_lr, outer_momentum
+from lowcomm.params import load_tensors
 
 __all__ = ["CLIP_MODES", "CO2", "CO2Config", "CO2State"]
 
 CLIP_MODES = ("value", "norm")
 
 
-def _check_clip_mode(key: str, value: Any) -> None:
-    if value not in CLIP_MODES:
-        raise HyperparameterError(key, f"must be 'value' or 'norm', got {value!r}")
+_check_divisor = check_number(
+    "as a constant divisor λ must be a finite number >= 1 (Λ = 1/λ ∈ (0, 1]), got {value!r}; "
+    "or use 'gap_aware' / 'none'",
+    1,
+)
 
 
 def _check_gap_penalty(key: str, value: Any) -> None:
-    if isinstance(value, str):
-        if value not in ("gap_aware", "none"):
-            raise HyperparameterError(
-                key, f"must be 'gap_aware', 'none' or a number >= 1, got {value!r}"
-            )
-    elif (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 1
-    ):
+    if isinstance(value, str) and value not in ("gap_aware", "none"):
         raise HyperparameterError(
-            key,
-            f"as a constant divisor λ must be a finite number >= 1 (Λ = 1/λ ∈ (0, 1]), got "
-            f"{value!r}; or use 'gap_aware' / 'none'",
+            key, f"must be 'gap_aware', 'none' or a number >= 1, got {value!r}"
         )
+    if not isinstance(value, str):
+        _check_divisor(key, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +90,7 @@ class CO2Config(ShardableConfig):
     clip_mode: str = hyper(
         "value",
         doc="value (clamp m elementwise to [-φ, φ]) or norm (scale m to L2 norm <= φ)",
-        check=_check_clip_mode,
+        check=check_choice(CLIP_MODES),
     )
     gap_penalty: str | float = hyper(
         "gap_aware",
@@ -137,18 +118,16 @@ class CO2Config(ShardableConfig):
                 "rank's chunk); use clip_mode='value'",
                 shown="'norm'",
             )
-        if self.eager and self.compression is not None:
-            setting = parse_compression(self.compression)
-            if isinstance(setting, PowerSGD) or (
-                isinstance(setting, LGreCo) and setting.family == "powersgd"
-            ):
-                raise HyperparameterError(
-                    "eager",
-                    f"needs this rank's decoded contribution at launch, which {setting.spec!r} "
-                    "only has after its second all-reduce; use eager=False or a single-phase "
-                    "codec such as 'int8' or 'topk:0.01'",
-                    shown="True",
-                )
+        setting = parse_compression(self.compression) if self.eager else None
+        two_phase = isinstance(setting, PowerSGD) or getattr(setting, "family", "") == "powersgd"
+        if setting is not None and two_phase:
+            raise HyperparameterError(
+                "eager",
+                f"needs this rank's decoded contribution at launch, which {setting.spec!r} "
+                "only has after its second all-reduce; use eager=False or a single-phase "
+                "codec such as 'int8' or 'topk:0.01'",
+                shown="True",
+            )
 
 
 class CO2State:
@@ -186,32 +165,28 @@ class CO2State:
     def settings(self) -> dict[str, Any]:
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
+    def _named(self) -> dict[str, list[torch.Tensor]]:
         return {
-            "momentum": [t.clone() for t in self.momentum],
-            "gap_stat": [t.clone() for t in self.gap_stat],
-            "last_update": [t.clone() for t in self.last_update],
-            "outer_updates": self.updates,
+            "momentum": self.momentum,
+            "gap_stat": self.gap_stat,
+            "last_update": self.last_update,
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: [t.clone() for t in ts] for k, ts in self._named().items()}
+        return {**state, "outer_updates": self.updates}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_tensors(state, "momentum", self.momentum)
-        load_tensors(state, "gap_stat", self.gap_stat)
-        load_tensors(state, "last_update", self.last_update)
+        for key, into in self._named().items():
+            load_tensors(state, key, into)
         self.updates = int(state.get("outer_updates", 0))
 
 
 class CO2(OuterAlgorithm):
     """CO2: one-round-stale, fully overlapped outer updates with staleness gap penalty and
-    outer momentum clipping (see the module docstring).
-
-    With ``compression`` the compressed collective is still launched at the end of round t
-    and decoded at the end of round t + 1 (PowerSGD's second all-reduce H/2 steps after the
-    first); eager updates then use this rank's decoded contribution as Δᵢ and need a
-    single-phase codec. With ``shard_outer_state`` the parameters are reduce-scattered at the
-    end of round t, the owner's update and the anchor's all-gather go out H/2 steps later, and
-    θ takes the anchor at the end of round t + 1 (not with ``eager`` or ``clip_mode="norm"``).
-    """
+    outer momentum clipping (see the module docstring). Compressed or sharded, the second
+    phase (PowerSGD's second all-reduce; the owner's update and all-gather) goes out H/2 steps
+    after the launch; eager updates use this rank's decoded contribution as Δᵢ."""
 
     name = "co2"
     Config: ClassVar[type[OuterConfig]] = CO2Config
@@ -225,18 +200,10 @@ class CO2(OuterAlgorithm):
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         return CO2State(self.config, anchor)
 
-    def _keeps_own(self) -> bool:
-        return self.config.eager
-
     @property
     def outer_updates(self) -> int:
         """Outer updates applied so far (the first one seeds the gap statistic)."""
-        return self._state().updates
-
-    def _state(self) -> CO2State:
-        state = self.fragment.outer
-        assert isinstance(state, CO2State)
-        return state
+        return int(getattr(self.fragment.outer, "updates", 0))
 
     def _outer_input(
         self, frag: AnyFragment, sync: Sync | None, avg: list[torch.Tensor] | None

@@ -1,32 +1,23 @@
 """CoCoDC: Streaming DiLoCo with delay compensation and adaptive transmission.
 
 Paper: Zhu et al., "Cross-region Model Training with Communication-Computation Overlapping and
-Delay Compensation". No public implementation exists; this one follows lowcomm's design notes,
-and where the paper is silent the choices are listed below.
+Delay Compensation" (no public implementation; where the paper is silent, choices below).
+On top of :class:`~lowcomm.StreamingDiLoCo`'s schedule:
 
-On top of :class:`~lowcomm.StreamingDiLoCo`'s schedule (a sync point every H/P steps, each
-fragment's all-reduce launched τ steps early):
+* **Delay compensation.** θ_s, the fragment's parameters at launch, is snapshotted. At the sync
+  point, with θ_now the live parameters and Â the new global fragment:
+  θ ← Â − (g + λ·g⊙g⊙D), g = θ_s − θ_now, D = Â − θ_s, λ = λ₀·‖g‖/‖g⊙g⊙D‖ per tensor (0 when
+  g⊙g⊙D = 0; :func:`~lowcomm.outer.functional.delay_compensation_`): the overlap's local
+  progress is kept on top of the global update, corrected to second order.
+* **Adaptive transmission.** At each launch every rank scores each fragment not in flight by
+  its RMS drift ‖A_p − θ_p‖/√numel_p (so big and small fragments compete fairly) times the
+  sync points since its last launch; the scores are averaged across ranks (one small
+  all-reduce, counted) so every rank picks the same one: the highest, ties to the lowest
+  index. A fragment that has waited ``max_wait`` rounds goes first. ``adaptive=False``:
+  round-robin.
 
-* **Delay compensation.** When fragment p's all-reduce is launched, its parameters θ_s are
-  snapshotted. At the sync point, with θ_now the live parameters and Â_p the new global
-  fragment: g = θ_s − θ_now, D = Â_p − θ_s, g̃ = g + λ·g⊙g⊙D with a per-tensor
-  λ = λ₀·‖g‖/‖g⊙g⊙D‖ (λ₀ = ``lambda0``, default 0.2), and θ_p ← Â_p − g̃
-  (:func:`~lowcomm.outer.functional.delay_compensation_`): the progress made during the
-  overlap is kept on top of the global update, with a second-order correction, instead of
-  being overwritten (Streaming DiLoCo's ``mix = 0``).
-* **Adaptive transmission.** At each launch, every rank scores every fragment not in flight by
-  its normalised pseudo-gradient norm ‖A_p − θ_p‖ / √numel_p times the sync points since it was
-  last launched; the P scores are averaged across ranks (one small all-reduce, counted in the
-  stats) so every rank picks the same fragment: the highest score, ties to the lowest index. A
-  fragment that has waited ``max_wait`` rounds (``max_wait``·P sync points) is picked first, so
-  none starves. ``adaptive=False`` is round-robin.
-
-Choices where the paper is silent: the score uses each rank's current local drift (that is
-what differs across ranks and needs the all-reduce); "normalised" is per element (RMS), so big
-and small fragments compete fairly; λ is 0 for a tensor whose g⊙g⊙D is zero.
-
-Degenerate form: with ``lambda0=0`` and ``adaptive=False``, CoCoDC is Streaming DiLoCo whose
-merge keeps the overlap's local progress: θ_p ← Â_p + (θ_now − θ_s).
+With ``lambda0=0`` and ``adaptive=False`` it is Streaming DiLoCo whose merge keeps the overlap's
+progress: θ_p ← Â_p + (θ_now − θ_s).
 
 Example::
 
@@ -41,16 +32,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from lowcomm.outer.fragment import load_tensors
+from lowcomm.hparams import check_bool, check_number, check_positive_int, hyper
 from lowcomm.outer.functional import delay_compensation_
-from lowcomm.outer.hparams import (
-    OuterConfig,
-    check_bool,
-    check_number,
-    check_positive_int,
-    hyper,
-)
+from lowcomm.outer.hparams import OuterConfig
 from lowcomm.outer.streaming import FragmentsConfig, StreamingDiLoCo
+from lowcomm.params import load_tensors
 
 __all__ = ["CoCoDC", "CoCoDCConfig"]
 
@@ -87,8 +73,7 @@ class CoCoDC(StreamingDiLoCo):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._snapshots = [f.anchor.like() for f in self.fragments]
-        self.last_launch = [0] * self.num_fragments
-        """Sync index at which each fragment was last launched (0: never)."""
+        self.last_launch = [0] * self.num_fragments  # sync point of each one's last launch
 
     def _choose_fragment(self, k: int) -> int:
         busy = set(self._in_flight.values())
@@ -106,9 +91,7 @@ class CoCoDC(StreamingDiLoCo):
             scores = torch.zeros(self.num_fragments, dtype=torch.float64)
             for g in free:
                 frag = self.fragments[g]
-                drift = torch._foreach_sub(
-                    frag.anchor.views, [p.detach().float() for p in frag.params]
-                )
+                drift = torch._foreach_sub(frag.anchor.views, [p.float() for p in frag.params])
                 rms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(drift)))
                 scores[g] = float(rms) / math.sqrt(frag.numel) * waits[g]
             # ranks' drifts differ: average the scores so that every rank picks the same one
@@ -121,16 +104,12 @@ class CoCoDC(StreamingDiLoCo):
         self._snapshots[f].copy_from(self.fragments[f].params)
 
     def _merge(self, f: int) -> None:
-        frag = self.fragments[f]
-        delay_compensation_(
-            frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=self.config.lambda0
-        )
+        frag, snapshot = self.fragments[f], self._snapshots[f].views
+        delay_compensation_(frag.params, frag.anchor.views, snapshot, lambda0=self.config.lambda0)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {
-            "last_launch": list(self.last_launch),
-            "snapshots": [[v.clone() for v in s.views] for s in self._snapshots],
-        }
+        snapshots = [[v.clone() for v in s.views] for s in self._snapshots]
+        return {"last_launch": list(self.last_launch), "snapshots": snapshots}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "last_launch" not in state or "snapshots" not in state:

@@ -1,14 +1,9 @@
 """DiLoCo and SlowMo: an outer optimizer stepped on averaged pseudo-gradients every H steps.
 
-DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
-2023 (https://arxiv.org/abs/2311.08105). SlowMo: Wang et al., "SlowMo: Improving
-Communication-Efficient Distributed SGD with Slow Momentum", ICLR 2020
-(https://arxiv.org/abs/1910.00643).
-
-On the outer engine: one fragment, no overlap. Every H inner steps: Δ̄ ← mean over workers of
-(A − θᵢ); ``A.grad = Δ̄``; one step of the outer optimizer on the anchor A; θᵢ ← A. Blocking.
-The inner optimizer's state is never touched. (Streaming DiLoCo is the same with P fragments
-and τ steps of overlap.)
+DiLoCo: Douillard et al., 2023 (https://arxiv.org/abs/2311.08105). SlowMo: Wang et al., ICLR
+2020 (https://arxiv.org/abs/1910.00643). On the engine: one fragment, no overlap. Every H inner
+steps Δ̄ ← mean(A − θᵢ), ``A.grad = Δ̄``, one outer optimizer step on A, θᵢ ← A (blocking; the
+inner optimizer's state is never touched).
 
 Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
 
@@ -17,21 +12,19 @@ Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 
+from lowcomm.hparams import HyperparameterError, check_bool, hyper
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterOptimizerFactory, OuterState
 from lowcomm.outer.hparams import (
     CompressionConfig,
-    HyperparameterError,
     OuterConfig,
     ShardableConfig,
-    check_bool,
-    hyper,
     outer_lr,
     outer_momentum,
 )
@@ -74,14 +67,9 @@ class OuterSGDConfig(CompressionConfig):
 
     def outer_factory(self) -> OuterOptimizerFactory:
         """``outer_optimizer``, or SGD with ``outer_lr``, ``outer_momentum``, ``nesterov``."""
-        if self.outer_optimizer is not None:
-            return self.outer_optimizer
-        lr, momentum, nesterov = float(self.outer_lr), float(self.outer_momentum), self.nesterov
-
-        def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-            return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
-
-        return sgd
+        lr, momentum = float(self.outer_lr), float(self.outer_momentum)
+        sgd = partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=self.nesterov)
+        return sgd if self.outer_optimizer is None else self.outer_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,15 +117,8 @@ class SlowMo(DiLoCo):
     config: SlowMoConfig  # type: ignore[assignment]
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
-        lr, momentum = float(self.config.outer_lr), float(self.config.outer_momentum)
-
-        def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-            return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=False)
-
-        return OptimizerState(sgd, anchor, scale=self._slow_scale())
-
-    def _slow_scale(self) -> Callable[[list[torch.Tensor], torch.optim.Optimizer], None]:
-        slow_lr = float(self.config.outer_lr)
+        slow_lr, momentum = float(self.config.outer_lr), float(self.config.outer_momentum)
+        sgd = partial(torch.optim.SGD, lr=slow_lr, momentum=momentum, nesterov=False)
 
         def scale(avg_delta: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
             gamma = float(self.inner.param_groups[0]["lr"])
@@ -150,4 +131,4 @@ class SlowMo(DiLoCo):
             for group in optimizer.param_groups:
                 group["lr"] = slow_lr * gamma
 
-        return scale
+        return OptimizerState(sgd, anchor, scale=scale)

@@ -18,12 +18,9 @@ Streaming     P            τ < H    outer optimizer per fragment  θ ← (1 −
 CoCoDC        P (chosen)   τ < H    outer optimizer per fragment  delay compensation
 ============  ===========  =======  ============================  =========================
 
-Subclasses set their :class:`~lowcomm.outer.hparams.OuterConfig` dataclass (``Config``), which
-gives the constructor's keywords, and override the few hooks that make them what they are:
-:meth:`OuterAlgorithm._outer_state` (the update rule), :meth:`~OuterAlgorithm._merge`,
-:meth:`~OuterAlgorithm._choose_fragment`, :meth:`~OuterAlgorithm._outer_input`.
-
-Two guards run in every algorithm: :mod:`lowcomm.outer.guards`.
+Subclasses set their ``Config`` dataclass (the constructor's keywords) and override a few
+hooks (``_outer_state``, ``_merge``, ``_choose_fragment``, ``_outer_input``, …). The guards every
+algorithm has are :mod:`lowcomm.outer.guards`.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Any, ClassVar
 
 import torch
@@ -42,22 +38,23 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import CommStats, Communicator, storage_nbytes
+from lowcomm.comm import Communicator, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.guard import (
     Description,
     all_finite,
     describe_tensors,
 )
+from lowcomm.hparams import HyperparameterError, describe, signature
 from lowcomm.outer.fragment import (
     Fragment,
     OuterState,
     ShardedFragment,
     Sync,
-    collect_params,
 )
 from lowcomm.outer.guards import Guards
-from lowcomm.outer.hparams import HyperparameterError, OuterConfig, describe, signature
+from lowcomm.outer.hparams import OuterConfig
+from lowcomm.params import collect_params
 
 __all__ = ["OuterAlgorithm"]
 
@@ -67,43 +64,30 @@ AnyFragment = Fragment | ShardedFragment
 
 
 class OuterAlgorithm(Guards):
-    """The engine: see the module docstring. Not used directly.
-
-    Every algorithm takes, besides its own hyperparameters (its ``Config``):
-
-    Args:
-        model_or_params: an ``nn.Module`` or an iterable of parameters.
-        inner_optimizer: the optimizer whose ``step()`` drives the schedule.
-        process_group: the group to synchronise over; ``None`` is WORLD (a subgroup runs the
-            algorithm across node groups while DDP runs inside them).
-        nan_policy: ``"skip"`` (default) drops an outer update whose averaged pseudo-gradient
-            holds NaN or Inf, alike on every rank, and counts it in ``skipped_updates``;
-            ``"raise"`` raises :class:`~lowcomm.guard.NonFiniteError` on every rank instead.
-        check_consistency: compare the model and settings across ranks at the first step and
-            fail on every rank naming the first difference (default True).
-    """
+    """The engine (see the module docstring); not used directly. Every algorithm takes an
+    ``nn.Module`` or iterable of parameters, the inner optimizer whose ``step()`` drives the
+    schedule, its ``Config``'s keywords, and ``process_group`` (``None``: WORLD; a subgroup runs
+    it across node groups while DDP runs inside them)."""
 
     name: ClassVar[str] = "outer"
-    Config: ClassVar[type[OuterConfig]] = OuterConfig
-    """The algorithm's hyperparameters; the constructor takes its fields as keywords."""
-    schedule: ClassVar[str] = "blocking"
-    """How it communicates (:data:`lowcomm.registry.SCHEDULES`)."""
+    Config: ClassVar[type[OuterConfig]] = OuterConfig  # the constructor's keywords
+    schedule: ClassVar[str] = "blocking"  # how it communicates (lowcomm.registry.SCHEDULES)
+    # finish() drops (and warns of) the steps since the last round boundary
     _discards_partial_round: ClassVar[bool] = True
-    """Whether :meth:`finish` drops the steps taken since the last round boundary (and warns)."""
+    # syncs average θ itself, not Δ (LocalSGD: the anchor is the average)
     _averages_params: ClassVar[bool] = False
-    """Whether syncs average θ itself instead of Δ (LocalSGD: the anchor is the average)."""
+    # the one fragment's state is at the top of state_dict() (else fragment_0, fragment_1, …)
     _flat_state: ClassVar[bool] = True
-    """Whether the one fragment's state sits at the top of :meth:`state_dict` (the fragment
-    methods keep ``fragment_0``, ``fragment_1``, … instead)."""
+    # a sync point whose launch would fall before step 1 still merges (CO2: θ ← A₀ at round 0)
     _apply_unlaunched: ClassVar[bool] = False
-    """Whether a sync point whose collective would have launched before step 1 still merges
-    (CO2: θ ← A₀ at the end of round 0)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = signature(cls.Config)  # type: ignore[attr-defined]
+        positional, keywords = ("model_or_params", "inner_optimizer"), {"process_group": None}
+        cls.__signature__ = signature(cls.Config, positional, keywords)  # type: ignore[attr-defined]
         if cls.__doc__ and "Keywords (its" not in cls.__doc__:
-            cls.__doc__ = cls.__doc__.rstrip() + "\n" + describe(cls.Config)
+            what = "its ``Config``; and ``process_group``, ``None`` for WORLD"
+            cls.__doc__ = f"{cls.__doc__.rstrip()}\n{describe(cls.Config, what)}"
 
     def __init__(
         self,
@@ -114,16 +98,7 @@ class OuterAlgorithm(Guards):
         **hyperparameters: Any,
     ) -> None:
         self.config = self.Config(**self._complete(hyperparameters))
-        if not isinstance(model_or_params, (nn.Module, torch.Tensor)):
-            # iterated twice (all parameters, then fragments): a generator would run dry
-            try:
-                model_or_params = list(model_or_params)
-            except TypeError as e:
-                raise ValueError(
-                    f"model_or_params must be an nn.Module or an iterable of parameters, got "
-                    f"{type(model_or_params).__name__}"
-                ) from e
-        named = collect_params(model_or_params)  # type: ignore[arg-type]
+        named = collect_params(model_or_params)
         self.params = [p for _, p in named]
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -131,23 +106,14 @@ class OuterAlgorithm(Guards):
                 f"{type(inner_optimizer).__name__}; pass the optimizer you call .step() on"
             )
         self.inner = inner_optimizer
-        self.comm = (
-            process_group
-            if isinstance(process_group, Communicator)
-            else Communicator(process_group)
-        )
+        group = process_group
+        self.comm = group if isinstance(group, Communicator) else Communicator(group)
         self.sync_every = int(self.config.sync_every)
         self.nan_policy = self.config.nan_policy
         self.compression = parse_compression(getattr(self.config, "compression", None))
         self.shard_outer_state = bool(getattr(self.config, "shard_outer_state", False))
-        self.local_step = 0
-        """Inner steps taken (calls to :meth:`step`)."""
-        self.rounds = 0
-        """Rounds completed (every ``sync_every`` inner steps)."""
-        self.sync_points = 0
-        """Syncs applied."""
-        self.skipped_updates = 0
-        """Outer updates skipped because their averaged pseudo-gradient held NaN or Inf."""
+        # inner steps taken; rounds of H completed; syncs applied; updates skipped (NaN/Inf)
+        self.local_step = self.rounds = self.sync_points = self.skipped_updates = 0
         self._hook: RemovableHandle | None = None
         self._warned_partial_at = -1
         self._profile_tag = f"lowcomm::{self.name}"
@@ -155,15 +121,15 @@ class OuterAlgorithm(Guards):
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
         self.overlap = self._overlap()
         """τ: inner steps between a fragment's launch and its apply."""
-        groups = self._fragment_groups(model_or_params)  # type: ignore[arg-type]
+        groups = self._fragment_groups(model_or_params)
         self.fragments: list[AnyFragment] = [self._new_fragment(g, i) for i, g in enumerate(groups)]
         self.num_fragments = len(self.fragments)
         self.interval = self.sync_every // self.num_fragments
         """Inner steps between sync points: H / P."""
         # The model as built, compared across ranks at the first step (values hashed now).
-        self._unchecked: Description | None = (
-            describe_tensors(named) if self.config.check_consistency else None
-        )
+        self._unchecked: Description | None = None
+        if self.config.check_consistency:
+            self._unchecked = describe_tensors(named)
 
     # -- what an algorithm chooses -------------------------------------------------------------
 
@@ -173,11 +139,11 @@ class OuterAlgorithm(Guards):
         return hyperparameters
 
     def _overlap(self) -> int:
-        """τ: inner steps between a fragment's launch and its apply."""
-        return 0
+        """τ: inner steps between a fragment's launch and its apply (the ``overlap`` keyword)."""
+        return int(getattr(self.config, "overlap", 0))
 
     def _fragment_groups(
-        self, model_or_params: nn.Module | list[torch.Tensor]
+        self, model_or_params: nn.Module | Iterable[torch.Tensor]
     ) -> list[list[torch.Tensor]]:
         """The fragments' parameters (default: the whole model, one fragment)."""
         return [self.params]
@@ -186,10 +152,6 @@ class OuterAlgorithm(Guards):
         """The update rule and its state over ``anchor`` (not called when
         ``_averages_params``: the average is the anchor)."""
         raise NotImplementedError
-
-    def _keeps_own(self) -> bool:
-        """Whether fragments keep this rank's own contribution (eager updates)."""
-        return False
 
     def _new_fragment(self, params: list[torch.Tensor], index: int) -> AnyFragment:
         depth = 2 if self.overlap >= self.sync_every else 1
@@ -210,7 +172,7 @@ class OuterAlgorithm(Guards):
             depth=depth,
             compression=self.compression,
             stream=index,
-            keep_own=self._keeps_own(),
+            keep_own=bool(getattr(self.config, "eager", False)),
         )
 
     def _choose_fragment(self, k: int) -> int:
@@ -236,42 +198,23 @@ class OuterAlgorithm(Guards):
 
     # -- driving -------------------------------------------------------------------------------
 
-    @property
-    def stats(self) -> CommStats:
-        """Communication counters of this worker (bytes, time blocked and in flight)."""
-        return self.comm.stats
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def bucket_cap_mb(self) -> float:
-        return float(self.config.bucket_cap_mb)
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether a launched collective has not been applied yet."""
-        return bool(self._in_flight)
-
-    @property
-    def anchor(self) -> Any:
-        """A of a one-fragment algorithm: fp32 flat buckets, bit-identical on every rank."""
-        assert self.num_fragments == 1, "use anchor_views or fragments[i].anchor"
-        return self.fragments[0].anchor
+    stats = property(lambda self: self.comm.stats, doc="This worker's communication counters.")
+    world_size = property(lambda self: self.comm.world_size)
+    bucket_cap_mb = property(lambda self: float(self.config.bucket_cap_mb))
+    in_flight = property(lambda self: bool(self._in_flight), doc="A collective not applied yet.")
 
     @property
     def fragment(self) -> AnyFragment:
-        """The one fragment of a one-fragment algorithm."""
+        """The one fragment of a one-fragment algorithm (``anchor``: its A, fp32 buckets)."""
         assert self.num_fragments == 1, "use fragments[i]"
         return self.fragments[0]
+
+    anchor = property(lambda self: self.fragment.anchor)
 
     @property
     def anchor_views(self) -> list[torch.Tensor]:
         """A for every trainable parameter, in model order: the consensus model to evaluate."""
-        by_id = {
-            id(p): v for frag in self.fragments for p, v in zip(frag.params, frag.anchor.views)
-        }
+        by_id = {id(p): v for f in self.fragments for p, v in zip(f.params, f.anchor.views)}
         return [by_id[id(p)] for p in self.params]
 
     def step(self) -> None:
@@ -306,14 +249,11 @@ class OuterAlgorithm(Guards):
         assert f not in self._in_flight.values() or self.overlap >= self.sync_every
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
-            label = (
-                f"fragment {f}"
-                if self.num_fragments > 1
-                else f"round {math.ceil(self.local_step / self.sync_every)}"
-            )
+            rnd = math.ceil(self.local_step / self.sync_every)
+            label = f"fragment {f}" if self.num_fragments > 1 else f"round {rnd}"
             sync = self.fragments[f].launch(label, self.local_step)
             # the second phase (PowerSGD's Q, a sharded update) goes out halfway to the apply
-            if self.overlap > 0 and sync.needs_advance:
+            if self.overlap > 0 and sync.handle.needs_advance:
                 self._to_advance.append((self.local_step + max(1, self.overlap // 2), sync))
         self._in_flight[k] = f
 
@@ -321,7 +261,7 @@ class OuterAlgorithm(Guards):
         due = [s for at, s in self._to_advance if at <= step]
         self._to_advance = [(at, s) for at, s in self._to_advance if at > step]
         for sync in due:
-            sync.advance()
+            sync.handle.advance()
 
     def _apply(self, k: int) -> None:
         f = self._in_flight.pop(k)
@@ -367,12 +307,9 @@ class OuterAlgorithm(Guards):
         partial = self.local_step % self.sync_every
         if self._discards_partial_round and partial and self._warned_partial_at != self.local_step:
             self._warned_partial_at = self.local_step
-            warnings.warn(
-                f"{type(self).__name__}.finish() discards {partial} inner step(s) taken since "
-                f"the last round boundary; make the number of steps a multiple of "
-                f"sync_every={self.sync_every} to keep them",
-                stacklevel=2,
-            )
+            message = f"{type(self).__name__}.finish() discards {partial} inner step(s) taken "
+            message += "since the last round boundary; make the number of steps a multiple of "
+            warnings.warn(f"{message}sync_every={self.sync_every} to keep them", stacklevel=2)
         if self._unchecked is not None:
             self._check_consistency()
         with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
@@ -398,12 +335,7 @@ class OuterAlgorithm(Guards):
         self._hook = self.inner.register_step_post_hook(lambda *_: self.step())
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -414,11 +346,9 @@ class OuterAlgorithm(Guards):
     # -- memory and state ----------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for the algorithm, beyond the model and inner optimizer,
-        measured from tensor storage (each storage once): ``"state"`` — what persists between
-        syncs (anchor, outer optimizer or momentum, statistics, error feedback) — and
-        ``"buffers"`` — communication buffers (pseudo-gradients in flight, snapshots, gathered
-        anchors). With ``shard_outer_state=True`` the state is 1/N of the unsharded one."""
+        """Bytes this rank holds beyond the model and inner optimizer (each storage once):
+        ``"state"`` persists between syncs (anchor, outer state, error feedback; 1/N sharded),
+        ``"buffers"`` are for communication (pseudo-gradients in flight, snapshots)."""
         state: list[torch.Tensor] = []
         for c in self._compressors():
             state += [*c.residuals, *c.q.values()]
@@ -429,17 +359,10 @@ class OuterAlgorithm(Guards):
         return {"state": storage_nbytes(state), "buffers": storage_nbytes(buffers)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: counters, anchors, outer state, in-flight results.
-
-        In-flight collectives are waited for (not applied) so their result can be stored;
-        resuming then gives the same numbers as not stopping.
-        """
+        """Everything needed to resume: counters, anchors, outer state, and the results of
+        collectives in flight (waited for, not applied: resuming gives the same numbers)."""
         state: dict[str, Any] = {
-            "algorithm": self.name,
-            "sync_every": self.sync_every,
-            "world_size": self.world_size,
-            "num_fragments": self.num_fragments,
-            "overlap": self.overlap,
+            **self._identity(),
             "local_step": self.local_step,
             "rounds": self.rounds,
             "sync_points": self.sync_points,
@@ -456,13 +379,7 @@ class OuterAlgorithm(Guards):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; refuses state from another configuration."""
-        for key, mine in (
-            ("algorithm", self.name),
-            ("sync_every", self.sync_every),
-            ("world_size", self.world_size),
-            ("num_fragments", self.num_fragments),
-            ("overlap", self.overlap),
-        ):
+        for key, mine in self._identity().items():
             if key in ("num_fragments", "overlap") and self._flat_state:
                 state = {key: mine, **state}  # older one-fragment state_dicts lack them
             if key not in state:
@@ -503,6 +420,16 @@ class OuterAlgorithm(Guards):
             # ranks resuming mid-round hold different values: compare the rest only
             self._unchecked = [e for e in self._unchecked if not e[0].startswith("values of")]
 
+    def _identity(self) -> dict[str, Any]:
+        """What a state_dict must have been saved with to load here."""
+        return {
+            "algorithm": self.name,
+            "sync_every": self.sync_every,
+            "world_size": self.world_size,
+            "num_fragments": self.num_fragments,
+            "overlap": self.overlap,
+        }
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -518,11 +445,9 @@ class OuterAlgorithm(Guards):
         field = cls.Config.field("sync_every")
         if "sync_every" not in kwargs and field.default is dataclasses.MISSING:
             # any H the other keywords allow: only they are being checked
-            p = kwargs.get("num_fragments") or 1
-            tau = kwargs.get("overlap") or 0
+            p, tau = kwargs.get("num_fragments"), kwargs.get("overlap")
             p = p if isinstance(p, int) and p > 0 else 1
-            tau = tau if isinstance(tau, int) and tau > 0 else 0
-            kwargs["sync_every"] = p * (tau + 1)
+            kwargs["sync_every"] = p * (1 + (tau if isinstance(tau, int) and tau > 0 else 0))
         try:
             cls.Config(**kwargs)
         except TypeError as e:

@@ -1,9 +1,5 @@
-"""Pure outer-loop updates over tensor lists (``torch._foreach_*``), testable without any
-process group.
-
-Every function here takes lists of tensors with matching shapes (per parameter, or flat
-buckets) and keyword-only hyperparameters, and updates its outputs in place. The stateful
-algorithm classes own the tensors and call these; the tests call them directly.
+"""Pure outer-loop updates over lists of tensors with matching shapes (``torch._foreach_*``), in
+place, testable without any process group; the algorithm classes own the tensors and call them.
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ GAP_STAT_NEW = 0.1
 
 
 def pseudo_gradient_(out: Tensors, anchor: Tensors, params: Tensors) -> None:
-    """``out ← anchor − params`` in ``out``'s dtype (fp32): Δᵢ = A − θᵢ.
-
-    ``params`` may have another dtype (bf16 weights); they are cast by the copy. Computed as
-    ``−(θ − A)``, which is bitwise equal to ``A − θ`` in IEEE arithmetic.
-    """
+    """Δᵢ = A − θᵢ into ``out`` (fp32; ``params`` may be bf16, cast by the copy), computed as
+    ``−(θ − A)``, bitwise equal to ``A − θ`` in IEEE arithmetic."""
     torch._foreach_copy_(list(out), [p.detach() for p in params])
     torch._foreach_sub_(list(out), list(anchor))
     torch._foreach_neg_(list(out))
@@ -51,13 +44,9 @@ def gap_aware_penalty(
     first: bool,
     eps: float = GAP_EPS,
 ) -> list[torch.Tensor]:
-    """CO2's staleness gap penalty in Gap-Aware form (Barkai et al. 2019), elementwise.
-
-    Updates the running mean ``gap_stat`` (c) with ``|avg_delta|`` first (``c ← |Δ̄|`` when
-    ``first``, else ``c ← 0.9·c + 0.1·|Δ̄|``), then returns
-    Λ = 1 / max(1, |g| / (c + ε)) with the gap g = Δ̄ + u, u = ``last_update`` (A_t − A_{t−1}).
-    Λ ∈ (0, 1].
-    """
+    """CO2's staleness penalty in Gap-Aware form (Barkai et al. 2019), elementwise: c ← |Δ̄|
+    (``first``) or 0.9·c + 0.1·|Δ̄| in ``gap_stat``, then Λ = 1 / max(1, |g| / (c + ε)) ∈ (0, 1]
+    with the gap g = Δ̄ + u, u = ``last_update`` (A_t − A_{t−1})."""
     abs_delta = torch._foreach_abs(list(avg_delta))
     if first:
         torch._foreach_copy_(list(gap_stat), abs_delta)
@@ -105,17 +94,10 @@ def co2_outer_update_(
     gap_penalty: str | float,
     first: bool,
 ) -> None:
-    """One CO2 outer step with the one-round-stale average Δ̄ᵗ⁻¹, in place.
-
-    With Λ from ``gap_penalty`` (``"gap_aware"``: :func:`gap_aware_penalty`; ``"none"``: 1;
-    a float λ ≥ 1: the constant divisor 1/λ)::
-
-        m ← β·m + Λ ⊙ Δ̄;  m ← clip(m, φ)
-        A ← A − α·m                    (nesterov: A ← A − α·(Λ ⊙ Δ̄ + β·m))
-        u ← A_new − A_old              (``last_update``, used by the next gap)
-
-    ``first`` marks the first update of a run (it seeds the gap statistic c).
-    """
+    """One CO2 outer step with the stale average Δ̄: m ← β·m + Λ ⊙ Δ̄, m ← clip(m, φ),
+    A ← A − α·m (nesterov: A ← A − α·(Λ ⊙ Δ̄ + β·m)), u ← A_new − A_old (``last_update``, for
+    the next gap). Λ: ``"gap_aware"`` (:func:`gap_aware_penalty`; ``first`` seeds its c),
+    ``"none"`` (1) or a float λ ≥ 1 (1/λ)."""
     a, m, u = list(anchor), list(momentum), list(last_update)
     scaled: list[torch.Tensor]
     if gap_penalty == "gap_aware":
@@ -143,18 +125,9 @@ def delay_compensation_(
     *,
     lambda0: float,
 ) -> None:
-    """CoCoDC's delay-compensated merge of one fragment, per tensor, in place on ``params``.
-
-    With θ_s the parameters when the fragment's all-reduce was launched (``snapshot``), θ_now
-    the live parameters (``params``) and Â the new global fragment (``new_anchor``)::
-
-        g = θ_s − θ_now;  D = Â − θ_s;  h = g ⊙ g ⊙ D
-        λ = λ₀ · ‖g‖ / ‖h‖   (per tensor; 0 when h = 0)
-        θ ← Â − (g + λ·h)
-
-    i.e. the local progress made while the all-reduce ran is kept on top of Â, corrected to
-    second order. With λ₀ = 0: θ ← Â + (θ_now − θ_s).
-    """
+    """CoCoDC's merge of one fragment, per tensor, in place on ``params`` (θ_now), with θ_s
+    the ``snapshot`` at launch and Â the ``new_anchor``: g = θ_s − θ_now, D = Â − θ_s,
+    h = g ⊙ g ⊙ D, λ = λ₀·‖g‖/‖h‖ (0 when h = 0), θ ← Â − (g + λ·h)."""
     for p, a, s in zip(params, new_anchor, snapshot):
         now = p.detach().float()
         g = s - now

@@ -1,16 +1,12 @@
-"""The guards every outer algorithm has (a base of :class:`~lowcomm.outer.engine.OuterAlgorithm`).
-
-Two guards run in every algorithm (the checks are in :mod:`lowcomm.guard`).
+"""The two guards of every outer algorithm (a base of the engine; checks in :mod:`lowcomm.guard`).
 
 **Consistency at start**: at the first ``step()`` the ranks compare the model as built (names,
-shapes, dtypes, a checksum) and the settings, and fail alike naming the first difference (after
-``load_state_dict()`` the values are not compared; ``check_consistency=False`` turns it off).
-
-**Numeric guard**: an average holding NaN or Inf (bit-identical on every rank, so every rank
-decides alike) skips that outer update, is counted in ``skipped_updates`` and logged, and every
-rank zeroes the non-finite values of its inner-optimizer state and residuals and, if diverged,
-goes back to the anchor; a rank whose own contribution is non-finite at launch does so at once.
-``nan_policy="raise"`` raises :class:`~lowcomm.guard.NonFiniteError` instead.
+shapes, dtypes, a checksum; not the values after ``load_state_dict()``) and the settings, and
+fail alike naming the first difference. **Numeric guard**: an average holding NaN or Inf
+(bit-identical on every rank, so decided alike) skips that update, counted in
+``skipped_updates`` and logged; every rank zeroes the non-finite values of its inner-optimizer
+state and residuals and, if diverged, goes back to the anchor (a rank whose own contribution is
+not finite at launch does so at once). ``nan_policy="raise"`` raises instead.
 """
 
 from __future__ import annotations
@@ -28,10 +24,11 @@ from lowcomm.guard import (
     NonFiniteError,
     all_finite,
     check_same_across_ranks,
+    optimizer_settings,
     optimizer_state_tensors,
     zero_non_finite_,
 )
-from lowcomm.outer.fragment import Sync, optimizer_settings
+from lowcomm.outer.fragment import Sync
 from lowcomm.outer.hparams import ShardableConfig
 
 if TYPE_CHECKING:
@@ -68,10 +65,8 @@ class Guards:
     # -- guards --------------------------------------------------------------------------------
 
     def _settings(self) -> dict[str, Any]:
-        """The settings every rank must share, compared at start: the keywords every
-        algorithm has (``sync_every`` … ``shard_outer_state``), the optimizers, then the
-        algorithm's own (so a different ``outer_lr`` of DiLoCo names its optimizer's lr, and a
-        different ``shard_outer_state`` names itself, not the chunks it makes)."""
+        """The settings every rank must share: the common keywords, the optimizers, then the
+        algorithm's own (a different DiLoCo ``outer_lr`` is named as its optimizer's lr)."""
         common = {f.name for f in dataclasses.fields(ShardableConfig)}
         fields = [f.name for f in dataclasses.fields(self.config) if f.name not in _NOT_COMPARED]
         settings: dict[str, Any] = {"algorithm": self.name}
@@ -96,10 +91,8 @@ class Guards:
         check_same_across_ranks(
             model + settings,
             what=f"{type(self).__name__} inputs",
-            hint=(
-                "every rank must build the same model from the same seed (or load the same "
-                "weights) and pass the same settings, before training starts"
-            ),
+            hint="every rank must build the same model from the same seed (or load the same "
+            "weights) and pass the same settings, before training starts",
             process_group=self.comm.group,
         )
 
@@ -166,4 +159,4 @@ class Guards:
         """Wait for every collective in flight (not applying it): before raising alike."""
         for frag in self.fragments:
             for sync in frag.pending:
-                sync.wait()
+                sync.handle.wait()

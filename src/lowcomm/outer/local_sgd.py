@@ -1,20 +1,17 @@
 """LocalSGD: every H inner steps, replace each worker's parameters by the mean over workers.
 
-Paper: Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020
+Papers: Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020
 (https://arxiv.org/abs/1808.07217); Stich, "Local SGD Converges Fast and Communicates Little"
-(https://arxiv.org/abs/1805.09767).
+(https://arxiv.org/abs/1805.09767). On the engine: one fragment, no overlap, and the average is
+the anchor (no outer update). Buffers are not averaged. ``finish()`` averages once more if steps
+were taken since the last round.
 
-On the outer engine: one fragment, no overlap, and the average is the anchor itself (no outer
-update): θᵢ ← mean(θ). Blocking. Buffers are not averaged. ``finish()`` averages once more if
-steps were taken since the last round.
+Numeric guard: with no anchor to fall back on, a non-finite average (``nan_policy="skip"``) is
+taken again over the ranks whose parameters are finite (one more all-reduce, only then) and the
+ranks that diverged zero the non-finite values of their inner-optimizer state; with no finite
+rank left the run stops with :class:`~lowcomm.guard.NonFiniteError`.
 
-Numeric guard: LocalSGD keeps no anchor to fall back on. When the average holds NaN or Inf
-(``nan_policy="skip"``), the round is averaged again over the ranks whose own parameters are
-finite (one more all-reduce, only then), every rank takes that average, and the ranks that
-diverged zero the non-finite values of their inner-optimizer state. With no finite rank left
-the run stops with :class:`~lowcomm.guard.NonFiniteError` whatever the policy.
-
-Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
+Example::
 
     algo = lowcomm.LocalSGD(model, inner, sync_every=8)
 """
@@ -54,10 +51,9 @@ class LocalSGD(OuterAlgorithm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.sync_every == 1:
+            message = "LocalSGD with sync_every=1 averages parameters after every step; "
             warnings.warn(
-                "LocalSGD with sync_every=1 averages parameters after every step; "
-                "DistributedDataParallel does the same with less work",
-                stacklevel=2,
+                message + "DistributedDataParallel does the same with less work", stacklevel=2
             )
         self._last_sync = 0
 
@@ -78,8 +74,7 @@ class LocalSGD(OuterAlgorithm):
         buf = frag.anchor
         buf.copy_from(self.params)
         if not sync.own_ok:
-            for b in buf.buffers:
-                b.zero_()
+            torch._foreach_zero_(buf.buffers)
         count = torch.tensor([1.0 if sync.own_ok else 0.0], device=buf.device)
         self.comm.all_reduce_mean([*buf.buffers, count])
         finite = round(float(count) * self.world_size)
@@ -89,12 +84,8 @@ class LocalSGD(OuterAlgorithm):
                 "average (lower the learning rate, check the data)"
             )
         torch._foreach_mul_(buf.buffers, self.world_size / finite)
-        logger.warning(
-            "LocalSGD: %s averaged over the %d of %d ranks whose parameters are finite",
-            sync.label,
-            finite,
-            self.world_size,
-        )
+        message = "LocalSGD: %s averaged over the %d of %d ranks whose parameters are finite"
+        logger.warning(message, sync.label, finite, self.world_size)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"last_sync": self._last_sync}

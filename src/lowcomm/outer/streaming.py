@@ -2,46 +2,33 @@
 
 Paper: Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
 Distributed Free Lunch", 2025 (https://arxiv.org/abs/2501.18512). The schedule is torchft's
-``DiLoCo(model_fragments, sync_every, fragment_sync_delay, fragment_update_alpha)``:
+``DiLoCo(model_fragments, sync_every, fragment_sync_delay, fragment_update_alpha)``: a sync point
+every H/P inner steps, the k-th (k = 1, 2, …) syncs fragment (k − 1) mod P, whose
+Δ_p = A_p − θ_p was taken and all-reduced τ steps earlier; there Â_p = OuterOpt_p(A_p, Δ̄_p)
+and θ_p ← (1 − mix)·Â_p + mix·θ_p. torchft keeps one fragment in flight (τ < H/P); here any
+τ < H works (τ ≥ H/P hides more of a slow link with staler pseudo-gradients; the first sync
+points, whose launch would fall before step 1, are skipped).
 
-* sync points every H/P inner steps; the k-th (k = 1, 2, …) syncs fragment (k − 1) mod P;
-* fragment p's pseudo-gradient Δ_p = A_p − θ_p is taken and its all-reduce launched ``overlap``
-  (τ) inner steps before its sync point;
-* at the sync point: Â_p = OuterOpt_p(A_p, Δ̄_p); θ_p ← (1 − mix)·Â_p + mix·θ_p; A_p ← Â_p.
+Paper symbols → arguments: H ``sync_every``, P ``num_fragments``, τ ``overlap``, α ``mix``.
 
-torchft keeps at most one fragment in flight (τ < H/P). Here τ may be anything below H: with
-τ ≥ H/P the next fragment's all-reduce is launched while earlier ones are still running, which
-hides more of a slow link at the price of staler pseudo-gradients. The first sync points, whose
-launch would then fall before the first step, are skipped.
-
-Paper symbols → arguments: H ``sync_every``, P ``num_fragments``, τ ``overlap``, α ``mix``
-(the paper's mixing factor), outer α/β ``outer_lr``/``outer_momentum``.
-
-Example (then ``algo.step()`` after every inner step, ``algo.finish()`` at the end)::
+Example::
 
     algo = lowcomm.StreamingDiLoCo(model, inner, sync_every=48, num_fragments=4, overlap=2)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lowcomm.outer.diloco import OuterSGDConfig
-from lowcomm.outer.engine import OuterAlgorithm
-from lowcomm.outer.fragment import OptimizerState, OuterState
-from lowcomm.outer.hparams import (
-    HyperparameterError,
-    OuterConfig,
-    ShardableConfig,
-    check_number,
-    check_positive_int,
-    hyper,
-)
+from lowcomm.hparams import HyperparameterError, check_number, check_positive_int, hyper
+from lowcomm.outer.diloco import DiLoCo, OuterSGDConfig
+from lowcomm.outer.hparams import OuterConfig, ShardableConfig
+from lowcomm.params import check_partition, split_by_blocks
 
 __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_blocks"]
 
@@ -101,91 +88,34 @@ class StreamingConfig(FragmentsConfig, ShardableConfig):
     )
 
 
-def _find_blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The ``nn.ModuleList`` with the most children: the transformer blocks of usual models."""
-    best: nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and (best is None or len(module) > len(best)):
-            best = module
-    return best
-
-
-def split_by_blocks(model: nn.Module, num_fragments: int) -> list[list[torch.Tensor]]:
-    """Automatic fragments, strided by transformer block as in the Streaming DiLoCo paper.
-
-    Block j of the model's largest ``nn.ModuleList`` goes to fragment j mod P (blocks are
-    interleaved across fragments). Every other trainable parameter (embeddings, final norm,
-    head) goes, in ``named_parameters()`` order, to the fragment with the fewest elements so
-    far (ties: the lowest index), which keeps the fragments' sizes — and so the bursts on the
-    link — close to each other. Deterministic: every rank computes the same split.
-    """
-    blocks = _find_blocks(model)
-    if blocks is None or len(blocks) < num_fragments:
-        found = 0 if blocks is None else len(blocks)
-        raise ValueError(
-            f"automatic fragments need at least num_fragments={num_fragments} transformer "
-            f"blocks in an nn.ModuleList, found {found}; pass fragments=[module, ...] instead"
-        )
-    groups: list[list[torch.Tensor]] = [[] for _ in range(num_fragments)]
-    in_blocks: set[int] = set()
-    for j, block in enumerate(blocks):
-        for p in block.parameters():
-            if p.requires_grad and id(p) not in in_blocks:
-                groups[j % num_fragments].append(p)
-                in_blocks.add(id(p))
-    sizes = [sum(p.numel() for p in g) for g in groups]
-    seen: set[int] = set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in in_blocks or id(p) in seen:
-            continue
-        seen.add(id(p))
-        i = min(range(num_fragments), key=lambda f: (sizes[f], f))
-        groups[i].append(p)
-        sizes[i] += p.numel()
-    return groups
-
-
-class StreamingDiLoCo(OuterAlgorithm):
-    """Streaming DiLoCo: P fragments synced in turn, each all-reduce overlapped with τ steps
-    (see the module docstring); one outer optimizer per fragment, as :class:`~lowcomm.DiLoCo`.
-    Automatic fragments (``num_fragments``) need the model as an ``nn.Module``
-    (:func:`split_by_blocks`). ``finish()`` applies every all-reduce still in flight and then
-    resets every fragment to its anchor, so all ranks agree; local progress since a fragment's
-    last sync is dropped."""
+class StreamingDiLoCo(DiLoCo):
+    """Streaming DiLoCo (see the module docstring): one outer optimizer per fragment, as
+    :class:`~lowcomm.DiLoCo`; automatic fragments need an ``nn.Module``. ``finish()`` applies
+    what is in flight and resets every fragment to its anchor (local progress since a
+    fragment's last sync is dropped)."""
 
     name = "streaming"
     Config: ClassVar[type[OuterConfig]] = StreamingConfig
     config: FragmentsConfig
     schedule = "fragments"
-    # Fragments are synced at their own sync points, not at round boundaries; the docstring
-    # says what finish() drops.
     _discards_partial_round = False
     _flat_state = False
 
     @classmethod
     def _complete(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-        fragments = hyperparameters.get("fragments")
-        if fragments is not None:
-            given = hyperparameters.get("num_fragments")
-            if given is not None and given != len(fragments):
-                raise HyperparameterError(
-                    "num_fragments",
-                    f"but {len(fragments)} fragments were given; pass one of the two",
-                    shown=str(given),
-                )
-            hyperparameters = {**hyperparameters, "num_fragments": len(fragments)}
-        elif hyperparameters.get("num_fragments") is None:
-            hyperparameters = {k: v for k, v in hyperparameters.items() if k != "num_fragments"}
+        fragments, given = (
+            hyperparameters.get("fragments"),
+            hyperparameters.pop("num_fragments", None),
+        )
+        if fragments is not None and given is not None and given != len(fragments):
+            problem = f"but {len(fragments)} fragments were given; pass one of the two"
+            raise HyperparameterError("num_fragments", problem, shown=str(given))
+        if fragments is not None or given is not None:
+            hyperparameters["num_fragments"] = given if fragments is None else len(fragments)
         return hyperparameters
 
-    def _overlap(self) -> int:
-        return int(self.config.overlap)
-
-    def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
-        return OptimizerState(self.config.outer_factory(), anchor)
-
     def _fragment_groups(
-        self, model_or_params: nn.Module | list[torch.Tensor]
+        self, model_or_params: nn.Module | Iterable[torch.Tensor]
     ) -> list[list[torch.Tensor]]:
         fragments = self.config.fragments
         if fragments is None:
@@ -203,23 +133,7 @@ class StreamingDiLoCo(OuterAlgorithm):
                 [q for q in (f.parameters() if isinstance(f, nn.Module) else f) if q.requires_grad]
                 for f in fragments
             ]
-        mine = {id(q) for q in self.params}
-        seen: set[int] = set()
-        for i, g in enumerate(groups):
-            if not g:
-                raise ValueError(f"fragment {i} has no trainable parameters")
-            for q in g:
-                if id(q) in seen:
-                    raise ValueError(f"a parameter appears in two fragments (again in {i})")
-                if id(q) not in mine:
-                    raise ValueError(f"fragment {i} holds a parameter that is not in the model")
-                seen.add(id(q))
-        if len(seen) != len(mine):
-            raise ValueError(
-                f"{len(mine) - len(seen)} trainable parameter(s) are in no fragment and would "
-                "never be synchronised; give every parameter to a fragment"
-            )
-        return groups
+        return check_partition(groups, self.params)
 
     def _merge(self, f: int) -> None:
         """θ_p ← (1 − mix)·Â_p + mix·θ_p (Â_p is now the fragment's anchor)."""

@@ -44,9 +44,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lowcomm.hparams import HyperparameterError
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
-from lowcomm.outer.hparams import HyperparameterError
 from lowcomm.registry import BASELINES, REGISTRY, names
 from lowcomm.train.errors import ConfigError, check_float, check_int, check_string
 from lowcomm.train.outer_keys import (

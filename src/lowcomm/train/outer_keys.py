@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lowcomm.hparams import public_fields
 from lowcomm.outer.co2 import CO2
 from lowcomm.outer.engine import OuterAlgorithm
-from lowcomm.outer.hparams import ShardableConfig, public_fields
+from lowcomm.outer.hparams import ShardableConfig
 from lowcomm.registry import REGISTRY, AlgorithmEntry
 
 __all__ = [
