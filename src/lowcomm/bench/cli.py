@@ -3,6 +3,7 @@
 lowcomm bench --quick                          # < 5 minutes on 2 cores
 lowcomm bench                                  # the full matrix
 lowcomm bench --algos co2,ddp --links 1gbit,100mbit --workers 2,4 --steps 120
+lowcomm bench --convergence                    # loss and time to DDP's loss, 3 seeds
 """
 
 from __future__ import annotations
@@ -54,7 +55,42 @@ def add_subcommand(subparsers: Any) -> None:
         default=False,
         help="the small matrix: ddp, co2, diloco on 1gbit and 100mbit; 2 workers; 96 steps",
     )
-    p.add_argument("--algos", type=_csv, metavar="A,B", help="algorithms (lowcomm train --algo)")
+    p.add_argument(
+        "--convergence",
+        action="store_true",
+        default=False,
+        help="the convergence harness instead of the matrix: every algorithm and DDP over "
+        "--seeds, loss at equal tokens, and steps, tokens and wall time on each of --links to "
+        "DDP's final loss (writes convergence.md, results.json and plots; default out "
+        "runs/convergence)",
+    )
+    p.add_argument("--seeds", type=_int_csv, metavar="S,T", help="--convergence: default 0,1,2")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        default=False,
+        help="--convergence: also run every job 4x longer",
+    )
+    p.add_argument(
+        "--timing-steps",
+        dest="timing_steps",
+        type=int,
+        metavar="N",
+        help="--convergence: steps of each job timed on a link (default 48)",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        default=False,
+        help="--convergence: keep finished jobs of an earlier run in --out",
+    )
+    p.add_argument(
+        "--algos",
+        type=_csv,
+        metavar="A,B",
+        help="algorithms (lowcomm train --algo), each optionally +CODEC; with --convergence also "
+        "/KEY=VALUE job settings (co2/outer_lr=0.3/outer_momentum=0)",
+    )
     p.add_argument("--links", type=_csv, metavar="L,M", help="link profiles or RATE:LATENCY values")
     p.add_argument("--workers", type=_int_csv, metavar="N,M", help="worker counts")
     p.add_argument("--steps", type=int, metavar="N", help="inner steps per worker per cell")
@@ -119,15 +155,62 @@ def add_subcommand(subparsers: Any) -> None:
     p.set_defaults(_run=_run_bench)
 
 
+_CONVERGENCE_KEYS = {"algos", "workers", "steps", "links", "eval_every", "eval_batches", "out"}
+_CONVERGENCE_KEYS |= {"seeds", "timing_steps"}
+
+
+def _run_convergence(args: argparse.Namespace) -> int:
+    from lowcomm.bench.convergence import ConvergenceSpec, run_convergence
+    from lowcomm.bench.convergence_report import format_markdown
+
+    given = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    flags = ("quick", "convergence", "long", "reuse", "overwrite", "data")
+    wrong = sorted(k for k in given if k not in _CONVERGENCE_KEYS and k not in flags)
+    if wrong:
+        raise ValueError(
+            f"--{wrong[0].replace('_', '-')} is a flag of the bench matrix, not of --convergence"
+        )
+    if args.quick:
+        raise ValueError("--quick and --convergence are two different runs; pick one")
+    values = {k: v for k, v in given.items() if k in _CONVERGENCE_KEYS}
+    if getattr(args, "data", None) is not None:
+        values["train_overrides"] = {"data": args.data}
+    spec = ConvergenceSpec(**values, lengths=[1, 4] if args.long else [1], reuse=args.reuse)
+    results_path = os.path.join(spec.out, "results.json")
+    if os.path.exists(results_path) and not (args.overwrite or args.reuse):
+        raise ValueError(
+            f"--out {spec.out!r} already holds results; choose another folder, pass --overwrite, "
+            "or --reuse to keep its finished jobs"
+        )
+    command = "lowcomm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_convergence(
+        spec, command=command, progress=lambda text: print(text, file=sys.stderr, flush=True)
+    )
+    print(format_markdown(results))
+    print(f"results: {results_path} (+ convergence.md, loss_vs_tokens.png, loss_vs_time.png)")
+    return 0
+
+
 def _run_bench(args: argparse.Namespace, prog: str) -> int:
     from lowcomm.bench.matrix import BenchSpec, run_bench
     from lowcomm.bench.report import format_markdown
     from lowcomm.train.launcher import WorkerFailed
 
+    if args.convergence:
+        try:
+            return _run_convergence(args)
+        except WorkerFailed as e:
+            where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
+            print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
+            return 1
+    for key in ("seeds", "timing_steps", "long", "reuse"):
+        if getattr(args, key, False) not in (False, None):
+            raise ValueError(f"--{key.replace('_', '-')} is a flag of --convergence; add it")
     values = {
         k: v
         for k, v in vars(args).items()
-        if not k.startswith("_") and k not in ("quick", "overwrite", "data")
+        if not k.startswith("_")
+        and k not in ("quick", "overwrite", "data", "convergence", "long", "reuse")
     }
     if getattr(args, "data", None) is not None:
         values["train_overrides"] = {"data": args.data}

@@ -11,18 +11,18 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["format_markdown", "write_report"]
+__all__ = ["fmt", "format_markdown", "json_safe", "pyplot", "table", "write_report", "write_text"]
 
 _FILES = ("results.json", "results.md", "throughput.png", "loss_vs_time.png")
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -32,34 +32,34 @@ def write_report(results: dict[str, Any], out: str) -> list[str]:
     os.makedirs(out, exist_ok=True)
     paths = []
     path = os.path.join(out, "results.json")
-    _write_text(path, json.dumps(_json_safe(results), indent=1) + "\n")
+    write_text(path, json.dumps(json_safe(results), indent=1) + "\n")
     paths.append(path)
     path = os.path.join(out, "results.md")
-    _write_text(path, format_markdown(results))
+    write_text(path, format_markdown(results))
     paths.append(path)
     paths.append(plot_throughput(results, os.path.join(out, "throughput.png")))
     paths.append(plot_loss_vs_time(results, os.path.join(out, "loss_vs_time.png")))
     return paths
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
 
 
-def _fmt(value: Any, spec: str, missing: str = "-") -> str:
+def fmt(value: Any, spec: str, missing: str = "-") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return missing
     return format(value, spec)
 
 
 def _mb(value: Any) -> str:
-    return _fmt(None if value is None else value / 1e6, ".3f")
+    return fmt(None if value is None else value / 1e6, ".3f")
 
 
-def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+def table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return lines
@@ -79,10 +79,10 @@ def format_markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines += [
         f"Run {results['created']} on {m['cpu_count']} CPU cores, torch {m['torch']}; "
-        f"{_fmt(results.get('elapsed_s'), '.0f')} s in all.",
+        f"{fmt(results.get('elapsed_s'), '.0f')} s in all.",
         "",
         f"Every cell: GPT {s['n_layer']}x{s['n_embd']} "
-        f"({_fmt(results['model']['parameters'], ',')} parameters), {s['steps']} steps per "
+        f"({fmt(results['model']['parameters'], ',')} parameters), {s['steps']} steps per "
         f"worker of {s['batch_size']}x{s['block_size']} tokens, seed {s['seed']}, "
         f"H = {s['sync_every']} (DDP: every step), data: {s['data']}. "
         "Tokens/s count training time only (evaluations excluded). "
@@ -114,7 +114,7 @@ def format_markdown(results: dict[str, Any]) -> str:
         "## Throughput, traffic and loss",
         "",
         f"Time to target: training time until the validation loss first reaches "
-        f"{_fmt(target, '.3f')} (linear between evaluations).",
+        f"{fmt(target, '.3f')} (linear between evaluations).",
         "",
     ]
     header = [
@@ -138,16 +138,16 @@ def format_markdown(results: dict[str, Any]) -> str:
                 r["algo"],
                 str(r["workers"]),
                 _link_label(r),
-                _fmt(r["tokens_per_s"], ",.0f"),
-                _fmt(r["ratio_to_ceiling"], ".1%"),
-                _fmt(r["hidden_fraction"], ".1%"),
+                fmt(r["tokens_per_s"], ",.0f"),
+                fmt(r["ratio_to_ceiling"], ".1%"),
+                fmt(r["hidden_fraction"], ".1%"),
                 _mb(r["payload_bytes_per_worker_step"]),
                 _mb(r["wire_bytes_per_worker_step"]),
-                _fmt(r["val_loss_final"], ".3f"),
-                _fmt(r["time_to_target_s"], ".1f", "not reached"),
+                fmt(r["val_loss_final"], ".3f"),
+                fmt(r["time_to_target_s"], ".1f", "not reached"),
             ]
         )
-    lines += _table(header, rows)
+    lines += table(header, rows)
     lines += ["", f"Validation loss after {s['steps']} steps per worker (equal tokens)."]
 
     real = results.get("real_links") or {}
@@ -183,16 +183,16 @@ def format_markdown(results: dict[str, Any]) -> str:
                     r["algo"],
                     str(r["workers"]),
                     r["link"],
-                    _fmt(r["tokens_per_s"], ",.0f"),
-                    _fmt(emu, ",.0f"),
-                    _fmt(None if not emu else emu / r["tokens_per_s"], ".2f"),
-                    _fmt(r["ratio_to_ceiling"], ".1%"),
-                    _fmt(None if twin is None else twin["ratio_to_ceiling"], ".1%"),
-                    _fmt(r["hidden_fraction"], ".1%"),
-                    _fmt(None if twin is None else twin["hidden_fraction"], ".1%"),
+                    fmt(r["tokens_per_s"], ",.0f"),
+                    fmt(emu, ",.0f"),
+                    fmt(None if not emu else emu / r["tokens_per_s"], ".2f"),
+                    fmt(r["ratio_to_ceiling"], ".1%"),
+                    fmt(None if twin is None else twin["ratio_to_ceiling"], ".1%"),
+                    fmt(r["hidden_fraction"], ".1%"),
+                    fmt(None if twin is None else twin["hidden_fraction"], ".1%"),
                 ]
             )
-        lines += _table(
+        lines += table(
             [
                 "algorithm",
                 "workers",
@@ -223,16 +223,16 @@ def format_markdown(results: dict[str, Any]) -> str:
         rows = [
             [
                 a["algo"],
-                _fmt(a["bare_step_s"] * 1e3, ".1f"),
-                _fmt(None if a["hook_s"] is None else a["hook_s"] * 1e6, ".1f"),
-                _fmt(a["hook_fraction"], ".3%"),
-                _fmt(a["ab_overhead"], "+.1%"),
-                _fmt(None if a["outer_step_s"] is None else a["outer_step_s"] * 1e3, ".1f"),
-                _fmt(a["outer_over_inner"], ".2f"),
+                fmt(a["bare_step_s"] * 1e3, ".1f"),
+                fmt(None if a["hook_s"] is None else a["hook_s"] * 1e6, ".1f"),
+                fmt(a["hook_fraction"], ".3%"),
+                fmt(a["ab_overhead"], "+.1%"),
+                fmt(None if a["outer_step_s"] is None else a["outer_step_s"] * 1e3, ".1f"),
+                fmt(a["outer_over_inner"], ".2f"),
             ]
             for a in overhead["algorithms"]
         ]
-        lines += _table(
+        lines += table(
             [
                 "algorithm",
                 "bare step (ms)",
@@ -262,15 +262,15 @@ def format_markdown(results: dict[str, Any]) -> str:
                 r["algo"],
                 "sharded" if r["sharded"] else "-",
                 str(r["workers"]),
-                _fmt(r["state_bytes"] / 1e6, ".2f"),
-                _fmt(r["state_over_model"], ".2f"),
-                _fmt(r.get("state_vs_unsharded"), ".3f"),
-                _fmt(r["buffer_bytes"] / 1e6, ".2f"),
-                _fmt(r["buffers_over_model"], ".2f"),
+                fmt(r["state_bytes"] / 1e6, ".2f"),
+                fmt(r["state_over_model"], ".2f"),
+                fmt(r.get("state_vs_unsharded"), ".3f"),
+                fmt(r["buffer_bytes"] / 1e6, ".2f"),
+                fmt(r["buffers_over_model"], ".2f"),
             ]
             for r in memory["rows"]
         ]
-        lines += _table(
+        lines += table(
             [
                 "algorithm",
                 "outer state",
@@ -294,14 +294,14 @@ def format_markdown(results: dict[str, Any]) -> str:
             verdict = "met"
         else:
             gap = value - g["limit"] if g["kind"] == "max" else g["limit"] - value
-            verdict = f"**missed** by {_fmt(gap, g['format'])}"
-        goal_rows.append([g["goal"], _fmt(value, g["format"]), verdict])
-    lines += _table(["goal", "measured", "verdict"], goal_rows)
+            verdict = f"**missed** by {fmt(gap, g['format'])}"
+        goal_rows.append([g["goal"], fmt(value, g["format"]), verdict])
+    lines += table(["goal", "measured", "verdict"], goal_rows)
     lines.append("")
     return "\n".join(lines)
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,7 +312,7 @@ def _plt() -> Any:
 
 def plot_throughput(results: dict[str, Any], path: str) -> str:
     """Tokens/s against link bandwidth per algorithm and worker count; ceilings dashed."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     matrix = [r for r in results["cells"] if r["role"] == "matrix"]
     keys = sorted({(r["algo"], r["workers"]) for r in matrix}, key=lambda k: (k[1], k[0]))
@@ -343,7 +343,7 @@ def plot_throughput(results: dict[str, Any], path: str) -> str:
 
 def plot_loss_vs_time(results: dict[str, Any], path: str) -> str:
     """Validation loss against training time, one panel per link (lowest worker count)."""
-    plt = _plt()
+    plt = pyplot()
     matrix = [r for r in results["cells"] if r["role"] == "matrix"]
     workers = min((r["workers"] for r in matrix), default=0)
     links = sorted(

@@ -1,0 +1,251 @@
+"""``lowcomm bench --convergence``: how soon each algorithm reaches DDP's loss, per token and per
+second, over several seeds.
+
+Users buy time to a loss, which takes two measurements (../DESIGN "Convergence"):
+
+* **loss at equal tokens**: every (algorithm, worker count, seed) trains the same job for the
+  same steps with no link emulation (an emulated link changes when things happen, never what is
+  computed: the schedules are by step), and the harness reads its validation curve;
+* **step time on each link**: every (algorithm, worker count, link) trains a short job of
+  ``timing_steps`` on the emulated link and the harness divides its training time (evaluations
+  excluded) by its steps.
+
+From those, per cell: the final validation loss (mean and spread over seeds) and its gap to
+DDP's, the steps and tokens at which the seed-mean curve first reaches DDP's final mean loss
+(linear between evaluations), and the wall time to it on every link, steps × that cell's own
+step time on the link. ``lengths`` runs the job at several multiples of its steps (``--long``:
+1× and 4×), which says whether a gap closes or grows with training. The assembled results and
+goals are :mod:`lowcomm.bench.convergence_report`.
+
+An algorithm may carry job settings after slashes, so variants sit side by side::
+
+    spec = ConvergenceSpec(algos=["ddp", "co2", "co2/outer_lr=0.3/outer_momentum=0.0"])
+    results = run_convergence(spec)      # writes spec.out/results.json, convergence.md, plots
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowcomm.link import EmulatedLink
+from lowcomm.registry import REGISTRY, outer_names
+
+__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence"]
+
+logger = logging.getLogger(__name__)
+
+
+def _default_algos() -> list[str]:
+    return ["ddp", *outer_names()]
+
+
+def algo_fields(algo: str) -> dict[str, Any]:
+    """``"co2/outer_lr=0.3/eager=True"`` -> ``{"algo": "co2", "outer_lr": 0.3, "eager": True}``
+    (values as Python literals where they parse, else strings); ``+CODEC`` sets compression."""
+    name, *settings = algo.split("/")
+    base, plus, codec = name.partition("+")
+    out: dict[str, Any] = {"algo": base.strip()}
+    if plus:
+        out["compression"] = codec
+    for item in filter(None, (s.strip() for s in settings)):
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(
+                f"algos: {algo!r} has a setting {item!r} that is not KEY=VALUE; e.g. "
+                "co2/outer_lr=0.3/outer_momentum=0.0"
+            )
+        try:
+            value: Any = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            value = text.strip()
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+@dataclass
+class ConvergenceSpec:
+    """What the harness runs. Every training setting not named here is the ``lowcomm train``
+    job's default (or ``train_overrides``).
+
+    Attributes:
+        algos: ``--algo`` values, each optionally with ``+CODEC`` and ``/KEY=VALUE`` job
+            settings (the first ``ddp`` is the reference every gap and target is taken from).
+        workers: worker counts.
+        seeds: seeds per cell (model initialisation and data order).
+        steps: inner steps per worker of the 1× job (``None``: the job's default).
+        lengths: multiples of ``steps`` to run (``[1, 4]``: the default job and one 4× longer).
+        links: link profiles the step time is measured on.
+        timing_steps: steps of each timing job (rounded up to whole rounds).
+        eval_every: steps between evaluations (``None``: the job's default).
+        eval_batches: batches per evaluation (``None``: the job's default).
+        train_overrides: other ``TrainConfig`` fields for every job (model size, data...).
+        out: output folder.
+        reuse: keep the jobs of an earlier run in ``out`` whose settings match (an interrupted
+            run continues); otherwise every job runs again.
+    """
+
+    algos: list[str] = field(default_factory=_default_algos)
+    workers: list[int] = field(default_factory=lambda: [2, 4])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    steps: int | None = None
+    lengths: list[int] = field(default_factory=lambda: [1])
+    links: list[str] = field(default_factory=lambda: ["100mbit", "1gbit"])
+    timing_steps: int = 48
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    train_overrides: dict[str, Any] = field(default_factory=dict)
+    out: str = os.path.join("runs", "convergence")
+    reuse: bool = False
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting and its fix; build one job of each
+        algorithm so that a bad job setting fails now, not an hour in."""
+        if not self.algos:
+            raise ValueError("algos: give at least one algorithm, e.g. ddp,co2")
+        choices = [n for n, e in REGISTRY.items() if e.schedule != "never"]
+        for algo in self.algos:
+            base = algo_fields(algo)["algo"]
+            if base not in choices:
+                raise ValueError(
+                    f"algos: unknown algorithm {base!r} in {algo!r}; choose from "
+                    f"{', '.join(choices)}"
+                )
+        if len(set(self.algos)) != len(self.algos):
+            raise ValueError(f"algos: {self.algos} names an algorithm twice")
+        for key in ("workers", "seeds", "lengths"):
+            values = getattr(self, key)
+            low = 0 if key == "seeds" else 1
+            if not values or any(not isinstance(v, int) or v < low for v in values):
+                raise ValueError(f"{key}: need integers >= {low}, got {values!r}")
+        for link in self.links:
+            EmulatedLink.parse(link)
+        for key in ("steps", "eval_every", "eval_batches", "timing_steps"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key}: must be an integer >= 1, got {value!r}")
+        for algo in self.algos:
+            for length in self.lengths:
+                self.train_config(algo, self.workers[0], self.seeds[0], length)
+
+    def train_config(
+        self, algo: str, workers: int, seed: int, length: int = 1, link: str | None = None
+    ) -> Any:
+        """The ``TrainConfig`` of one job: a loss job (``link`` None) or a timing job."""
+        from lowcomm.train.config import config_from_dict
+
+        values: dict[str, Any] = {**self.train_overrides, **algo_fields(algo)}
+        values.update(workers=workers, seed=seed, overwrite=True, quiet=True)
+        base = config_from_dict(values, source=f"--algos {algo!r}")
+        steps = (self.steps or base.steps) * length
+        if link is None:
+            name = f"loss-{_slug(algo)}-w{workers}-x{length}-s{seed}"
+            values.update(steps=steps, link=None)
+            if self.eval_every is not None:
+                values["eval_every"] = self.eval_every
+        else:
+            h = base.sync_every if REGISTRY[base.algo].is_outer else 1
+            timing = h * math.ceil(self.timing_steps / h)
+            name = f"time-{_slug(algo)}-w{workers}-{_slug(link)}"
+            values.update(steps=timing, link=link, eval_every=timing)
+        if self.eval_batches is not None:
+            values["eval_batches"] = self.eval_batches
+        values.update(name=name, out=os.path.join(self.out, "jobs", name))
+        return config_from_dict(values, source="convergence").with_paths()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+=-]+", "-", text).strip("-")
+
+
+def _read_curve(out: str) -> list[list[float]]:
+    """``[tokens, step, val_loss]`` of every evaluation of a finished job."""
+    points = []
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "eval" and record.get("val_loss") is not None:
+                points.append([record["tokens"], record["step"], record["val_loss"]])
+    return points
+
+
+def _job(cfg: Any, reuse: bool) -> tuple[dict[str, Any], bool]:
+    """Run one job (or reuse its finished summary when ``reuse`` and the settings match)."""
+    from lowcomm.train.launcher import launch
+
+    summary_path = os.path.join(cfg.out, "summary.json")
+    if reuse and os.path.exists(summary_path):
+        with open(summary_path, encoding="utf-8") as f:
+            summary = json.load(f)
+        # the job's name carries its algorithm, settings, workers, length and seed
+        if (summary.get("steps"), summary.get("workers")) == (cfg.steps, cfg.workers):
+            return summary, True
+    summary = launch(cfg)
+    assert summary is not None
+    return summary, False
+
+
+def run_convergence(
+    spec: ConvergenceSpec,
+    *,
+    command: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every loss job and timing job of ``spec``; write the report to ``spec.out``; return
+    the results (:func:`lowcomm.bench.convergence_report.assemble`).
+
+    Raises:
+        ValueError: a bad setting.
+        lowcomm.train.launcher.WorkerFailed: a job's worker failed.
+    """
+    from lowcomm.bench.convergence_report import assemble, write_report
+
+    spec.validate()
+    note = progress or (lambda text: logger.info("%s", text))
+    os.makedirs(spec.out, exist_ok=True)
+    t_start = time.perf_counter()
+    jobs: list[tuple[str, int, int, int, str | None]] = [
+        (algo, w, seed, length, None)
+        for length in spec.lengths
+        for w in spec.workers
+        for algo in spec.algos
+        for seed in spec.seeds
+    ]
+    jobs += [
+        (algo, w, spec.seeds[0], 1, link)
+        for w in spec.workers
+        for algo in spec.algos
+        for link in spec.links
+    ]
+    runs: list[dict[str, Any]] = []
+    timings: list[dict[str, Any]] = []
+    for i, (algo, w, seed, length, link) in enumerate(jobs, 1):
+        cfg = spec.train_config(algo, w, seed, length, link)
+        t0 = time.perf_counter()
+        summary, reused = _job(cfg, spec.reuse)
+        took = "reused" if reused else f"{time.perf_counter() - t0:.0f} s"
+        row = {"algo": algo, "base": cfg.algo, "workers": w, "steps": cfg.steps}
+        if link is None:
+            row.update(seed=seed, length=length, curve=_read_curve(cfg.out))
+            row.update(val_loss_final=summary["val_loss_final"], tokens=summary["tokens"])
+            runs.append(row)
+            what = f"seed {seed}, {length}x: val {row['val_loss_final']:.3f}"
+        else:
+            step_time = summary["train_time_s"] / cfg.steps
+            row.update(link=link, step_time_s=step_time)
+            timings.append(row)
+            what = f"{link}: {step_time * 1e3:.1f} ms/step"
+        note(f"[{i}/{len(jobs)}] {algo} x{w} {what} ({took})")
+    results = assemble(spec, runs, timings)
+    results["command"] = command
+    results["elapsed_s"] = time.perf_counter() - t_start
+    write_report(results, spec.out)
+    return results

@@ -1,0 +1,251 @@
+"""The results of ``lowcomm bench --convergence``: per (length, worker count, algorithm) the
+final validation loss over seeds and its gap to DDP's, the steps, tokens and wall time on each
+link to DDP's final mean loss, the goals each run is checked against; ``convergence.md``,
+``loss_vs_tokens.png`` and ``loss_vs_time.png``.
+
+Example::
+
+    results = assemble(spec, runs, timings)
+    [(g["goal"], g["met"]) for g in results["goals"]]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lowcomm.bench.report import fmt, json_safe, pyplot, table, write_text
+from lowcomm.bench.results import interpolate_time_to_target
+from lowcomm.registry import REGISTRY
+
+if TYPE_CHECKING:
+    from lowcomm.bench.convergence import ConvergenceSpec
+
+__all__ = ["assemble", "format_markdown", "write_report"]
+
+GAP_GOALS = {"diloco": 0.02, "streaming": 0.02, "cocodc": 0.02, "co2": 0.03}
+"""Largest gap to DDP's validation loss at equal tokens each algorithm's defaults must meet."""
+
+
+def _mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """``[tokens, step, mean val_loss]`` at the evaluations every seed has."""
+    steps = set.intersection(*({int(p[1]) for p in c} for c in curves))
+    out = []
+    for step in sorted(steps):
+        points = [next(p for p in c if int(p[1]) == step) for c in curves]
+        out.append([points[0][0], step, statistics.fmean(p[2] for p in points)])
+    return out
+
+
+def _cell(runs: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, Any]:
+    finals = [r["val_loss_final"] for r in runs]
+    first = runs[0]
+    return {
+        "algo": first["algo"],
+        "base": first["base"],
+        "workers": first["workers"],
+        "length": first["length"],
+        "steps": first["steps"],
+        "tokens": first["tokens"],
+        "tokens_per_step": first["tokens"] // first["steps"],
+        "seeds": [r["seed"] for r in runs],
+        "val_loss_final": finals,
+        "val_loss_mean": statistics.fmean(finals),
+        "val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+        "curve": _mean_curve([r["curve"] for r in runs]),
+        "step_time_s": dict(timings),
+    }
+
+
+def assemble(
+    spec: ConvergenceSpec, runs: list[dict[str, Any]], timings: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """``results.json``: the cells (seeds merged), their gaps and times to DDP's final mean
+    loss (``target``, per length and worker count), and the goals. ``runs`` are the loss jobs
+    (``algo`` as given, ``base`` its ``--algo`` name, ``workers``, ``seed``, ``length``,
+    ``steps``, ``tokens``, ``curve``, ``val_loss_final``); ``timings`` the timing jobs
+    (``algo``, ``workers``, ``link``, ``step_time_s``)."""
+    step_times: dict[tuple[str, int], dict[str, float]] = {}
+    for t in timings:
+        step_times.setdefault((t["algo"], t["workers"]), {})[t["link"]] = t["step_time_s"]
+    groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["length"], r["workers"], r["algo"]), []).append(r)
+    cells = [_cell(rs, step_times.get((a, w), {})) for (_, w, a), rs in groups.items()]
+    bases = {r["algo"]: r["base"] for r in runs}
+    reference = next((a for a in spec.algos if bases.get(a) == "ddp"), None)
+    for c in cells:
+        ddp = _find(cells, reference, c["workers"], c["length"]) if reference else None
+        c["target"] = None if ddp is None else ddp["val_loss_mean"]
+        c["gap"] = None if ddp is None else c["val_loss_mean"] / ddp["val_loss_mean"] - 1
+        steps = None
+        if c["target"] is not None:
+            steps = interpolate_time_to_target(c["curve"], c["target"])
+        c["steps_to_target"] = steps
+        c["tokens_to_target"] = None if steps is None else steps * c["tokens_per_step"]
+        c["time_to_target_s"] = {
+            link: None if steps is None else steps * t for link, t in c["step_time_s"].items()
+        }
+    return {
+        "kind": "convergence",
+        "reference": reference,
+        "settings": {
+            "algos": spec.algos,
+            "workers": spec.workers,
+            "seeds": spec.seeds,
+            "lengths": spec.lengths,
+            "links": spec.links,
+            "timing_steps": spec.timing_steps,
+            "train_overrides": spec.train_overrides,
+        },
+        "cells": cells,
+        "goals": goals(cells, reference),
+    }
+
+
+def _find(
+    cells: list[dict[str, Any]], algo: str, workers: int, length: int = 1
+) -> dict[str, Any] | None:
+    wanted = (algo, workers, length)
+    return next((c for c in cells if (c["algo"], c["workers"], c["length"]) == wanted), None)
+
+
+def _time(cell: dict[str, Any] | None, link: str) -> float | None:
+    if cell is None or link not in cell["time_to_target_s"]:
+        return None
+    t = cell["time_to_target_s"][link]
+    return float("inf") if t is None else t
+
+
+def _goal(goal: str, value: float | None, spec: str, met: bool | None) -> dict[str, Any]:
+    return {"goal": goal, "value": value, "format": spec, "met": met}
+
+
+def goals(cells: list[dict[str, Any]], reference: str | None) -> list[dict[str, Any]]:
+    """The convergence goals, each ``met`` True/False (None: not measured in this run)."""
+    out: list[dict[str, Any]] = []
+    workers = sorted({c["workers"] for c in cells if c["length"] == 1})
+    for algo, limit in GAP_GOALS.items():
+        for w in workers:
+            c = _find(cells, algo, w)
+            gap = None if c is None else c["gap"]
+            met = None if gap is None else gap <= limit
+            goal = f"{algo}, {w} workers: within {limit:.0%} of DDP's loss, equal tokens"
+            out.append(_goal(goal, gap, "+.1%", met))
+    co2, ddp = _find(cells, "co2", 2), _find(cells, reference or "ddp", 2)
+    fast, slow_ddp = _time(co2, "100mbit"), _time(ddp, "100mbit")
+    speedup = None if fast is None or slow_ddp is None or fast == 0 else slow_ddp / fast
+    met = None if speedup is None else speedup >= 3
+    out.append(
+        _goal(
+            "co2, 2 workers, 100mbit: DDP's final loss >= 3x sooner than DDP", speedup, ".2f", met
+        )
+    )
+    blocking: list[float] = []
+    for c in cells:
+        schedule = REGISTRY[c["base"]].schedule
+        t = _time(c, "100mbit")
+        if (c["workers"], c["length"], schedule) == (2, 1, "blocking") and t is not None:
+            blocking.append(t)
+    value = None if fast is None or not blocking else min(blocking) / fast
+    met = None if fast is None or not blocking else fast < min(blocking)
+    out.append(
+        _goal("co2, 2 workers, 100mbit: sooner than every blocking algorithm", value, ".2f", met)
+    )
+    fast, slow_ddp = _time(co2, "1gbit"), _time(ddp, "1gbit")
+    ratio = None if fast is None or slow_ddp is None or fast == 0 else slow_ddp / fast
+    met = None if ratio is None else ratio >= 1
+    out.append(
+        _goal("co2, 2 workers, 1gbit: not slower than DDP to DDP's final loss", ratio, ".2f", met)
+    )
+    return out
+
+
+def format_markdown(results: dict[str, Any]) -> str:
+    """The report: one table per (length, worker count), the goals, the command."""
+    cells = results["cells"]
+    links = list(results["settings"]["links"])
+    lines = ["# Convergence: time to DDP's loss", ""]
+    for length, w in sorted({(c["length"], c["workers"]) for c in cells}):
+        group = [c for c in cells if (c["length"], c["workers"]) == (length, w)]
+        target = group[0]["target"]
+        lines += [
+            f"## {w} workers, {group[0]['steps']} steps ({length}x), target "
+            f"{fmt(target, '.3f')} (DDP's final mean loss)",
+            "",
+        ]
+        header = ["algo", "val loss (mean ± std)", "vs DDP", "tokens to target"]
+        header += [f"time to target, {link} (s)" for link in links]
+        rows = []
+        for c in group:
+            row = [
+                c["algo"],
+                f"{c['val_loss_mean']:.3f} ± {c['val_loss_std']:.3f}",
+                fmt(c["gap"], "+.1%"),
+                fmt(c["tokens_to_target"], ",.0f", "not reached"),
+            ]
+            for link in links:
+                t = c["time_to_target_s"].get(link)
+                row.append(fmt(t, ".1f", "not reached" if c["step_time_s"].get(link) else "-"))
+            rows.append(row)
+        lines += [*table(header, rows), ""]
+    lines += ["## Goals", ""]
+    rows = [
+        [g["goal"], fmt(g["value"], g["format"]), {True: "met", False: "missed"}.get(g["met"], "-")]
+        for g in results["goals"]
+    ]
+    lines += [*table(["goal", "value", ""], rows), ""]
+    if results.get("command"):
+        lines += [f"Command: `{results['command']}`", ""]
+    if results.get("elapsed_s") is not None:
+        lines += [f"Elapsed: {results['elapsed_s'] / 60:.1f} min", ""]
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], out: str) -> list[str]:
+    """``results.json``, ``convergence.md`` and the two plots in ``out``; returns their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, n) for n in ("results.json", "convergence.md")]
+    write_text(paths[0], json.dumps(json_safe(results), indent=1) + "\n")
+    write_text(paths[1], format_markdown(results))
+    paths.append(_plot(results, os.path.join(out, "loss_vs_tokens.png"), None))
+    paths.append(_plot(results, os.path.join(out, "loss_vs_time.png"), "time"))
+    return paths
+
+
+def _plot(results: dict[str, Any], path: str, x: str | None) -> str:
+    """Mean validation loss (1x jobs) against tokens per worker, one panel per worker count;
+    or (``x="time"``) against wall time, one panel per link, at the fewest workers."""
+    plt = pyplot()
+    cells = [c for c in results["cells"] if c["length"] == 1]
+    worker_counts = sorted({c["workers"] for c in cells})
+    panels: list[Any] = worker_counts if x is None else list(results["settings"]["links"])
+    n = max(1, len(panels))
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        w = panel if x is None else worker_counts[0]
+        for c in (c for c in cells if c["workers"] == w):
+            curve = c["curve"]
+            if x is None:
+                xs = [p[0] / w for p in curve]
+            elif panel in c["step_time_s"]:
+                xs = [p[1] * c["step_time_s"][panel] for p in curve]
+            else:
+                continue
+            ax.plot(xs, [p[2] for p in curve], marker=".", label=c["algo"])
+        target = next((c["target"] for c in cells if c["workers"] == w), None)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        title = f"{w} workers" if x is None else f"{panel} (emulated), {w} workers"
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("tokens per worker" if x is None else "training time (s)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (mean over seeds)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

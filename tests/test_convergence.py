@@ -1,0 +1,187 @@
+"""``lowcomm bench --convergence``: parsing, the assembly of seeds, targets, times and goals, and
+a tiny end-to-end run through real worker processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from lowcomm.bench.convergence import ConvergenceSpec, algo_fields, run_convergence
+from lowcomm.bench.convergence_report import assemble, format_markdown
+from lowcomm.cli import main
+from lowcomm.testing.jobs import TINY_JOB
+
+
+def test_algo_fields_parse_codecs_settings_and_literals():
+    assert algo_fields("co2") == {"algo": "co2"}
+    assert algo_fields("co2+int8:sr/outer_lr=0.3/eager=True/clip=none") == {
+        "algo": "co2",
+        "compression": "int8:sr",
+        "outer_lr": 0.3,
+        "eager": True,
+        "clip": "none",
+    }
+    assert algo_fields("diloco/sync-every=24") == {"algo": "diloco", "sync_every": 24}
+    with pytest.raises(ValueError, match="not KEY=VALUE"):
+        algo_fields("co2/outer_lr")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"algos": ["ddp", "fast"]}, "unknown algorithm 'fast'"),
+        ({"algos": ["co2", "co2"]}, "names an algorithm twice"),
+        ({"seeds": []}, "seeds: need integers"),
+        ({"lengths": [0]}, "lengths: need integers >= 1"),
+        ({"links": ["fast"]}, "fast"),
+        ({"timing_steps": 0}, "timing_steps: must be an integer >= 1"),
+        ({"algos": ["co2/outer_lr=-1"]}, "outer_lr"),
+        ({"algos": ["co2/no_such_key=1"]}, "no_such_key"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, changes, message):
+    spec = ConvergenceSpec(out=str(tmp_path / "c"), **changes)
+    with pytest.raises(ValueError, match=message):
+        spec.validate()
+    assert not (tmp_path / "c").exists()
+
+
+def _run(algo, base, seed, losses, workers=2, length=1):
+    # evaluations at steps 0, 10, 20, 30; 100 tokens per step
+    curve = [[100 * s, s, loss] for s, loss in zip((0, 10, 20, 30), losses)]
+    return {
+        "algo": algo,
+        "base": base,
+        "workers": workers,
+        "seed": seed,
+        "length": length,
+        "steps": 30,
+        "tokens": 3000,
+        "curve": curve,
+        "val_loss_final": losses[-1],
+    }
+
+
+def test_assemble_merges_seeds_and_times_the_target_on_each_link():
+    spec = ConvergenceSpec(algos=["ddp", "co2", "diloco"], workers=[2], seeds=[0, 1])
+    runs = [
+        _run("ddp", "ddp", 0, [5.0, 3.0, 2.2, 2.0]),
+        _run("ddp", "ddp", 1, [5.0, 3.2, 2.4, 2.2]),  # target: mean final 2.1
+        _run("co2", "co2", 0, [5.0, 2.5, 2.0, 2.0]),
+        _run("co2", "co2", 1, [5.0, 2.7, 2.2, 2.1]),  # mean curve reaches 2.1 at step 20
+        _run("diloco", "diloco", 0, [5.0, 4.0, 3.0, 2.5]),
+        _run("diloco", "diloco", 1, [5.0, 4.0, 3.0, 2.7]),  # never reaches 2.1
+    ]
+    timings = [
+        {"algo": "ddp", "workers": 2, "link": "100mbit", "step_time_s": 1.0},
+        {"algo": "co2", "workers": 2, "link": "100mbit", "step_time_s": 0.2},
+        {"algo": "diloco", "workers": 2, "link": "100mbit", "step_time_s": 0.5},
+    ]
+    results = assemble(spec, runs, timings)
+    cells = {c["algo"]: c for c in results["cells"]}
+    ddp, co2, diloco = cells["ddp"], cells["co2"], cells["diloco"]
+    assert ddp["val_loss_mean"] == pytest.approx(2.1)
+    assert ddp["val_loss_std"] == pytest.approx(math.sqrt(0.02))
+    assert [p[2] for p in ddp["curve"]] == pytest.approx([5.0, 3.1, 2.3, 2.1])
+    assert ddp["target"] == pytest.approx(2.1) and ddp["gap"] == pytest.approx(0.0)
+    assert ddp["steps_to_target"] == pytest.approx(30)
+    assert co2["gap"] == pytest.approx(2.05 / 2.1 - 1)
+    assert co2["steps_to_target"] == pytest.approx(20)
+    assert co2["tokens_to_target"] == pytest.approx(2000)
+    assert co2["time_to_target_s"] == {"100mbit": pytest.approx(4.0)}
+    assert ddp["time_to_target_s"] == {"100mbit": pytest.approx(30.0)}
+    assert diloco["steps_to_target"] is None and diloco["time_to_target_s"] == {"100mbit": None}
+    goals = {g["goal"]: g for g in results["goals"]}
+    assert goals["co2, 2 workers: within 3% of DDP's loss, equal tokens"]["met"] is True
+    assert goals["diloco, 2 workers: within 2% of DDP's loss, equal tokens"]["met"] is False
+    assert goals["streaming, 2 workers: within 2% of DDP's loss, equal tokens"]["met"] is None
+    faster = goals["co2, 2 workers, 100mbit: DDP's final loss >= 3x sooner than DDP"]
+    assert faster["value"] == pytest.approx(7.5) and faster["met"] is True
+    # the only blocking algorithm never reaches the target: CO2 is sooner
+    assert goals["co2, 2 workers, 100mbit: sooner than every blocking algorithm"]["met"] is True
+    assert goals["co2, 2 workers, 1gbit: not slower than DDP to DDP's final loss"]["met"] is None
+    text = format_markdown(results)
+    assert "not reached" in text and "2.050 ± 0.071" in text
+
+
+def test_a_slower_co2_misses_its_time_goals():
+    spec = ConvergenceSpec(algos=["ddp", "co2", "localsgd"], workers=[2], seeds=[0])
+    runs = [
+        _run("ddp", "ddp", 0, [5.0, 3.0, 2.2, 2.0]),
+        _run("co2", "co2", 0, [5.0, 3.0, 2.5, 2.0]),  # reaches 2.0 at step 30
+        _run("localsgd", "localsgd", 0, [5.0, 2.0, 2.0, 2.0]),  # at step 10
+    ]
+    timings = [
+        {"algo": a, "workers": 2, "link": link, "step_time_s": t}
+        for a, t in (("ddp", 1.0), ("co2", 0.5), ("localsgd", 1.0))
+        for link in ("100mbit", "1gbit")
+    ]
+    goals = {g["goal"]: g["met"] for g in assemble(spec, runs, timings)["goals"]}
+    assert goals["co2, 2 workers, 100mbit: DDP's final loss >= 3x sooner than DDP"] is False
+    assert goals["co2, 2 workers, 100mbit: sooner than every blocking algorithm"] is False
+    assert goals["co2, 2 workers, 1gbit: not slower than DDP to DDP's final loss"] is True
+
+
+def _tiny_overrides() -> dict:
+    return {k: v for k, v in TINY_JOB.items() if k not in ("steps", "workers", "quiet")}
+
+
+def test_tiny_convergence_run_end_to_end(tmp_path):
+    out = tmp_path / "conv"
+    spec = ConvergenceSpec(
+        algos=["ddp", "co2/outer_lr=0.5"],
+        workers=[2],
+        seeds=[0, 1],
+        steps=8,
+        links=["1gbit"],
+        timing_steps=4,
+        train_overrides=_tiny_overrides(),
+        out=str(out),
+    )
+    notes: list[str] = []
+    results = run_convergence(spec, command="test", progress=notes.append)
+    assert len(notes) == 2 * 2 + 2  # loss jobs (2 algos x 2 seeds), then timing jobs
+    for name in ("results.json", "convergence.md", "loss_vs_tokens.png", "loss_vs_time.png"):
+        assert (out / name).stat().st_size > 0
+    cells = {c["algo"]: c for c in results["cells"]}
+    assert set(cells) == {"ddp", "co2/outer_lr=0.5"}
+    for algo, c in cells.items():
+        finals = []
+        for seed in (0, 1):
+            job = out / "jobs" / f"loss-{algo.replace('/', '-')}-w2-x1-s{seed}"
+            summary = json.loads((job / "summary.json").read_text())
+            assert summary["steps"] == 8 and summary["workers"] == 2
+            finals.append(summary["val_loss_final"])
+        assert c["val_loss_final"] == finals
+        assert finals[0] != finals[1]  # the seeds are different runs
+        assert c["step_time_s"]["1gbit"] > 0
+        assert [p[1] for p in c["curve"]] == [0, 4, 8]
+    assert cells["ddp"]["gap"] == 0.0 and cells["ddp"]["steps_to_target"] == pytest.approx(8)
+    written = json.loads((out / "results.json").read_text())
+    assert written["cells"][0]["val_loss_final"] == results["cells"][0]["val_loss_final"]
+
+    # --reuse keeps the finished jobs: the same numbers, no job runs again
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*/summary.json")}
+    again = run_convergence(
+        ConvergenceSpec(**{**spec.__dict__, "reuse": True}), progress=notes.append
+    )
+    assert all(n.endswith("(reused)") for n in notes[6:])
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    assert [c["val_loss_final"] for c in again["cells"]] == [
+        c["val_loss_final"] for c in results["cells"]
+    ]
+
+
+def test_cli_keeps_convergence_and_matrix_flags_apart(tmp_path, capsys):
+    assert main(["bench", "--convergence", "--quick"]) == 2
+    assert "pick one" in capsys.readouterr().err
+    assert main(["bench", "--convergence", "--real-links", "none"]) == 2
+    assert "--real-links is a flag of the bench matrix" in capsys.readouterr().err
+    assert main(["bench", "--seeds", "1,2", "--out", str(tmp_path / "m")]) == 2
+    assert "--seeds is a flag of --convergence" in capsys.readouterr().err
+    assert main(["bench", "--convergence", "--algos", "ddp,nope", "--out", str(tmp_path)]) == 2
+    assert "unknown algorithm 'nope'" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "results.json")
