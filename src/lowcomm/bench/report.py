@@ -11,19 +11,11 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["fmt", "format_markdown", "json_safe", "pyplot", "table", "write_report", "write_text"]
+from lowcomm.train.metrics import json_safe
+
+__all__ = ["fmt", "format_markdown", "pyplot", "table", "write_report", "write_text"]
 
 _FILES = ("results.json", "results.md", "throughput.png", "loss_vs_time.png")
-
-
-def json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def write_report(results: dict[str, Any], out: str) -> list[str]:

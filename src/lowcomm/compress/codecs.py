@@ -37,7 +37,6 @@ from lowcomm.compress.options import (
 from lowcomm.hparams import HyperparameterError
 
 __all__ = [
-    "check_compression",
     "BF16",
     "Codec",
     "ElementwiseCodec",
@@ -45,6 +44,7 @@ __all__ = [
     "Quantize",
     "Raw",
     "TopK",
+    "check_compression",
     "orthogonalize",
     "parse_codec",
     "parse_compression",

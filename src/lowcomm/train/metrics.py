@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "json_safe",
     "CHECKPOINT_NOTE",
     "RUN_FILES",
     "MetricsWriter",
@@ -78,14 +79,14 @@ def previous_run_files(folder: str) -> list[str]:
     return paths + sorted(glob.glob(os.path.join(glob.escape(folder), "error-rank*.txt")))
 
 
-def _json_safe(value: Any) -> Any:
-    # JSON has no NaN/inf; write null rather than an unparseable token.
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN or inf)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -99,7 +100,7 @@ class MetricsWriter:
         self._f = open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(_json_safe(record)) + "\n")
+        self._f.write(json.dumps(json_safe(record)) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -147,7 +148,7 @@ def fsync_dir(folder: str) -> None:
 
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as indented JSON, atomically."""
-    data = (json.dumps(_json_safe(obj), indent=2) + "\n").encode()
+    data = (json.dumps(json_safe(obj), indent=2) + "\n").encode()
     atomic_write(path, lambda f: f.write(data))
 
 

@@ -147,24 +147,20 @@ def _scenario_from_args(
         results = load_results(source)
 
     net_kwargs: dict[str, Any] = {}
-    if "bandwidth" in given:
-        bw, lat = _parse_link(args.bandwidth, "--bandwidth")
-        net_kwargs["bandwidth_bps"] = bw
-        if lat is not None:
-            net_kwargs["latency_s"] = lat
-    if "latency" in given:
-        net_kwargs["latency_s"] = _parse_time(args.latency, "--latency")
+    for tier in ("", "intra_"):
+        if f"{tier}bandwidth" in given:
+            flag = f"--{tier.replace('_', '-')}bandwidth"
+            bw, lat = _parse_link(getattr(args, f"{tier}bandwidth"), flag)
+            net_kwargs[f"{tier}bandwidth_bps"] = bw
+            if lat is not None:
+                net_kwargs[f"{tier}latency_s"] = lat
+        if f"{tier}latency" in given:
+            flag = f"--{tier.replace('_', '-')}latency"
+            net_kwargs[f"{tier}latency_s"] = _parse_time(getattr(args, f"{tier}latency"), flag)
     if "gpus_per_node" in given:
         net_kwargs["gpus_per_node"] = int(
             _parse_positive(args.gpus_per_node, "--gpus-per-node", integer=True)
         )
-    if "intra_bandwidth" in given:
-        ibw, ilat = _parse_link(args.intra_bandwidth, "--intra-bandwidth")
-        net_kwargs["intra_bandwidth_bps"] = ibw
-        if ilat is not None:
-            net_kwargs["intra_latency_s"] = ilat
-    if "intra_latency" in given:
-        net_kwargs["intra_latency_s"] = _parse_time(args.intra_latency, "--intra-latency")
 
     work_kwargs: dict[str, Any] = {}
     for key, flag, integer in (
