@@ -10,7 +10,7 @@ import os
 import pytest
 
 from lowcomm.bench.convergence import ConvergenceSpec, algo_fields, run_convergence
-from lowcomm.bench.convergence_report import assemble, format_markdown
+from lowcomm.bench.convergence_report import assemble, format_markdown, wall_time
 from lowcomm.cli import main
 from lowcomm.testing.jobs import TINY_JOB
 
@@ -107,6 +107,23 @@ def test_assemble_merges_seeds_and_times_the_target_on_each_link():
     assert "not reached" in text and "2.050 ± 0.071" in text
 
 
+def test_a_warm_start_is_timed_at_its_own_step_time():
+    spec = ConvergenceSpec(algos=["ddp", "co2"], workers=[2], seeds=[0])
+    runs = [
+        _run("ddp", "ddp", 0, [5.0, 3.0, 2.2, 2.0]),
+        {**_run("co2", "co2", 0, [5.0, 3.0, 2.5, 2.0]), "warm_steps": 10},  # 2.0 at step 30
+    ]
+    timings = [
+        {"algo": "ddp", "workers": 2, "link": "100mbit", "step_time_s": 1.0},
+        {"algo": "co2", "workers": 2, "link": "100mbit", "step_time_s": 0.2},
+    ]
+    timings[1]["warm_step_time_s"] = 1.5
+    co2 = {c["algo"]: c for c in assemble(spec, runs, timings)["cells"]}["co2"]
+    # 10 warm steps at 1.5 s, 20 more at 0.2 s
+    assert co2["time_to_target_s"] == {"100mbit": pytest.approx(19.0)}
+    assert wall_time(co2, "100mbit", 5) == pytest.approx(7.5)
+
+
 def test_a_slower_co2_misses_its_time_goals():
     spec = ConvergenceSpec(algos=["ddp", "co2", "localsgd"], workers=[2], seeds=[0])
     runs = [
@@ -132,7 +149,7 @@ def _tiny_overrides() -> dict:
 def test_tiny_convergence_run_end_to_end(tmp_path):
     out = tmp_path / "conv"
     spec = ConvergenceSpec(
-        algos=["ddp", "co2/outer_lr=0.5"],
+        algos=["ddp", "co2/outer_lr=0.5/sync_warmup=4"],
         workers=[2],
         seeds=[0, 1],
         steps=8,
@@ -147,7 +164,8 @@ def test_tiny_convergence_run_end_to_end(tmp_path):
     for name in ("results.json", "convergence.md", "loss_vs_tokens.png", "loss_vs_time.png"):
         assert (out / name).stat().st_size > 0
     cells = {c["algo"]: c for c in results["cells"]}
-    assert set(cells) == {"ddp", "co2/outer_lr=0.5"}
+    co2 = "co2/outer_lr=0.5/sync_warmup=4"
+    assert set(cells) == {"ddp", co2}
     for algo, c in cells.items():
         finals = []
         for seed in (0, 1):
@@ -160,6 +178,13 @@ def test_tiny_convergence_run_end_to_end(tmp_path):
         assert c["step_time_s"]["1gbit"] > 0
         assert [p[1] for p in c["curve"]] == [0, 4, 8]
     assert cells["ddp"]["gap"] == 0.0 and cells["ddp"]["steps_to_target"] == pytest.approx(8)
+    # the warm start's steps are timed apart: the timing job warms up for 4 steps, then 4 more
+    assert cells[co2]["warm_steps"] == 4 and cells[co2]["warm_step_time_s"]["1gbit"] > 0
+    timing = json.loads(
+        (out / "jobs" / f"time-{co2.replace('/', '-')}-w2-1gbit" / "config.json").read_text()
+    )
+    assert (timing["steps"], timing["sync_warmup"]) == (8, 4)
+    assert "warm" in (out / "convergence.md").read_text()
     written = json.loads((out / "results.json").read_text())
     assert written["cells"][0]["val_loss_final"] == results["cells"][0]["val_loss_final"]
 

@@ -39,7 +39,7 @@ from typing import Any
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY, outer_names
 
-__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence"]
+__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence", "warm_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,25 +156,45 @@ class ConvergenceSpec:
             timing = h * math.ceil(self.timing_steps / h)
             name = f"time-{_slug(algo)}-w{workers}-{_slug(link)}"
             values.update(steps=timing, link=link, eval_every=timing)
+            if warm_steps(base):
+                # a warm start of the same length first: its steps are timed apart
+                values.update(steps=2 * timing, sync_warmup=timing)
         if self.eval_batches is not None:
             values["eval_batches"] = self.eval_batches
         values.update(name=name, out=os.path.join(self.out, "jobs", name))
         return config_from_dict(values, source="convergence").with_paths()
 
 
+def warm_steps(cfg: Any) -> int:
+    """K: the steps of a job's synchronous warm start (``sync_warmup``; 0: none)."""
+    return int(getattr(cfg, "sync_warmup", None) or 0)
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+=-]+", "-", text).strip("-")
 
 
+def _evals(out: str) -> list[dict[str, Any]]:
+    """The evaluation records of a finished job."""
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]
+
+
 def _read_curve(out: str) -> list[list[float]]:
     """``[tokens, step, val_loss]`` of every evaluation of a finished job."""
-    points = []
-    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("kind") == "eval" and record.get("val_loss") is not None:
-                points.append([record["tokens"], record["step"], record["val_loss"]])
-    return points
+    return [[r["tokens"], r["step"], r["val_loss"]] for r in _evals(out)]
+
+
+def _step_times(cfg: Any, summary: dict[str, Any]) -> dict[str, float]:
+    """A timing job's training time per step (evaluations excluded): ``step_time_s``, and with
+    a warm start ``warm_step_time_s`` over its first ``sync_warmup`` steps."""
+    k = warm_steps(cfg)
+    if not k:
+        return {"step_time_s": summary["train_time_s"] / cfg.steps}
+    at_k = next(r["train_s"] for r in _evals(cfg.out) if r["step"] == k)
+    local = (summary["train_time_s"] - at_k) / (cfg.steps - k)
+    return {"step_time_s": local, "warm_step_time_s": at_k / k}
 
 
 def _job(cfg: Any, reuse: bool) -> tuple[dict[str, Any], bool]:
@@ -235,14 +255,16 @@ def run_convergence(
         row = {"algo": algo, "base": cfg.algo, "workers": w, "steps": cfg.steps}
         if link is None:
             row.update(seed=seed, length=length, curve=_read_curve(cfg.out))
+            row["warm_steps"] = warm_steps(cfg)
             row.update(val_loss_final=summary["val_loss_final"], tokens=summary["tokens"])
             runs.append(row)
             what = f"seed {seed}, {length}x: val {row['val_loss_final']:.3f}"
         else:
-            step_time = summary["train_time_s"] / cfg.steps
-            row.update(link=link, step_time_s=step_time)
+            row.update(link=link, **_step_times(cfg, summary))
             timings.append(row)
-            what = f"{link}: {step_time * 1e3:.1f} ms/step"
+            what = f"{link}: {row['step_time_s'] * 1e3:.1f} ms/step"
+            if "warm_step_time_s" in row:
+                what += f" ({row['warm_step_time_s'] * 1e3:.1f} warm)"
         note(f"[{i}/{len(jobs)}] {algo} x{w} {what} ({took})")
     results = assemble(spec, runs, timings)
     results["command"] = command

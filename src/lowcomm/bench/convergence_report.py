@@ -25,7 +25,7 @@ from lowcomm.train.metrics import json_safe
 if TYPE_CHECKING:
     from lowcomm.bench.convergence import ConvergenceSpec
 
-__all__ = ["assemble", "format_markdown", "write_report"]
+__all__ = ["assemble", "format_markdown", "wall_time", "write_report"]
 
 GAP_GOALS = {"diloco": 0.02, "streaming": 0.02, "cocodc": 0.02, "co2": 0.03}
 """Largest gap to DDP's validation loss at equal tokens each algorithm's defaults must meet."""
@@ -41,7 +41,17 @@ def _mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[list[float]
     return out
 
 
-def _cell(runs: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, Any]:
+def wall_time(cell: dict[str, Any], link: str, steps: float) -> float:
+    """Training time of ``steps`` steps of ``cell`` on ``link``: its warm-start steps (the
+    first ``warm_steps``) at their own measured step time, the rest at the cell's."""
+    k = min(float(cell.get("warm_steps", 0)), steps)
+    warm = cell.get("warm_step_time_s", {}).get(link, 0.0)
+    return k * warm + (steps - k) * cell["step_time_s"][link]
+
+
+def _cell(
+    runs: list[dict[str, Any]], timings: dict[str, float], warm: dict[str, float]
+) -> dict[str, Any]:
     finals = [r["val_loss_final"] for r in runs]
     first = runs[0]
     return {
@@ -58,6 +68,8 @@ def _cell(runs: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, An
         "val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
         "curve": _mean_curve([r["curve"] for r in runs]),
         "step_time_s": dict(timings),
+        "warm_steps": first.get("warm_steps", 0),
+        "warm_step_time_s": dict(warm),
     }
 
 
@@ -70,12 +82,18 @@ def assemble(
     ``steps``, ``tokens``, ``curve``, ``val_loss_final``); ``timings`` the timing jobs
     (``algo``, ``workers``, ``link``, ``step_time_s``)."""
     step_times: dict[tuple[str, int], dict[str, float]] = {}
+    warm_times: dict[tuple[str, int], dict[str, float]] = {}
     for t in timings:
         step_times.setdefault((t["algo"], t["workers"]), {})[t["link"]] = t["step_time_s"]
+        if "warm_step_time_s" in t:
+            warm_times.setdefault((t["algo"], t["workers"]), {})[t["link"]] = t["warm_step_time_s"]
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["length"], r["workers"], r["algo"]), []).append(r)
-    cells = [_cell(rs, step_times.get((a, w), {})) for (_, w, a), rs in groups.items()]
+    cells = [
+        _cell(rs, step_times.get((a, w), {}), warm_times.get((a, w), {}))
+        for (_, w, a), rs in groups.items()
+    ]
     bases = {r["algo"]: r["base"] for r in runs}
     reference = next((a for a in spec.algos if bases.get(a) == "ddp"), None)
     for c in cells:
@@ -88,7 +106,7 @@ def assemble(
         c["steps_to_target"] = steps
         c["tokens_to_target"] = None if steps is None else steps * c["tokens_per_step"]
         c["time_to_target_s"] = {
-            link: None if steps is None else steps * t for link, t in c["step_time_s"].items()
+            link: None if steps is None else wall_time(c, link, steps) for link in c["step_time_s"]
         }
     return {
         "kind": "convergence",
@@ -180,6 +198,7 @@ def format_markdown(results: dict[str, Any]) -> str:
         ]
         header = ["algo", "val loss (mean ± std)", "vs DDP", "tokens to target"]
         header += [f"time to target, {link} (s)" for link in links]
+        header += [f"ms/step, {link}" for link in links]
         rows = []
         for c in group:
             row = [
@@ -191,6 +210,11 @@ def format_markdown(results: dict[str, Any]) -> str:
             for link in links:
                 t = c["time_to_target_s"].get(link)
                 row.append(fmt(t, ".1f", "not reached" if c["step_time_s"].get(link) else "-"))
+            for link in links:
+                step = c["step_time_s"].get(link)
+                ms = fmt(None if step is None else step * 1e3, ".0f")
+                warm = c["warm_step_time_s"].get(link)
+                row.append(ms if warm is None else f"{ms}; {warm * 1e3:.0f} warm")
             rows.append(row)
         lines += [*table(header, rows), ""]
     lines += ["## Goals", ""]
@@ -233,7 +257,7 @@ def _plot(results: dict[str, Any], path: str, x: str | None) -> str:
             if x is None:
                 xs = [p[0] / w for p in curve]
             elif panel in c["step_time_s"]:
-                xs = [p[1] * c["step_time_s"][panel] for p in curve]
+                xs = [wall_time(c, panel, p[1]) for p in curve]
             else:
                 continue
             ax.plot(xs, [p[2] for p in curve], marker=".", label=c["algo"])

@@ -42,6 +42,7 @@ from lowcomm.comm import Communicator, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.guard import (
     Description,
+    NonFiniteError,
     all_finite,
     describe_tensors,
 )
@@ -109,7 +110,10 @@ class OuterAlgorithm(Guards):
         group = process_group
         self.comm = group if isinstance(group, Communicator) else Communicator(group)
         self.sync_every = int(self.config.sync_every)
+        self.warmup = int(self.config.sync_warmup)
+        """K: the first K inner steps average θ after every step (``sync_warmup``)."""
         self.nan_policy = self.config.nan_policy
+        self._warm_hook: RemovableHandle | None = None
         self.compression = parse_compression(getattr(self.config, "compression", None))
         self.shard_outer_state = bool(getattr(self.config, "shard_outer_state", False))
         # inner steps taken; rounds of H completed; syncs applied; updates skipped (NaN/Inf)
@@ -130,6 +134,8 @@ class OuterAlgorithm(Guards):
         self._unchecked: Description | None = None
         if self.config.check_consistency:
             self._unchecked = describe_tensors(named)
+        if self.warmup > 0:
+            self._warm_hook = self.inner.register_step_pre_hook(lambda *_: self._average_grads())
 
     # -- what an algorithm chooses -------------------------------------------------------------
 
@@ -222,12 +228,73 @@ class OuterAlgorithm(Guards):
         if self._unchecked is not None:
             self._check_consistency()
         self.local_step += 1
+        phase = self.local_step - self.warmup  # the schedule starts after the warm start
         with torch.no_grad():
+            if phase <= 0:
+                self._warm_step()
+                return
             if self._to_advance:
                 self._advance_due(self.local_step)
-            self._on_step(self.local_step)
-        if self.local_step % self.sync_every == 0:
+            self._on_step(phase)
+        if phase % self.sync_every == 0:
             self.rounds += 1
+
+    def _warm_step(self) -> None:
+        """After a warm-start step: the anchor follows θ (the same on every rank)."""
+        for frag in self.fragments:
+            buf = frag.warm_buffer()
+            buf.copy_from(frag.params)
+            frag.set_anchor(buf)
+        if self.local_step >= self.warmup:
+            self._end_warmup()
+
+    def _end_warmup(self) -> None:
+        if self._warm_hook is not None:
+            self._warm_hook.remove()
+            self._warm_hook = None
+
+    def _average_grads(self) -> None:
+        """The warm start (``sync_warmup``), before each of the first K inner steps: every
+        gradient ← its mean over the ranks, uncompressed and blocking, as DDP would, so the
+        inner optimizers take DDP's steps and stay equal. Post-local SGD: Lin et al., ICLR 2020
+        (https://arxiv.org/abs/1808.07217), synchronous through the fast-moving start, local
+        after it. A mean holding NaN or Inf skips the step alike on every rank (gradients set
+        to None) or raises (``nan_policy="raise"``)."""
+        if self.local_step >= self.warmup:
+            self._end_warmup()
+            return
+        with torch.no_grad(), record_function(f"{self._profile_tag}::warm_start"):
+            grads = [
+                [p.grad if p.grad is not None else torch.zeros_like(p) for p in f.params]
+                for f in self.fragments
+            ]
+            bufs = [f.warm_buffer() for f in self.fragments]
+            for buf, g in zip(bufs, grads):
+                buf.copy_from(g)
+                self.comm.all_reduce_mean(buf.buffers)
+            if not all(all_finite(buf.views) for buf in bufs):
+                self.skipped_updates += 1
+                message = (
+                    f"{type(self).__name__}: the averaged gradient of warm-start step "
+                    f"{self.local_step + 1} holds NaN or Inf (rank {self.comm.rank})"
+                )
+                if self.nan_policy == "raise":
+                    raise NonFiniteError(
+                        f"{message}; lower the learning rate, check the data, or use "
+                        "nan_policy='skip' to drop such steps"
+                    )
+                logger.warning(
+                    "%s: step skipped alike on every rank (%d skipped so far)",
+                    message,
+                    self.skipped_updates,
+                )
+                for p in self.params:
+                    p.grad = None
+                return
+            for frag, buf, g in zip(self.fragments, bufs, grads):
+                buf.copy_to(g)
+                for p, gp in zip(frag.params, g):
+                    p.grad = gp
 
     def _on_step(self, step: int) -> None:
         # Launch before applying: with τ = 0 (or τ = H) both concern this step's fragment.
@@ -249,7 +316,7 @@ class OuterAlgorithm(Guards):
         assert f not in self._in_flight.values() or self.overlap >= self.sync_every
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
-            rnd = math.ceil(self.local_step / self.sync_every)
+            rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
             label = f"fragment {f}" if self.num_fragments > 1 else f"round {rnd}"
             sync = self.fragments[f].launch(label, self.local_step)
             # the second phase (PowerSGD's Q, a sharded update) goes out halfway to the apply
@@ -304,7 +371,7 @@ class OuterAlgorithm(Guards):
         """Apply every collective still in flight; afterwards θ equals the anchor on every
         rank. Idempotent. Inner steps taken since the last round boundary are discarded (a
         warning says how many), except by LocalSGD, which averages them once more."""
-        partial = self.local_step % self.sync_every
+        partial = max(0, self.local_step - self.warmup) % self.sync_every
         if self._discards_partial_round and partial and self._warned_partial_at != self.local_step:
             self._warned_partial_at = self.local_step
             message = f"{type(self).__name__}.finish() discards {partial} inner step(s) taken "
@@ -382,6 +449,8 @@ class OuterAlgorithm(Guards):
         for key, mine in self._identity().items():
             if key in ("num_fragments", "overlap") and self._flat_state:
                 state = {key: mine, **state}  # older one-fragment state_dicts lack them
+            if key == "sync_warmup" and mine == 0:
+                state = {key: mine, **state}  # and state_dicts from before the warm start
             if key not in state:
                 raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
             if state[key] != mine:
@@ -401,7 +470,7 @@ class OuterAlgorithm(Guards):
         if "in_flight" in state:
             in_flight = {int(k): int(f) for k, f in state["in_flight"]}
         else:  # older one-fragment state_dicts: the sync in flight is applied next
-            k = (local_step + self.overlap) // self.interval
+            k = (local_step - self.warmup + self.overlap) // self.interval
             in_flight = {k: 0} if self.fragment.pending else {}
         for f, frag in enumerate(self.fragments):
             if len(frag.pending) != sum(1 for g in in_flight.values() if g == f):
@@ -413,6 +482,8 @@ class OuterAlgorithm(Guards):
         self._in_flight = in_flight
         self._to_advance = []
         self.local_step = local_step
+        if local_step >= self.warmup:
+            self._end_warmup()
         self.rounds = int(state["rounds"])
         self.sync_points = int(state.get("sync_points", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
@@ -428,6 +499,7 @@ class OuterAlgorithm(Guards):
             "world_size": self.world_size,
             "num_fragments": self.num_fragments,
             "overlap": self.overlap,
+            "sync_warmup": self.warmup,
         }
 
     def _extra_state(self) -> dict[str, Any]:
@@ -448,6 +520,9 @@ class OuterAlgorithm(Guards):
             p, tau = kwargs.get("num_fragments"), kwargs.get("overlap")
             p = p if isinstance(p, int) and p > 0 else 1
             kwargs["sync_every"] = p * (1 + (tau if isinstance(tau, int) and tau > 0 else 0))
+            warmup = kwargs.get("sync_warmup")
+            if isinstance(warmup, int) and warmup > 0:
+                kwargs["sync_warmup"] = kwargs["sync_every"] * warmup  # a multiple of that H
         try:
             cls.Config(**kwargs)
         except TypeError as e:

@@ -213,6 +213,15 @@ class Fragment:
         self.pending.append(sync)
         return sync
 
+    def warm_buffer(self) -> FlatBuckets:
+        """A full fp32 buffer for the warm start (LocalSGD's is the anchor: refilled before use)."""
+        return self._sends[0]
+
+    def set_anchor(self, avg: FlatBuckets) -> None:
+        """A ← ``avg`` (from :meth:`warm_buffer`)."""
+        if avg is not self.anchor:
+            torch._foreach_copy_(self.anchor.buffers, avg.buffers)
+
     def complete(self) -> bool:
         sync = self.pending.popleft()
         sync.handle.wait()
@@ -350,6 +359,18 @@ class ShardedFragment:
             torch._foreach_copy_(self.reference, self.shard)
         sync.applied = self.engine.on_average(self, sync, self.shard, self.reduced, finite)
         return self.comm.all_gather_into_async(self.shard, self.anchor.buffers)
+
+    def warm_buffer(self) -> FlatBuckets:
+        """A full fp32 buffer for the warm start (it may be the anchor: refilled before use)."""
+        return self.snapshot
+
+    def set_anchor(self, avg: FlatBuckets) -> None:
+        """A ← ``avg``: the full anchor, this rank's chunk and A_ref."""
+        if avg is not self.anchor:
+            torch._foreach_copy_(self.anchor.buffers, avg.buffers)
+        torch._foreach_copy_(self.shard, [self._chunk(b) for b in self.anchor.buffers])
+        if self.reference is not None:
+            torch._foreach_copy_(self.reference, self.shard)
 
     def complete(self) -> bool:
         sync = self.pending.popleft()

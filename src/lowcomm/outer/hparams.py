@@ -17,6 +17,7 @@ from lowcomm.hparams import (
     Hyperparameters,
     check_bool,
     check_momentum,
+    check_number,
     check_positive_float,
     check_positive_int,
     hyper,
@@ -48,6 +49,27 @@ class OuterConfig(Hyperparameters):
         check=check_bool,
         job=False,
     )
+    sync_warmup: int = hyper(
+        0,
+        doc="synchronous warm start (post-local SGD): the first K inner steps are DDP's "
+        "(gradients averaged before each, uncompressed), then the algorithm's own schedule; "
+        "a multiple of sync_every",
+        symbol="K",
+        check=check_number(
+            "must be an integer >= 0, got {value!r}; e.g. {key}=48", 0, integer=True
+        ),
+    )
+
+    def check(self) -> None:
+        super().check()
+        h, k = self.sync_every, self.sync_warmup
+        if k % h:
+            example = h * max(1, round(k / h))
+            raise HyperparameterError(
+                "sync_warmup",
+                f"must be a multiple of sync_every={h} (whole rounds); e.g. {example}",
+                shown=str(k),
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

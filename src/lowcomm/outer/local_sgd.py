@@ -64,7 +64,7 @@ class LocalSGD(OuterAlgorithm):
     def _after_finish(self, drained: bool) -> None:
         # Average once more if steps were taken since the last round, so that every rank holds
         # the same parameters and no local work is lost.
-        if self.local_step != self._last_sync:
+        if self.local_step > self.warmup and self.local_step != self._last_sync:
             self._launch(0)
             self._apply(0)
 

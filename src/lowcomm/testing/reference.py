@@ -123,6 +123,11 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad.float()
+
+
 def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Sum in rank order, then divide by N (what SUM all-reduce + divide computes)."""
     total = tensors[0].clone()
@@ -414,23 +419,44 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             u.copy_(a - old)
         co2.updates += 1
 
+    warmup = hyper["sync_warmup"]
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
             _schedule_lr(inners[w], step, scenario)
-            inner_step(models[w], inners[w], w, step, seed)
+            if step > warmup:
+                inner_step(models[w], inners[w], w, step, seed)
+        if step <= warmup:
+            # warm start: DDP's step, every worker with the mean gradient; anchors follow θ
+            for w in range(n):
+                x, y = toy_batch(w, step, seed)
+                nn.functional.mse_loss(models[w](x), y).backward()
+            with torch.no_grad():
+                mean_grads = [_mean([_grad(th[j]) for th in thetas]) for j in range(len(anchor))]
+                for w in range(n):
+                    for param, mean_g in zip(thetas[w], mean_grads):
+                        param.grad = mean_g.clone()
+                    inners[w].step()
+                    inners[w].zero_grad()
+                for anchors in [anchor, *eager_a]:
+                    for dst, src in zip(anchors, thetas[0]):
+                        dst.copy_(src)
+            if step % h == 0:
+                out.rounds.append([[p.detach().clone() for p in th] for th in thetas])
+            continue
+        phase = step - warmup  # the schedule starts after the warm start
         if algo in ("streaming", "cocodc"):
             with torch.no_grad():
                 tau = hyper["overlap"]
-                if (step + tau) % interval == 0:
-                    k = (step + tau) // interval
+                if (phase + tau) % interval == 0:
+                    k = (phase + tau) // interval
                     f = cocodc_choose(k) if algo == "cocodc" else (k - 1) % len(frags)
                     snapshots[f] = [
                         [th[j].detach().float().clone() for j in frags[f]] for th in thetas
                     ]
                     stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
-                if step % interval == 0 and step - tau >= 1:
-                    stream_sync(step // interval)
-        if step % h:
+                if phase % interval == 0 and phase - tau >= 1:
+                    stream_sync(phase // interval)
+        if phase % h:
             continue
         with torch.no_grad():
             if algo == "localsgd":
@@ -497,7 +523,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             stream_sync(k)
         if algo != "localsgd":
             set_all(anchor)
-        elif scenario["steps"] % h:
+        elif scenario["steps"] > warmup and (scenario["steps"] - warmup) % h:
             set_all([_mean([th[j].float() for th in thetas]) for j in range(len(anchor))])
     out.final = [[p.detach().clone() for p in th] for th in thetas]
     return out
