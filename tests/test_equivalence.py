@@ -67,6 +67,19 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fragments": [[0], [1, 2], [3]],
         "hyper": {"overlap": 3, "max_wait": 1, "lambda0": 1.0},
     },
+    "co2-delayed-averaging": {
+        "algo": "co2",
+        "inner": "adamw",
+        "hyper": {"eager": True, "own_weight": 1.0, "outer_momentum": 0.0, "outer_lr": 1.0},
+    },
+    # the outer lr follows a decaying inner lr
+    "diloco-lr-follows": {
+        "algo": "diloco",
+        "inner": "adamw",
+        "lr_decay": 0.8,
+        "hyper": {"outer_lr_schedule": "inner"},
+    },
+    "co2-lr-follows": {"algo": "co2", "lr_decay": 0.8, "hyper": {"outer_lr_schedule": "inner"}},
     # synchronous warm start: the schedule (and CO2's first reset) begins after K steps
     "co2-eager-warm": {"algo": "co2", "inner": "adamw", "hyper": {"eager": True, "sync_warmup": 3}},
     "localsgd-warm": {"algo": "localsgd", "hyper": {"sync_warmup": 6}},
@@ -406,3 +419,17 @@ def test_warm_start_takes_ddp_steps() -> None:
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
             assert all(torch.equal(a, p) for a, p in zip(anchor, runs[-1]))
+
+
+def test_outer_lr_schedule_inner_scales_the_outer_step() -> None:
+    """With a decaying inner lr the two schedules give different runs; with a constant one the
+    same (γ/γ₀ = 1)."""
+    for name in ("diloco-lr-follows", "co2-lr-follows"):
+        follows = _scenario(name, 2)
+        constant = copy.deepcopy(follows)
+        constant["hyper"]["outer_lr_schedule"] = "constant"
+        a, b = reference_run(follows).final[0], reference_run(constant).final[0]
+        assert any(not torch.equal(x, y) for x, y in zip(a, b))
+        del follows["lr_decay"], constant["lr_decay"]
+        a, b = reference_run(follows).final[0], reference_run(constant).final[0]
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -12,7 +12,10 @@ fragment, overlap τ = H. At the end of round t:
 
 Eager updates (``eager=True``; Kale et al. 2025, https://arxiv.org/abs/2502.12996): step 2
 uses Δᵢᵗ/N + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N), this rank's own fresh delta and the others' stale part (a
-missing part counts 0). Anchors then differ a little across ranks; ``finish()`` takes their
+missing part counts 0). ``own_weight=w`` puts w·Δᵢᵗ in its place and takes w·Δᵢᵗ⁻¹ out: with
+w = 1 (α = 1, β = 0) a rank sits at the last average plus all of its own latest round, the
+reset to a stale anchor discarding nothing (delayed averaging, as in Zhou et al. 2020, DaSGD).
+Anchors then differ across ranks; ``finish()`` takes their
 mean. Paper symbols: H ``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``,
 φ ``clip``, Λ ``gap_penalty``.
 
@@ -23,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,7 +46,13 @@ from lowcomm.hparams import (
 from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
 from lowcomm.outer.fragment import OuterState, Sync
 from lowcomm.outer.functional import co2_outer_update_
-from lowcomm.outer.hparams import OuterConfig, ShardableConfig, outer_lr, outer_momentum
+from lowcomm.outer.hparams import (
+    OuterConfig,
+    ShardableConfig,
+    outer_lr,
+    outer_lr_schedule,
+    outer_momentum,
+)
 from lowcomm.params import load_tensors
 
 __all__ = ["CLIP_MODES", "CO2", "CO2Config", "CO2State"]
@@ -74,6 +84,7 @@ class CO2Config(ShardableConfig):
         12, doc="inner steps per round (the paper's τ)", symbol="H", check=check_positive_int(12)
     )
     outer_lr: float = outer_lr(1.0)
+    outer_lr_schedule: str = outer_lr_schedule()
     outer_momentum: float = outer_momentum(0.5)
     nesterov: bool = hyper(
         False,
@@ -101,9 +112,29 @@ class CO2Config(ShardableConfig):
     eager: bool = hyper(
         False, doc="eager updates: own fresh Δ, others' stale part", check=check_bool
     )
+    own_weight: float | None = hyper(
+        None,
+        doc="eager: the weight w of this rank's own fresh Δᵢ, replaced by the average a round "
+        "later (None: 1/N, the eager update; 1: keep all of its own progress, delayed averaging)",
+        symbol="w",
+        job_type="float | None",
+        check=check_optional(
+            check_number(
+                "must be a number in (0, 1], got {value!r}; e.g. {key}=1.0",
+                0,
+                1,
+                open_low=True,
+                open_high=False,
+            )
+        ),
+    )
 
     def check(self) -> None:
         super().check()
+        if self.own_weight is not None and not self.eager:
+            raise HyperparameterError(
+                "own_weight", "needs eager=True (it weighs the eager update's own Δᵢ)"
+            )
         if self.shard_outer_state and self.eager:
             raise HyperparameterError(
                 "eager",
@@ -134,22 +165,28 @@ class CO2State:
     """CO2's outer state over the anchor tensors: momentum m, gap statistic c, last update u,
     and the number of updates applied (the first seeds c)."""
 
-    def __init__(self, config: CO2Config, anchor: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: CO2Config,
+        anchor: list[torch.Tensor],
+        lr_factor: Callable[[], float | None],
+    ) -> None:
         self.config = config
+        self.lr_factor = lr_factor
         self.momentum = [torch.zeros_like(a) for a in anchor]
         self.gap_stat = [torch.zeros_like(a) for a in anchor]
         self.last_update = [torch.zeros_like(a) for a in anchor]
         self.updates = 0
 
     def step(self, anchor: list[torch.Tensor], avg_delta: list[torch.Tensor]) -> None:
-        c = self.config
+        c, factor = self.config, self.lr_factor()
         co2_outer_update_(
             anchor,
             self.momentum,
             self.gap_stat,
             self.last_update,
             avg_delta,
-            lr=float(c.outer_lr),
+            lr=float(c.outer_lr) * (1.0 if factor is None else factor),
             beta=float(c.outer_momentum),
             nesterov=c.nesterov,
             clip=None if c.clip is None else float(c.clip),
@@ -198,7 +235,7 @@ class CO2(OuterAlgorithm):
         return self.sync_every
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
-        return CO2State(self.config, anchor)
+        return CO2State(self.config, anchor, self.outer_lr_factor)
 
     @property
     def outer_updates(self) -> int:
@@ -210,17 +247,24 @@ class CO2(OuterAlgorithm):
     ) -> list[torch.Tensor] | None:
         if not self.config.eager:
             return avg
-        # Δᵢᵗ/N (own, fresh: launched at this step) + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N) (others', stale); a
-        # missing part counts 0, and so does a non-finite own Δᵢ (every rank skips its average)
+        # w·Δᵢᵗ (own, fresh: launched at this step) + (Δ̄ᵗ⁻¹ − w·Δᵢᵗ⁻¹) (the average replaces
+        # it a round later), w = 1/N by default; a missing part counts 0, and so does a
+        # non-finite own Δᵢ (every rank skips its average)
         assert hasattr(frag, "own")
-        n = float(self.world_size)
+        w = self.config.own_weight
+
+        def scale(t: list[torch.Tensor]) -> list[torch.Tensor]:
+            if w is None:
+                return list(torch._foreach_div(t, float(self.world_size)))
+            return list(torch._foreach_mul(t, float(w)))
+
         fresh = frag.pending[-1] if frag.pending else None
         if fresh is not None and fresh.step == self.local_step and fresh.own_ok:
-            out = list(torch._foreach_div(frag.own(fresh), n))
+            out = list(scale(frag.own(fresh)))
         else:
             out = [torch.zeros_like(v) for v in frag.anchor.views]
         if sync is not None and avg is not None:
-            others = torch._foreach_sub(avg, torch._foreach_div(frag.own(sync), n))
+            others = torch._foreach_sub(avg, scale(frag.own(sync)))
             torch._foreach_add_(out, others)
         return out
 

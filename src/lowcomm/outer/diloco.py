@@ -26,6 +26,7 @@ from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
     outer_lr,
+    outer_lr_schedule,
     outer_momentum,
 )
 
@@ -46,6 +47,7 @@ class OuterSGDConfig(CompressionConfig):
     """The outer optimizer of DiLoCo and the fragment methods: SGD, or any optimizer."""
 
     outer_lr: float = outer_lr(0.7)
+    outer_lr_schedule: str = outer_lr_schedule()
     outer_momentum: float = outer_momentum(0.9)
     nesterov: bool = hyper(True, doc="Nesterov outer momentum", check=check_bool)
     outer_optimizer: OuterOptimizerFactory | None = hyper(
@@ -87,7 +89,8 @@ class DiLoCo(OuterAlgorithm):
     config: OuterSGDConfig
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
-        return OptimizerState(self.config.outer_factory(), anchor)
+        factory = self.config.outer_factory()
+        return OptimizerState(factory, anchor, lr_factor=self.outer_lr_factor)
 
     @property
     def outer(self) -> torch.optim.Optimizer:

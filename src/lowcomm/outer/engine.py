@@ -114,6 +114,7 @@ class OuterAlgorithm(Guards):
         """K: the first K inner steps average θ after every step (``sync_warmup``)."""
         self.nan_policy = self.config.nan_policy
         self._warm_hook: RemovableHandle | None = None
+        self._peak_lr = 0.0
         self.compression = parse_compression(getattr(self.config, "compression", None))
         self.shard_outer_state = bool(getattr(self.config, "shard_outer_state", False))
         # inner steps taken; rounds of H completed; syncs applied; updates skipped (NaN/Inf)
@@ -158,6 +159,18 @@ class OuterAlgorithm(Guards):
         """The update rule and its state over ``anchor`` (not called when
         ``_averages_params``: the average is the anchor)."""
         raise NotImplementedError
+
+    def outer_lr_factor(self) -> float | None:
+        """What the outer lr is multiplied by now: ``None`` (as set), or with
+        ``outer_lr_schedule="inner"`` γ/γ₀ (the inner optimizer's first group: its lr over its
+        ``initial_lr``, else over the highest lr seen so far)."""
+        if getattr(self.config, "outer_lr_schedule", "constant") != "inner":
+            return None
+        group = self.inner.param_groups[0]
+        lr = float(group["lr"])
+        self._peak_lr = max(self._peak_lr, lr)
+        base = float(group.get("initial_lr") or self._peak_lr)
+        return lr / base if base > 0 else 1.0
 
     def _new_fragment(self, params: list[torch.Tensor], index: int) -> AnyFragment:
         depth = 2 if self.overlap >= self.sync_every else 1

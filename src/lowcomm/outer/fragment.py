@@ -62,12 +62,18 @@ class OuterState(Protocol):
 class OptimizerState:
     """An outer ``torch.optim.Optimizer`` built by ``factory`` over the anchor tensors, stepped
     with ``A.grad = Δ̄`` (DiLoCo, Streaming DiLoCo); ``scale(Δ̄, optimizer)`` may rescale Δ̄ in
-    place and set the optimizer's lr first (SlowMo)."""
+    place and set the optimizer's lr first (SlowMo); a ``lr_factor()`` that returns a number
+    sets every group's lr to its ``initial_lr`` (its lr when built) times it."""
 
     def __init__(
-        self, factory: OuterOptimizerFactory, anchor: list[torch.Tensor], scale: Scale | None = None
+        self,
+        factory: OuterOptimizerFactory,
+        anchor: list[torch.Tensor],
+        scale: Scale | None = None,
+        lr_factor: Callable[[], float | None] | None = None,
     ) -> None:
         self.optimizer = factory(anchor)
+        self.lr_factor = lr_factor
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ValueError(
                 "outer_optimizer must return a torch.optim.Optimizer built over the params it "
@@ -78,6 +84,10 @@ class OptimizerState:
     def step(self, anchor: list[torch.Tensor], avg_delta: list[torch.Tensor]) -> None:
         if self.scale is not None:
             self.scale(avg_delta, self.optimizer)
+        factor = None if self.lr_factor is None else self.lr_factor()
+        if factor is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
         for a, d in zip(anchor, avg_delta):
             a.grad = d
         self.optimizer.step()

@@ -16,6 +16,7 @@ from lowcomm.hparams import (
     HyperparameterError,
     Hyperparameters,
     check_bool,
+    check_choice,
     check_momentum,
     check_number,
     check_positive_float,
@@ -23,7 +24,15 @@ from lowcomm.hparams import (
     hyper,
 )
 
-__all__ = ["CompressionConfig", "OuterConfig", "ShardableConfig", "outer_lr", "outer_momentum"]
+__all__ = [
+    "OUTER_LR_SCHEDULES",
+    "CompressionConfig",
+    "OuterConfig",
+    "ShardableConfig",
+    "outer_lr",
+    "outer_lr_schedule",
+    "outer_momentum",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +120,20 @@ class ShardableConfig(CompressionConfig):
 def outer_lr(default: float, doc: str = "outer learning rate") -> Any:
     """The ``outer_lr`` (α) field with ``default``."""
     return hyper(default, doc=doc, symbol="α", check=check_positive_float(default))
+
+
+OUTER_LR_SCHEDULES = ("constant", "inner")
+
+
+def outer_lr_schedule() -> Any:
+    """The ``outer_lr_schedule`` field: the outer lr constant, or following the inner one."""
+    return hyper(
+        "constant",
+        doc="constant, or inner: α·γ/γ₀ at each outer step, γ the inner optimizer's current lr "
+        "and γ₀ its initial_lr (as torch's LR schedulers set it; else the highest seen), so the "
+        "outer step decays with the inner schedule",
+        check=check_choice(OUTER_LR_SCHEDULES),
+    )
 
 
 def outer_momentum(default: float, doc: str = "outer momentum") -> Any:

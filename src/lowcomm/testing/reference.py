@@ -110,17 +110,23 @@ def inner_step(
 
 
 def _schedule_lr(inner: torch.optim.Optimizer, step: int, scenario: dict[str, Any]) -> None:
-    """``scenario["lr_decay"]``: the inner lr becomes base · decay^step (SlowMo reads it)."""
+    """``scenario["lr_decay"]``: the inner lr becomes initial_lr · decay^step (SlowMo and an
+    outer lr that follows the inner schedule read it)."""
     decay = scenario.get("lr_decay")
     if decay is None:
         return
     for group in inner.param_groups:
-        base = group.setdefault("base_lr", group["lr"])
+        base = group.setdefault("initial_lr", group["lr"])
         group["lr"] = base * decay**step
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _part(d: torch.Tensor, n: int, weight: float | None) -> torch.Tensor:
+    """An eager update's own share of ``d``: d/N, or ``weight``·d."""
+    return d / n if weight is None else d * float(weight)
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
@@ -258,6 +264,13 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
     anchor = [p.detach().clone().float() for p in thetas[0]]
     out = ReferenceRun()
 
+    def outer_lr() -> float:
+        """α, times γ/γ₀ when the outer lr follows the inner schedule."""
+        if hyper.get("outer_lr_schedule", "constant") == "constant":
+            return float(hyper["outer_lr"])
+        group = inners[0].param_groups[0]
+        return float(hyper["outer_lr"]) * (group["lr"] / group.get("initial_lr", group["lr"]))
+
     outer = None
     if algo == "diloco":
         outer = torch.optim.SGD(
@@ -333,6 +346,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         idx = frags[f]
         for j, d in zip(idx, avg):
             anchor[j].grad = d
+        stream_outer[f].param_groups[0]["lr"] = outer_lr()
         stream_outer[f].step()
         for j in idx:
             anchor[j].grad = None
@@ -415,7 +429,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         for a, m, s, u in zip(anchor, co2.m, scaled, co2.u):
             step = torch.add(s, m, alpha=beta) if hyper["nesterov"] else m
             old = a.clone()
-            a.add_(step, alpha=-hyper["outer_lr"])
+            a.add_(step, alpha=-outer_lr())
             u.copy_(a - old)
         co2.updates += 1
 
@@ -468,6 +482,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     assert outer is not None
                     for a, d in zip(anchor, avg):
                         a.grad = d
+                    outer.param_groups[0]["lr"] = outer_lr()
                     outer.step()
                     for a in anchor:
                         a.grad = None
@@ -488,9 +503,12 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                 # every worker has its own anchor: Δᵢ/N fresh + (Δ̄ − Δᵢ_prev/N) stale
                 launched, own = pseudo_mean(list(range(len(anchor))), anchors=eager_a)
                 for w in range(n):
-                    e = [d / n for d in own[w]]
+                    e = [_part(d, n, hyper["own_weight"]) for d in own[w]]
                     if co2.pending is not None:
-                        e = [x + (p - q / n) for x, p, q in zip(e, co2.pending, eager_own[w])]
+                        e = [
+                            x + (p - _part(q, n, hyper["own_weight"]))
+                            for x, p, q in zip(e, co2.pending, eager_own[w])
+                        ]
                     co2_apply(e, eager_a[w], eager_st[w])
                     for p, a in zip(thetas[w], eager_a[w]):
                         p.copy_(a)
@@ -510,7 +528,10 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         if algo == "co2" and hyper["eager"]:
             if co2.pending is not None:
                 for w in range(n):
-                    e = [p - q / n for p, q in zip(co2.pending, eager_own[w])]
+                    e = [
+                        p - _part(q, n, hyper["own_weight"])
+                        for p, q in zip(co2.pending, eager_own[w])
+                    ]
                     co2_apply(e, eager_a[w], eager_st[w])
                 mean = [_mean([wa[j] for wa in eager_a]) for j in range(len(anchor))]
                 for wa in eager_a:

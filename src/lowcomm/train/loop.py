@@ -363,6 +363,7 @@ class _Job:
             lr = _lr_at(step, cfg)
             for group in inner.param_groups:
                 group["lr"] = lr
+                group["initial_lr"] = cfg.lr  # the peak, as torch's LR schedulers name it
             x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, gen)
             x, y = x.to(device), y.to(device)
             _, loss = sync.model(x, y)
