@@ -33,6 +33,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "co2-h1": ("CO2", {"sync_every": 1}),
     "streaming": ("StreamingDiLoCo", {"overlap": 1}),
     "streaming-mix-tau3": ("StreamingDiLoCo", {"overlap": 3, "mix": 0.3}),
+    # a warm start of one round: the chunks and A_ref must follow θ
+    "co2-warm": ("CO2", {"sync_warmup": H}),
 }
 
 
