@@ -255,9 +255,7 @@ class OuterAlgorithm(Guards):
     def _warm_step(self) -> None:
         """After a warm-start step: the anchor follows θ (the same on every rank)."""
         for frag in self.fragments:
-            buf = frag.warm_buffer()
-            buf.copy_from(frag.params)
-            frag.set_anchor(buf)
+            frag.anchor_from_params()
         if self.local_step >= self.warmup:
             self._end_warmup()
 

@@ -227,10 +227,9 @@ class Fragment:
         """A full fp32 buffer for the warm start (LocalSGD's is the anchor: refilled before use)."""
         return self._sends[0]
 
-    def set_anchor(self, avg: FlatBuckets) -> None:
-        """A ← ``avg`` (from :meth:`warm_buffer`)."""
-        if avg is not self.anchor:
-            torch._foreach_copy_(self.anchor.buffers, avg.buffers)
+    def anchor_from_params(self) -> None:
+        """A ← θ (after a warm-start step, when θ is the same on every rank)."""
+        self.anchor.copy_from(self.params)
 
     def complete(self) -> bool:
         sync = self.pending.popleft()
@@ -374,10 +373,10 @@ class ShardedFragment:
         """A full fp32 buffer for the warm start (it may be the anchor: refilled before use)."""
         return self.snapshot
 
-    def set_anchor(self, avg: FlatBuckets) -> None:
-        """A ← ``avg``: the full anchor, this rank's chunk and A_ref."""
-        if avg is not self.anchor:
-            torch._foreach_copy_(self.anchor.buffers, avg.buffers)
+    def anchor_from_params(self) -> None:
+        """A ← θ (after a warm-start step, when θ is the same on every rank): the full anchor,
+        this rank's chunk and A_ref."""
+        self.anchor.copy_from(self.params)
         torch._foreach_copy_(self.shard, [self._chunk(b) for b in self.anchor.buffers])
         if self.reference is not None:
             torch._foreach_copy_(self.reference, self.shard)

@@ -102,11 +102,15 @@ def inner_step(
         for step in range(1, 4):
             inner_step(model, inner, worker=0, step=step, seed=0)
     """
-    x, y = toy_batch(worker, step, seed)
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
+    _backward(model, worker, step, seed)
     inner.step()
     inner.zero_grad()
+
+
+def _backward(model: nn.Module, worker: int, step: int, seed: int) -> None:
+    """The toy problem's gradients: MSE of ``model`` on worker ``worker``'s batch at ``step``."""
+    x, y = toy_batch(worker, step, seed)
+    nn.functional.mse_loss(model(x), y).backward()
 
 
 def _schedule_lr(inner: torch.optim.Optimizer, step: int, scenario: dict[str, Any]) -> None:
@@ -442,8 +446,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         if step <= warmup:
             # warm start: DDP's step, every worker with the mean gradient; anchors follow θ
             for w in range(n):
-                x, y = toy_batch(w, step, seed)
-                nn.functional.mse_loss(models[w](x), y).backward()
+                _backward(models[w], w, step, seed)
             with torch.no_grad():
                 mean_grads = [_mean([_grad(th[j]) for th in thetas]) for j in range(len(anchor))]
                 for w in range(n):
