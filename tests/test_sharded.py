@@ -35,6 +35,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "streaming-mix-tau3": ("StreamingDiLoCo", {"overlap": 3, "mix": 0.3}),
     # a warm start of one round: the chunks and A_ref must follow θ
     "co2-warm": ("CO2", {"sync_warmup": H}),
+    "co2-overlap": ("CO2", {"overlap": 2}),
 }
 
 

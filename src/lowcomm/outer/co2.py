@@ -15,9 +15,12 @@ uses Δᵢᵗ/N + (Δ̄ᵗ⁻¹ − Δᵢᵗ⁻¹/N), this rank's own fresh delt
 missing part counts 0). ``own_weight=w`` puts w·Δᵢᵗ in its place and takes w·Δᵢᵗ⁻¹ out: with
 w = 1 (α = 1, β = 0) a rank sits at the last average plus all of its own latest round, the
 reset to a stale anchor discarding nothing (delayed averaging, as in Zhou et al. 2020, DaSGD).
-Anchors then differ across ranks; ``finish()`` takes their
-mean. Paper symbols: H ``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``,
-φ ``clip``, Λ ``gap_penalty``.
+Anchors then differ across ranks; ``finish()`` takes their mean.
+
+``overlap=τ < H`` launches each round's all-reduce τ steps before the round ends and applies
+it at the end: τ steps stale instead of a round (not with eager). Paper symbols: H
+``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``, φ ``clip``, Λ
+``gap_penalty``.
 
 Example::
 
@@ -112,6 +115,17 @@ class CO2Config(ShardableConfig):
     eager: bool = hyper(
         False, doc="eager updates: own fresh Δ, others' stale part", check=check_bool
     )
+    overlap: int | None = hyper(
+        None,
+        doc="inner steps an all-reduce runs before it is applied: below sync_every for the "
+        "fragment methods; for CO2 at most sync_every (None: sync_every, the paper's one-round "
+        "staleness; fewer: τ steps stale, the all-reduce hidden behind τ steps of compute)",
+        symbol="τ",
+        job_type="int | None",
+        check=check_optional(
+            check_number("must be an integer >= 1, got {value!r}; e.g. {key}=4", 1, integer=True)
+        ),
+    )
     own_weight: float | None = hyper(
         None,
         doc="eager: the weight w of this rank's own fresh Δᵢ, replaced by the average a round "
@@ -131,6 +145,19 @@ class CO2Config(ShardableConfig):
 
     def check(self) -> None:
         super().check()
+        if self.overlap is not None and self.overlap > self.sync_every:
+            raise HyperparameterError(
+                "overlap",
+                f"must be <= sync_every={self.sync_every} (None: sync_every)",
+                shown=str(self.overlap),
+            )
+        if self.eager and self.overlap not in (None, self.sync_every):
+            raise HyperparameterError(
+                "eager",
+                "needs overlap = sync_every: the eager update uses the delta launched at the "
+                "same step as the average it completes",
+                shown="True",
+            )
         if self.own_weight is not None and not self.eager:
             raise HyperparameterError(
                 "own_weight", "needs eager=True (it weighs the eager update's own Δᵢ)"
@@ -232,7 +259,7 @@ class CO2(OuterAlgorithm):
     _apply_unlaunched = True
 
     def _overlap(self) -> int:
-        return self.sync_every
+        return self.sync_every if self.config.overlap is None else int(self.config.overlap)
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         return CO2State(self.config, anchor, self.outer_lr_factor)

@@ -473,6 +473,10 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
                 if phase % interval == 0 and phase - tau >= 1:
                     stream_sync(phase // interval)
+        co2_tau = h if hyper.get("overlap") is None else hyper["overlap"]
+        if algo == "co2" and co2_tau < h and (phase + co2_tau) % h == 0:
+            with torch.no_grad():  # launched τ steps before the round ends
+                co2.pending = pseudo_mean(list(range(len(anchor))))[0]
         if phase % h:
             continue
         with torch.no_grad():
@@ -517,6 +521,11 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                         p.copy_(a)
                 eager_own[:] = own
                 co2.pending = launched
+            elif algo == "co2" and co2_tau < h:
+                assert co2.pending is not None
+                co2_apply(co2.pending)
+                co2.pending = None
+                set_all(anchor)
             elif algo == "co2":
                 launched = pseudo_mean(list(range(len(anchor))))[0]
                 if co2.pending is not None:
