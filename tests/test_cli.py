@@ -334,7 +334,12 @@ def test_train_co2_end_to_end(algo: str, train_job: TrainJob, tmp_path: Any, cap
     assert ckpt["algorithm"]["rounds"] == 2
     assert ckpt["algorithm"]["eager"] is (algo == "co2-eager")
     with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["resolved"]["algorithm_kwargs"]["outer_lr"] == 0.5  # job default
+        kwargs = json.load(f)["resolved"]["algorithm_kwargs"]
+    # the job's defaults: CO2 tuned and one step stale; eager: β 0
+    if algo == "co2":
+        assert kwargs["outer_lr"] == 0.5 and kwargs["overlap"] == 1
+    else:
+        assert kwargs["outer_momentum"] == 0.0 and "overlap" not in kwargs
     assert "hidden fraction" in capsys.readouterr().out
 
 

@@ -130,7 +130,7 @@ def test_streaming_keys_are_checked_by_the_algorithm(
 def test_streaming_and_co2_eager_kwargs() -> None:
     from lowcomm.outer import ALGORITHMS
 
-    cfg = TrainConfig(algo="streaming", num_fragments=2, overlap=1, mix=0.25)
+    cfg = TrainConfig(algo="streaming", num_fragments=2, overlap=1, mix=0.25, sync_warmup=0)
     assert cfg.algorithm_class() is ALGORITHMS["streaming"]
     assert cfg.algorithm_kwargs() == {
         "sync_every": 12,
@@ -138,17 +138,32 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "num_fragments": 2,
         "overlap": 1,
         "mix": 0.25,
+        "sync_warmup": 0,
+        # the job's tuned outer step, not the paper's 0.7
+        "outer_lr": 0.5,
+        "outer_momentum": 0.9,
+        "nesterov": True,
     }
-    # unset: the algorithm's defaults (one fragment, no overlap, no mixing)
-    assert set(TrainConfig(algo="streaming").algorithm_kwargs()) == {"sync_every", "bucket_cap_mb"}
-    eager = TrainConfig(algo="co2-eager", clip="none", mix=0.5)
+    # unset: the job's defaults (two fragments overlapped by 2 steps, the warm start)
+    assert TrainConfig(algo="streaming").algorithm_kwargs() == {
+        "sync_every": 12,
+        "bucket_cap_mb": 25.0,
+        "num_fragments": 2,
+        "overlap": 2,
+        "sync_warmup": 240,
+        "outer_lr": 0.5,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+    }
+    eager = TrainConfig(algo="co2-eager", clip="none", mix=0.5, steps=96)
     assert eager.algorithm_class() is ALGORITHMS["co2"]
     assert eager.algorithm_kwargs() == {
         "sync_every": 12,
         "bucket_cap_mb": 25.0,
         "eager": True,
-        "outer_lr": 0.5,
+        "outer_momentum": 0.0,
         "clip": None,
+        "sync_warmup": 24,
     }
     assert eager.ignored_outer_keys() == ["mix"]
     assert TrainConfig(algo="co2", num_fragments=3).ignored_outer_keys() == ["num_fragments"]
@@ -157,9 +172,53 @@ def test_streaming_and_co2_eager_kwargs() -> None:
 def test_inapplicable_outer_keys_are_not_checked() -> None:
     cfg = TrainConfig(algo="diloco", clip=-1.0, gap_penalty="adaptive", overlap=-3, mix=7.0)
     assert cfg.ignored_outer_keys() == ["clip", "gap_penalty", "overlap", "mix"]
-    assert cfg.algorithm_kwargs() == {"sync_every": 12, "bucket_cap_mb": 25.0}
+    assert set(cfg.algorithm_kwargs()) == {
+        "sync_every",
+        "bucket_cap_mb",
+        "sync_warmup",
+        "outer_lr",
+        "outer_momentum",
+        "nesterov",
+    }
     TrainConfig(algo="localsgd", outer_lr=-1.0, num_fragments=0)
     TrainConfig(algo="ddp", outer_momentum=5.0)
+
+
+@pytest.mark.parametrize(
+    ("steps", "sync_every", "expected"),
+    [(960, 12, 240), (96, 12, 24), (47, 12, 0), (48, 12, 12), (3840, 12, 960), (1000, 7, 245)],
+)
+def test_job_warm_start_is_a_quarter_of_the_steps_in_whole_rounds(
+    steps: int, sync_every: int, expected: int
+) -> None:
+    for algo in ("co2", "co2-eager", "diloco", "streaming", "cocodc", "localsgd", "slowmo"):
+        cfg = TrainConfig(algo=algo, steps=steps, sync_every=sync_every, num_fragments=1)
+        assert cfg.algorithm_kwargs()["sync_warmup"] == expected
+        assert cfg.sync_warmup_steps() == expected
+    assert TrainConfig(algo="diloco", sync_warmup=24).sync_warmup_steps() == 24
+    assert TrainConfig(algo="diloco", sync_warmup=0).sync_warmup_steps() == 0
+    assert TrainConfig(algo="ddp", steps=steps).sync_warmup_steps() == 0
+
+
+@pytest.mark.parametrize(
+    ("values", "fragments", "overlap"),
+    [
+        ({}, 2, 2),
+        ({"sync_every": 9}, 1, 2),  # H odd: one fragment
+        ({"sync_every": 2}, 2, 1),  # the overlap stays below H
+        ({"sync_every": 1}, 1, 0),
+        ({"n_layer": 1}, 1, 2),  # one block: one fragment
+        ({"num_fragments": 4}, 4, 2),  # what the user set wins
+        ({"sync_every": 2, "overlap": 0}, 2, 0),
+    ],
+)
+def test_job_defaults_fit_the_job(values: dict[str, Any], fragments: int, overlap: int) -> None:
+    for algo in ("streaming", "cocodc"):
+        kwargs = TrainConfig(algo=algo, **values).algorithm_kwargs()
+        assert (kwargs["num_fragments"], kwargs["overlap"]) == (fragments, overlap)
+    # CO2's default overlap (1 step) fits every H
+    assert TrainConfig(algo="co2", sync_every=1).algorithm_kwargs()["overlap"] == 1
+    assert "overlap" not in TrainConfig(algo="co2-eager", sync_every=1).algorithm_kwargs()
 
 
 def test_slowmo_needs_a_positive_final_learning_rate() -> None:
@@ -191,25 +250,37 @@ def test_clip_none_disables_clipping() -> None:
 
 
 def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
-    # co2's job default outer_lr (JOB_OUTER_DEFAULTS) is passed; a value the user set wins
+    # co2's job defaults (JOB_OUTER_DEFAULTS, the warm start) are passed; a value set wins
     assert TrainConfig().algorithm_kwargs() == {
         "sync_every": 12,
         "bucket_cap_mb": 25.0,
         "outer_lr": 0.5,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "clip": None,
+        "gap_penalty": "none",
+        "overlap": 1,
+        "sync_warmup": 240,
     }
     assert TrainConfig(outer_lr=1.0).algorithm_kwargs()["outer_lr"] == 1.0
-    cfg = TrainConfig(algo="diloco", outer_lr=0.5, clip=2.0, gap_penalty="none", nesterov=False)
+    assert TrainConfig(overlap=12).algorithm_kwargs()["overlap"] == 12  # the paper's schedule
+    cfg = TrainConfig(
+        algo="diloco", outer_lr=0.7, clip=2.0, gap_penalty="none", nesterov=False, steps=40
+    )
     assert cfg.algorithm_kwargs() == {
         "sync_every": 12,
         "bucket_cap_mb": 25.0,
-        "outer_lr": 0.5,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
         "nesterov": False,
+        "sync_warmup": 0,
     }
     assert cfg.ignored_outer_keys() == ["clip", "gap_penalty"]
     assert TrainConfig(algo="ddp", outer_lr=0.5).algorithm_kwargs() == {}
     assert TrainConfig(algo="localsgd", sync_every=4).algorithm_kwargs() == {
         "sync_every": 4,
         "bucket_cap_mb": 25.0,
+        "sync_warmup": 240,
     }
 
 
@@ -231,7 +302,9 @@ def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> 
 
     monkeypatch.setitem(outer.ALGORITHMS, "slowmo", Fake)
     cfg = TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
-    assert seen == [{"sync_every": 12, "bucket_cap_mb": 25.0, "outer_momentum": 0.3}]
+    assert seen == [
+        {"sync_every": 12, "bucket_cap_mb": 25.0, "outer_momentum": 0.3, "sync_warmup": 240}
+    ]
     cfg.with_paths()  # fills two paths; does not check everything again
     assert len(seen) == 1
     with pytest.raises(ConfigError, match="outer_lr 123 is silly") as info:

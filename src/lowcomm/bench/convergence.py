@@ -156,9 +156,11 @@ class ConvergenceSpec:
             timing = h * math.ceil(self.timing_steps / h)
             name = f"time-{_slug(algo)}-w{workers}-{_slug(link)}"
             values.update(steps=timing, link=link, eval_every=timing)
-            if warm_steps(base):
+            if any(warm_steps(self.train_config(algo, workers, seed, n)) for n in self.lengths):
                 # a warm start of the same length first: its steps are timed apart
                 values.update(steps=2 * timing, sync_warmup=timing)
+            elif REGISTRY[base.algo].is_outer:
+                values["sync_warmup"] = 0  # not the job's default for these few steps
         if self.eval_batches is not None:
             values["eval_batches"] = self.eval_batches
         values.update(name=name, out=os.path.join(self.out, "jobs", name))
@@ -166,8 +168,9 @@ class ConvergenceSpec:
 
 
 def warm_steps(cfg: Any) -> int:
-    """K: the steps of a job's synchronous warm start (``sync_warmup``; 0: none)."""
-    return int(getattr(cfg, "sync_warmup", None) or 0)
+    """K: the steps of a job's synchronous warm start (``sync_warmup``, set or the job's
+    default; 0: none)."""
+    return int(cfg.sync_warmup_steps())
 
 
 def _slug(text: str) -> str:

@@ -51,8 +51,8 @@ from lowcomm.registry import BASELINES, REGISTRY, names
 from lowcomm.train.errors import ConfigError, check_float, check_int, check_string
 from lowcomm.train.outer_keys import (
     ALL_OUTER_KEYS,
-    JOB_OUTER_DEFAULTS,
     OUTER_KEYS,
+    job_outer_defaults,
     outer_doc,
     with_outer_fields,
 )
@@ -409,7 +409,7 @@ class TrainConfig:
                 "the inner learning rate, which would reach 0 at the last step; use e.g. "
                 "min_lr_ratio 0.1 or lr_schedule constant",
             )
-        fragments = self.num_fragments if "num_fragments" in OUTER_KEYS[self.algo] else None
+        fragments = self.algorithm_kwargs().get("num_fragments")
         if fragments is not None and fragments > self.n_layer:
             raise ConfigError(
                 "num_fragments",
@@ -439,7 +439,8 @@ class TrainConfig:
 
         ``sync_every`` and ``bucket_cap_mb`` always, the keywords the registry entry fixes
         (``co2-eager``: ``eager=True``), plus the outer hyperparameters the user set that apply
-        to the algorithm (else :data:`JOB_OUTER_DEFAULTS`); ``clip="none"`` becomes
+        to the algorithm (else the job's defaults, :func:`~.outer_keys.job_outer_defaults`);
+        ``clip="none"`` becomes
         ``clip=None`` (no clipping).
         """
         entry = REGISTRY[self.algo]
@@ -450,7 +451,12 @@ class TrainConfig:
             "bucket_cap_mb": self.bucket_cap_mb,
             **entry.fixed,
         }
-        job_defaults = JOB_OUTER_DEFAULTS.get(entry.cls, {})
+        job_defaults = job_outer_defaults(
+            self.algo,
+            steps=self.steps,
+            sync_every=self.sync_every,
+            n_layer=self.n_layer,
+        )
         for key in OUTER_KEYS[self.algo]:
             value = getattr(self, key)
             if value is None:
@@ -461,6 +467,13 @@ class TrainConfig:
                 value = None
             kwargs[key] = value
         return kwargs
+
+    def sync_warmup_steps(self) -> int:
+        """K: the steps of this job's synchronous warm start (0: none; ddp: every step is
+        synchronous, and 0 here)."""
+        if self.algo in NO_OUTER_ALGORITHM:
+            return 0
+        return int(self.algorithm_kwargs().get("sync_warmup", 0))
 
     # --- derived values --------------------------------------------------------------------
 
