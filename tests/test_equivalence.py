@@ -97,6 +97,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fragments": [[0, 3], [1, 2]],
         "hyper": {"overlap": 1, "sync_warmup": 4},
     },
+    # the warm start's all-reduce compressed, with error feedback (per fragment)
+    "diloco-warm-int8": {
+        "algo": "diloco",
+        "inner": "adamw",
+        "hyper": {"sync_warmup": 6, "sync_warmup_compression": "int8"},
+    },
+    "streaming-warm-int8sr": {
+        "algo": "streaming",
+        "sync_every": 4,
+        "fragments": [[0, 3], [1, 2]],
+        "hyper": {"overlap": 1, "sync_warmup": 8, "sync_warmup_compression": "int8:sr"},
+    },
     "streaming-two-in-flight": {
         "algo": "streaming",
         "sync_every": 6,
@@ -266,6 +278,10 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
         if algo_name.endswith("-warm"):  # a warm start of two rounds
             name = algo_name.removesuffix("-warm")
             return model, inner, ALGORITHMS[name](model, inner, sync_every=3, sync_warmup=6)
+        if algo_name.endswith("-warm-int8sr"):  # compressed: residuals and rounding resume
+            name = algo_name.removesuffix("-warm-int8sr")
+            kw = {"sync_warmup": 6, "sync_warmup_compression": "int8:sr"}
+            return model, inner, ALGORITHMS[name](model, inner, sync_every=3, **kw)
         if algo_name in ("streaming", "cocodc"):
             params = list(model.parameters())
             kw: dict = {"fragments": [params[:2], params[2:]], "overlap": 1}
@@ -310,6 +326,7 @@ STATE_DICT_CUTS = [
     ("co2-warm", 5),
     ("co2-warm", 10),
     ("diloco", 4),
+    ("diloco-warm-int8sr", 4),
     ("slowmo", 6),
     ("localsgd", 5),
     ("streaming", 5),
@@ -413,6 +430,17 @@ def _warm_start_worker(rank: int, world_size: int) -> dict:
         out["warm"].append(runs)
         out["anchor"].append([v.clone() for v in algo.anchor_views])
         out.setdefault("hooked_after", []).append(algo._warm_hook is not None)
+        out.setdefault("payload", []).append(algo.stats.payload_bytes)
+    # the same warm start with its all-reduce compressed to int8 (error feedback)
+    model = toy_model(4)
+    inner = make_inner("adamw", model.parameters())
+    kw = {"sync_warmup": 6, "sync_warmup_compression": "int8"}
+    algo = ALGORITHMS["diloco"](model, inner, sync_every=3, **kw)
+    for step in range(1, 7):
+        inner_step(model, inner, rank, step, 4)
+        algo.step()
+    out["int8"] = [p.detach().clone() for p in model.parameters()]
+    out["int8_payload"] = algo.stats.payload_bytes
     return out
 
 
@@ -420,13 +448,22 @@ def _warm_start_worker(rank: int, world_size: int) -> dict:
 def test_warm_start_takes_ddp_steps() -> None:
     """sync_warmup=K: the first K inner steps are DDP's (mean gradient, same inner optimizer
     state on every rank), the anchor follows, and the gradient hook is gone after them."""
-    for r in run_workers(_warm_start_worker, 2):
+    results = run_workers(_warm_start_worker, 2)
+    for r in results:
         assert r["hooked_after"] == [False, False, False]
         for runs, anchor in zip(r["warm"], r["anchor"]):
             for got, want in zip(runs, r["ddp"]):
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
             assert all(torch.equal(a, p) for a, p in zip(anchor, runs[-1]))
+    # compressed: a quarter of the bytes (plus scales), near DDP but not DDP, the same on every
+    # rank (every rank applies the same mean)
+    a, b = results
+    assert 0.2 < a["int8_payload"] / a["payload"][1] < 0.3
+    assert any(not torch.equal(x, y) for x, y in zip(a["int8"], a["ddp"][-1]))
+    for x, y in zip(a["int8"], a["ddp"][-1]):
+        torch.testing.assert_close(x, y, rtol=0, atol=0.05)
+    assert all(torch.equal(x, y) for x, y in zip(a["int8"], b["int8"]))
 
 
 def test_outer_lr_schedule_inner_scales_the_outer_step() -> None:

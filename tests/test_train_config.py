@@ -139,6 +139,7 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "overlap": 1,
         "mix": 0.25,
         "sync_warmup": 0,
+        "sync_warmup_compression": "int8",
         # the job's tuned outer step, not the paper's 0.7
         "outer_lr": 0.5,
         "outer_momentum": 0.9,
@@ -151,6 +152,7 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "num_fragments": 2,
         "overlap": 2,
         "sync_warmup": 240,
+        "sync_warmup_compression": "int8",
         "outer_lr": 0.5,
         "outer_momentum": 0.9,
         "nesterov": True,
@@ -164,6 +166,7 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "outer_momentum": 0.0,
         "clip": None,
         "sync_warmup": 24,
+        "sync_warmup_compression": "int8",
     }
     assert eager.ignored_outer_keys() == ["mix"]
     assert TrainConfig(algo="co2", num_fragments=3).ignored_outer_keys() == ["num_fragments"]
@@ -176,6 +179,7 @@ def test_inapplicable_outer_keys_are_not_checked() -> None:
         "sync_every",
         "bucket_cap_mb",
         "sync_warmup",
+        "sync_warmup_compression",
         "outer_lr",
         "outer_momentum",
         "nesterov",
@@ -261,6 +265,7 @@ def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
         "gap_penalty": "none",
         "overlap": 1,
         "sync_warmup": 240,
+        "sync_warmup_compression": "int8",
     }
     assert TrainConfig(outer_lr=1.0).algorithm_kwargs()["outer_lr"] == 1.0
     assert TrainConfig(overlap=12).algorithm_kwargs()["overlap"] == 12  # the paper's schedule
@@ -274,6 +279,7 @@ def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
         "outer_momentum": 0.9,
         "nesterov": False,
         "sync_warmup": 0,
+        "sync_warmup_compression": "int8",
     }
     assert cfg.ignored_outer_keys() == ["clip", "gap_penalty"]
     assert TrainConfig(algo="ddp", outer_lr=0.5).algorithm_kwargs() == {}
@@ -281,6 +287,7 @@ def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
         "sync_every": 4,
         "bucket_cap_mb": 25.0,
         "sync_warmup": 240,
+        "sync_warmup_compression": "int8",
     }
 
 
@@ -303,7 +310,13 @@ def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> 
     monkeypatch.setitem(outer.ALGORITHMS, "slowmo", Fake)
     cfg = TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
     assert seen == [
-        {"sync_every": 12, "bucket_cap_mb": 25.0, "outer_momentum": 0.3, "sync_warmup": 240}
+        {
+            "sync_every": 12,
+            "bucket_cap_mb": 25.0,
+            "outer_momentum": 0.3,
+            "sync_warmup": 240,
+            "sync_warmup_compression": "int8",
+        }
     ]
     cfg.with_paths()  # fills two paths; does not check everything again
     assert len(seen) == 1
@@ -459,3 +472,16 @@ def test_evaluate_with_other_values_restores_the_live_parameters() -> None:
     assert _evaluate_with(model, batches, anchor) == _evaluate(reference, batches)
     assert all(torch.equal(p, q) for p, q in zip(params, live))
     assert _evaluate(model, batches) != _evaluate(reference, batches)
+
+
+def test_job_warm_start_is_compressed_unless_asked_otherwise() -> None:
+    from lowcomm.compress.codecs import parse_compression
+
+    kwargs = TrainConfig(algo="diloco").algorithm_kwargs()
+    assert kwargs["sync_warmup_compression"] == "int8"
+    off = TrainConfig(algo="diloco", sync_warmup_compression="none").algorithm_kwargs()
+    assert parse_compression(off["sync_warmup_compression"]) is None  # fp32, DDP's exact mean
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(algo="co2", sync_warmup_compression="int3")
+    assert info.value.key == "sync_warmup_compression"
+    assert str(info.value).startswith("sync_warmup_compression is not usable: unknown compression")

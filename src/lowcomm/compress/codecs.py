@@ -136,4 +136,4 @@ def check_compression(key: str, value: Any) -> None:
             message = str(e)
             if message.startswith(f"{key} "):
                 raise HyperparameterError(key, message.removeprefix(f"{key} ")) from None
-            raise HyperparameterError(None, message) from None
+            raise HyperparameterError(key, f"is not usable: {message}") from None

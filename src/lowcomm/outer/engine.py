@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lowcomm.comm import Communicator, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
+from lowcomm.compress.feedback import Compressor
 from lowcomm.guard import (
     Description,
     NonFiniteError,
@@ -62,6 +63,10 @@ __all__ = ["OuterAlgorithm"]
 logger = logging.getLogger(__name__)
 
 AnyFragment = Fragment | ShardedFragment
+
+WARM_STREAM = 1 << 16
+"""Stochastic-rounding stream of fragment i's warm-start compressor: WARM_STREAM + i (the
+fragments' own compressors use i)."""
 
 
 class OuterAlgorithm(Guards):
@@ -135,8 +140,23 @@ class OuterAlgorithm(Guards):
         self._unchecked: Description | None = None
         if self.config.check_consistency:
             self._unchecked = describe_tensors(named)
+        self._warm_compressors: list[Compressor] = []
+        """The warm start's compressors, one per fragment (``sync_warmup_compression``)."""
+        warm_codec = parse_compression(self.config.sync_warmup_compression)
         if self.warmup > 0:
             self._warm_hook = self.inner.register_step_pre_hook(lambda *_: self._average_grads())
+            if warm_codec is not None:
+                for i, frag in enumerate(self.fragments):
+                    buf = frag.warm_buffer()
+                    self._warm_compressors.append(
+                        Compressor(
+                            warm_codec,
+                            buf.shapes,
+                            rank=self.comm.rank,
+                            device=buf.device,
+                            stream=WARM_STREAM + i,
+                        )
+                    )
 
     # -- what an algorithm chooses -------------------------------------------------------------
 
@@ -263,6 +283,7 @@ class OuterAlgorithm(Guards):
         if self._warm_hook is not None:
             self._warm_hook.remove()
             self._warm_hook = None
+        self._warm_compressors = []  # their residuals are no longer needed
 
     def _average_grads(self) -> None:
         """The warm start (``sync_warmup``), before each of the first K inner steps: every
@@ -280,9 +301,13 @@ class OuterAlgorithm(Guards):
                 for f in self.fragments
             ]
             bufs = [f.warm_buffer() for f in self.fragments]
-            for buf, g in zip(bufs, grads):
+            for i, (buf, g) in enumerate(zip(bufs, grads)):
                 buf.copy_from(g)
-                self.comm.all_reduce_mean(buf.buffers)
+                if self._warm_compressors:
+                    # the mean of every rank's decoded g + e; e keeps what the codec dropped
+                    self.comm.compressed_mean_async(buf, self._warm_compressors[i]).wait()
+                else:
+                    self.comm.all_reduce_mean(buf.buffers)
             if not all(all_finite(buf.views) for buf in bufs):
                 self.skipped_updates += 1
                 message = (
@@ -301,6 +326,9 @@ class OuterAlgorithm(Guards):
                 )
                 for p in self.params:
                     p.grad = None
+                for comp in self._warm_compressors:
+                    for r in comp.residuals:  # a non-finite residual would poison every mean
+                        r.zero_()
                 return
             for frag, buf, g in zip(self.fragments, bufs, grads):
                 buf.copy_to(g)
@@ -453,6 +481,8 @@ class OuterAlgorithm(Guards):
             for i, frag in enumerate(self.fragments):
                 state[f"fragment_{i}"] = frag.state_dict()
         state.update(self._extra_state())
+        if self._warm_compressors:
+            state["warm_compression"] = [c.state_dict() for c in self._warm_compressors]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -489,6 +519,21 @@ class OuterAlgorithm(Guards):
                     f"state_dict lists fragment {f} in flight but holds no result for it (or "
                     "the other way round); the checkpoint is inconsistent"
                 )
+        warm = state.get("warm_compression")
+        if self._warm_compressors and int(state["local_step"]) < self.warmup:
+            if warm is None or len(warm) != len(self._warm_compressors):
+                raise ValueError(
+                    f"state_dict was saved inside the warm start without "
+                    f"sync_warmup_compression={self.config.sync_warmup_compression!r}; resume "
+                    "with the same settings"
+                )
+            for comp, saved in zip(self._warm_compressors, warm):
+                comp.load_state_dict(saved)
+        elif warm is not None and int(state["local_step"]) < self.warmup:
+            raise ValueError(
+                "state_dict was saved inside a compressed warm start but this run's is not "
+                "compressed; resume with the same sync_warmup_compression"
+            )
         # counters last: a state_dict refused half-way leaves them as they were
         self._in_flight = in_flight
         self._to_advance = []

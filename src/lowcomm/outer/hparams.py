@@ -69,6 +69,14 @@ class OuterConfig(Hyperparameters):
         ),
     )
 
+    sync_warmup_compression: Any = hyper(
+        None,
+        doc="compress the warm start's gradient all-reduce, with error feedback: a codec spec "
+        "such as int8 or bf16 (unset: fp32, DDP's exact mean)",
+        check=check_compression,
+        job_type="str | None",
+    )
+
     def check(self) -> None:
         super().check()
         h, k = self.sync_every, self.sync_warmup

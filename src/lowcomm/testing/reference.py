@@ -39,6 +39,7 @@ from lowcomm.compress.codecs import (
 from lowcomm.compress.feedback import worker_generator
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.outer import ALGORITHMS
+from lowcomm.outer.engine import WARM_STREAM
 from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW
 
 __all__ = [
@@ -438,6 +439,25 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         co2.updates += 1
 
     warmup = hyper["sync_warmup"]
+    warm_spec = hyper.get("sync_warmup_compression")
+    warm_compressors = [
+        RefCompression(warm_spec, [anchor[j].shape for j in idx], n, stream=WARM_STREAM + f)
+        for f, idx in enumerate(frags)
+        if warm_spec is not None
+    ]
+
+    def warm_mean(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The warm start's mean gradient: exact, or per fragment the mean of every worker's
+        decoded g + e (``sync_warmup_compression``)."""
+        if not warm_compressors:
+            return [_mean([g[j] for g in grads]) for j in range(len(anchor))]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(anchor)
+        for comp, idx in zip(warm_compressors, frags):
+            means, _ = comp.mean([[g[j] for j in idx] for g in grads])
+            for j, m in zip(idx, means):
+                out[j] = m
+        return out
+
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
             _schedule_lr(inners[w], step, scenario)
@@ -448,7 +468,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             for w in range(n):
                 _backward(models[w], w, step, seed)
             with torch.no_grad():
-                mean_grads = [_mean([_grad(th[j]) for th in thetas]) for j in range(len(anchor))]
+                mean_grads = warm_mean([[_grad(p) for p in th] for th in thetas])
                 for w in range(n):
                     for param, mean_g in zip(thetas[w], mean_grads):
                         param.grad = mean_g.clone()
