@@ -39,7 +39,7 @@ from typing import Any
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY, outer_names
 
-__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence", "warm_steps"]
+__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,8 @@ class ConvergenceSpec:
             timing = h * math.ceil(self.timing_steps / h)
             name = f"time-{_slug(algo)}-w{workers}-{_slug(link)}"
             values.update(steps=timing, link=link, eval_every=timing)
-            if any(warm_steps(self.train_config(algo, workers, seed, n)) for n in self.lengths):
+            loss_jobs = (self.train_config(algo, workers, seed, n) for n in self.lengths)
+            if any(job.sync_warmup_steps() for job in loss_jobs):
                 # a warm start of the same length first: its steps are timed apart
                 values.update(steps=2 * timing, sync_warmup=timing)
             elif REGISTRY[base.algo].is_outer:
@@ -165,12 +166,6 @@ class ConvergenceSpec:
             values["eval_batches"] = self.eval_batches
         values.update(name=name, out=os.path.join(self.out, "jobs", name))
         return config_from_dict(values, source="convergence").with_paths()
-
-
-def warm_steps(cfg: Any) -> int:
-    """K: the steps of a job's synchronous warm start (``sync_warmup``, set or the job's
-    default; 0: none)."""
-    return int(cfg.sync_warmup_steps())
 
 
 def _slug(text: str) -> str:
@@ -192,7 +187,7 @@ def _read_curve(out: str) -> list[list[float]]:
 def _step_times(cfg: Any, summary: dict[str, Any]) -> dict[str, float]:
     """A timing job's training time per step (evaluations excluded): ``step_time_s``, and with
     a warm start ``warm_step_time_s`` over its first ``sync_warmup`` steps."""
-    k = warm_steps(cfg)
+    k = cfg.sync_warmup_steps()
     if not k:
         return {"step_time_s": summary["train_time_s"] / cfg.steps}
     at_k = next(r["train_s"] for r in _evals(cfg.out) if r["step"] == k)
@@ -258,7 +253,7 @@ def run_convergence(
         row = {"algo": algo, "base": cfg.algo, "workers": w, "steps": cfg.steps}
         if link is None:
             row.update(seed=seed, length=length, curve=_read_curve(cfg.out))
-            row["warm_steps"] = warm_steps(cfg)
+            row["warm_steps"] = cfg.sync_warmup_steps()
             row.update(val_loss_final=summary["val_loss_final"], tokens=summary["tokens"])
             runs.append(row)
             what = f"seed {seed}, {length}x: val {row['val_loss_final']:.3f}"

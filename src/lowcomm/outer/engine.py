@@ -327,8 +327,7 @@ class OuterAlgorithm(Guards):
                 for p in self.params:
                     p.grad = None
                 for comp in self._warm_compressors:
-                    for r in comp.residuals:  # a non-finite residual would poison every mean
-                        r.zero_()
+                    comp.drop_non_finite()  # a non-finite residual would poison every mean
                 return
             for frag, buf, g in zip(self.fragments, bufs, grads):
                 buf.copy_to(g)
@@ -499,6 +498,15 @@ class OuterAlgorithm(Guards):
                     f"state_dict was saved with {key}={state[key]!r} but this "
                     f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
                 )
+        # inside the warm start, its compressors' residuals (one per fragment) must come along
+        inside_warmup = int(state["local_step"]) < self.warmup
+        warm = state.get("warm_compression") if inside_warmup else None
+        if inside_warmup and len(warm or []) != len(self._warm_compressors):
+            raise ValueError(
+                "state_dict was saved inside the warm start with another "
+                f"sync_warmup_compression than this run's "
+                f"({self.config.sync_warmup_compression!r}); resume with the same settings"
+            )
         self._load_extra_state(state)
         if self._flat_state:
             self.fragment.load_state_dict(state)
@@ -519,21 +527,8 @@ class OuterAlgorithm(Guards):
                     f"state_dict lists fragment {f} in flight but holds no result for it (or "
                     "the other way round); the checkpoint is inconsistent"
                 )
-        warm = state.get("warm_compression")
-        if self._warm_compressors and int(state["local_step"]) < self.warmup:
-            if warm is None or len(warm) != len(self._warm_compressors):
-                raise ValueError(
-                    f"state_dict was saved inside the warm start without "
-                    f"sync_warmup_compression={self.config.sync_warmup_compression!r}; resume "
-                    "with the same settings"
-                )
-            for comp, saved in zip(self._warm_compressors, warm):
-                comp.load_state_dict(saved)
-        elif warm is not None and int(state["local_step"]) < self.warmup:
-            raise ValueError(
-                "state_dict was saved inside a compressed warm start but this run's is not "
-                "compressed; resume with the same sync_warmup_compression"
-            )
+        for comp, saved in zip(self._warm_compressors, warm or []):
+            comp.load_state_dict(saved)
         # counters last: a state_dict refused half-way leaves them as they were
         self._in_flight = in_flight
         self._to_advance = []

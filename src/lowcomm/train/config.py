@@ -398,8 +398,9 @@ class TrainConfig:
             cls = self.algorithm_class()
         except (ImportError, KeyError) as e:  # pragma: no cover - only while incomplete
             raise ConfigError("algo", f"{self.algo!r} is not available in this build: {e}") from e
+        kwargs = self.algorithm_kwargs()
         try:
-            cls.validate(**self.algorithm_kwargs())
+            cls.validate(**kwargs)
         except ValueError as e:
             raise _config_error(e) from None
         if issubclass(cls, SlowMo) and self.lr_schedule == "cosine" and self.min_lr_ratio == 0:
@@ -409,7 +410,7 @@ class TrainConfig:
                 "the inner learning rate, which would reach 0 at the last step; use e.g. "
                 "min_lr_ratio 0.1 or lr_schedule constant",
             )
-        fragments = self.algorithm_kwargs().get("num_fragments")
+        fragments = kwargs.get("num_fragments")
         if fragments is not None and fragments > self.n_layer:
             raise ConfigError(
                 "num_fragments",

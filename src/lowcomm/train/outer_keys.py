@@ -70,18 +70,19 @@ def job_sync_warmup(steps: int, sync_every: int) -> int:
 
 def job_outer_defaults(algo: str, *, steps: int, sync_every: int, n_layer: int) -> dict[str, Any]:
     """The job's defaults for ``algo`` (:data:`JOB_OUTER_DEFAULTS` and :func:`job_sync_warmup`),
-    fitted to the job's own settings so that a default never makes them invalid: 1 fragment
-    where H is odd or the model has a single block, and an overlap below H (CO2: at most H)."""
-    out: dict[str, Any] = {"sync_warmup": job_sync_warmup(steps, sync_every)}
-    out["sync_warmup_compression"] = JOB_WARMUP_COMPRESSION
-    out.update(JOB_OUTER_DEFAULTS.get(algo, {}))
+    fitted to the job's own settings so that a default never makes them invalid: for the
+    fragment methods, 1 fragment where H is odd or the model has a single block, and an overlap
+    below H (CO2's overlap of 1 fits every H)."""
+    out: dict[str, Any] = {
+        "sync_warmup": job_sync_warmup(steps, sync_every),
+        "sync_warmup_compression": JOB_WARMUP_COMPRESSION,
+        **JOB_OUTER_DEFAULTS.get(algo, {}),
+    }
     p = out.get("num_fragments")
-    if p is not None and (sync_every % p or n_layer < p):
-        out["num_fragments"] = 1
-    if "overlap" in out:
-        entry = REGISTRY[algo]
-        whole_round_allowed = entry.cls is not None and entry.cls.name == "co2"
-        out["overlap"] = min(out["overlap"], sync_every if whole_round_allowed else sync_every - 1)
+    if p is not None:
+        if sync_every % p or n_layer < p:
+            out["num_fragments"] = 1
+        out["overlap"] = min(out["overlap"], sync_every - 1)
     return out
 
 
