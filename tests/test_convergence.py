@@ -207,6 +207,13 @@ def test_cli_keeps_convergence_and_matrix_flags_apart(tmp_path, capsys):
     assert "--real-links is a flag of the bench matrix" in capsys.readouterr().err
     assert main(["bench", "--seeds", "1,2", "--out", str(tmp_path / "m")]) == 2
     assert "--seeds is a flag of --convergence" in capsys.readouterr().err
+    assert main(["bench", "--lengths", "4", "--out", str(tmp_path / "m")]) == 2
+    assert "--lengths is a flag of --convergence" in capsys.readouterr().err
+    assert main(["bench", "--convergence", "--long", "--lengths", "4"]) == 2
+    assert "--long is --lengths 1,4" in capsys.readouterr().err
+    # --lengths reaches the harness's spec (refused there, before any job runs)
+    assert main(["bench", "--convergence", "--lengths", "0", "--out", str(tmp_path)]) == 2
+    assert "lengths: need integers >= 1" in capsys.readouterr().err
     assert main(["bench", "--convergence", "--algos", "ddp,nope", "--out", str(tmp_path)]) == 2
     assert "unknown algorithm 'nope'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "results.json")

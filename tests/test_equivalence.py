@@ -115,6 +115,20 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fragments": [[0], [1, 2], [3]],
         "hyper": {"overlap": 3},
     },
+    # NoLoCo: groups of 2 (2 ranks: one group; 4 ranks: two random groups every round)
+    "noloco": {"algo": "noloco", "inner": "adamw"},
+    "noloco-overlap": {"algo": "noloco", "hyper": {"overlap": 1, "outer_momentum": 0.9}},
+    # 4 ranks in groups of 3: the remainder joins the last group (one group of 4)
+    "noloco-group3": {"algo": "noloco", "hyper": {"group_size": 3, "group_seed": 5}},
+    "noloco-warm": {"algo": "noloco", "hyper": {"sync_warmup": 6}},
+    # the degenerate cases, with one group of every rank
+    "noloco-whole": {"algo": "noloco", "hyper": {"group_size": 4}},
+    "noloco-gossip-whole": {
+        "algo": "noloco",
+        "steps": 12,  # whole rounds: LocalSGD's finish() averages a partial round, NoLoCo drops it
+        "hyper": {"group_size": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+    },
+    "noloco-gossip": {"algo": "noloco", "hyper": {"outer_lr": 1.0, "outer_momentum": 0.0}},
 }
 
 
@@ -144,9 +158,10 @@ def four_ranks() -> dict[str, list[dict]]:
 
 
 def _ranks_agree_every_round(name: str) -> bool:
-    """Streaming DiLoCo's unsynced fragments and eager CO2's anchors are per rank."""
+    """Streaming DiLoCo's unsynced fragments, eager CO2's anchors and NoLoCo's are per rank."""
     sc = SCENARIOS[name]
-    return sc["algo"] not in ("streaming", "cocodc") and not sc.get("hyper", {}).get("eager")
+    per_rank = sc["algo"] in ("streaming", "cocodc", "noloco")
+    return not per_rank and not sc.get("hyper", {}).get("eager")
 
 
 def _assert_ranks_identical(results: list[dict], *, every_round: bool) -> None:
@@ -203,6 +218,41 @@ def test_diloco_with_h1_lr1_no_momentum_is_parameter_averaging(
     results = request.getfixturevalue(ranks)["diloco-avg-h1"]
     averaging = reference_run(_scenario("localsgd-h1", len(results)))
     _compare(results, averaging, exact=False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_noloco_with_one_group_is_diloco_with_heavy_ball(
+    request: pytest.FixtureRequest, ranks: str
+) -> None:
+    """The real NoLoCo with every rank in one group (n = W) is DiLoCo with heavy-ball outer
+    SGD(lr=α, momentum=μ); with μ = 0 and α = 1 it is LocalSGD (parameter averaging)."""
+    results = request.getfixturevalue(ranks)
+    workers = len(results["noloco-whole"])
+    heavy_ball = {"outer_lr": 0.7, "outer_momentum": 0.5, "nesterov": False}
+    diloco = reference_run({**_scenario("diloco", workers), "inner": "sgd", "hyper": heavy_ball})
+    _compare(results["noloco-whole"], diloco, exact=False)
+    averaging = reference_run({**_scenario("localsgd", workers), "steps": 12})
+    _compare(results["noloco-gossip-whole"], averaging, exact=False)
+
+
+@pytest.mark.timeout(300)
+def test_noloco_groups_differ_across_ranks_and_rounds(four_ranks: dict) -> None:
+    """Gossip averaging (μ = 0, α = 1) in groups of 2 out of 4: after a round the ranks' models
+    pair up (each member holds its group's mean), and the pairs change from round to round."""
+    results = four_ranks["noloco-gossip"]
+    pairings = []
+    for k in range(len(results[0]["rounds"])):
+        models = [r["rounds"][k] for r in results]
+        same = {
+            (i, j)
+            for i in range(4)
+            for j in range(i + 1, 4)
+            if all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(models[i], models[j]))
+        }
+        assert len(same) == 2 and len({x for pair in same for x in pair}) == 4, same
+        pairings.append(frozenset(same))
+    assert len(set(pairings)) > 1
 
 
 def test_scenarios_exercise_penalty_and_clipping() -> None:
@@ -282,6 +332,9 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
             name = algo_name.removesuffix("-warm-int8sr")
             kw = {"sync_warmup": 6, "sync_warmup_compression": "int8:sr"}
             return model, inner, ALGORITHMS[name](model, inner, sync_every=3, **kw)
+        if algo_name == "noloco-overlap":  # the exchange launched at step 5 is in flight
+            algo = ALGORITHMS["noloco"](model, inner, sync_every=3, overlap=1, outer_momentum=0.9)
+            return model, inner, algo
         if algo_name in ("streaming", "cocodc"):
             params = list(model.parameters())
             kw: dict = {"fragments": [params[:2], params[2:]], "overlap": 1}
@@ -331,6 +384,8 @@ STATE_DICT_CUTS = [
     ("localsgd", 5),
     ("streaming", 5),
     ("cocodc", 5),
+    ("noloco", 4),
+    ("noloco-overlap", 5),
 ]
 
 

@@ -15,6 +15,8 @@ from lowcomm.outer.functional import (
     co2_outer_update_,
     delay_compensation_,
     gap_aware_penalty,
+    noloco_groups,
+    noloco_outer_update_,
     pseudo_gradient_,
 )
 
@@ -204,3 +206,98 @@ def test_delay_compensation_degenerate_forms() -> None:
     params = [snap[0].clone()]  # no progress during the overlap: g = 0, so θ ← Â
     delay_compensation_(params, new, snap, lambda0=0.5)
     assert torch.equal(params[0], new[0])
+
+
+# --- NoLoCo ------------------------------------------------------------------------------------
+
+
+def _official_groups(world_size: int, size: int, step: int) -> list[list[int]]:
+    """gensyn-ai/noloco ``create_random_permutation`` + ``batched``, transcribed (W mod n = 0)."""
+    import numpy as np
+
+    perm = [int(x) for x in np.random.default_rng(step + 1).permutation(world_size)]
+    count = len(perm) // size
+    out: list[list[int]] = [[] for _ in range(count)]
+    for i, x in enumerate(perm):
+        out[i % count].append(x)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "size", "step", "expected"),
+    [
+        (8, 2, 12, [[0, 5], [6, 7], [1, 3], [2, 4]]),
+        (4, 2, 3, [[1, 3], [0, 2]]),
+        (4, 2, 6, [[0, 1], [2, 3]]),
+        (16, 4, 500, [[0, 5, 7, 15], [3, 6, 9, 12], [2, 10, 11, 14], [1, 4, 8, 13]]),
+        # W not divisible by n: the last W mod n ranks of the permutation join the last group
+        (5, 2, 12, [[0, 3], [1, 2, 4]]),
+        (7, 3, 0, [[1, 2, 5], [0, 3, 4, 6]]),
+        (1, 2, 3, [[0]]),
+    ],
+)
+def test_noloco_groups_test_vectors(
+    world: int, size: int, step: int, expected: list[list[int]]
+) -> None:
+    assert noloco_groups(world, size, step) == expected
+    if world % size == 0:
+        assert noloco_groups(world, size, step) == [
+            sorted(g) for g in _official_groups(world, size, step)
+        ]
+
+
+@given(
+    world=st.integers(1, 40),
+    size=st.integers(2, 9),
+    step=st.integers(0, 10_000),
+    seed=st.integers(0, 100),
+)
+@settings(max_examples=60, deadline=None)
+def test_noloco_groups_partition_the_ranks(world: int, size: int, step: int, seed: int) -> None:
+    groups = noloco_groups(world, size, step, seed)
+    assert sorted(r for g in groups for r in g) == list(range(world))
+    assert len(groups) == max(1, world // size)
+    sizes = sorted(len(g) for g in groups)
+    assert sizes[:-1] == [size] * (len(groups) - 1) or world < size
+    assert noloco_groups(world, size, step + seed, 0) == noloco_groups(world, size, step, seed)
+
+
+def test_noloco_groups_change_with_the_step() -> None:
+    assert len({str(noloco_groups(16, 2, s)) for s in range(0, 120, 12)}) > 5
+
+
+def test_noloco_update_matches_the_official_outer_step() -> None:
+    """``noloco_outer_update_`` against ``SparseOptimizerC``'s ``outer_step`` arithmetic (sent:
+    φⱼ and θⱼ − φⱼ separately; m_ = (μ − 1)·m + α·mean_g + α·(mean − φ); m += m_; φ += m)
+    for a group of 3, over several rounds."""
+    g = torch.Generator().manual_seed(0)
+    lr, mu = 0.7, 0.5
+    phi = [[torch.randn(4, 3, generator=g), torch.randn(5, generator=g)] for _ in range(3)]
+    mine_phi = [[t.clone() for t in p] for p in phi]
+    mom = [[torch.zeros_like(t) for t in p] for p in phi]
+    mine_mom = [[torch.zeros_like(t) for t in p] for p in phi]
+    for _ in range(4):
+        theta = [[t + 0.1 * torch.randn(t.shape, generator=g) for t in p] for p in phi]
+        for i in range(3):  # the official code, member i
+            for j in range(2):
+                mean = sum(phi[k][j] for k in range(3)) * (1.0 / 3)
+                mean_g = sum(theta[k][j] - phi[k][j] for k in range(3)) * (1.0 / 3)
+                m_ = (mu - 1.0) * mom[i][j] + lr * mean_g + lr * (mean - phi[i][j])
+                mom[i][j] += m_
+        new_phi = [[phi[i][j] + mom[i][j] for j in range(2)] for i in range(3)]
+        mean_theta = [(theta[0][j] + theta[1][j] + theta[2][j]) / 3 for j in range(2)]
+        for i in range(3):
+            noloco_outer_update_(mine_phi[i], mine_mom[i], mean_theta, lr=lr, momentum_coef=mu)
+        phi = new_phi
+        for i in range(3):
+            for a, b in zip(mine_phi[i], phi[i]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        mine_phi = [[t.clone() for t in p] for p in phi]  # no drift: compare one round each
+
+
+def test_noloco_update_without_momentum_at_lr_1_is_the_group_mean() -> None:
+    anchor, mean = _rand(6, 2), _rand(6, 2)
+    momentum = [torch.zeros(6), torch.zeros(2)]
+    noloco_outer_update_(anchor, momentum, mean, lr=1.0, momentum_coef=0.0)
+    for a, m in zip(anchor, mean):
+        torch.testing.assert_close(a, m, rtol=0, atol=1e-6)

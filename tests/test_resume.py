@@ -40,6 +40,8 @@ CASES = [
     # resumes from step 9, where fragment 0's all-reduce (launched at step 9) is in flight
     pytest.param("streaming", 3, 1, 10, id="streaming-overlap-1"),
     pytest.param("cocodc", 3, 1, 5, id="cocodc"),
+    pytest.param("noloco", 3, 1, 8, id="noloco"),
+    pytest.param("demo", 3, 0, 7, id="demo"),
     pytest.param("ddp", 3, 1, 8, id="ddp"),
 ]
 

@@ -142,6 +142,55 @@ def test_streaming_fragments_overlap_and_serialise() -> None:
     assert extra > step_time(streaming, _work(0.01, 1e6), slow, 2).step_s
 
 
+def test_noloco_exchange_is_independent_of_the_world_size() -> None:
+    # groups of 2: each member sends 1 MB to one peer: 1 ms latency + 8 ms at 1 Gbit/s
+    lat = Network(bandwidth_bps=1e9, latency_s=0.001)
+    noloco = Algorithm(name="noloco", sync_every=4)
+    times = [step_time(noloco, _work(0.01, 1e6), lat, n).step_s for n in (2, 8, 64, 1024)]
+    assert times == [pytest.approx(0.01 + 0.009 / 4)] * 4
+    # the ring all-reduce costs more and grows with N
+    diloco = Algorithm(name="diloco", sync_every=4)
+    ring = [step_time(diloco, _work(0.01, 1e6), lat, n).step_s for n in (2, 1024)]
+    assert times[0] < ring[0] < ring[1]  # a ring pays 2 (N - 1) latencies and 2 (N - 1) / N of S
+    # 7 workers in groups of 3: groups of 3 and 4; the group of 4 sets the round
+    big = Algorithm(name="noloco", sync_every=4, group_size=3)
+    assert big.largest_group(7) == 4 and big.largest_group(2) == 2
+    assert step_time(big, _work(0.01, 1e6), FLAT, 7).comm_s == pytest.approx(3 * 0.008 / 4)
+    # overlap hides the exchange behind τ steps; a link slower than the round serialises
+    hidden = Algorithm(name="noloco", sync_every=4, overlap=1)
+    assert step_time(hidden, _work(0.01, 1e6), FLAT, 8).exposed_s == 0.0
+    # 0.8 s exchanges launched 1 step (0.01 s) early: 3 steps, then 0.8 s, per round
+    assert step_time(hidden, _work(0.01, 1e8), FLAT, 8).step_s == pytest.approx(0.83 / 4)
+    # nodes of 8 GPUs share their NIC: 8 exchanges through it at once
+    nodes = Network(bandwidth_bps=1e9, latency_s=0.0, gpus_per_node=8)
+    assert nodes.exchange_time(1e6, 2) == pytest.approx(8 * 0.008)
+    with pytest.raises(ValueError, match="overlap"):
+        Algorithm(name="noloco", sync_every=4, overlap=4)
+    with pytest.raises(ValueError, match="group_size"):
+        Algorithm(name="noloco", sync_every=4, group_size=1)
+
+
+def test_demo_all_gathers_every_step_and_grows_with_the_world() -> None:
+    # 1e6 parameters, k 32 of 64 x 64: 1e6 / 128 coefficients of 8 bytes = 62.5 kB per worker
+    demo = Algorithm(name="demo")
+    work = Workload(parameters=1e6, tokens_per_step=100.0, step_time_s=0.01)
+    sent = 1e6 / 128 * 8
+    for n in (2, 8, 64):
+        st_ = step_time(demo, work, FLAT, n)
+        assert st_.comm_s == pytest.approx((n - 1) * 8 * sent / 1e9)
+        assert st_.step_s == pytest.approx(0.01 + st_.comm_s)  # nothing hides it
+    # one step late: hidden behind the next step's compute
+    late = Algorithm(name="demo", overlap=1)
+    assert step_time(late, work, FLAT, 8).step_s == pytest.approx(0.01)
+    assert step_time(late, work, FLAT, 64).step_s == pytest.approx(63 * 8 * sent / 1e9)
+    # the ring pays a latency per message; the emulated link once
+    lat = Network(bandwidth_bps=1e9, latency_s=0.001)
+    assert lat.allgather_time(sent, 4) == pytest.approx(3 * (0.001 + 8 * sent / 1e9))
+    emulated = Network(bandwidth_bps=1e9, latency_s=0.001, cost="emulated")
+    assert emulated.allgather_time(sent, 4) == pytest.approx(0.001 + 3 * 8 * sent / 1e9)
+    assert Algorithm(name="demo", topk=4096).label == "demo k=4096 s=64"
+
+
 def test_one_worker_and_none_have_no_communication() -> None:
     for name in ("ddp", "co2", "none"):
         st_ = step_time(Algorithm(name=name), _work(0.05, 1e9), FLAT, 1 if name != "none" else 64)

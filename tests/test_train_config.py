@@ -43,8 +43,8 @@ def test_every_field_has_a_docstring() -> None:
         (
             "algo",
             "adam",
-            "must be one of co2, co2-eager, diloco, streaming, cocodc, localsgd, slowmo, ddp, "
-            "none, got 'adam'",
+            "must be one of co2, co2-eager, diloco, streaming, cocodc, localsgd, slowmo, noloco, "
+            "ddp, demo, none, got 'adam'",
         ),
         ("workers", 0, "must be >= 1, got 0"),
         ("steps", -5, "must be >= 1, got -5"),

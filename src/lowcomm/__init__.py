@@ -6,7 +6,17 @@ for the algorithms and the ``lowcomm train`` job.
 
 from lowcomm import compress
 from lowcomm.comm import CommStats, Communicator
-from lowcomm.outer import ALGORITHMS, CO2, CoCoDC, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
+from lowcomm.optim import DeMo
+from lowcomm.outer import (
+    ALGORITHMS,
+    CO2,
+    CoCoDC,
+    DiLoCo,
+    LocalSGD,
+    NoLoCo,
+    SlowMo,
+    StreamingDiLoCo,
+)
 
 __version__ = "0.1.0"
 
@@ -16,8 +26,10 @@ __all__ = [
     "CoCoDC",
     "CommStats",
     "Communicator",
+    "DeMo",
     "DiLoCo",
     "LocalSGD",
+    "NoLoCo",
     "SlowMo",
     "StreamingDiLoCo",
     "__version__",

@@ -47,8 +47,10 @@ __all__ = [
     "DDPCommMeter",
     "DoneWork",
     "FlatBuckets",
+    "GroupMeanHandle",
     "Handle",
     "all_gather_wire_bytes",
+    "exchange_wire_bytes",
     "reduce_scatter_wire_bytes",
     "ring_wire_bytes",
     "storage_nbytes",
@@ -77,6 +79,12 @@ def all_gather_wire_bytes(payload_bytes: int, world_size: int) -> int:
     if world_size <= 1:
         return 0
     return (world_size - 1) * payload_bytes
+
+
+def exchange_wire_bytes(payload_bytes: int, group_size: int) -> int:
+    """Bytes each member sends in a group exchange of ``payload_bytes`` each (every member
+    sends its tensor to every other member): (n - 1) x payload, whatever the world size."""
+    return max(0, group_size - 1) * payload_bytes
 
 
 @dataclass
@@ -267,6 +275,37 @@ class DoneWork:
         return fut
 
 
+class GroupMeanHandle(Handle):
+    """An in-flight group mean (:meth:`Communicator.group_mean_async`): on :meth:`wait` the
+    buffers receive the members' tensors summed in rank order, then divided by the group size
+    (the same bits on every member)."""
+
+    def __init__(
+        self,
+        works: Sequence[dist.Work | DoneWork],
+        buffers: list[torch.Tensor],
+        members: dict[int, list[torch.Tensor]],
+        stats: CommStats,
+    ) -> None:
+        super().__init__(works, buffers, 1, stats)
+        self.members = members
+        """The members' tensors by rank, in rank order (this rank's are ``buffers``)."""
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._done:
+            return self.buffers
+        super().wait()
+        ranks = sorted(self.members)
+        for b, own in enumerate(self.buffers):
+            total = self.members[ranks[0]][b]  # this rank's buffer, or a scratch copy received
+            for r in ranks[1:]:
+                total.add_(self.members[r][b])
+            if total is not own:
+                own.copy_(total)
+            own.div_(float(len(ranks)))
+        return self.buffers
+
+
 class CompressedLauncher(Protocol):
     """What :meth:`Communicator.compressed_mean_async` launches through: compresses tensors with
     this rank's state and starts their collectives on a communicator (a
@@ -385,6 +424,45 @@ class Communicator:
             out.copy_(tensor.reshape(-1))
             return DoneWork()
         return self._launch_all_gather(out, tensor)
+
+    def _launch_exchange(self, ops: list[dist.P2POp], wire_bytes: int) -> list[dist.Work]:
+        """Launch point-to-point sends and receives together (``wire_bytes``: what this rank
+        sends). Subclasses override it as they do :meth:`_launch`."""
+        return list(dist.batch_isend_irecv(ops))
+
+    def group_mean_async(
+        self,
+        buffers: list[torch.Tensor],
+        members: Sequence[int],
+        recv: Sequence[list[torch.Tensor]],
+    ) -> GroupMeanHandle:
+        """Launch the mean of ``buffers`` over ``members`` (ranks of this communicator's group,
+        this rank among them) by point-to-point exchange: this rank sends its buffers to every
+        other member and receives theirs into ``recv`` (one list of buffers per other member,
+        in rank order). No other rank takes part. Counted: each bucket one collective, its
+        bytes as payload, (n - 1) x payload on the wire; :meth:`GroupMeanHandle.wait` leaves
+        the mean in ``buffers``."""
+        ranks = sorted(set(members))
+        assert self.rank in ranks, "this rank must be a member of its own group"
+        peers = [r for r in ranks if r != self.rank]
+        assert len(recv) >= len(peers)
+        payload = sum(b.numel() * b.element_size() for b in buffers)
+        wire = exchange_wire_bytes(payload, len(ranks))
+        self.stats.collectives += len(buffers)
+        self.stats.payload_bytes += payload
+        self.stats.wire_bytes += wire
+        tensors = {self.rank: buffers, **{p: list(recv[i]) for i, p in enumerate(peers)}}
+        if not peers:
+            return GroupMeanHandle([DoneWork()], buffers, tensors, self.stats)
+        ops = []
+        for b, own in enumerate(buffers):
+            for p in peers:
+                # one tag per bucket: a pair of ranks matches its messages bucket by bucket
+                ops.append(dist.P2POp(dist.isend, own, group=self.group, group_peer=p, tag=b))
+                into = tensors[p][b]
+                ops.append(dist.P2POp(dist.irecv, into, group=self.group, group_peer=p, tag=b))
+        works: list[dist.Work | DoneWork] = list(self._launch_exchange(ops, wire))
+        return GroupMeanHandle(works, buffers, tensors, self.stats)
 
     def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
         """Launch SUM all-reduces over ``buffers`` (in place); :meth:`Handle.wait` divides by N."""

@@ -140,6 +140,18 @@ class _EmulatedWork:
         return self._future
 
 
+class _AllOf:
+    """Several works waited for as one."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+
 class EmulatedCommunicator(Communicator):
     """A :class:`~lowcomm.comm.Communicator` whose collectives complete on the emulated link.
 
@@ -147,7 +159,7 @@ class EmulatedCommunicator(Communicator):
     until the model's completion time and marks it complete. Each collective occupies the link
     for its wire bytes per rank: a ring all-reduce ``2 (N - 1) / N`` x payload, an all-gather
     (compressed payloads, sharded anchors) ``(N - 1)`` x payload, a reduce-scatter
-    ``(N - 1) / N`` x payload.
+    ``(N - 1) / N`` x payload, a group exchange (NoLoCo) ``(n - 1)`` x payload for a group of n.
     """
 
     def __init__(
@@ -181,6 +193,12 @@ class EmulatedCommunicator(Communicator):
         real = super()._launch_reduce_scatter(out, tensor)
         wire = reduce_scatter_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
         return self._through_link(real, wire)
+
+    def _launch_exchange(self, ops: list[dist.P2POp], wire_bytes: int) -> list[dist.Work]:
+        # the sends and receives of one exchange occupy the link together, for what this
+        # rank sends
+        real = _AllOf(super()._launch_exchange(ops, wire_bytes))
+        return [self._through_link(real, wire_bytes)]  # type: ignore[arg-type]
 
     def _through_link(self, real: dist.Work, wire: int) -> dist.Work:
         """Complete ``real`` no earlier than the link could have carried ``wire`` bytes."""

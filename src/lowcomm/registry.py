@@ -3,9 +3,10 @@ and how it communicates. The CLI, the job's configuration, ``lowcomm bench``, ``
 simulate``, the tests and the benchmarks read it; no other module lists algorithms.
 
 An entry is an outer algorithm of :mod:`lowcomm.outer` under its class's own ``name`` (``co2``),
-a variant of one with keywords fixed (``co2-eager``: CO2 with ``eager=True``), or one of the two
+a variant of one with keywords fixed (``co2-eager``: CO2 with ``eager=True``), one of the two
 baselines that are no outer algorithm: ``ddp`` (synchronous DistributedDataParallel, every step)
-and ``none`` (no synchronisation at all: the throughput ceiling).
+and ``none`` (no synchronisation at all: the throughput ceiling), or ``demo``, the per-step
+optimizer :class:`lowcomm.optim.DeMo` that replaces DDP's gradient all-reduce.
 
 Example::
 
@@ -23,18 +24,30 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from lowcomm.outer import CO2, CoCoDC, DiLoCo, LocalSGD, SlowMo, StreamingDiLoCo
+from lowcomm.hparams import Hyperparameters
+from lowcomm.optim.demo import DeMoConfig
+from lowcomm.outer import CO2, CoCoDC, DiLoCo, LocalSGD, NoLoCo, SlowMo, StreamingDiLoCo
 
 if TYPE_CHECKING:
     from lowcomm.outer.engine import OuterAlgorithm
 
 __all__ = ["BASELINES", "REGISTRY", "SCHEDULES", "AlgorithmEntry", "names", "outer_names"]
 
-SCHEDULES = ("blocking", "one-round-stale", "fragments", "every-step", "never")
+SCHEDULES = (
+    "blocking",
+    "one-round-stale",
+    "fragments",
+    "gossip",
+    "every-step",
+    "every-step-gather",
+    "never",
+)
 """How an entry communicates: a blocking sync every H steps (LocalSGD, DiLoCo, SlowMo); the
 sync of round t applied at the end of round t + 1 (CO2); P fragments synced in turn, each τ
-steps overlapped (Streaming DiLoCo, CoCoDC); a blocking all-reduce of the gradients every step
-(DDP); never (the no-sync ceiling)."""
+steps overlapped (Streaming DiLoCo, CoCoDC); every H steps an exchange within small random
+groups instead of an all-reduce (NoLoCo); a blocking all-reduce of the gradients every step
+(DDP); an all-gather of every rank's few compressed momentum coefficients every step (DeMo);
+never (the no-sync ceiling)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class AlgorithmEntry:
     """One of :data:`SCHEDULES`."""
     compressible: bool = False
     """Whether ``--compression`` applies to it."""
+    options: type[Hyperparameters] | None = None
+    """The hyperparameters of an entry that is no outer algorithm (``demo``)."""
 
     def __post_init__(self) -> None:
         assert self.schedule in SCHEDULES, self.schedule
@@ -60,8 +75,13 @@ class AlgorithmEntry:
 
     @property
     def is_outer(self) -> bool:
-        """Whether a lowcomm outer algorithm runs it (not a baseline)."""
+        """Whether a lowcomm outer algorithm runs it (not a baseline, not DeMo)."""
         return self.cls is not None
+
+    @property
+    def config(self) -> type[Hyperparameters] | None:
+        """Its hyperparameters' dataclass: the outer algorithm's ``Config``, or ``options``."""
+        return self.cls.Config if self.cls is not None else self.options
 
 
 def _outer(
@@ -85,11 +105,18 @@ _ENTRIES = (
     _outer(CoCoDC, "CoCoDC: Streaming DiLoCo with delay compensation"),
     _outer(LocalSGD, "LocalSGD: parameter averaging"),
     _outer(SlowMo, "SlowMo: heavy-ball outer SGD with 1/lr scaling"),
+    _outer(NoLoCo, "NoLoCo: outer steps towards a random group's mean, no all-reduce"),
     AlgorithmEntry(
         name="ddp",
         summary="DistributedDataParallel: gradient all-reduce every step (baseline)",
         schedule="every-step",
         compressible=True,
+    ),
+    AlgorithmEntry(
+        name="demo",
+        summary="DeMo: per-step sign descent on the all-gathered top-k DCT of local momenta",
+        schedule="every-step-gather",
+        options=DeMoConfig,
     ),
     AlgorithmEntry(
         name="none", summary="no synchronisation: the throughput ceiling", schedule="never"
@@ -100,7 +127,8 @@ REGISTRY: Mapping[str, AlgorithmEntry] = MappingProxyType({e.name: e for e in _E
 """Every ``--algo`` value, in the order help texts list them."""
 
 BASELINES = tuple(e.name for e in _ENTRIES if not e.is_outer)
-"""The entries that are no outer algorithm (``ddp``, ``none``)."""
+"""The entries that are no outer algorithm (``ddp``, ``demo``, ``none``): no rounds, no
+anchor."""
 
 
 def names() -> tuple[str, ...]:

@@ -69,7 +69,14 @@ def add_subcommand(subparsers: Any) -> None:
         "--long",
         action="store_true",
         default=False,
-        help="--convergence: also run every job 4x longer",
+        help="--convergence: also run every job 4x longer (--lengths 1,4)",
+    )
+    p.add_argument(
+        "--lengths",
+        type=_int_csv,
+        metavar="L,M",
+        help="--convergence: multiples of the job's steps to run (default 1; e.g. 4 for the "
+        "longer jobs alone)",
     )
     p.add_argument(
         "--timing-steps",
@@ -164,7 +171,7 @@ def _run_convergence(args: argparse.Namespace) -> int:
     from lowcomm.bench.convergence_report import format_markdown
 
     given = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    flags = ("quick", "convergence", "long", "reuse", "overwrite", "data")
+    flags = ("quick", "convergence", "long", "lengths", "reuse", "overwrite", "data")
     wrong = sorted(k for k in given if k not in _CONVERGENCE_KEYS and k not in flags)
     if wrong:
         raise ValueError(
@@ -175,7 +182,11 @@ def _run_convergence(args: argparse.Namespace) -> int:
     values = {k: v for k, v in given.items() if k in _CONVERGENCE_KEYS}
     if getattr(args, "data", None) is not None:
         values["train_overrides"] = {"data": args.data}
-    spec = ConvergenceSpec(**values, lengths=[1, 4] if args.long else [1], reuse=args.reuse)
+    long, lengths = getattr(args, "long", False), getattr(args, "lengths", None)
+    if long and lengths is not None:
+        raise ValueError("--long is --lengths 1,4; give one of them")
+    lengths = lengths or ([1, 4] if long else [1])
+    spec = ConvergenceSpec(**values, lengths=lengths, reuse=args.reuse)
     results_path = os.path.join(spec.out, "results.json")
     if os.path.exists(results_path) and not (args.overwrite or args.reuse):
         raise ValueError(
@@ -203,14 +214,14 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
             where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
             print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
             return 1
-    for key in ("seeds", "timing_steps", "long", "reuse"):
+    for key in ("seeds", "timing_steps", "long", "lengths", "reuse"):
         if getattr(args, key, False) not in (False, None):
             raise ValueError(f"--{key.replace('_', '-')} is a flag of --convergence; add it")
     values = {
         k: v
         for k, v in vars(args).items()
         if not k.startswith("_")
-        and k not in ("quick", "overwrite", "data", "convergence", "long", "reuse")
+        and k not in ("quick", "overwrite", "data", "convergence", "long", "lengths", "reuse")
     }
     if getattr(args, "data", None) is not None:
         values["train_overrides"] = {"data": args.data}

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowcomm.link import EmulatedLink
-from lowcomm.registry import REGISTRY, outer_names
+from lowcomm.registry import REGISTRY
 
 __all__ = ["ConvergenceSpec", "algo_fields", "run_convergence"]
 
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 def _default_algos() -> list[str]:
-    return ["ddp", *outer_names()]
+    """DDP first (the reference), then every other entry that synchronises."""
+    return ["ddp", *(n for n, e in REGISTRY.items() if n != "ddp" and e.schedule != "never")]
 
 
 def algo_fields(algo: str) -> dict[str, Any]:

@@ -16,10 +16,12 @@ SlowMo        1            0        heavy ball, Δ̄/γ, lr α·γ       θ ← 
 CO2           1            H        penalty, momentum, clip       θ ← A (eager: own fresh Δ)
 Streaming     P            τ < H    outer optimizer per fragment  θ ← (1 − mix)·A + mix·θ
 CoCoDC        P (chosen)   τ < H    outer optimizer per fragment  delay compensation
+NoLoCo        1 (sends θ)  0, < H   heavy ball to a group's mean  θ ← φ (per rank)
 ============  ===========  =======  ============================  =========================
 
 Subclasses set their ``Config`` dataclass (the constructor's keywords) and override a few
-hooks (``_outer_state``, ``_merge``, ``_choose_fragment``, ``_outer_input``, …). The guards every
+hooks (``_outer_state``, ``_merge``, ``_choose_fragment``, ``_outer_input``, ``mean_async``
+(the collective: NoLoCo's group exchange), …). The guards every
 algorithm has are :mod:`lowcomm.outer.guards`.
 """
 
@@ -38,7 +40,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import Communicator, storage_nbytes
+from lowcomm.comm import Communicator, Handle, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
 from lowcomm.guard import (
@@ -213,6 +215,11 @@ class OuterAlgorithm(Guards):
             stream=index,
             keep_own=bool(getattr(self.config, "eager", False)),
         )
+
+    def mean_async(self, buffers: list[torch.Tensor]) -> Handle:
+        """The collective a fragment's uncompressed sync launches over its send ``buffers``:
+        the mean over every rank (a gossip algorithm's: over its group)."""
+        return self.comm.all_reduce_mean_async(buffers)
 
     def _choose_fragment(self, k: int) -> int:
         """The fragment the k-th sync point syncs (round-robin)."""

@@ -175,8 +175,10 @@ class Fragment:
         compression: Codec | LGreCo | None = None,
         stream: int = 0,
         keep_own: bool = False,
+        send_params: bool = False,
     ) -> None:
         self.params = list(params)
+        self.send_params = send_params or outer is None
         self.engine = engine
         self.comm: Communicator = engine.comm
         self.anchor = FlatBuckets.for_tensors(self.params, bucket_cap_mb=bucket_cap_mb)
@@ -206,7 +208,7 @@ class Fragment:
     def launch(self, label: str, step: int) -> Sync:
         slot, self._next = self._next, (self._next + 1) % len(self._sends)
         send = self._sends[slot]
-        if self.outer is None:
+        if self.send_params:
             send.copy_from(self.params)
         else:
             pseudo_gradient_(send.views, self.anchor.views, self.params)
@@ -218,7 +220,7 @@ class Fragment:
         else:
             if own is not None:
                 torch._foreach_copy_(own.views, send.views)
-            handle = self.comm.all_reduce_mean_async(send.buffers)
+            handle = self.engine.mean_async(send.buffers)
         sync = Sync(label, step, own_ok, slot, handle)
         self.pending.append(sync)
         return sync

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "co2_outer_update_",
     "delay_compensation_",
     "gap_aware_penalty",
+    "noloco_groups",
+    "noloco_outer_update_",
     "pseudo_gradient_",
 ]
 
@@ -139,3 +142,33 @@ def delay_compensation_(
                 lam = lambda0 * torch.linalg.vector_norm(g) / h_norm
                 out -= lam * h
         p.detach().copy_(out)
+
+
+def noloco_groups(world_size: int, group_size: int, step: int, seed: int = 0) -> list[list[int]]:
+    """NoLoCo's random groups for the sync after inner step ``step``, the same on every rank
+    with no communication: a permutation of the ranks from numpy's ``default_rng(seed + step +
+    1)`` cut strided into G = max(1, W // n) groups (group ``i mod G`` gets ``perm[i]``), as the
+    official code's ``create_random_permutation`` and ``batched`` do with ``seed`` 0. Where W is
+    not a multiple of n (the official code asserts it is) the last W mod n ranks of the
+    permutation join the last group. Each group is listed in rank order."""
+    perm = [int(r) for r in np.random.default_rng(seed + step + 1).permutation(world_size)]
+    count = max(1, world_size // group_size)
+    full = min(world_size, count * group_size)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    for i, r in enumerate(perm[:full]):
+        groups[i % count].append(r)
+    groups[-1].extend(perm[full:])
+    return [sorted(g) for g in groups]
+
+
+def noloco_outer_update_(
+    anchor: Tensors, momentum: Tensors, group_mean: Tensors, *, lr: float, momentum_coef: float
+) -> None:
+    """One NoLoCo outer step (heavy ball, as the official ``SparseOptimizerC``), in place, with
+    φ the ``anchor`` (this rank's outer weights), δ its ``momentum`` and the group's mean live
+    weights θ̄_G: δ ← μ·δ + α·(θ̄_G − φ); φ ← φ + δ. (The official code's two α terms,
+    α·mean_G(θ − φ) + α·(mean_G φ − φᵢ), add up to this one.)"""
+    diff = torch._foreach_sub(list(group_mean), list(anchor))
+    torch._foreach_mul_(list(momentum), momentum_coef)
+    torch._foreach_add_(list(momentum), diff, alpha=lr)
+    torch._foreach_add_(list(anchor), list(momentum))

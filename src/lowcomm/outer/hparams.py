@@ -32,6 +32,7 @@ __all__ = [
     "outer_lr",
     "outer_lr_schedule",
     "outer_momentum",
+    "overlap",
 ]
 
 
@@ -147,3 +148,13 @@ def outer_lr_schedule() -> Any:
 def outer_momentum(default: float, doc: str = "outer momentum") -> Any:
     """The ``outer_momentum`` (β) field with ``default``."""
     return hyper(default, doc=doc, symbol="β", check=check_momentum)
+
+
+def overlap(doc: str) -> Any:
+    """The ``overlap`` (τ) field, default 0: inner steps a sync runs before it is applied."""
+    return hyper(
+        0,
+        doc=doc,
+        symbol="τ",
+        check=check_number("must be an integer >= 0, got {value!r}", 0, integer=True),
+    )

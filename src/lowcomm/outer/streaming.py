@@ -27,7 +27,7 @@ from torch import nn
 
 from lowcomm.hparams import HyperparameterError, check_number, check_positive_int, hyper
 from lowcomm.outer.diloco import DiLoCo, OuterSGDConfig
-from lowcomm.outer.hparams import OuterConfig, ShardableConfig
+from lowcomm.outer.hparams import OuterConfig, ShardableConfig, overlap
 from lowcomm.params import check_partition, split_by_blocks
 
 __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_blocks"]
@@ -48,11 +48,8 @@ class FragmentsConfig(OuterSGDConfig):
         doc="explicit fragments: modules or parameter lists holding every parameter once",
         job=False,
     )
-    overlap: int = hyper(
-        0,
-        doc="inner steps a fragment's all-reduce runs before it is applied (below sync_every)",
-        symbol="τ",
-        check=check_number("must be an integer >= 0, got {value!r}", 0, integer=True),
+    overlap: int = overlap(
+        "inner steps a fragment's all-reduce runs before it is applied (below sync_every)"
     )
 
     def check(self) -> None:

@@ -40,7 +40,7 @@ from lowcomm.compress.feedback import worker_generator
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.outer import ALGORITHMS
 from lowcomm.outer.engine import WARM_STREAM
-from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW
+from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW, noloco_groups
 
 __all__ = [
     "RefCompression",
@@ -393,6 +393,29 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
     ]
     eager_own: list[list[torch.Tensor]] = []
 
+    # NoLoCo: every worker's own φ and δ; the group means launched and not yet applied
+    noloco_a = [[a.clone() for a in anchor] for _ in range(n)] if algo == "noloco" else []
+    noloco_m = [[torch.zeros_like(a) for a in anchor] for _ in range(n)]
+    noloco_pending: list[list[torch.Tensor]] | None = None
+    noloco_applied = 0
+
+    def noloco_launch(step: int) -> list[list[torch.Tensor]]:
+        """Each worker's group mean of θ (summed in rank order, then divided)."""
+        groups = noloco_groups(n, hyper["group_size"], step, hyper["group_seed"])
+        of = {w: g for g in groups for w in g}
+        return [
+            [_mean([thetas[j][p].float() for j in of[w]]) for p in range(len(anchor))]
+            for w in range(n)
+        ]
+
+    def noloco_apply(means: list[list[torch.Tensor]]) -> None:
+        """δ ← μ·δ + α·(mean_G θ − φ); φ ← φ + δ; θ ← φ, per worker."""
+        for w in range(n):
+            for a, m, mean, p in zip(noloco_a[w], noloco_m[w], means[w], thetas[w]):
+                m.mul_(hyper["outer_momentum"]).add_(mean - a, alpha=hyper["outer_lr"])
+                a.add_(m)
+                p.copy_(a)
+
     def set_all(values: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for th in thetas:
@@ -474,7 +497,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                         param.grad = mean_g.clone()
                     inners[w].step()
                     inners[w].zero_grad()
-                for anchors in [anchor, *eager_a]:
+                for anchors in [anchor, *eager_a, *noloco_a]:
                     for dst, src in zip(anchors, thetas[0]):
                         dst.copy_(src)
             if step % h == 0:
@@ -493,6 +516,17 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
                 if phase % interval == 0 and phase - tau >= 1:
                     stream_sync(phase // interval)
+        if algo == "noloco":
+            with torch.no_grad():
+                tau = hyper["overlap"]
+                if (phase + tau) % h == 0:
+                    noloco_pending = noloco_launch(phase + tau)
+                if phase % h == 0 and noloco_pending is not None:
+                    noloco_apply(noloco_pending)
+                    noloco_pending = None
+                    noloco_applied += 1
+                    out.rounds.append([[p.detach().clone() for p in th] for th in thetas])
+            continue
         co2_tau = h if hyper.get("overlap") is None else hyper["overlap"]
         if algo == "co2" and co2_tau < h and (phase + co2_tau) % h == 0:
             with torch.no_grad():  # launched τ steps before the round ends
@@ -574,7 +608,19 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             co2_apply(co2.pending)
         for k in sorted(stream_pending):
             stream_sync(k)
-        if algo != "localsgd":
+        if algo == "noloco":
+            if noloco_pending is not None:
+                noloco_apply(noloco_pending)
+                noloco_applied += 1
+            # finish(): the ranks agree on the mean of their φ (once any sync was applied)
+            per_worker = noloco_a
+            if noloco_applied:
+                mean = [_mean([wa[j] for wa in noloco_a]) for j in range(len(anchor))]
+                per_worker = [mean] * n
+            for th, values in zip(thetas, per_worker):
+                for p, v in zip(th, values):
+                    p.copy_(v)
+        elif algo != "localsgd":
             set_all(anchor)
         elif scenario["steps"] > warmup and (scenario["steps"] - warmup) % h:
             set_all([_mean([th[j].float() for th in thetas]) for j in range(len(anchor))])

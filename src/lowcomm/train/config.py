@@ -320,6 +320,12 @@ class TrainConfig:
                     f"({self.nodes}) does not apply to algo none, which trains every process "
                     f"alone; use workers (--workers {total}) for {total} unsynchronised processes",
                 )
+            if self.algo == "demo":
+                raise ConfigError(
+                    "nodes",
+                    f"({self.nodes}): algo demo runs over every process, with no node groups; "
+                    f"use workers (--workers {total})",
+                )
         if self.node_sharding == "zero":
             if self.algo == "none":
                 raise ConfigError(
@@ -393,6 +399,12 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError("compression", f"is not usable: {e}") from None
         if self.algo in NO_OUTER_ALGORITHM:
+            options = REGISTRY[self.algo].options
+            if options is not None:
+                try:
+                    options(**self.algorithm_kwargs())
+                except ValueError as e:
+                    raise _config_error(e) from None
             return
         try:
             cls = self.algorithm_class()
@@ -446,7 +458,9 @@ class TrainConfig:
         """
         entry = REGISTRY[self.algo]
         if entry.cls is None:
-            return {}
+            # demo: its options as set (unset: the library's defaults)
+            keys = OUTER_KEYS[self.algo] if entry.options is not None else ()
+            return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         kwargs: dict[str, Any] = {
             "sync_every": self.sync_every,
             "bucket_cap_mb": self.bucket_cap_mb,

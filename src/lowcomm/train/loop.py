@@ -67,6 +67,7 @@ from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
 from lowcomm.guard import check_same_across_ranks, checksum
 from lowcomm.link import EmulatedLink
+from lowcomm.optim import DeMo
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.failures import attempt
@@ -202,6 +203,10 @@ def _synchronisation(
         sync.stats = sync.meter.stats
     elif cfg.algo == "none":
         sync = _Sync(model=gpt, stats=CommStats())  # the no-sync ceiling: every worker alone
+    elif cfg.algo == "demo":
+        # the optimizer itself communicates (inner_optimizer): no DDP, no outer algorithm
+        assert isinstance(inner, DeMo)
+        sync = _Sync(model=gpt, stats=inner.stats)
     else:
         sync = _Sync(model=gpt, stats=None)
         if cfg.hierarchical:
@@ -444,6 +449,9 @@ class _Job:
         cfg, sync, zero, progress, world = self.cfg, self.sync, self.zero, self.progress, self.world
         if sync.algo is not None:
             sync.algo.finish()
+        finish = getattr(self.inner, "finish", None)
+        if callable(finish):
+            finish()  # DeMo with overlap: the last gathered update
         val_end = self.evaluate(cfg.steps)
         wall_s = time.perf_counter() - self.t_start
         if progress is not None:

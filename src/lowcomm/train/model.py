@@ -42,8 +42,18 @@ def _param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
     ]
 
 
-def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """The job's inner AdamW over ``model`` (weight decay on matrices and embeddings only)."""
+def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The job's optimizer over ``model`` (weight decay on matrices and embeddings only): the
+    inner AdamW, or with ``algo`` demo :class:`~lowcomm.optim.DeMo` over every process (on
+    ``cfg.link``'s emulated link when set), which replaces DDP's gradient all-reduce."""
+    if cfg.algo == "demo":
+        from lowcomm.link import EmulatedLink
+        from lowcomm.optim import DeMo
+
+        comm = EmulatedLink.parse(cfg.link).communicator() if cfg.link is not None else None
+        return DeMo(
+            _param_groups(model, cfg), lr=cfg.lr, process_group=comm, **cfg.algorithm_kwargs()
+        )
     return torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.95))
 
 

@@ -90,11 +90,11 @@ def outer_fields(entry: AlgorithmEntry) -> list[dataclasses.Field[Any]]:
     """The job fields of ``entry``: its class's public hyperparameters but the job's own and
     those a registered name fixes (``eager``: ``--algo co2-eager``), the keywords common to
     every algorithm last."""
-    if entry.cls is None:
+    if entry.config is None:
         return []
     fixed = {k for e in REGISTRY.values() if e.cls is entry.cls for k in e.fixed}
     common = {f.name for f in dataclasses.fields(ShardableConfig)}
-    keys = [f for f in public_fields(entry.cls.Config) if f.name not in (*JOB_KEYS, *fixed)]
+    keys = [f for f in public_fields(entry.config) if f.name not in (*JOB_KEYS, *fixed)]
     return sorted(keys, key=lambda f: f.name in common)
 
 
@@ -142,9 +142,9 @@ def outer_doc(key: str) -> str:
     text = f"{symbol}: {f.metadata['doc']}" if symbol else str(f.metadata["doc"])
     groups: dict[str, list[str]] = {}
     for name, entry in REGISTRY.items():
-        if entry.cls is None or key not in OUTER_KEYS[name]:
+        if entry.config is None or key not in OUTER_KEYS[name]:
             continue
-        library = entry.cls.Config.field(key).default
+        library = entry.config.field(key).default
         job = JOB_OUTER_DEFAULTS.get(name, {}).get(key, library)
         if key == "sync_warmup":
             value = f"steps/4 in whole rounds in this job, library {library}"

@@ -244,7 +244,9 @@ def run_summary(
         "out": cfg.out,
         "workers": world,
         "steps": cfg.steps,
-        "sync_every": {"every-step": 1, "never": None}.get(entry.schedule, cfg.sync_every),
+        "sync_every": {"every-step": 1, "every-step-gather": 1, "never": None}.get(
+            entry.schedule, cfg.sync_every
+        ),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         "compression": cfg.compression if entry.compressible else None,
         "parameters": n_params,
@@ -349,9 +351,10 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
     """
     comm = summary.get("comm_mean") or {}
     algo = summary["algo"]
-    sync = {"ddp": "every step", "none": "never: the no-sync ceiling"}.get(
-        algo, f"every {summary.get('sync_every')} steps"
-    )
+    h = summary.get("sync_every")
+    sync = "every step" if h == 1 else f"every {h} steps"
+    if h is None:
+        sync = "never: the no-sync ceiling"
     hidden = comm.get("hidden_fraction")
     tps = summary.get("tokens_per_s")
     wall = f"{summary['wall_time_s']:.1f} s training loop"

@@ -119,10 +119,17 @@ def _parse_algos(text: str) -> tuple[str, ...]:
 
 
 def _build_algorithms(
-    names: Sequence[str], sync_every: Sequence[int], num_fragments: int, overlap: int
+    names: Sequence[str],
+    sync_every: Sequence[int],
+    num_fragments: int,
+    overlap: int,
+    group_size: int = 2,
 ) -> tuple[Algorithm, ...]:
     algos: list[Algorithm] = []
     for name in names:
+        if REGISTRY[name].schedule == "every-step-gather":  # demo: --overlap 1 applies late
+            algos.append(Algorithm(name=name, overlap=min(overlap, 1)))
+            continue
         if not REGISTRY[name].is_outer:
             algos.append(Algorithm(name=name))
             continue
@@ -130,6 +137,10 @@ def _build_algorithms(
             if REGISTRY[name].schedule == "fragments":
                 algos.append(
                     Algorithm(name=name, sync_every=h, num_fragments=num_fragments, overlap=overlap)
+                )
+            elif REGISTRY[name].schedule == "gossip":
+                algos.append(
+                    Algorithm(name=name, sync_every=h, group_size=group_size, overlap=overlap)
                 )
             else:
                 algos.append(Algorithm(name=name, sync_every=h))
@@ -244,6 +255,7 @@ def _scenario_from_args(
         "algos" in given
         or "num_fragments" in given
         or "overlap" in given
+        or "group_size" in given
         or (sync_every is not None and preset_name is None)
     ):
         names = (
@@ -255,7 +267,11 @@ def _scenario_from_args(
         h_list = sync_every or tuple(dict.fromkeys(outer)) or (12,)
         p = int(_parse_positive(given.get("num_fragments", 1), "--num-fragments", integer=True))
         tau = _parse_int_list(str(given.get("overlap", 0)), "--overlap", low=0)[0]
-        scenario = replace(scenario, algorithms=_build_algorithms(names, h_list, p, tau))
+        n = int(_parse_positive(given.get("group_size", 2), "--group-size", integer=True))
+        if n < 2:
+            raise ValueError(f"--group-size must be an integer >= 2, got {n}")
+        algos = _build_algorithms(names, h_list, p, tau, n)
+        scenario = replace(scenario, algorithms=algos)
     if "workers" in given:
         scenario = replace(scenario, workers=_parse_int_list(args.workers, "--workers"))
     if "scalability_base" in given:
@@ -304,7 +320,9 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
      "inner steps per round (the CO2 paper's tau); several values give a line each (default 12)"),
     ("--num-fragments", "P", f"{_FRAGMENTED} fragments (default 1)"),
     ("--overlap", "STEPS",
-     f"{_FRAGMENTED} inner steps a fragment's all-reduce may run (default 0)"),
+     f"{_FRAGMENTED} inner steps a fragment's all-reduce may run, and noloco's exchange "
+     "(default 0)"),
+    ("--group-size", "N", "noloco: workers averaged together at each sync (default 2)"),
     ("--bytes-per-param", "B", "bytes per synchronised element: 4 fp32 (default), 2 bf16"),
     ("--backward-fraction", "B",
      "share of a step DDP can hide its all-reduce behind (default 0.667; 0: none)"),

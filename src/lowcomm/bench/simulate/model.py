@@ -45,6 +45,25 @@ of the whole payload; ``t_o`` = one outer update):
   fragment at a time, so a round is never shorter than P·T_f:
   round = max(H·t_c + P·max(0, T_f − τ·t_c) + t_o, P·T_f). CoCoDC's adaptive fragment choice
   adds a blocking all-reduce of P float64 scores at each sync point (a latency-bound collective).
+* ``gossip`` (``noloco``): no all-reduce; every H steps each worker exchanges its full payload
+  with the other members of a random group of n (``group_size``; with N not divisible by n the
+  last group has n + N mod n members, and the largest group sets the round). A member sends
+  its S bytes to each of the g − 1 others at once over its own link, so the exchange takes
+  T_x = α + (g − 1) · 8 S / β, independent of N (:func:`exchange_time`; with ``G`` GPUs per node
+  sharing one NIC and the partners on other nodes, the NIC carries G of them:
+  α + G (g − 1) · 8 S / β). Launched τ (``overlap``) steps before it is applied:
+  round = max(H·t_c + max(0, T_x − τ·t_c) + t_o, T_x). The model assumes every worker has its
+  own full-duplex link of bandwidth β and that the exchanges of different groups do not share
+  links (no switch or core contention); the finish() all-reduce of φ is once per run and left
+  out.
+* ``every-step-gather`` (``demo``): every step an all-gather of each worker's top-k DCT
+  coefficients, S_d = parameters · min(1, k / s²) · 8 bytes (an int32 index and an fp32 value
+  per coefficient; k = ``topk`` of every s × s block, ``chunk`` s: the 2-D tensors that hold
+  nearly all parameters). A ring all-gather sends (n − 1) messages of S_d and every worker
+  receives (n − 1)·S_d, so T_g = (n − 1)(α + 8 S_d / β) grows with N (:func:`allgather_time`;
+  lowcomm's emulation charges α + (n − 1)·8 S_d / β). Compression happens after backward, so
+  nothing hides it: step = t_c + T_g; with ``overlap`` (applied one step late) it runs behind the
+  next step: step = max(t_c, T_g).
 
 Throughput is N × tokens per worker step / step time. *Scaling efficiency* at N is
 throughput(N) / (N / N₀ · throughput(N₀)) against the smallest N₀ projected. The CO2 paper's
@@ -73,7 +92,9 @@ __all__ = [
     "Scenario",
     "StepTime",
     "Workload",
+    "allgather_time",
     "emulated_allreduce_time",
+    "exchange_time",
     "hierarchical_allreduce_time",
     "project",
     "ring_allreduce_time",
@@ -103,6 +124,30 @@ def _check_collective(payload_bytes: float, n: int, bandwidth_bps: float, latenc
         raise ValueError(f"bandwidth must be > 0 bits/s, got {bandwidth_bps!r}")
     if not (latency_s >= 0 and math.isfinite(latency_s)):
         raise ValueError(f"latency must be a finite number >= 0 s, got {latency_s!r}")
+
+
+def allgather_time(
+    payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float, *, emulated: bool = False
+) -> float:
+    """Time of a ring all-gather of ``payload_bytes`` per worker over ``n`` workers:
+    ``(n − 1)(α + 8 S / β)`` (emulated: latency once, ``α + (n − 1) · 8 S / β``); 0 for n = 1."""
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    if n == 1:
+        return 0.0
+    wire = (n - 1) * 8.0 * payload_bytes / bandwidth_bps
+    return latency_s + wire if emulated else (n - 1) * latency_s + wire
+
+
+def exchange_time(
+    payload_bytes: float, group: int, bandwidth_bps: float, latency_s: float, *, sharing: int = 1
+) -> float:
+    """Time of a group exchange (NoLoCo): each of ``group`` members sends ``payload_bytes`` to
+    every other member at once over its link, shared by ``sharing`` workers (GPUs behind one
+    NIC): ``α + sharing · (g − 1) · 8 S / β``; 0 for a group of one. lowcomm's emulated link
+    charges the same (``sharing`` 1)."""
+    if group <= 1:
+        return 0.0
+    return latency_s + sharing * (group - 1) * 8.0 * payload_bytes / bandwidth_bps
 
 
 def ring_allreduce_time(
@@ -240,6 +285,24 @@ class Network:
             intra_latency_s=self.intra_latency_s,
         )
 
+    def allgather_time(self, payload_bytes: float, n: int) -> float:
+        """Seconds for one all-gather of ``payload_bytes`` per worker over ``n`` workers (with
+        nodes of several GPUs, a ring over the nodes, each node's NIC carrying its G shards)."""
+        emulated = self.cost == "emulated"
+        g = 1 if emulated else self.gpus_per_node
+        nodes = n if g == 1 else self.nodes(n)
+        return allgather_time(
+            g * payload_bytes, nodes, self.bandwidth_bps, self.latency_s, emulated=emulated
+        )
+
+    def exchange_time(self, payload_bytes: float, group: int) -> float:
+        """Seconds for one group exchange (NoLoCo) of ``payload_bytes`` per member among
+        ``group`` members (:func:`exchange_time`; nodes of several GPUs share their NIC)."""
+        sharing = 1 if self.cost == "emulated" else self.gpus_per_node
+        return exchange_time(
+            payload_bytes, group, self.bandwidth_bps, self.latency_s, sharing=sharing
+        )
+
     def nodes(self, n: int) -> int:
         return max(1, math.ceil(n / self.gpus_per_node))
 
@@ -304,25 +367,31 @@ class Algorithm:
     """τ: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied."""
     adaptive: bool = True
     """cocodc: fragments chosen by an all-reduced priority score (a blocking collective)."""
+    group_size: int = 2
+    """n: noloco's group size."""
+    topk: int = 32
+    """k: demo's coefficients sent per chunk."""
+    chunk: int = 64
+    """s: demo's chunk size per dimension."""
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.name!r}")
-        for key, low in (("sync_every", 1), ("num_fragments", 1), ("overlap", 0)):
+        keys = [("sync_every", 1), ("num_fragments", 1), ("overlap", 0), ("group_size", 2)]
+        keys += [("topk", 1), ("chunk", 1)]
+        for key, low in keys:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-        if self.schedule == "fragments":
-            if self.sync_every % self.num_fragments:
-                raise ValueError(
-                    f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
-                    f"({self.num_fragments}) for {self.name}"
-                )
-            if self.overlap >= self.sync_every:
-                raise ValueError(
-                    f"overlap ({self.overlap}) must be < sync_every ({self.sync_every}) for "
-                    f"{self.name}"
-                )
+        if self.schedule in ("fragments", "gossip") and self.overlap >= self.sync_every:
+            raise ValueError(
+                f"overlap ({self.overlap}) must be < sync_every ({self.sync_every}) for {self.name}"
+            )
+        if self.schedule == "fragments" and self.sync_every % self.num_fragments:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
+                f"({self.num_fragments}) for {self.name}"
+            )
 
     @property
     def entry(self) -> AlgorithmEntry:
@@ -337,18 +406,31 @@ class Algorithm:
 
     @property
     def period(self) -> int:
-        """Inner steps per synchronisation: 1 for a sync every step (ddp), else ``sync_every``."""
-        return 1 if self.schedule == "every-step" else self.sync_every
+        """Inner steps per synchronisation: 1 for a sync every step (ddp, demo), else
+        ``sync_every``."""
+        return 1 if self.schedule in ("every-step", "every-step-gather") else self.sync_every
 
     @property
     def label(self) -> str:
         """Short name for tables and plots, e.g. ``co2 H=48``."""
+        if self.schedule == "every-step-gather":
+            return f"{self.name} k={self.topk} s={self.chunk}" + (
+                " overlap" if self.overlap else ""
+            )
         if not self.entry.is_outer:
             return self.name
         text = f"{self.name} H={self.sync_every}"
         if self.schedule == "fragments":
             text += f" P={self.num_fragments} overlap={self.overlap}"
+        if self.schedule == "gossip":
+            text += f" n={self.group_size}" + (f" overlap={self.overlap}" if self.overlap else "")
         return text
+
+    def largest_group(self, n: int) -> int:
+        """noloco: members of the largest group among ``n`` workers (the remainder of n not
+        divisible by ``group_size`` joins the last group)."""
+        groups = max(1, n // self.group_size)
+        return n - (groups - 1) * self.group_size
 
 
 @dataclass(frozen=True)
@@ -391,6 +473,11 @@ def step_time(algorithm: Algorithm, workload: Workload, network: Network, n: int
         comm = network.allreduce_time(payload, n)
         exposed = max(0.0, comm - workload.backward_fraction * t)
         return StepTime(t + exposed, t, comm, exposed, 0.0)
+    if schedule == "every-step-gather":
+        sent = workload.parameters * min(1.0, algorithm.topk / algorithm.chunk**2) * 8.0
+        comm = network.allgather_time(sent, n)
+        exposed = max(0.0, comm - t) if algorithm.overlap else comm
+        return StepTime(t + exposed, t, comm, exposed, 0.0)
     h = algorithm.sync_every
     outer = workload.outer_time_s
     if schedule == "blocking":
@@ -402,6 +489,14 @@ def step_time(algorithm: Algorithm, workload: Workload, network: Network, n: int
         exposed = max(0.0, comm - window)
         # link-bound: each all-reduce also queues behind the previous one for the excess
         return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
+    if schedule == "gossip":
+        ex = network.exchange_time(payload, algorithm.largest_group(n))
+        per_sync = max(0.0, ex - algorithm.overlap * t)
+        round_s = max(h * t + per_sync + outer, ex)
+        queued = max(0.0, ex - (h * t + per_sync + outer))
+        return StepTime(
+            round_s / h, t, ex / h, (round_s - h * t - outer) / h, outer / h, queued / h
+        )
     assert schedule == "fragments", schedule
     p = algorithm.num_fragments
     frag = network.allreduce_time(payload / p, n)
