@@ -10,7 +10,7 @@ import torch
 
 from lowcomm.registry import outer_names
 from lowcomm.testing import run_workers
-from lowcomm.testing.reference import distributed_run, reference_run
+from lowcomm.testing.reference import distributed_run, reference_run, toy_model
 
 SMALL_BUCKETS = 0.0002  # ~52 floats: the toy model spans several buckets
 
@@ -253,6 +253,22 @@ def test_noloco_groups_differ_across_ranks_and_rounds(four_ranks: dict) -> None:
         assert len(same) == 2 and len({x for pair in same for x in pair}) == 4, same
         pairings.append(frozenset(same))
     assert len(set(pairings)) > 1
+
+
+@pytest.mark.timeout(300)
+def test_noloco_exchange_bytes_do_not_grow_with_the_world(
+    two_ranks: dict, four_ranks: dict
+) -> None:
+    """Each sync sends this rank's θ to its one partner: (n − 1) × payload, on 2 ranks and on 4;
+    only finish()'s one all-reduce of φ is a ring's."""
+    from lowcomm.comm import ring_wire_bytes
+
+    payload = 4 * sum(p.numel() for p in toy_model(1).parameters())
+    syncs = 13 // 3
+    for results in (two_ranks["noloco"], four_ranks["noloco"]):
+        workers = len(results)
+        for r in results:
+            assert r["stats"]["wire_bytes"] == syncs * payload + ring_wire_bytes(payload, workers)
 
 
 def test_scenarios_exercise_penalty_and_clipping() -> None:
