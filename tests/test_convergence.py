@@ -107,6 +107,27 @@ def test_assemble_merges_seeds_and_times_the_target_on_each_link():
     assert "not reached" in text and "2.050 ± 0.071" in text
 
 
+def test_a_run_of_longer_jobs_alone_is_reported_and_plotted(tmp_path):
+    """``--lengths 4``: no 1x jobs; the tables, the goals (unmeasured) and both plots."""
+    from lowcomm.bench.convergence_report import write_report
+
+    spec = ConvergenceSpec(algos=["ddp", "co2"], workers=[2], seeds=[0], lengths=[4])
+    runs = [
+        _run("ddp", "ddp", 0, [5.0, 3.0, 2.2, 2.0], length=4),
+        _run("co2", "co2", 0, [5.0, 2.5, 2.0, 1.9], length=4),
+    ]
+    timings = [
+        {"algo": a, "workers": 2, "link": "100mbit", "step_time_s": t}
+        for a, t in (("ddp", 1.0), ("co2", 0.2))
+    ]
+    results = assemble(spec, runs, timings)
+    assert {c["length"] for c in results["cells"]} == {4}
+    assert all(g["met"] is None for g in results["goals"])  # the goals are for 1x jobs
+    paths = write_report(results, str(tmp_path))
+    assert all(os.path.getsize(p) > 0 for p in paths)
+    assert "(4x)" in (tmp_path / "convergence.md").read_text()
+
+
 def test_a_warm_start_is_timed_at_its_own_step_time():
     spec = ConvergenceSpec(algos=["ddp", "co2"], workers=[2], seeds=[0])
     runs = [

@@ -242,10 +242,12 @@ def write_report(results: dict[str, Any], out: str) -> list[str]:
 
 
 def _plot(results: dict[str, Any], path: str, x: str | None) -> str:
-    """Mean validation loss (1x jobs) against tokens per worker, one panel per worker count;
-    or (``x="time"``) against wall time, one panel per link, at the fewest workers."""
+    """Mean validation loss of the shortest jobs run (1x, unless only longer ones were) against
+    tokens per worker, one panel per worker count; or (``x="time"``) against wall time, one
+    panel per link, at the fewest workers."""
     plt = pyplot()
-    cells = [c for c in results["cells"] if c["length"] == 1]
+    shortest = min((c["length"] for c in results["cells"]), default=1)
+    cells = [c for c in results["cells"] if c["length"] == shortest]
     worker_counts = sorted({c["workers"] for c in cells})
     panels: list[Any] = worker_counts if x is None else list(results["settings"]["links"])
     n = max(1, len(panels))
