@@ -134,6 +134,8 @@ class _Pending:
     values: torch.Tensor
     params: list[torch.Tensor]
     lrs: list[float]
+    layouts: list[tuple[ChunkPlan, int]]
+    """Each parameter's chunking and k, in the order of the gathered buffers."""
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         for w in self.works:
@@ -190,11 +192,13 @@ class DeMo(torch.optim.Optimizer):
 
     stats = property(lambda self: self.comm.stats, doc="This rank's communication counters.")
 
-    def _plan(self, shape: torch.Size, chunk: int) -> ChunkPlan:
-        key = (shape, chunk)
+    def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[ChunkPlan, int]:
+        """How ``p`` is chunked under ``group``'s settings, and k (clamped to a chunk)."""
+        key = (p.shape, group["compression_chunk"])
         if key not in self._plans:
-            self._plans[key] = ChunkPlan.for_shape(shape, chunk)
-        return self._plans[key]
+            self._plans[key] = ChunkPlan.for_shape(p.shape, group["compression_chunk"])
+        plan = self._plans[key]
+        return plan, max(1, min(group["compression_topk"], plan.per_chunk))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -208,6 +212,7 @@ class DeMo(torch.optim.Optimizer):
             self._pending = None
         params: list[torch.Tensor] = []
         lrs: list[float] = []
+        layouts: list[tuple[ChunkPlan, int]] = []
         indices: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -226,16 +231,17 @@ class DeMo(torch.optim.Optimizer):
                 if decay != 1:
                     m.mul_(decay)
                 m.add_(p.grad.float(), alpha=lr)
-                plan = self._plan(p.shape, group["compression_chunk"])
-                idx, val, sent = demo_compress(m, plan, group["compression_topk"])
+                plan, k = self._layout(p, group)
+                idx, val, sent = demo_compress(m, plan, k)
                 m.sub_(sent)
                 params.append(p)
                 lrs.append(float(lr))
+                layouts.append((plan, k))
                 indices.append(idx.to(INDEX_DTYPE).reshape(-1))
                 values.append(val.reshape(-1))
         if not params:
             return loss
-        pending = self._gather(params, lrs, indices, values)
+        pending = self._gather(params, lrs, layouts, indices, values)
         if self.overlap:
             self._pending = pending
         else:
@@ -246,6 +252,7 @@ class DeMo(torch.optim.Optimizer):
         self,
         params: list[torch.Tensor],
         lrs: list[float],
+        layouts: list[tuple[ChunkPlan, int]],
         indices: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> _Pending:
@@ -259,7 +266,7 @@ class DeMo(torch.optim.Optimizer):
         ]
         # one handle: the time blocked and in flight are counted like every collective's
         handle = Handle(works, [idx_out, val_out], 1, self.comm.stats)
-        return _Pending([handle], idx_out, val_out, params, lrs)
+        return _Pending([handle], idx_out, val_out, params, lrs, layouts)
 
     def _apply(self, pending: _Pending) -> None:
         idx_out, val_out = pending.wait()
@@ -267,10 +274,7 @@ class DeMo(torch.optim.Optimizer):
         idx_ranks = idx_out.view(n, -1)
         val_ranks = val_out.view(n, -1)
         offset = 0
-        for p, lr in zip(pending.params, pending.lrs):
-            group = self._group_of(p)
-            plan = self._plan(p.shape, group["compression_chunk"])
-            k = max(1, min(group["compression_topk"], plan.per_chunk))
+        for p, lr, (plan, k) in zip(pending.params, pending.lrs, pending.layouts):
             size = plan.chunks * k
             per_rank_idx = [
                 idx_ranks[r, offset : offset + size].view(plan.chunks, k) for r in range(n)
@@ -281,12 +285,6 @@ class DeMo(torch.optim.Optimizer):
             offset += size
             q = demo_decode(per_rank_idx, per_rank_val, plan)
             p.add_(torch.sign(q).to(p.dtype), alpha=-lr)
-
-    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise AssertionError("parameter not in any group")
 
     def finish(self) -> None:
         """Apply the update still in flight (``overlap``); idempotent."""
@@ -322,13 +320,15 @@ class DeMo(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._pending = None
         if pending is not None:
-            params = self._all_params()
+            placed = [(p, g) for g in self.param_groups for p in g["params"]]
+            chosen = [placed[i] for i in pending["params"]]
             self._pending = _Pending(
                 [],
                 pending["indices"].clone(),
                 pending["values"].clone(),
-                [params[i] for i in pending["params"]],
+                [p for p, _ in chosen],
                 [float(x) for x in pending["lrs"]],
+                [self._layout(p, g) for p, g in chosen],
             )
 
     def _all_params(self) -> list[torch.Tensor]:
@@ -340,7 +340,6 @@ class DeMo(torch.optim.Optimizer):
         total = 0
         for group in self.param_groups:
             for p in group["params"]:
-                plan = self._plan(p.shape, group["compression_chunk"])
-                k = max(1, min(group["compression_topk"], plan.per_chunk))
+                plan, k = self._layout(p, group)
                 total += plan.chunks * k * (torch.iinfo(INDEX_DTYPE).bits // 8 + 4)
         return total

@@ -395,7 +395,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
 
     # NoLoCo: every worker's own φ and δ; the group means launched and not yet applied
     noloco_a = [[a.clone() for a in anchor] for _ in range(n)] if algo == "noloco" else []
-    noloco_m = [[torch.zeros_like(a) for a in anchor] for _ in range(n)]
+    noloco_m = [[torch.zeros_like(a) for a in anchor] for _ in noloco_a]
     noloco_pending: list[list[torch.Tensor]] | None = None
     noloco_applied = 0
 
