@@ -73,8 +73,6 @@ def test_compress_keeps_the_k_largest_per_chunk_and_the_rest_stays() -> None:
         others = [i for i in range(plan.per_chunk) if i not in kept]
         assert (coeffs[c].abs()[others] <= smallest_kept).all()
         assert torch.equal(val[c], coeffs[c][idx[c]])
-    # what is sent plus what stays is m
-    torch.testing.assert_close(sent + (m - sent), m)
     kept_only = torch.zeros_like(coeffs).scatter_(-1, idx, val)
     torch.testing.assert_close(sent, decode(kept_only, plan))
 

@@ -228,8 +228,7 @@ class DeMo(torch.optim.Optimizer):
                 m = state["delta"]
                 if wd != 0.0:
                     p.mul_(1.0 - lr * wd)
-                if decay != 1:
-                    m.mul_(decay)
+                m.mul_(decay)
                 m.add_(p.grad.float(), alpha=lr)
                 plan, k = self._layout(p, group)
                 idx, val, sent = demo_compress(m, plan, k)

@@ -449,9 +449,8 @@ class _Job:
         cfg, sync, zero, progress, world = self.cfg, self.sync, self.zero, self.progress, self.world
         if sync.algo is not None:
             sync.algo.finish()
-        finish = getattr(self.inner, "finish", None)
-        if callable(finish):
-            finish()  # DeMo with overlap: the last gathered update
+        if isinstance(self.inner, DeMo):
+            self.inner.finish()  # with overlap: the last gathered update
         val_end = self.evaluate(cfg.steps)
         wall_s = time.perf_counter() - self.t_start
         if progress is not None:
