@@ -311,11 +311,36 @@ def _check_run(
     assert "wte.weight" in ckpt["model"] and "state" in ckpt["optimizer"]
 
 
+def _scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
+    """Every ``lowcomm/`` scalar in the TensorBoard event files of ``folder``, read with
+    TensorBoard's own reader: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(folder)
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+        if tag.startswith("lowcomm/")
+    }
+
+
 @pytest.mark.timeout(180)
 def test_train_ddp_end_to_end(train_job: TrainJob, tmp_path: Any, capsys: Any) -> None:
     out = str(tmp_path / "ddp")
-    summary = train_job("--algo", "ddp", *TINY, out=out)
+    tb = str(tmp_path / "tb")
+    summary = train_job("--algo", "ddp", *TINY, "--tensorboard", tb, out=out)
     _check_run(out, summary, "ddp")
+    # every step is a sync: its scalars every log_every (2) steps, validations at 0, 3 and 6
+    scalars = _scalars(tb)
+    assert [s for s, _ in scalars["lowcomm/loss"]] == [2, 4, 6]
+    assert [s for s, _ in scalars["lowcomm/val_loss"]] == [0, 3, 6]
+    sent = [v for _, v in scalars["lowcomm/bytes_sent"]]
+    assert (
+        sent == sorted(sent)
+        and sent[0] > 0
+        and sent == [v for _, v in scalars["lowcomm/bytes_received"]]
+    )
     # DDP all-reduces every gradient every step.
     per_step = summary["comm_mean"]["payload_bytes_per_step"]
     assert per_step >= 4 * summary["parameters"]
@@ -327,9 +352,26 @@ def test_train_ddp_end_to_end(train_job: TrainJob, tmp_path: Any, capsys: Any) -
 @pytest.mark.parametrize("algo", ["co2", "co2-eager"])
 def test_train_co2_end_to_end(algo: str, train_job: TrainJob, tmp_path: Any, capsys: Any) -> None:
     out = str(tmp_path / algo)
-    summary = train_job("--algo", algo, *TINY, out=out)
+    tb = str(tmp_path / "tb")
+    summary = train_job("--algo", algo, *TINY, "--tensorboard", tb, out=out)
     _check_run(out, summary, algo)
     assert summary["comm_mean"]["rounds"] == 2
+    # the scalars of both outer steps (x-axis: the outer step), validations at 0, 1 and 2;
+    # eager CO2 applies round 1's sync at step 6, round 2's in finish(), after the last loss
+    scalars = _scalars(tb)
+    for name in ("pseudo_grad_norm", "bytes_sent", "bytes_received", "blocked_s"):
+        assert [s for s, _ in scalars[f"lowcomm/{name}"]] == [1, 2], name
+    losses = [s for s, _ in scalars["lowcomm/loss"]]
+    assert losses == ([1] if algo == "co2-eager" else [1, 2])
+    assert [s for s, _ in scalars["lowcomm/skipped_updates"]] == [1, 2]
+    inner_steps = [v for _, v in scalars["lowcomm/inner_step"]]
+    assert inner_steps == ([6.0, 6.0] if algo == "co2-eager" else [3.0, 6.0])
+    assert "lowcomm/hidden_fraction" in scalars
+    evaluated_at = [s for s, _ in scalars["lowcomm/val_loss"]]
+    assert evaluated_at == ([0, 0, 2] if algo == "co2-eager" else [0, 1, 2])
+    val = [v for _, v in scalars["lowcomm/val_loss"]]
+    assert val[-1] == pytest.approx(summary["val_loss_final"], rel=1e-6)
+    assert all(v > 0 for _, v in scalars["lowcomm/pseudo_grad_norm"])
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ckpt["algorithm"]["rounds"] == 2
     assert ckpt["algorithm"]["eager"] is (algo == "co2-eager")

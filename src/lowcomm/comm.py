@@ -109,6 +109,20 @@ class CommStats:
         out["hidden_fraction"] = self.hidden_fraction
         return out
 
+    def metrics(self) -> dict[str, float | int | None]:
+        """The counters under the names loggers show: ``bytes_sent`` and ``bytes_received``
+        (wire bytes: every collective lowcomm runs, ring all-reduce, all-gather,
+        reduce-scatter and group exchange, receives as much as it sends), ``payload_bytes``,
+        ``blocked_s``, ``in_flight_s`` and ``hidden_fraction``."""
+        return {
+            "bytes_sent": self.wire_bytes,
+            "bytes_received": self.wire_bytes,
+            "payload_bytes": self.payload_bytes,
+            "blocked_s": self.blocked_s,
+            "in_flight_s": self.in_flight_s,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
 
 class FlatBuckets:
     """Contiguous fp32 buffers holding a list of tensors, with one view per tensor.

@@ -189,8 +189,17 @@ class DeMo(torch.optim.Optimizer):
         self.overlap = bool(overlap)
         self._pending: _Pending | None = None
         self._plans: dict[tuple[torch.Size, int], ChunkPlan] = {}
+        self.steps = 0
+        """Steps that gathered an update (every step with a gradient)."""
 
     stats = property(lambda self: self.comm.stats, doc="This rank's communication counters.")
+    outer_step = property(lambda self: self.steps, doc="Syncs so far: the steps taken.")
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """This rank's numbers for loggers, under the outer algorithms' names
+        (:meth:`lowcomm.outer.engine.OuterAlgorithm.metrics`): every step is a sync, so
+        ``outer_step`` and ``inner_step`` are the steps taken; no pseudo-gradient."""
+        return {"outer_step": self.steps, "inner_step": self.steps, **self.comm.stats.metrics()}
 
     def _layout(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[ChunkPlan, int]:
         """How ``p`` is chunked under ``group``'s settings, and k (clamped to a chunk)."""
@@ -240,6 +249,7 @@ class DeMo(torch.optim.Optimizer):
                 values.append(val.reshape(-1))
         if not params:
             return loss
+        self.steps += 1
         pending = self._gather(params, lrs, layouts, indices, values)
         if self.overlap:
             self._pending = pending
@@ -296,6 +306,7 @@ class DeMo(torch.optim.Optimizer):
         """torch's optimizer state (with every residual m), plus, with ``overlap``, the update
         gathered and not yet applied (waited for, so resuming gives the same numbers)."""
         state = super().state_dict()
+        state["demo_steps"] = self.steps
         state["demo_pending"] = None
         if self._pending is not None:
             idx_out, val_out = self._pending.wait()
@@ -311,12 +322,14 @@ class DeMo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         pending = state_dict.pop("demo_pending", None)
+        steps = int(state_dict.pop("demo_steps", 0))
         if pending is not None and not self.overlap:
             raise ValueError(
                 "DeMo state_dict holds an update in flight (saved with overlap=True) but this "
                 "DeMo has overlap=False; resume with the same settings"
             )
         super().load_state_dict(state_dict)
+        self.steps = steps
         self._pending = None
         if pending is not None:
             placed = [(p, g) for g in self.param_groups for p in g["params"]]

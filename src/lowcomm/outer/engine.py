@@ -56,6 +56,7 @@ from lowcomm.outer.fragment import (
     ShardedFragment,
     Sync,
 )
+from lowcomm.outer.functional import pseudo_gradient_norm
 from lowcomm.outer.guards import Guards
 from lowcomm.outer.hparams import OuterConfig
 from lowcomm.params import collect_params
@@ -130,6 +131,7 @@ class OuterAlgorithm(Guards):
         self._warned_partial_at = -1
         self._profile_tag = f"lowcomm::{self.name}"
         self._to_advance: list[tuple[int, Sync]] = []
+        self._pg_norm: torch.Tensor | None = None  # ‖A − θᵢ‖ of the fragment launched last
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
         self.overlap = self._overlap()
         """τ: inner steps between a fragment's launch and its apply."""
@@ -248,6 +250,7 @@ class OuterAlgorithm(Guards):
     world_size = property(lambda self: self.comm.world_size)
     bucket_cap_mb = property(lambda self: float(self.config.bucket_cap_mb))
     in_flight = property(lambda self: bool(self._in_flight), doc="A collective not applied yet.")
+    outer_step = property(lambda self: self.sync_points, doc="Syncs applied so far.")
 
     @property
     def fragment(self) -> AnyFragment:
@@ -278,6 +281,22 @@ class OuterAlgorithm(Guards):
             self._on_step(phase)
         if phase % self.sync_every == 0:
             self.rounds += 1
+
+    def warm_start_by_caller(self) -> None:
+        """For loops whose ``optimizer.step()`` may not run on every rank (a ``GradScaler``
+        skips it on a rank whose gradients overflowed): the warm start's gradient mean is no
+        longer taken in a step pre-hook of the inner optimizer, but by
+        :meth:`before_inner_step`, which the loop then calls before every inner step on every
+        rank. The trainer integrations do this."""
+        if self._warm_hook is not None:
+            self._warm_hook.remove()
+            self._warm_hook = None
+
+    def before_inner_step(self) -> None:
+        """Inside the warm start (``sync_warmup``), average the gradients over the ranks (see
+        :meth:`warm_start_by_caller`); a no-op after it."""
+        if self.local_step < self.warmup:
+            self._average_grads()
 
     def _warm_step(self) -> None:
         """After a warm-start step: the anchor follows θ (the same on every rank)."""
@@ -361,9 +380,11 @@ class OuterAlgorithm(Guards):
         assert f not in self._in_flight.values() or self.overlap >= self.sync_every
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
+            frag = self.fragments[f]
+            self._pg_norm = pseudo_gradient_norm(frag.anchor.views, frag.params)
             rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
             label = f"fragment {f}" if self.num_fragments > 1 else f"round {rnd}"
-            sync = self.fragments[f].launch(label, self.local_step)
+            sync = frag.launch(label, self.local_step)
             # the second phase (PowerSGD's Q, a sharded update) goes out halfway to the apply
             if self.overlap > 0 and sync.handle.needs_advance:
                 self._to_advance.append((self.local_step + max(1, self.overlap // 2), sync))
@@ -431,6 +452,29 @@ class OuterAlgorithm(Guards):
             self._after_finish(drained)
             for frag in self.fragments:
                 frag.anchor.copy_to(frag.params)
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """This rank's numbers for loggers (:mod:`lowcomm.integrations.loggers`):
+
+        * ``outer_step``: syncs applied (the x-axis of lowcomm's scalars), ``inner_step``:
+          inner steps taken, ``rounds``: rounds of H completed;
+        * ``pseudo_grad_norm``: ‖A − θᵢ‖, this rank's pseudo-gradient at its last launch (of the
+          fragment launched, the whole model unless ``num_fragments`` > 1), before any
+          compression; ``None`` before the first;
+        * :meth:`CommStats.metrics <lowcomm.comm.CommStats.metrics>` (bytes sent and received,
+          time blocked, hidden fraction), and ``skipped_updates`` (non-finite averages dropped).
+
+        Reading ``pseudo_grad_norm`` waits for the device (once per call)."""
+        return {
+            "outer_step": self.sync_points,
+            "inner_step": self.local_step,
+            "rounds": self.rounds,
+            "pseudo_grad_norm": None if self._pg_norm is None else float(self._pg_norm),
+            **self.comm.stats.metrics(),
+            "skipped_updates": self.skipped_updates,
+        }
 
     # -- hook form -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ __all__ = [
     "noloco_groups",
     "noloco_outer_update_",
     "pseudo_gradient_",
+    "pseudo_gradient_norm",
 ]
 
 Tensors = Sequence[torch.Tensor]
@@ -37,6 +38,16 @@ def pseudo_gradient_(out: Tensors, anchor: Tensors, params: Tensors) -> None:
     torch._foreach_copy_(list(out), [p.detach() for p in params])
     torch._foreach_sub_(list(out), list(anchor))
     torch._foreach_neg_(list(out))
+
+
+def pseudo_gradient_norm(anchor: Tensors, params: Tensors) -> torch.Tensor:
+    """‖A − θ‖ over all tensors (fp32, on the device: reading it is the caller's sync), one
+    tensor's difference allocated at a time."""
+    squares = [
+        torch.linalg.vector_norm(a - p.detach().to(a.dtype)).square()
+        for a, p in zip(anchor, params)
+    ]
+    return torch.stack(squares).sum().sqrt()
 
 
 def gap_aware_penalty(

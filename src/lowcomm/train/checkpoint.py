@@ -98,6 +98,7 @@ RESUME_FREE_KEYS = frozenset(
         "name",
         "overwrite",
         "quiet",
+        "tensorboard",
         "eval_every",
         "eval_batches",
         "log_every",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import importlib.util
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lowcomm.hparams import HyperparameterError
+from lowcomm.integrations import torchtitan
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.registry import BASELINES, REGISTRY, names
@@ -180,6 +182,10 @@ class TrainConfig:
     """Output folder; unset: runs/<name>/."""
     overwrite: bool = False
     """Replace the files of a previous run in the output folder (refused otherwise)."""
+    tensorboard: str | None = None
+    """Also write lowcomm's scalars (lowcomm/loss, val_loss, pseudo_grad_norm, bytes sent and
+    received, time blocked, hidden fraction, skipped updates) as TensorBoard event files to
+    this folder, with the outer step as their x-axis (rank 0's; needs lowcomm[tensorboard])."""
     quiet: bool = False
     """Workers log warnings only: no progress bar, no start-up or per-evaluation lines."""
     ceiling_steps: int = 0
@@ -370,9 +376,15 @@ class TrainConfig:
         return self.world_size if self.algo == "ddp" else 1
 
     def _check_paths(self) -> None:
-        for key in ("out", "name", "resume"):
+        for key in ("out", "name", "resume", "tensorboard"):
             if getattr(self, key) is not None:
                 check_string(key, getattr(self, key))
+        if self.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "tensorboard",
+                "needs the tensorboard package, which is not installed: "
+                "pip install 'lowcomm[tensorboard]', or drop --tensorboard",
+            )
         if self.resume is not None and self.overwrite:
             raise ConfigError(
                 "resume",
@@ -575,7 +587,13 @@ def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> Tr
 
 def read_toml(path: str) -> dict[str, Any]:
     """Read a flat TOML config file into a dict; unreadable or malformed files and tables raise
-    :class:`ConfigError` (unknown keys are left to :func:`config_from_dict`)."""
+    :class:`ConfigError` (unknown keys are left to :func:`config_from_dict`).
+
+    A torchtitan file (one with a ``[fault_tolerance]`` table) is understood where its keys mean
+    what ours do (:mod:`lowcomm.integrations.torchtitan`: ``sync_steps``,
+    ``fragment_sync_delay``, ``fragment_update_alpha``, ``num_fragments``,
+    ``semi_sync_method``); its other tables and keys are ignored, with a warning naming them.
+    torchtitan's names are also accepted as flat keys."""
     try:
         with open(path, "rb") as f:
             values = tomllib.load(f)
@@ -587,13 +605,43 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(None, f"config file {path!r} cannot be read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(None, f"config file {path!r} is not valid TOML: {e}") from None
+    section = values.pop(torchtitan.SECTION, None)
+    from_section: dict[str, Any] = {}
+    ignored: list[str] = []
+    if isinstance(section, dict):
+        try:
+            from_section, ignored = torchtitan.from_torchtitan(section)
+        except ValueError as e:
+            raise ConfigError(None, f"{path}: {e}") from None
+        ignored += [f"[{k}]" for k, v in values.items() if isinstance(v, dict)]
+        values = {k: v for k, v in values.items() if not isinstance(v, dict)}
+    elif section is not None:
+        values[torchtitan.SECTION] = section  # not a table: refused below
     for key, value in values.items():
         if isinstance(value, (dict, list)):
             raise ConfigError(
                 None,
                 f"key {key!r} in {path} must be a single value, got {type(value).__name__}; "
-                "config files are flat (no tables or arrays)",
+                "config files are flat (no tables or arrays), except a torchtitan file's "
+                f"[{torchtitan.SECTION}] table",
             )
+    try:
+        values = torchtitan.resolve_aliases(values, what=path)
+        for key, value in from_section.items():
+            if key in values and values[key] != value:
+                raise ValueError(
+                    f"{path} sets {key} = {values[key]!r} and, in [{torchtitan.SECTION}], "
+                    f"{value!r}; keep one"
+                )
+            values[key] = value
+    except ValueError as e:
+        raise ConfigError(None, str(e)) from None
+    if ignored:
+        logger.warning(
+            "%s: torchtitan settings without a lowcomm counterpart are ignored: %s",
+            path,
+            ", ".join(ignored),
+        )
     return values
 
 

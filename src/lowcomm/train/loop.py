@@ -66,6 +66,7 @@ import lowcomm.train.checkpoint as ckpt
 from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
 from lowcomm.guard import check_same_across_ranks, checksum
+from lowcomm.integrations.loggers import EveryStep, MetricsLogger
 from lowcomm.link import EmulatedLink
 from lowcomm.optim import DeMo
 from lowcomm.train.ceiling import Ceiling
@@ -257,6 +258,10 @@ class _Job:
     tokens_per_step: int
     progress: Progress | None
     """Rank 0's records; ``None`` elsewhere."""
+    tensorboard: MetricsLogger | None
+    """Rank 0's TensorBoard scalars (``--tensorboard``); ``None`` elsewhere and without it."""
+    every_step: EveryStep | None
+    """Its source without an outer algorithm or DeMo (ddp, none): every step is a sync."""
     fault: tuple[int, str] | None
     t_start: float
     val_start: float
@@ -341,7 +346,25 @@ class _Job:
             self.progress = Progress(
                 cfg, world, self.tokens_per_step, self.sync.stats, device, append=state is not None
             )
+        self.tensorboard = self.every_step = None
+        if self.is_main and cfg.tensorboard is not None:
+            self.tensorboard = self._tensorboard(cfg.tensorboard)
         self.fault = fault_point(rank)
+
+    def _tensorboard(self, folder: str) -> MetricsLogger:
+        """Rank 0's scalars, once per outer step (every ``log_every`` steps for ddp and none);
+        a resumed run hides what the stopped one wrote after the checkpoint."""
+        source: Any = self.sync.algo
+        every = 1
+        if source is None and isinstance(self.inner, DeMo):
+            source = self.inner
+        elif source is None:
+            source = self.every_step = EveryStep(self.sync.stats)
+            source.outer_step = self.start
+            every = self.cfg.log_every
+        resumed = self.state is not None
+        purge = int(source.outer_step) + 1 if resumed else None
+        return MetricsLogger(source, tensorboard=folder, every=every, purge_step=purge)
 
     # --- run ----------------------------------------------------------------------------------
 
@@ -385,6 +408,10 @@ class _Job:
                 inject_fault(self.fault[1], self.rank, step, cfg.collective_timeout, model=self.gpt)
             if progress is not None:
                 progress.step(step, loss, lr, flush=step % eval_interval == 0 or step == cfg.steps)
+            if self.tensorboard is not None:
+                if self.every_step is not None:
+                    self.every_step.step()
+                self.tensorboard.step(loss)
             if step % eval_interval == 0 and step < cfg.steps:
                 self.evaluate(step)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -404,6 +431,8 @@ class _Job:
             val_loss = _evaluate(self.gpt, self.val)
         if self.progress is not None:
             self.progress.eval(step, val_loss, self.rounds(), time.perf_counter() - t0)
+        if self.tensorboard is not None:
+            self.tensorboard.eval(val_loss)
         return val_loss
 
     def save(self, step: int) -> None:
@@ -451,7 +480,11 @@ class _Job:
             sync.algo.finish()
         if isinstance(self.inner, DeMo):
             self.inner.finish()  # with overlap: the last gathered update
+        if self.tensorboard is not None:
+            self.tensorboard.step()  # the syncs finish() applied
         val_end = self.evaluate(cfg.steps)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         wall_s = time.perf_counter() - self.t_start
         if progress is not None:
             progress.close()

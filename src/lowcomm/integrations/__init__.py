@@ -1,0 +1,11 @@
+"""lowcomm inside the trainers users already run, and their loggers (optional extras):
+
+* :mod:`lowcomm.integrations.hf`: a Hugging Face ``transformers.Trainer`` run becomes a lowcomm
+  run with one line, ``attach(trainer, "co2", sync_every=12)`` (extra ``lowcomm[hf]``);
+* :mod:`lowcomm.integrations.lightning`: the same as a ``lightning.pytorch.Callback`` for
+  ``lightning.Trainer`` with the DDP strategy (extra ``lowcomm[lightning]``);
+* :mod:`lowcomm.integrations.loggers`: lowcomm's scalars under ``lowcomm/`` with the outer step
+  as their x-axis, to TensorBoard (extra ``lowcomm[tensorboard]``) and JSONL.
+
+The trainer integrations are imported by name, so ``import lowcomm`` never needs the extras.
+"""
