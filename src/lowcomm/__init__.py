@@ -4,7 +4,7 @@ Workers train locally and exchange model deltas rarely and in the background. Se
 for the algorithms and the ``lowcomm train`` job.
 """
 
-from lowcomm import compress
+from lowcomm import compress, zo
 from lowcomm.comm import CommStats, Communicator
 from lowcomm.optim import DeMo
 from lowcomm.outer import (
@@ -34,4 +34,5 @@ __all__ = [
     "StreamingDiLoCo",
     "__version__",
     "compress",
+    "zo",
 ]

@@ -1,0 +1,164 @@
+"""lowcomm.zo: MeZO pinned bit for bit against MeZO's own arithmetic (transcribed in
+lowcomm.testing.zo), and DistZO2's modes on real gloo ranks against it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lowcomm.testing.dist import run_workers
+from lowcomm.testing.zo import (
+    _loss,
+    mezo_reference,
+    sharded_reference,
+    tiny_batches,
+    tiny_model,
+    zo_scenarios,
+)
+from lowcomm.zo import MeZO, mezo_decays, zo_seed
+
+STEPS = 6
+SETTINGS = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.1, "seed": 3}
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _single(steps: int = STEPS, **settings: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    model = tiny_model()
+    zo = MeZO(model, **{**SETTINGS, **settings})
+    results = [zo.step(lambda x=x, y=y: _loss(model, x, y)) for x, y in tiny_batches(steps)]
+    return _params(model), results
+
+
+@pytest.mark.parametrize("n_directions,weight_decay", [(1, 0.0), (1, 0.1), (3, 0.1)])
+def test_single_process_is_mezo_bit_for_bit(n_directions: int, weight_decay: float) -> None:
+    params, results = _single(n_directions=n_directions, weight_decay=weight_decay)
+    model = tiny_model()
+    batches = tiny_batches(STEPS)
+    seeds = [[zo_seed(3, i + 1, k) for k in range(n_directions)] for i in range(STEPS)]
+    reference = mezo_reference(
+        model,
+        [lambda x=x, y=y: _loss(model, x, y) for x, y in batches],
+        seeds=seeds,
+        lr=1e-3,
+        eps=1e-3,
+        weight_decay=weight_decay,
+    )
+    assert _same(params, _params(model))
+    for mine, ref in zip(results, reference):
+        assert mine.loss_plus == ref["plus"] and mine.loss_minus == ref["minus"]
+        assert mine.projected_grads == ref["g"]
+    assert params["wte.weight"].ne(tiny_model().wte.weight).any()  # it moved
+
+
+def test_mezo_weight_decay_rule_and_seeds() -> None:
+    assert mezo_decays("blocks.0.attn.c_attn.weight") and mezo_decays("ln_f.weight")
+    assert not mezo_decays("blocks.0.ln_1.bias")
+    assert not mezo_decays("model.layers.0.input_layernorm.weight")
+    assert not mezo_decays("encoder.layer_norm.weight")
+    # the same on every call, distinct per step and direction, in MeZO's range
+    seeds = {zo_seed(0, s, k) for s in range(1, 50) for k in range(3)}
+    assert len(seeds) == 147 and all(0 <= s < 1_000_000_000 for s in seeds)
+    assert zo_seed(5, 7, 1) == zo_seed(5, 7, 1) != zo_seed(6, 7, 1)
+
+
+def test_resume_is_exact() -> None:
+    straight, results = _single()
+    model = tiny_model()
+    batches = tiny_batches(STEPS)
+    zo = MeZO(model, **SETTINGS)
+    for x, y in batches[:3]:
+        zo.step(lambda x=x, y=y: _loss(model, x, y))
+    state, saved = zo.state_dict(), _params(model)
+    model = tiny_model(seed=1)  # another start: everything comes from the checkpoint
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(saved[name])
+    zo = MeZO(model, **SETTINGS)
+    zo.load_state_dict(state)
+    rest = [zo.step(lambda x=x, y=y: _loss(model, x, y)) for x, y in batches[3:]]
+    assert _same(straight, _params(model))
+    assert [r.projected_grads for r in rest] == [r.projected_grads for r in results[3:]]
+    with pytest.raises(ValueError, match="saved with eps=0.001"):
+        MeZO(model, **{**SETTINGS, "eps": 1e-2}).load_state_dict(state)
+
+
+def test_bad_input_is_refused() -> None:
+    model = tiny_model()
+    for kwargs, match in [
+        ({"mode": "fsdp"}, "mode must be one of"),
+        ({"eps": 0}, "eps must be a finite number > 0"),
+        ({"lr": -1.0}, "lr must be a finite number >= 0"),
+        ({"n_directions": 0}, "n_directions must be an integer >= 1"),
+        ({"weight_decay": float("nan")}, "weight_decay must be a number >= 0"),
+        ({"mode": "pertp"}, "torch.distributed is not initialised"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            MeZO(model, **kwargs)
+    zo = MeZO(model)
+    with pytest.raises(ValueError, match="one-element tensor"):
+        zo.step(lambda: torch.zeros(3))
+
+
+@pytest.fixture(scope="module")
+def modes() -> list[dict[str, Any]]:
+    return run_workers(zo_scenarios, 4, STEPS, SETTINGS, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+def test_pertp_is_single_process_mezo_bit_for_bit(modes: list[dict[str, Any]]) -> None:
+    params, single = _single()
+    for rank in (0, 1):
+        run = modes[rank]["pertp"]
+        assert _same(run["params"], params)
+        for mine, ref in zip(run["steps"], single):
+            assert mine.loss_plus == ref.loss_plus and mine.loss_minus == ref.loss_minus
+            assert mine.projected_grads == ref.projected_grads
+
+
+@pytest.mark.timeout(300)
+def test_naive_pertp_drifts_and_the_check_names_it(modes: list[dict[str, Any]]) -> None:
+    assert not _same(modes[0]["naive"], modes[1]["naive"])
+    for rank in (0, 1):
+        assert "rank(s) [1] differ from rank 0's" in modes[rank]["caught"]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_is_the_sharded_reference_bit_for_bit(modes: list[dict[str, Any]]) -> None:
+    model = tiny_model()
+    batches = tiny_batches(STEPS)
+    closures = [sharded_reference(model, [(x[:4], y[:4]), (x[4:], y[4:])]) for x, y in batches]
+    seeds = [[zo_seed(3, i + 1)] for i in range(STEPS)]
+    reference = mezo_reference(model, closures, seeds=seeds, lr=1e-3, eps=1e-3, weight_decay=0.1)
+    for rank in (0, 1):
+        run = modes[rank]["ddp"]
+        assert _same(run["params"], _params(model))
+        assert [r.projected_grads for r in run["steps"]] == [r["g"] for r in reference]
+    # and single-process MeZO on the whole batch up to the rounding of the weighted sum
+    single, _ = _single()
+    for name, p in single.items():
+        torch.testing.assert_close(modes[0]["ddp"]["params"][name], p, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_2d_on_four_ranks_is_ddp_on_two(modes: list[dict[str, Any]]) -> None:
+    for rank in range(4):
+        assert _same(modes[rank]["2d"]["params"], modes[0]["ddp"]["params"])
+        got = [r.projected_grads for r in modes[rank]["2d"]["steps"]]
+        assert got == [r.projected_grads for r in modes[0]["ddp"]["steps"]]
+
+
+@pytest.mark.timeout(300)
+def test_bytes_per_step_are_a_few_floats(modes: list[dict[str, Any]]) -> None:
+    # one all-gather of (weight, L+, L-) in float64 per step, and an 8-byte digest every 2 steps
+    for mode, world in (("pertp", 2), ("ddp", 2), ("2d", 4)):
+        per_step = modes[0][mode]["bytes"] / STEPS
+        assert per_step == (world - 1) * (24 + 8 / 2), mode
