@@ -10,6 +10,7 @@ Library code only logs.
     lowcomm train --config co2.toml --sync-every 24 # flags override the file
     lowcomm bench --quick                           # throughput over emulated slow links
     lowcomm simulate --preset co2-paper             # projected scaling to 8 ... 1024 workers
+    lowcomm finetune --init runs/x --mode pertp --workers 2   # zeroth-order fine-tuning
 """
 
 from __future__ import annotations
@@ -250,9 +251,11 @@ def _build_parser() -> _Parser:
     _add_train(subparsers)
     from lowcomm.bench.cli import add_subcommand as add_bench
     from lowcomm.bench.simulate import add_subcommand as add_simulate
+    from lowcomm.zo.cli import add_subcommand as add_finetune
 
     add_bench(subparsers)
     add_simulate(subparsers)
+    add_finetune(subparsers)
     return parser
 
 
@@ -291,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         if extra:
             return _fail(parser.prog, f"unrecognized arguments: {' '.join(extra)}")
-        return _fail(parser.prog, "choose a command: train, bench, simulate")
+        return _fail(parser.prog, "choose a command: train, bench, simulate, finetune")
     prog = f"{parser.prog} {args._command}"
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")

@@ -39,6 +39,7 @@ __all__ = [
     "check_positive_float",
     "check_positive_int",
     "describe",
+    "field_docstrings",
     "hyper",
     "public_fields",
     "signature",
@@ -189,3 +190,24 @@ def signature(
         params.append(inspect.Parameter(f.name, kinds[1], default=default, annotation=f.type))
     params += [inspect.Parameter(k, kinds[1], default=v) for k, v in trailing.items()]
     return inspect.Signature(params)
+
+
+def field_docstrings(cls: type) -> dict[str, str]:
+    """The string under each field of the dataclass ``cls`` (its attribute docstring), on one
+    line: what ``--help`` texts show."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

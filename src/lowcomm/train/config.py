@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lowcomm.hparams import HyperparameterError
+from lowcomm.hparams import HyperparameterError, field_docstrings
 from lowcomm.integrations import torchtitan
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
@@ -654,21 +654,6 @@ def load_toml(path: str, *, overrides: Mapping[str, Any] | None = None) -> Train
 
 def field_docs() -> dict[str, str]:
     """The one-line docstring under each :class:`TrainConfig` field (used for ``--help``)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    docs = field_docstrings(TrainConfig)
     docs.update({key: outer_doc(key) for key in ALL_OUTER_KEYS})
     return docs

@@ -50,7 +50,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -289,12 +289,17 @@ def _failure_message(failure: Any) -> str:
     return lines[0].strip() if lines else text
 
 
-def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
+def launch(
+    cfg: TrainConfig, *, quiet: bool = True, job: Callable[..., Any] | None = None
+) -> dict[str, Any] | None:
     """Run the job; return rank 0's summary where this process is (or launched) rank 0.
 
     Args:
         cfg: the configuration, ``name`` and ``out`` resolved (:meth:`TrainConfig.with_paths`).
         quiet: silence the torch elastic launcher's own logs (a failure is still raised).
+        job: what each worker runs (:func:`~lowcomm.train.worker.run_worker`); by default the
+            training loop. ``lowcomm finetune`` passes its own, with its own ``cfg`` (which has
+            the fields read here: ``world_size``, ``max_restarts``, ``out``).
 
     Raises:
         WorkerFailed: a worker raised or died; the first failure is reported. Under torchrun,
@@ -320,7 +325,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch/pytorch#135712)"
                 )
         try:
-            return run_worker(cfg, False)
+            return run_worker(cfg, False, job=job)
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
             path = save_traceback(traceback.format_exc(), cfg.out, rank)
             raise WorkerFailed(rank, error_line(e), path) from e
@@ -353,7 +358,7 @@ def launch(cfg: TrainConfig, *, quiet: bool = True) -> dict[str, Any] | None:
         )
         try:
             with _quiet_launcher_logs(quiet):
-                results = elastic_launch(launch_config, run_worker)(cfg, True, log_dir)
+                results = elastic_launch(launch_config, run_worker)(cfg, True, log_dir, job)
         except ChildFailedError as e:
             # The agent gives up after the last of its max_restarts restarts.
             rank, error, text = _final_failure(e.failures, log_dir, attempt=cfg.max_restarts)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,7 +64,10 @@ def _setup_worker_logging(rank: int, quiet: bool = False) -> None:
 
 
 def run_worker(
-    cfg: TrainConfig, launched_locally: bool, failure_dir: str | None = None
+    cfg: TrainConfig,
+    launched_locally: bool,
+    failure_dir: str | None = None,
+    job: Callable[..., dict[str, Any] | None] | None = None,
 ) -> dict[str, Any] | None:
     """Entry point of one worker process: set up ``torch.distributed`` from the environment
     (torchrun / elastic launch variables), train, tear down.
@@ -76,13 +80,17 @@ def run_worker(
         failure_dir: where to record an exception (:func:`~lowcomm.train.failures.record_failure`),
             so the launcher can tell the first failure from its knock-on effects, and a
             restarted group what went wrong.
+        job: what the worker runs, ``job(cfg, device=device)``: by default the training loop
+            (:func:`lowcomm.train.loop.train`); ``lowcomm finetune`` passes its own job and
+            config (any object with the fields this function reads: ``quiet``, ``backend``,
+            ``collective_timeout``).
 
     Returns:
         The run summary on global rank 0, ``None`` elsewhere.
     """
     rank = int(os.environ.get("RANK", "0"))
     try:
-        return _run_worker(cfg, launched_locally, rank, failure_dir)
+        return _run_worker(cfg, launched_locally, rank, failure_dir, job or train)
     except BaseException as e:
         if failure_dir is not None:
             record_failure(failure_dir, rank, e)
@@ -90,7 +98,11 @@ def run_worker(
 
 
 def _run_worker(
-    cfg: TrainConfig, launched_locally: bool, rank: int, failure_dir: str | None
+    cfg: TrainConfig,
+    launched_locally: bool,
+    rank: int,
+    failure_dir: str | None,
+    job: Callable[..., dict[str, Any] | None],
 ) -> dict[str, Any] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -124,7 +136,7 @@ def _run_worker(
     else:
         dist.init_process_group(backend, timeout=timeout)
     try:
-        summary = train(cfg, device=device)
+        summary = job(cfg, device=device)
         # Leave together: a rank tearing down its process group while rank 0 is still writing
         # the run folder can abort in gloo's connection threads at interpreter exit.
         dist.barrier()

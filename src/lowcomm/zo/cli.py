@@ -1,0 +1,100 @@
+"""``lowcomm finetune``: the command line of :mod:`lowcomm.zo.finetune`.
+
+lowcomm train --out runs/pre                                         # pretrain (CO2)
+lowcomm finetune --init runs/pre --method zo --mode pertp --workers 2
+lowcomm finetune --init runs/pre --method adamw --mode ddp --workers 2   # first order
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from typing import Any
+
+__all__ = ["add_subcommand", "format_summary"]
+
+
+def add_subcommand(subparsers: Any) -> None:
+    from lowcomm.hparams import field_docstrings
+    from lowcomm.zo.finetune import FinetuneConfig
+
+    p = subparsers.add_parser(
+        "finetune",
+        help="fine-tune a pretrained model with zeroth-order MeZO (or AdamW for comparison)",
+        description=(
+            "Fine-tune a lowcomm train checkpoint on Python standard-library code with MeZO "
+            "(single, pertp, ddp or 2d over the workers: a few floats per step between them) "
+            "or with first-order AdamW under DDP, and write metrics and a summary."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    docs = field_docstrings(FinetuneConfig)
+    for f in dataclasses.fields(FinetuneConfig):
+        text = docs.get(f.name, "")
+        if f.default is not None and f.default is not dataclasses.MISSING:
+            text += f" (default: {f.default})"
+        kwargs: dict[str, Any] = {"help": text.replace("%", "%%")}
+        annotation = str(f.type)
+        if annotation.startswith("bool"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = (
+                int
+                if annotation.startswith("int")
+                else float
+                if annotation.startswith("float")
+                else str
+            )
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    p.set_defaults(_run=_run)
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
+    from lowcomm.train.launcher import WorkerFailed, launch
+    from lowcomm.zo.finetune import FinetuneConfig, finetune
+
+    values = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    try:
+        cfg = FinetuneConfig(**values).with_paths()
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    assert cfg.out is not None
+    if os.path.exists(os.path.join(cfg.out, "summary.json")):
+        if not cfg.overwrite:
+            print(
+                f"{prog}: {cfg.out} holds a previous run; pass --overwrite to replace it or "
+                "--out for another folder",
+                file=sys.stderr,
+            )
+            return 2
+        shutil.rmtree(cfg.out)
+    try:
+        summary = launch(cfg, job=finetune)  # type: ignore[arg-type]
+    except WorkerFailed as e:
+        print(f"{prog}: worker rank {e.rank} failed: {e.error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    if summary is not None:
+        print(format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The table the CLI prints at the end of a run."""
+    peak = max(summary["peak_rss_bytes_per_worker"]) / 2**20
+    rows = [
+        ("method", f"{summary['method']} ({summary['mode']}, {summary['workers']} workers)"),
+        ("steps", f"{summary['steps']} ({summary['tokens']:,} tokens, lr {summary['lr']:g})"),
+        ("held-out loss", f"{summary['val_loss_initial']:.4f} -> {summary['val_loss_final']:.4f}"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("bytes / worker / step", f"{summary['bytes_sent_per_worker_per_step']:,.1f}"),
+        ("peak memory / worker", f"{peak:,.0f} MiB resident"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "lowcomm finetune finished\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
