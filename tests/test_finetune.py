@@ -38,15 +38,18 @@ def _finetune(
 
 
 @pytest.mark.timeout(300)
-def test_zo_single_and_pertp_agree_and_send_a_few_bytes(
+def test_zo_single_and_blockwise_pertp_agree_and_send_a_few_bytes(
     pretrained: str, tmp_path: Path, capsys: Any
 ) -> None:
     single, single_records = _finetune(pretrained, tmp_path / "single", "--method", "zo")
     pertp, pertp_records = _finetune(
-        pretrained, tmp_path / "pertp", "--method", "zo", "--mode", "pertp", "--workers", "2"
+        pretrained,
+        tmp_path / "pertp",
+        *("--method", "zo", "--mode", "pertp", "--workers", "2", "--blockwise"),
     )
 
-    # PertP is single-process MeZO bit for bit: every loss it records is the same
+    # PertP (here with ZO2's fused blockwise pass too) is single-process MeZO bit for bit:
+    # every loss it records is the same
     def losses(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]
 
@@ -97,10 +100,12 @@ def test_bad_settings_are_one_line_exit_2(flags: list[str], message: str, capsys
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_init_that_is_no_checkpoint_is_named(tmp_path: Path, capsys: Any) -> None:
+def test_init_that_is_no_checkpoint_is_named_before_any_worker_starts(
+    tmp_path: Path, capsys: Any
+) -> None:
     os.makedirs(tmp_path / "empty")
     code = main(
         ["finetune", "--init", str(tmp_path / "empty"), *FINETUNE, "--out", str(tmp_path / "o")]
     )
-    assert code == 1
+    assert code == 2
     assert "no lowcomm train checkpoint there" in capsys.readouterr().err

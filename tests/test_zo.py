@@ -59,6 +59,39 @@ def test_single_process_is_mezo_bit_for_bit(n_directions: int, weight_decay: flo
     assert params["wte.weight"].ne(tiny_model().wte.weight).any()  # it moved
 
 
+def test_blockwise_fused_dual_forward_changes_no_bit() -> None:
+    """ZO2's pass: each stage's two forwards back to back, the previous update applied lazily
+    (and the tied embedding/head weight used in the first and last stage)."""
+    params, results = _single()
+    model = tiny_model()
+    zo = MeZO(model, blockwise=True, **SETTINGS)
+    batches = tiny_batches(STEPS)
+    lazy = []
+    for i, (x, y) in enumerate(batches):
+        lazy.append(zo.step(stages=model.zo_stages(x, y)))
+        if i == 2:  # a checkpoint with an update pending, resumed into a fresh MeZO
+            state, saved = zo.state_dict(), _params(model)
+            assert state["pending"] is not None
+            model = tiny_model(seed=1)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(saved[name])
+            zo = MeZO(model, blockwise=True, **SETTINGS)
+            zo.load_state_dict(state)
+    assert not _same(_params(model), params)  # the last update is still pending
+    zo.flush()
+    assert _same(_params(model), params)
+    for mine, ref in zip(lazy, results):
+        assert mine.loss_plus == ref.loss_plus and mine.projected_grads == ref.projected_grads
+    with pytest.raises(ValueError, match="one direction"):
+        MeZO(model, blockwise=True, n_directions=2)
+    with pytest.raises(ValueError, match="stages=... with blockwise=True"):
+        zo.step(lambda: torch.zeros(()))
+    x, y = batches[0]
+    with pytest.raises(ValueError, match="named_parameters\\(\\) order"):
+        zo.step(stages=list(reversed(model.zo_stages(x, y))))
+
+
 def test_mezo_weight_decay_rule_and_seeds() -> None:
     assert mezo_decays("blocks.0.attn.c_attn.weight") and mezo_decays("ln_f.weight")
     assert not mezo_decays("blocks.0.ln_1.bias")
@@ -116,8 +149,8 @@ def modes() -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 def test_pertp_is_single_process_mezo_bit_for_bit(modes: list[dict[str, Any]]) -> None:
     params, single = _single()
-    for rank in (0, 1):
-        run = modes[rank]["pertp"]
+    for rank, key in ((0, "pertp"), (1, "pertp"), (0, "pertp-blockwise"), (1, "pertp-blockwise")):
+        run = modes[rank][key]
         assert _same(run["params"], params)
         for mine, ref in zip(run["steps"], single):
             assert mine.loss_plus == ref.loss_plus and mine.loss_minus == ref.loss_minus

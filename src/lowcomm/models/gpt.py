@@ -27,7 +27,9 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -216,3 +218,24 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+    def zo_stages(
+        self, idx: torch.Tensor, targets: torch.Tensor
+    ) -> list[tuple[tuple[nn.Module, ...], Callable[[Any], Any]]]:
+        """The loss of :meth:`forward` as stages, for zeroth-order steps that run each stage's
+        two perturbed forwards back to back (``lowcomm.zo.MeZO(blockwise=True)``): the
+        embeddings, each block, then the head (whose weight is the tied ``wte``) with the loss.
+        The same operations as :meth:`forward`, so the same bits."""
+        pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
+
+        def embed(_: Any) -> torch.Tensor:
+            return self.drop(self.wte(idx) + self.wpe(pos))
+
+        def head(x: torch.Tensor) -> torch.Tensor:
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+        blocks: list[tuple[tuple[nn.Module, ...], Callable[[Any], Any]]] = [
+            ((block,), block) for block in self.blocks
+        ]
+        return [((self.wte, self.wpe), embed), *blocks, ((self.ln_f, self.lm_head), head)]

@@ -185,10 +185,15 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
     out: dict[str, Any] = {}
 
     def run(
-        mode: str, group: Any, data: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+        mode: str,
+        group: Any,
+        data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        blockwise: bool = False,
     ) -> dict[str, Any]:
         model = tiny_model()
-        zo = MeZO(model, mode=mode, process_group=group, check_every=2, **settings)
+        zo = MeZO(
+            model, mode=mode, process_group=group, check_every=2, blockwise=blockwise, **settings
+        )
         results = []
         for i in range(steps):
             x, y = data(i)
@@ -196,12 +201,17 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 return _loss(model, x, y)
 
-            result = zo.step(closure, weight=float(x.shape[0]))
+            if blockwise:
+                result = zo.step(stages=model.zo_stages(x, y), weight=float(x.shape[0]))
+            else:
+                result = zo.step(closure, weight=float(x.shape[0]))
             results.append(result)
+        zo.flush()
         return {"params": _params(model), "steps": results, "bytes": zo.stats.wire_bytes}
 
     if rank < 2:
         out["pertp"] = run("pertp", pair, lambda i: batches[i])
+        out["pertp-blockwise"] = run("pertp", pair, lambda i: batches[i], blockwise=True)
         half = batches[0][0].shape[0] // 2
         out["ddp"] = run(
             "ddp",

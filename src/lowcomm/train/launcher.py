@@ -325,7 +325,7 @@ def launch(
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (pytorch/pytorch#135712)"
                 )
         try:
-            return run_worker(cfg, False, job=job)
+            return run_worker(cfg, False) if job is None else run_worker(cfg, False, job=job)
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
             path = save_traceback(traceback.format_exc(), cfg.out, rank)
             raise WorkerFailed(rank, error_line(e), path) from e
@@ -358,7 +358,8 @@ def launch(
         )
         try:
             with _quiet_launcher_logs(quiet):
-                results = elastic_launch(launch_config, run_worker)(cfg, True, log_dir, job)
+                args = (cfg, True, log_dir) if job is None else (cfg, True, log_dir, job)
+                results = elastic_launch(launch_config, run_worker)(*args)
         except ChildFailedError as e:
             # The agent gives up after the last of its max_restarts restarts.
             rank, error, text = _final_failure(e.failures, log_dir, attempt=cfg.max_restarts)

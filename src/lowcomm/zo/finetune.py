@@ -112,6 +112,9 @@ class FinetuneConfig:
     """Weight decay (ZO: MeZO's rule; AdamW: decoupled)."""
     n_directions: int = 1
     """ZO: estimates per step."""
+    blockwise: bool = False
+    """ZO: ZO2's fused dual forward (each block's two forwards back to back, the previous
+    update applied lazily in the same pass); changes no bit. lowcomm train models only."""
     seed: int = 0
     """Seeds the batches and ZO's directions."""
     eval_every: int = 50
@@ -151,6 +154,11 @@ class FinetuneConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(key, f"must be an integer >= 1, got {value!r}")
+        if self.blockwise and (self.method != "zo" or self.hf_llama or self.n_directions != 1):
+            raise bad(
+                "blockwise",
+                "is for --method zo with one direction on a lowcomm train model (its stages)",
+            )
         if (self.init is None) == (not self.hf_llama):
             raise bad(
                 "init",
@@ -172,6 +180,12 @@ class FinetuneConfig:
                 "batch_size",
                 f"must divide into {self.shards} equal shards ({self.mode} on {w} workers), "
                 f"got {self.batch_size}",
+            )
+        if self.init is not None and not os.path.isfile(checkpoint_path(self.init)):
+            raise bad(
+                "init",
+                f"{self.init}: no lowcomm train checkpoint there (expected a run folder holding "
+                "checkpoint.pt, or the file itself); run lowcomm train first",
             )
 
     @property
@@ -199,6 +213,11 @@ class FinetuneConfig:
 
 
 # -- the task and the model ---------------------------------------------------------------------
+
+
+def checkpoint_path(init: str) -> str:
+    """The ``checkpoint.pt`` that ``--init`` names (a run folder, or the file itself)."""
+    return os.path.join(init, "checkpoint.pt") if os.path.isdir(init) else init
 
 
 def task_tokens(task: str = "stdlib-code") -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,15 +262,7 @@ def load_model(cfg: FinetuneConfig) -> tuple[nn.Module, int]:
         torch.manual_seed(cfg.seed)
         return _LlamaBytes(cfg.block_size), cfg.block_size
     assert cfg.init is not None
-    path = cfg.init
-    if os.path.isdir(path):
-        path = os.path.join(path, "checkpoint.pt")
-    if not os.path.isfile(path):
-        raise FinetuneError(
-            f"--init {cfg.init}: no lowcomm train checkpoint there (expected a run folder "
-            "holding checkpoint.pt, or the file itself); run lowcomm train first"
-        )
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(checkpoint_path(cfg.init), map_location="cpu", weights_only=True)
     train = state.get("config") or {}
     try:
         config = GPTConfig(
@@ -331,6 +342,7 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             n_directions=cfg.n_directions,
             seed=cfg.seed,
             mode=mode,
+            blockwise=cfg.blockwise,
         )
         stats = zo.stats
     else:
@@ -357,7 +369,11 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 return _loss(model, x, y)
 
-            result = zo.step(closure, weight=float(x.shape[0]))
+            if cfg.blockwise:
+                assert isinstance(model, GPT)
+                result = zo.step(stages=model.zo_stages(x, y), weight=float(x.shape[0]))
+            else:
+                result = zo.step(closure, weight=float(x.shape[0]))
             loss = result.loss
         else:
             assert optimizer is not None
@@ -373,6 +389,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             records.step(step, loss_sum / losses, losses, time.perf_counter() - t0)
             loss_sum, losses = 0.0, 0
         if step % cfg.eval_every == 0 or step == cfg.steps:
+            if zo is not None:
+                zo.flush()  # a blockwise step's update is applied in the next pass
             t_eval = time.perf_counter()
             val_loss = _evaluate(model, val)
             eval_s += time.perf_counter() - t_eval

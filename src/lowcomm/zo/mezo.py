@@ -30,6 +30,15 @@ et al. 2025), over any process group:
 * ``2d`` (W = 2D ranks): the pairs (2p, 2p + 1) do PertP on shard p; one all-gather of the
   weighted losses. On 4 ranks bit-identical to ``ddp`` on 2 with the same shards.
 
+``blockwise`` (ZO2, Wang et al. 2025, less its offloading, a GPU feature): the forward as stages
+(``GPT.zo_stages``); per stage, the previous step's update and +εz of the parameters it owns,
+its + forward, −2εz, its − forward, +εz, so each stage's two forwards run back to back while its
+parameters are at hand, and z is drawn twice per step instead of four times (the update's draw
+is fused into the next pass). Every parameter still sees MeZO's operations in MeZO's order from
+one generator stream per seed, in ``named_parameters()`` order, so nothing changes by a bit; a
+tied weight (the embedding that is also the head) keeps its θ + εz until its last stage.
+:meth:`MeZO.flush` applies the pending update.
+
 Bytes per rank per step: a few floats (3 or 2 per direction, float64), whatever the model.
 Every ``check_every`` steps the ranks compare a 64-bit digest of their parameters (8 bytes each)
 and a replica that drifted raises :class:`ReplicaDriftError` naming the step.
@@ -45,7 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +65,13 @@ from torch import nn
 
 from lowcomm.comm import CommStats, Communicator
 
-__all__ = ["MODES", "MeZO", "ReplicaDriftError", "ZOStep", "mezo_decays", "zo_seed"]
+__all__ = ["MODES", "MeZO", "ReplicaDriftError", "Stage", "ZOStep", "mezo_decays", "zo_seed"]
 
 MODES = ("single", "pertp", "ddp", "2d")
+
+Stage = tuple[Sequence[nn.Module], Callable[[Any], Any]]
+"""A piece of a model's forward for ``blockwise`` steps: the modules whose parameters it reads,
+and the function from the previous stage's output to its own."""
 
 SEED_RANGE = 1_000_000_000
 """Seeds are drawn from [0, 1e9), as MeZO draws them."""
@@ -115,6 +128,10 @@ class MeZO:
         process_group: the ranks of a distributed mode (``None``: WORLD), or a
             :class:`~lowcomm.comm.Communicator`.
         check_every: compare the replicas' parameters every this many steps (0: never).
+        blockwise: ZO2's fused dual forward: :meth:`step` takes ``stages`` and runs each
+            stage's two forwards back to back, applying the previous step's update to a
+            stage's parameters just before (lazily; :meth:`flush` applies what is pending).
+            Changes no bit (see the module docstring); one direction only.
     """
 
     def __init__(
@@ -130,6 +147,7 @@ class MeZO:
         process_group: dist.ProcessGroup | Communicator | None = None,
         check_every: int = 100,
         decays: Callable[[str], bool] = mezo_decays,
+        blockwise: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -173,8 +191,15 @@ class MeZO:
                 raise ValueError(f"mode 'pertp' runs on 2 ranks (one per sign), got {w}")
             if mode == "2d" and (w < 2 or w % 2):
                 raise ValueError(f"mode '2d' runs on an even number of ranks (pairs), got {w}")
+        if blockwise and n_directions != 1:
+            raise ValueError("blockwise=True takes one direction per step (n_directions=1)")
+        self.blockwise = bool(blockwise)
+        self._pending: tuple[int, float, float] | None = None
+        """blockwise: the (seed, g, lr) of the update not yet applied."""
+        self._index = {id(p): i for i, (_, p) in enumerate(named)}
         device = named[0][1].device
         self.generator = torch.Generator(device=device)
+        self._update_generator = torch.Generator(device=device)
 
     stats = property(
         lambda self: self.comm.stats if self.comm is not None else CommStats(),
@@ -218,12 +243,108 @@ class MeZO:
         wd = self.weight_decay / n if n > 1 else self.weight_decay
         self.generator.manual_seed(seed)
         for (_, p), decays in zip(self.named, self.decay):
-            z = self._z(p)
-            z.mul_(g_k)
-            if decays:
-                z.add_(p.mul(wd))
-            z.mul_(lr)
-            p.sub_(z)
+            self._update_one(p, self._z(p), g_k, wd, lr, decays)
+
+    @staticmethod
+    def _update_one(
+        p: torch.Tensor, z: torch.Tensor, g: float, wd: float, lr: float, decays: bool
+    ) -> None:
+        z.mul_(g)
+        if decays:
+            z.add_(p.mul(wd))
+        z.mul_(lr)
+        p.sub_(z)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply the update a ``blockwise`` step left pending (before evaluating or saving the
+        model; the next step would apply it otherwise). A no-op without one."""
+        if self._pending is not None:
+            seed, g, lr = self._pending
+            self._pending = None
+            self._update(seed, g, lr)
+
+    def _plan(self, stages: Sequence[Stage]) -> list[tuple[list[int], list[int]]]:
+        """Per stage, the parameters it reads first (its own, in ``named_parameters()`` order)
+        and those an earlier stage owns (tied weights)."""
+        seen: set[int] = set()
+        order: list[int] = []
+        plan = []
+        for modules, _ in stages:
+            ids: list[int] = []
+            for module in modules:
+                for p in module.parameters():
+                    i = self._index.get(id(p))
+                    if i is not None and i not in ids:
+                        ids.append(i)
+            owned = sorted(i for i in ids if i not in seen)
+            plan.append((owned, [i for i in ids if i in seen]))
+            seen.update(owned)
+            order += owned
+        if order != list(range(len(self.named))):
+            raise ValueError(
+                "blockwise stages must read every trainable parameter, the first reads in "
+                "named_parameters() order (z is drawn in that order); check the stages' modules"
+            )
+        return plan
+
+    @torch.no_grad()
+    def _dual_pass(
+        self, stages: Sequence[Stage], seed: int, plus: bool, minus: bool, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over the stages: per stage, the pending update and +εz of the parameters it
+        owns, its + forward, −2εz, its − forward, and +εz once a parameter's last stage is done.
+        Every parameter sees MeZO's in-place operations in MeZO's order."""
+        plan = self._plan(stages)
+        last = {i: k for k, (owned, tied) in enumerate(plan) for i in (*owned, *tied)}
+        pending = self._pending
+        self._pending = None
+        if pending is not None:
+            self._update_generator.manual_seed(pending[0])
+        self.generator.manual_seed(seed)
+        zs: dict[int, torch.Tensor] = {}
+        plus_values: dict[int, torch.Tensor] = {}  # θ + εz of tied weights, until their last use
+        state_plus: Any = None
+        state_minus: Any = None
+        for k, ((_, run), (owned, tied)) in enumerate(zip(stages, plan)):
+            for i in owned:
+                p = self.named[i][1]
+                if pending is not None:
+                    z_update = torch.normal(
+                        mean=0,
+                        std=1,
+                        size=p.size(),
+                        generator=self._update_generator,
+                        device=p.device,
+                        dtype=p.dtype,
+                    )
+                    _, g, lr = pending
+                    self._update_one(p, z_update, g, self.weight_decay, lr, self.decay[i])
+                z = self._z(p)
+                p.add_(z.mul(1).mul_(self.eps))
+                zs[i] = z
+                if last[i] > k:
+                    plus_values[i] = p.clone()
+            if plus:
+                minus_values = [(i, self.named[i][1].clone()) for i in tied]
+                for i in tied:
+                    self.named[i][1].copy_(plus_values[i])
+                with torch.inference_mode():
+                    state_plus = run(state_plus)
+                for i, value in minus_values:
+                    self.named[i][1].copy_(value)
+            for i in owned:
+                self.named[i][1].add_(zs[i].mul(-2).mul_(self.eps))
+            if minus:
+                with torch.inference_mode():
+                    state_minus = run(state_minus)
+            for i in (*owned, *tied):
+                if last[i] == k:
+                    self.named[i][1].add_(zs.pop(i).mul(1).mul_(self.eps))
+                    plus_values.pop(i, None)
+        l_plus = state_plus.detach().reshape(()) if plus else zero
+        l_minus = state_minus.detach().reshape(()) if minus else zero
+        return l_plus, l_minus
 
     def _evaluate(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.inference_mode():
@@ -236,11 +357,24 @@ class MeZO:
 
     # -- a step -----------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], torch.Tensor], weight: float | None = None) -> ZOStep:
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        weight: float | None = None,
+        *,
+        stages: Sequence[Stage] | None = None,
+    ) -> ZOStep:
         """One MeZO step: ``closure()`` returns this rank's loss on its batch at the current
         parameters (called once or twice per direction). ``weight`` (``ddp``, ``2d``): this
         rank's share of the global batch, e.g. its number of examples or tokens (default 1).
-        Returns the same :class:`ZOStep` on every rank."""
+        With ``blockwise``, ``stages`` instead: the model's forward on this rank's batch as
+        ``(modules, run)`` pairs, ``run`` taking the previous stage's output (``None`` for the
+        first) and the last returning the loss (``GPT.zo_stages(x, y)``). Returns the same
+        :class:`ZOStep` on every rank."""
+        if self.blockwise != (stages is not None) or (closure is None) == (stages is None):
+            raise ValueError(
+                "MeZO.step takes stages=... with blockwise=True and a closure otherwise"
+            )
         step = self.steps + 1
         lr = self.lr_at(step)
         seeds = [zo_seed(self.seed, step, k) for k in range(self.n_directions)]
@@ -251,7 +385,10 @@ class MeZO:
         zero = torch.zeros((), dtype=torch.float32, device=self.named[0][1].device)
         local: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
-            for s in seeds:
+            if stages is not None:
+                local.append(self._dual_pass(stages, seeds[0], plus, minus, zero))
+            for s in seeds if stages is None else []:
+                assert closure is not None
                 self._perturb(s, 1)
                 l_plus = self._evaluate(closure) if plus else zero
                 self._perturb(s, -2)
@@ -265,8 +402,11 @@ class MeZO:
         grads = []
         for l_plus, l_minus in losses:
             grads.append(float(((l_plus - l_minus) / (2 * self.eps)).item()))
-        for s, g in zip(seeds, grads):
-            self._update(s, g, lr)
+        if self.blockwise:
+            self._pending = (seeds[0], grads[0], lr)  # applied in the next pass (or flush())
+        else:
+            for s, g in zip(seeds, grads):
+                self._update(s, g, lr)
         self.steps = step
         if self.check_every and self.comm is not None and step % self.check_every == 0:
             self.check_replicas()
@@ -346,6 +486,7 @@ class MeZO:
             "n_directions": self.n_directions,
             "weight_decay": self.weight_decay,
             "lr": None if callable(self.lr) else self.lr,
+            "pending": None if self._pending is None else list(self._pending),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -356,6 +497,15 @@ class MeZO:
                     f"{key}={getattr(self, key)!r}; resume with the same settings"
                 )
         self.steps = int(state["step"])
+        pending = state.get("pending")
+        if pending is not None and not self.blockwise:
+            raise ValueError(
+                "MeZO state_dict holds a pending update (saved with blockwise=True); resume "
+                "with blockwise=True, or flush() before saving"
+            )
+        self._pending = (
+            None if pending is None else (int(pending[0]), float(pending[1]), float(pending[2]))
+        )
 
 
 def _weighted(table: list[list[float]], k: int, *, pairs: bool) -> tuple[float, float]:
