@@ -92,6 +92,11 @@ def test_adamw_ddp_for_comparison_sends_the_gradients(pretrained: str, tmp_path:
         (["--init", "X", "--method", "adamw", "--mode", "pertp"], "adamw runs DDP"),
         (["--init", "X", "--mode", "ddp", "--workers", "3"], "--batch-size must divide into 3"),
         (["--init", "X", "--method", "sgd"], "--method must be one of zo, adamw"),
+        (["--init", "X", "--threads", "0"], "--threads must be an integer >= 1"),
+        (
+            ["--init", "X", "--blockwise", "--method", "adamw", "--mode", "ddp"],
+            "--blockwise is for",
+        ),
     ],
 )
 def test_bad_settings_are_one_line_exit_2(flags: list[str], message: str, capsys: Any) -> None:
