@@ -174,10 +174,10 @@ def test_attach_refuses_what_it_cannot_run(tmp_path: Any) -> None:
     from transformers import Trainer
 
     from lowcomm.integrations.hf import attach
-    from lowcomm.testing.trainers import _args, _Sequences, tiny_llama
+    from lowcomm.testing.trainers import Sequences, tiny_llama, trainer_args
 
-    args = _args(str(tmp_path), ddp_backend=None)  # one process: built, not trained
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=_Sequences())
+    args = trainer_args(str(tmp_path), ddp_backend=None)  # one process: built, not trained
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Sequences())
     with pytest.raises(ValueError, match="runs DDP itself"):
         attach(trainer, "ddp")
     with pytest.raises(ValueError, match="unknown algorithm 'co3'"):

@@ -10,10 +10,10 @@ import torch
 
 from lowcomm.testing.dist import run_workers
 from lowcomm.testing.zo import (
-    _loss,
     mezo_reference,
     sharded_reference,
     tiny_batches,
+    tiny_loss,
     tiny_model,
     zo_scenarios,
 )
@@ -34,7 +34,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _single(steps: int = STEPS, **settings: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
     model = tiny_model()
     zo = MeZO(model, **{**SETTINGS, **settings})
-    results = [zo.step(lambda x=x, y=y: _loss(model, x, y)) for x, y in tiny_batches(steps)]
+    results = [zo.step(lambda x=x, y=y: tiny_loss(model, x, y)) for x, y in tiny_batches(steps)]
     return _params(model), results
 
 
@@ -46,7 +46,7 @@ def test_single_process_is_mezo_bit_for_bit(n_directions: int, weight_decay: flo
     seeds = [[zo_seed(3, i + 1, k) for k in range(n_directions)] for i in range(STEPS)]
     reference = mezo_reference(
         model,
-        [lambda x=x, y=y: _loss(model, x, y) for x, y in batches],
+        [lambda x=x, y=y: tiny_loss(model, x, y) for x, y in batches],
         seeds=seeds,
         lr=1e-3,
         eps=1e-3,
@@ -109,7 +109,7 @@ def test_resume_is_exact() -> None:
     batches = tiny_batches(STEPS)
     zo = MeZO(model, **SETTINGS)
     for x, y in batches[:3]:
-        zo.step(lambda x=x, y=y: _loss(model, x, y))
+        zo.step(lambda x=x, y=y: tiny_loss(model, x, y))
     state, saved = zo.state_dict(), _params(model)
     model = tiny_model(seed=1)  # another start: everything comes from the checkpoint
     with torch.no_grad():
@@ -117,7 +117,7 @@ def test_resume_is_exact() -> None:
             p.copy_(saved[name])
     zo = MeZO(model, **SETTINGS)
     zo.load_state_dict(state)
-    rest = [zo.step(lambda x=x, y=y: _loss(model, x, y)) for x, y in batches[3:]]
+    rest = [zo.step(lambda x=x, y=y: tiny_loss(model, x, y)) for x, y in batches[3:]]
     assert _same(straight, _params(model))
     assert [r.projected_grads for r in rest] == [r.projected_grads for r in results[3:]]
     with pytest.raises(ValueError, match="saved with eps=0.001"):

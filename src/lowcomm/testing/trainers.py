@@ -23,7 +23,9 @@ __all__ = [
     "LIGHTNING_SAMPLES",
     "hf_scenarios",
     "lightning_scenarios",
+    "Sequences",
     "tiny_llama",
+    "trainer_args",
     "trainer_scenarios",
 ]
 
@@ -50,7 +52,7 @@ def tiny_llama(seed: int = 0) -> Any:
     return LlamaForCausalLM(config)
 
 
-class _Sequences(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+class Sequences(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """``n`` fixed random token sequences (item i from seed 1000 + i), labels = inputs."""
 
     def __init__(self, n: int = 256) -> None:
@@ -73,7 +75,9 @@ def _digest(model: torch.nn.Module) -> str:
     return checksum(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
 
 
-def _args(out: str, **overrides: Any) -> Any:
+def trainer_args(out: str, **overrides: Any) -> Any:
+    """The scenarios' ``TrainingArguments`` (CPU, gloo, 12 steps, accumulation 2), with
+    ``overrides``."""
     from transformers import TrainingArguments
 
     settings: dict[str, Any] = {
@@ -108,7 +112,7 @@ def _trainer(out: str, model: Any = None, trainer_cls: Any = None, **overrides: 
 
     cls = trainer_cls or Trainer
     trainer: Any = cls(
-        model=model or tiny_llama(), args=_args(out, **overrides), train_dataset=_Sequences()
+        model=model or tiny_llama(), args=trainer_args(out, **overrides), train_dataset=Sequences()
     )
     trainer.digests = Digests()
     trainer.add_callback(trainer.digests)
@@ -249,10 +253,10 @@ def hf_scenarios(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         trainer = Trainer(
             model=model,
             # constant: SlowMo divides by the inner lr, which a linear decay ends at 0
-            args=_args(
+            args=trainer_args(
                 os.path.join(out_dir, f"algo-{name}"), max_steps=8, lr_scheduler_type="constant"
             ),
-            train_dataset=_Sequences(),
+            train_dataset=Sequences(),
             **extra,
         )
         h = {} if name == "demo" else {"sync_every": 4}
@@ -334,7 +338,7 @@ epoch ends (steps 4 and 8, inside CO2's rounds of 3)."""
 
 
 def _loader() -> Any:
-    return torch.utils.data.DataLoader(_Sequences(LIGHTNING_SAMPLES), batch_size=4)
+    return torch.utils.data.DataLoader(Sequences(LIGHTNING_SAMPLES), batch_size=4)
 
 
 def _lightning_own_loop(rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -345,7 +349,7 @@ def _lightning_own_loop(rank: int, world: int) -> dict[str, torch.Tensor]:
     module = _lightning_module()
     inner = module.configure_optimizers()
     algo = lowcomm.CO2(module, inner, sync_every=HF_SYNC_EVERY)
-    data = _Sequences(LIGHTNING_SAMPLES)
+    data = Sequences(LIGHTNING_SAMPLES)
     sampler: Any = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
 
     def batches() -> Any:

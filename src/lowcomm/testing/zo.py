@@ -30,6 +30,7 @@ __all__ = [
     "sharded_reference",
     "tiny_model",
     "tiny_batches",
+    "tiny_loss",
     "zo_scenarios",
 ]
 
@@ -51,7 +52,8 @@ def tiny_batches(
     return [get_batch(corpus.train, batch, 16, gen) for _ in range(steps)]
 
 
-def _loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def tiny_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's mean cross-entropy on (x, y)."""
     _, loss = model(x, y)
     return loss
 
@@ -139,7 +141,7 @@ def sharded_reference(model: GPT, shards: Sequence[tuple[torch.Tensor, torch.Ten
             total += size
         acc = 0.0
         for size, (x, y) in zip(sizes, shards):
-            acc += size / total * float(_loss(model, x, y))
+            acc += size / total * float(tiny_loss(model, x, y))
         return torch.tensor(acc, dtype=torch.float32)
 
     return closure
@@ -164,7 +166,7 @@ def naive_pertp_step(
     sign = 1 if rank == 0 else -1
     zo._perturb(s, sign)
     with torch.inference_mode():
-        mine = _loss(model, x, y).reshape(1)
+        mine = tiny_loss(model, x, y).reshape(1)
     zo._perturb(s, -sign)
     both = [torch.zeros(1), torch.zeros(1)]
     dist.all_gather(both, mine, group=group)
@@ -199,7 +201,7 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
             x, y = data(i)
 
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-                return _loss(model, x, y)
+                return tiny_loss(model, x, y)
 
             if blockwise:
                 result = zo.step(stages=model.zo_stages(x, y), weight=float(x.shape[0]))
