@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
 import logging
 import os
 import resource
@@ -44,6 +43,7 @@ from torch.nn import functional as F
 from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import ByteTokenizer, get_batch, make_generator
 from lowcomm.models.gpt import GPT, GPTConfig
+from lowcomm.train.metrics import MetricsWriter, write_json
 from lowcomm.zo.mezo import MODES, MeZO
 
 __all__ = [
@@ -437,7 +437,7 @@ class _Records:
         assert cfg.out is not None
         os.makedirs(cfg.out, exist_ok=True)
         self.cfg = cfg
-        self._f = open(os.path.join(cfg.out, "metrics.jsonl"), "w", encoding="utf-8")  # noqa: SIM115
+        self.writer = MetricsWriter(os.path.join(cfg.out, "metrics.jsonl"))
         self.val: list[tuple[int, float]] = []
         self.bar = None
         if sys.stderr.isatty() and not cfg.quiet:
@@ -445,12 +445,8 @@ class _Records:
 
             self.bar = tqdm(total=cfg.steps, desc=f"{cfg.method} {cfg.mode}", unit="step")
 
-    def _write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-
     def step(self, step: int, loss: float, steps: int, elapsed_s: float) -> None:
-        self._write(
+        self.writer.write(
             {"kind": "step", "step": step, "steps": steps, "loss": loss, "elapsed_s": elapsed_s}
         )
         if self.bar is not None:
@@ -459,7 +455,7 @@ class _Records:
 
     def eval(self, step: int, val_loss: float) -> None:
         self.val.append((step, val_loss))
-        self._write({"kind": "eval", "step": step, "val_loss": val_loss})
+        self.writer.write({"kind": "eval", "step": step, "val_loss": val_loss})
         if self.bar is None and not self.cfg.quiet:
             logger.info("step %d/%d  held-out loss %.4f", step, self.cfg.steps, val_loss)
 
@@ -489,11 +485,10 @@ class _Records:
             "per_rank": per_rank,
             "config": dataclasses.asdict(cfg),
         }
-        with open(os.path.join(cfg.out or ".", "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        write_json(os.path.join(cfg.out or ".", "summary.json"), summary)
         return summary
 
     def close(self) -> None:
-        self._f.close()
+        self.writer.close()
         if self.bar is not None:
             self.bar.close()
