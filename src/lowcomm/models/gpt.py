@@ -27,15 +27,15 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "MLP"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "Packed", "SplitAttention"]
 
 
 @dataclass(kw_only=True)
@@ -77,6 +77,42 @@ class GPTConfig:
             )
 
 
+class SplitAttention(Protocol):
+    """Causal attention over a document whose tokens are spread across ranks (this rank holds
+    some of them): ``lowcomm.balance.RingAttention``."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of this rank's queries over the whole document's keys and values;
+        ``q``, ``k``, ``v`` are ``(1, heads, local tokens, head size)``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Packed:
+    """How a ``(1, time)`` input holds whole documents back to back (variable-length batches).
+
+    Attention is block-diagonal causal: a token attends to the earlier tokens of its own
+    document only, and every document's positions start at 0, so a document packed with
+    others gives the same logits as alone. Attention runs per document, so its cost is
+    ``sum(s**2)``, not ``(sum s)**2``.
+
+    ``split`` instead marks the input as this rank's part of one document spread over several
+    ranks (``positions`` then gives each token's position in the document).
+    """
+
+    lengths: Sequence[int]
+    """Tokens of each document, in order; they sum to the input's length."""
+    positions: torch.Tensor | None = None
+    """Position of each token in its document (default: 0, 1, ... per document)."""
+    split: SplitAttention | None = None
+    """Attention across ranks for a split document (``lengths`` is then this rank's tokens)."""
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions.to(device)
+        return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in self.lengths])
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through :func:`F.scaled_dot_product_attention`."""
 
@@ -89,16 +125,33 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         hs = C // self.n_head
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        p = self.dropout if self.training else 0.0
+        if packed is None or (packed.split is None and len(packed.lengths) == 1):
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        elif packed.split is not None:
+            y = packed.split(q, k, v)
+        else:  # block-diagonal causal: each document alone
+            parts, start = [], 0
+            for n in packed.lengths:
+                end = start + n
+                parts.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, start:end],
+                        k[:, :, start:end],
+                        v[:, :, start:end],
+                        dropout_p=p,
+                        is_causal=True,
+                    )
+                )
+                start = end
+            y = torch.cat(parts, dim=2)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -127,8 +180,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), packed)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -186,13 +239,21 @@ class GPT(nn.Module):
         return n
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        packed: Packed | None = None,
+        reduction: str = "mean",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Compute next-token logits and, given targets, the mean cross-entropy loss.
+        """Compute next-token logits and, given targets, the cross-entropy loss.
 
         Args:
             idx: ``(batch, time)`` int64 token ids, ``time <= block_size``.
             targets: optional ``(batch, time)`` int64 next-token ids.
+            packed: ``idx`` (batch 1) holds several documents back to back, or one rank's
+                part of a split document (:class:`Packed`).
+            reduction: ``"mean"`` (over tokens) or ``"sum"`` of the per-token losses.
 
         Returns:
             ``(logits, loss)``: logits of shape ``(batch, time, vocab_size)``; loss a scalar
@@ -204,19 +265,27 @@ class GPT(nn.Module):
                 "add a batch dimension with idx.unsqueeze(0)."
             )
         seq_len = idx.shape[1]
-        if seq_len > self.config.block_size:
+        if packed is None and seq_len > self.config.block_size:
             raise ValueError(
                 f"Sequence length {seq_len} exceeds block_size={self.config.block_size}: "
                 "crop the input or build the model with a larger block_size."
             )
-        pos = torch.arange(seq_len, dtype=torch.long, device=idx.device)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={reduction!r} is invalid: use 'mean' or 'sum'.")
+        if packed is None:
+            pos = torch.arange(seq_len, dtype=torch.long, device=idx.device)
+        else:
+            _check_packed(packed, idx, self.config.block_size)
+            pos = packed.position_ids(idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, packed)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction
+            )
         return logits, loss
 
     def zo_stages(
@@ -239,3 +308,34 @@ class GPT(nn.Module):
             ((block,), block) for block in self.blocks
         ]
         return [((self.wte, self.wpe), embed), *blocks, ((self.ln_f, self.lm_head), head)]
+
+
+def _check_packed(packed: Packed, idx: torch.Tensor, block_size: int) -> None:
+    if idx.shape[0] != 1:
+        raise ValueError(
+            f"A packed input has batch size 1 (documents back to back), got {idx.shape[0]}: "
+            "concatenate the documents along time."
+        )
+    if sum(packed.lengths) != idx.shape[1] or any(n <= 0 for n in packed.lengths):
+        raise ValueError(
+            f"Packed lengths {list(packed.lengths)} must be positive and sum to the input's "
+            f"{idx.shape[1]} tokens."
+        )
+    if packed.split is not None and packed.positions is None:
+        raise ValueError(
+            "A split document needs the position of each of this rank's tokens in it: pass "
+            "Packed(positions=...) (lowcomm.balance.zigzag_positions)."
+        )
+    longest = max(packed.lengths)
+    if packed.positions is not None:
+        if packed.positions.shape != (idx.shape[1],):
+            raise ValueError(
+                f"Packed positions have shape {tuple(packed.positions.shape)}, expected "
+                f"({idx.shape[1]},): one position per token."
+            )
+        longest = int(packed.positions.max()) + 1
+    if longest > block_size:
+        raise ValueError(
+            f"A document of {longest} tokens exceeds block_size={block_size}: cap document "
+            "lengths at block_size or build the model with a larger block_size."
+        )

@@ -1,0 +1,176 @@
+"""Documents as training samples: a corpus of whole documents and a per-rank sampler that
+draws an exact token budget of them (a document longer than the cap contributes a random piece
+of ``cap`` tokens; the last one drawn is cut to fill the budget exactly).
+
+The embedded corpus (``--data`` unset) is the Python standard library's own source: every
+``.py`` file under it, outside ``site-packages`` and the test suites, one document each, in
+sorted path order; every tenth file is held out for validation. Their sizes run from a few
+hundred bytes to hundreds of kilobytes, a real long tail with nothing to download. A user's
+``--data`` is a folder (one document per text or ``.py`` file), a ``.jsonl`` file (one
+document per line, its ``"text"``), or a text file whose documents are separated by blank
+lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowcomm.data.corpus import TEXT_SUFFIXES, ByteTokenizer, make_generator
+
+__all__ = [
+    "EMBEDDED_DOCUMENTS",
+    "DocumentCorpus",
+    "DocumentSampler",
+    "load_documents",
+]
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_DOCUMENTS = "embedded:stdlib-source"
+"""The :attr:`DocumentCorpus.source` of the default document corpus."""
+
+MIN_DOC_TOKENS = 16
+"""Documents shorter than this (in tokens) are dropped."""
+
+_SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclass
+class DocumentCorpus:
+    """Tokenized documents, split into training and validation ones."""
+
+    train: list[torch.Tensor] = field(repr=False)
+    val: list[torch.Tensor] = field(repr=False)
+    vocab_size: int
+    source: str
+
+    def lengths(self) -> list[int]:
+        return [len(d) for d in self.train]
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+        found += [Path(dirpath) / f for f in files if f.endswith(".py")]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _texts(path: str | None) -> tuple[list[str], str]:
+    if path is None:
+        files = _stdlib_files()
+        if not files:
+            raise ValueError(
+                "The embedded document corpus is the standard library's source, which this "
+                "Python lacks: pass --data with a folder of documents."
+            )
+        return [f.read_text("utf-8", errors="replace") for f in files], EMBEDDED_DOCUMENTS
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(
+            (
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and (f.suffix.lower() in TEXT_SUFFIXES or f.suffix == ".py")
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            ),
+            key=lambda f: f.relative_to(p).as_posix(),
+        )
+        if not files:
+            raise ValueError(
+                f"Document folder {p} holds no text or .py files: add some, or point --data "
+                "at a .jsonl file."
+            )
+        return [_read(f) for f in files], str(p.resolve())
+    if not p.is_file():
+        raise ValueError(f"--data {p} does not exist: pass a folder, a .jsonl or a text file.")
+    if p.suffix.lower() == ".jsonl":
+        docs = []
+        for n, line in enumerate(_read(p).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(str(json.loads(line)["text"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f'{p}:{n} is not a JSON object with a "text" field ({e}): write one '
+                    'document per line as {"text": "..."}.'
+                ) from None
+        return docs, str(p.resolve())
+    text = _read(p)
+    return [d for d in text.split("\n\n") if d.strip()], str(p.resolve())
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8 (byte {e.start}): re-encode it.") from None
+    except OSError as e:
+        raise ValueError(f"Cannot read {path}: {e.strerror or e}.") from None
+
+
+def load_documents(path: str | os.PathLike[str] | None = None) -> DocumentCorpus:
+    """Load and byte-tokenize documents (see the module docstring); every tenth document is
+    held out for validation.
+
+    Raises:
+        ValueError: the path is missing or unreadable, or fewer than 10 documents of at least
+            :data:`MIN_DOC_TOKENS` tokens remain.
+    """
+    texts, source = _texts(None if path is None else os.fspath(path))
+    tok = ByteTokenizer()
+    docs = [t for t in (tok.encode_tensor(x) for x in texts) if len(t) > MIN_DOC_TOKENS]
+    if len(docs) < 10:
+        raise ValueError(
+            f"{source} has {len(docs)} documents of more than {MIN_DOC_TOKENS} tokens; "
+            "documents mode needs at least 10 (one in ten is held out for validation)."
+        )
+    val = [d for i, d in enumerate(docs) if i % 10 == 9]
+    train = [d for i, d in enumerate(docs) if i % 10 != 9]
+    logger.debug("%d training and %d validation documents from %s", len(train), len(val), source)
+    return DocumentCorpus(train=train, val=val, vocab_size=tok.vocab_size, source=source)
+
+
+class DocumentSampler:
+    """Draws this rank's documents: ``draw(tokens)`` returns ``(doc, start, length)`` pieces
+    whose lengths (predicted tokens) sum to exactly ``tokens``; a piece's inputs are
+    ``doc[start : start + length]`` and its targets the same shifted by one.
+
+    Pieces are at most ``cap`` tokens: a longer document contributes a random window. The
+    generator is seeded from ``(seed, rank)``, so each rank reads its own stream."""
+
+    def __init__(self, corpus: DocumentCorpus, cap: int, *, seed: int, rank: int) -> None:
+        if cap < MIN_DOC_TOKENS:
+            raise ValueError(f"document cap {cap} is below {MIN_DOC_TOKENS} tokens.")
+        self.docs = corpus.train
+        self.cap = cap
+        self.generator = make_generator(seed, 1_000_003 + rank)
+
+    def draw(self, tokens: int) -> list[tuple[int, int, int]]:
+        pieces: list[tuple[int, int, int]] = []
+        left = tokens
+        while left > 0:
+            i = int(torch.randint(len(self.docs), (1,), generator=self.generator))
+            n = len(self.docs[i]) - 1  # predictions the document holds
+            length = min(n, self.cap, left)
+            start = 0
+            if n > length:
+                start = int(torch.randint(n - length + 1, (1,), generator=self.generator))
+            pieces.append((i, start, length))
+            left -= length
+        return pieces
+
+    def piece(self, doc: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of a piece."""
+        t = self.docs[doc][start : start + length + 1]
+        return t[:-1], t[1:]
