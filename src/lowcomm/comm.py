@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,37 @@ __all__ = [
     "exchange_wire_bytes",
     "reduce_scatter_wire_bytes",
     "ring_wire_bytes",
+    "set_busy_wait",
+    "spin_barrier",
     "storage_nbytes",
 ]
+
+_BUSY_WAIT = False
+
+
+def set_busy_wait(enabled: bool) -> None:
+    """Make :meth:`Handle.wait` poll its collectives instead of sleeping in ``wait()``.
+
+    For measurements with more workers than CPU cores: a worker sleeping in a collective gives
+    its share of the cores to the others, which then run faster than they would on a device of
+    their own; polling keeps every worker's share constant (one device per worker, emulated).
+    """
+    global _BUSY_WAIT
+    _BUSY_WAIT = bool(enabled)
+
+
+def _spin(works: Sequence[Any]) -> None:
+    while not all(w.is_completed() for w in works):
+        pass
+
+
+def spin_barrier(group: dist.ProcessGroup | None = None) -> None:
+    """A barrier (a one-element all-reduce) that polls when :func:`set_busy_wait` is on."""
+    work = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+    if _BUSY_WAIT:
+        _spin([work])
+    work.wait()
+
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -245,6 +274,8 @@ class Handle:
         if self._done:
             return self.buffers
         t0 = time.perf_counter()
+        if _BUSY_WAIT:
+            _spin(self.works)
         for w in self.works:
             w.wait()
         if self.buffers and self.buffers[0].is_cuda:

@@ -151,6 +151,9 @@ class _AllOf:
             w.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
 
 class EmulatedCommunicator(Communicator):
     """A :class:`~lowcomm.comm.Communicator` whose collectives complete on the emulated link.

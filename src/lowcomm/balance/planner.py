@@ -293,20 +293,47 @@ def plan(
         raise ValueError(f"splitting documents needs the cost strategy, not {strategy!r}.")
     lengths = [int(n) for n in lengths]
     _check(lengths, world, token_cap)
-    n = len(lengths)
     costs = [cost.doc(s) if cost is not None else float(s) for s in lengths]
     lower = max(max(costs, default=0.0), sum(costs) / world)
-    loads = [0.0] * world
-    tokens = [0] * world
-    pieces: list[list[Piece]] = [[] for _ in range(world)]
-    decisions: list[SplitDecision] = []
-    whole = list(range(n))
-    used = method if strategy in ("tokens", "cost") else "contiguous"
+    runs, used = _unsplit(lengths, costs, world, strategy, method, token_cap, seed)
+    pieces = [[Piece(i) for i in run] for run in runs]
+    base = Plan(
+        assignment=pieces,
+        loads=[sum(costs[i] for i in run) for run in runs],
+        tokens=[sum(lengths[i] for i in run) for run in runs],
+        lower_bound=lower,
+        strategy=strategy,
+        method=used,
+    )
+    if split is None or world == 1 or not lengths:
+        return base
+    assert cost is not None
+    decisions, groups = _split_decisions(lengths, costs, world, cost, split)
+    if groups:
+        joint = _joint_lpt(lengths, costs, groups, world, cost, split, token_cap)
+        if joint is not None and joint.makespan < base.makespan:
+            joint.lower_bound, joint.strategy, joint.splits = lower, strategy, decisions
+            return joint
+        no_gain = "not split: the plan is no shorter with it"
+        decisions = [
+            SplitDecision(d.doc, d.length, 1, no_gain, d.saving_s, d.comm_s) if d.k > 1 else d
+            for d in decisions
+        ]
+    base.splits = decisions
+    return base
 
-    if split is not None and world > 1 and n:
-        assert cost is not None
-        whole, decisions = _split_long(lengths, costs, world, cost, split, loads, tokens, pieces)
 
+def _unsplit(
+    lengths: list[int],
+    costs: list[float],
+    world: int,
+    strategy: str,
+    method: str,
+    token_cap: int | None,
+    seed: int,
+) -> tuple[list[list[int]], str]:
+    """Documents per rank, whole, and the method that placed them."""
+    n = len(lengths)
     if strategy in ("sequential", "random", "length"):
         order = list(range(n))
         if strategy == "random":
@@ -314,91 +341,106 @@ def plan(
             order = torch.randperm(n, generator=gen).tolist()
         elif strategy == "length":
             order.sort(key=lambda i: (-lengths[i], i))
-        runs = _contiguous(order, lengths, world) if n else [[] for _ in range(world)]
-    else:
-        weight = costs if strategy == "cost" else [float(s) for s in lengths]
-        runs = []
-        if method == "kk":
-            runs = _kk(whole, weight, loads)
-            over = token_cap is not None and any(
-                tokens[r] + sum(lengths[i] for i in runs[r]) > token_cap for r in range(world)
-            )
-            if over:
-                used, runs = "lpt", []
-        if not runs:
-            runs = _lpt(whole, weight, lengths, list(loads), list(tokens), token_cap)
-    for r in range(world):
-        for i in runs[r]:
-            pieces[r].append(Piece(i))
-            loads[r] += costs[i]
-            tokens[r] += lengths[i]
-    return Plan(
-        assignment=pieces,
-        loads=loads,
-        tokens=tokens,
-        lower_bound=lower,
-        strategy=strategy,
-        method=used,
-        splits=decisions,
-    )
+        return (_contiguous(order, lengths, world) if n else [[] for _ in range(world)]), (
+            "contiguous"
+        )
+    weight = costs if strategy == "cost" else [float(s) for s in lengths]
+    if method == "kk":
+        runs = _kk(range(n), weight, [0.0] * world)
+        if token_cap is None or all(sum(lengths[i] for i in r) <= token_cap for r in runs):
+            return runs, "kk"
+    return _lpt(range(n), weight, lengths, [0.0] * world, [0] * world, token_cap), "lpt"
 
 
-def _split_long(
-    lengths: list[int],
-    costs: list[float],
-    world: int,
-    cost: CostModel,
-    policy: SplitPolicy,
-    loads: list[float],
-    tokens: list[int],
-    pieces: list[list[Piece]],
-) -> tuple[list[int], list[SplitDecision]]:
-    """Place the splits: each document costing more than the fair share, most costly first, over
-    ``k = ceil(c / fair)`` ranks (at most a node's inside one, at most ``max_k``) on the widest
-    tier where it pays, taking the least-loaded ranks. Returns the documents left whole."""
+def _split_decisions(
+    lengths: list[int], costs: list[float], world: int, cost: CostModel, policy: SplitPolicy
+) -> tuple[list[SplitDecision], list[tuple[int, int, bool]]]:
+    """For each document costing more than the fair share ``sum(c)/R``: over how many ranks to
+    split it, ``k = ceil(c / fair)`` (at most a node's inside one, at most ``max_k``), on the
+    widest tier where it pays. Returns the decisions and the splits ``(doc, k, in one node)``."""
     fair = sum(costs) / world
     node = policy.node_size or world
-    nodes = [list(range(s, min(s + node, world))) for s in range(0, world, node)]
+    several_nodes = node < world
     limit = min(world, policy.max_k or world)
-    whole, decisions = [], []
+    decisions, groups = [], []
     for i in sorted(range(len(lengths)), key=lambda j: (-costs[j], j)):
         if costs[i] <= fair:
-            whole.append(i)
             continue
         want = min(limit, math.ceil(costs[i] / fair), lengths[i] // 2)
-        options: list[tuple[int, LinkTier, str | None]] = []
-        if want > node and len(nodes) > 1:
-            options.append((want, policy.inter, None))
+        options: list[tuple[int, LinkTier, bool]] = []
+        if want > node and several_nodes:
+            options.append((want, policy.inter, False))
         if min(want, node) >= 2:
-            options.append((min(want, node), policy.intra, "node"))
+            options.append((min(want, node), policy.intra, several_nodes))
+        reason, saving, comm = "not split: fewer than 2 tokens per chunk", 0.0, 0.0
         chosen = None
-        reason, saving, comm = "not split: shorter than 2 tokens per chunk", 0.0, 0.0
-        for k, link, scope in options:
+        for k, link, in_node in options:
             pays, saving, comm = split_pays(lengths[i], k, cost, policy, link)
             if pays:
-                chosen = (k, link, scope)
+                chosen = (k, link, in_node)
                 break
             reason = f"not split: the {link.name} link costs more than it saves"
         if chosen is None:
             decisions.append(SplitDecision(i, lengths[i], 1, reason, saving, comm))
-            whole.append(i)
             continue
-        k, link, scope = chosen
-        if scope == "node":  # the node whose k least-loaded ranks end lowest
-            groups = [sorted(g, key=lambda r: (loads[r], r))[:k] for g in nodes if len(g) >= k]
-            ranks = min(groups, key=lambda g: (max(loads[r] for r in g), g[0]))
-        else:
-            ranks = sorted(range(world), key=lambda r: (loads[r], r))[:k]
-        ring = tuple(sorted(ranks))
-        share = cost.split_piece(lengths[i], k)
-        for index, r in enumerate(ring):
-            pieces[r].append(Piece(i, ring, index))
-            loads[r] += share
-            tokens[r] += math.ceil(lengths[i] / k)
+        k, link, in_node = chosen
         decisions.append(SplitDecision(i, lengths[i], k, link.name, saving, comm))
-    for r in range(world):
-        pieces[r].sort(key=lambda p: p.doc)
-    return sorted(whole), decisions
+        groups.append((i, k, in_node))
+    return decisions, groups
+
+
+def _joint_lpt(
+    lengths: list[int],
+    costs: list[float],
+    groups: list[tuple[int, int, bool]],
+    world: int,
+    cost: CostModel,
+    policy: SplitPolicy,
+    cap: int | None,
+) -> Plan | None:
+    """LPT over whole documents and split ones together, most costly per rank first: a split
+    document over ``k`` ranks goes to the ``k`` least-loaded ones with room (inside the node
+    whose ``k`` least-loaded end lowest, when it must stay in a node). ``None`` when a split
+    finds no room under the cap."""
+    split_of = {doc: (k, in_node) for doc, k, in_node in groups}
+    node = policy.node_size or world
+    nodes = [list(range(s, min(s + node, world))) for s in range(0, world, node)]
+    loads, tokens = [0.0] * world, [0] * world
+    pieces: list[list[Piece]] = [[] for _ in range(world)]
+
+    def per_rank(i: int) -> float:
+        k = split_of.get(i, (1, False))[0]
+        return cost.split_piece(lengths[i], k) if k > 1 else costs[i]
+
+    for i in sorted(range(len(lengths)), key=lambda j: (-per_rank(j), j)):
+        k, in_node = split_of.get(i, (1, False))
+        share = math.ceil(lengths[i] / k)
+        room = [r for r in range(world) if cap is None or tokens[r] + share <= cap]
+        if k == 1:
+            if not room:
+                return None
+            chosen = [min(room, key=lambda r: (loads[r], r))]
+        else:
+            pools = [[r for r in g if r in room] for g in nodes] if in_node else [room]
+            options = [sorted(p, key=lambda r: (loads[r], r))[:k] for p in pools if len(p) >= k]
+            if not options:
+                return None
+            chosen = min(options, key=lambda g: (max(loads[r] for r in g), g[0]))
+        ring = tuple(sorted(chosen))
+        for index, r in enumerate(ring):
+            pieces[r].append(Piece(i, ring, index) if k > 1 else Piece(i))
+            loads[r] += per_rank(i)
+            tokens[r] += share
+    for p in pieces:
+        p.sort(key=lambda q: (not q.split, q.doc))
+    return Plan(
+        assignment=pieces,
+        loads=loads,
+        tokens=tokens,
+        lower_bound=0.0,
+        strategy="cost",
+        method="lpt",
+    )
 
 
 def spread_over_steps(

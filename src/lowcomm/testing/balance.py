@@ -157,7 +157,7 @@ def balance_scenarios(rank: int, world: int) -> dict[str, Any]:
             corpus,
             cap=CAP,
             tokens_per_step=56,
-            seed=3,
+            seed=5,
             ring_group=ring_group,
             **kw,  # type: ignore[arg-type]
         )

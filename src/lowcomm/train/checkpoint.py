@@ -108,6 +108,7 @@ RESUME_FREE_KEYS = frozenset(
         "checkpoint_every",
         "keep_checkpoints",
         "resume",
+        "busy_wait",
         "max_restarts",
         "collective_timeout",
     }

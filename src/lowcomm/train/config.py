@@ -91,6 +91,7 @@ DEFAULT_WORKERS = 2
 """Worker processes when neither ``workers`` nor ``procs_per_node`` is set (one node)."""
 
 _BACKENDS = ("auto", "gloo", "nccl")
+_COST_MODELS = ("fit", "analytic")
 _LR_SCHEDULES = ("cosine", "constant")
 # A ValueError from an algorithm class that is not ours may start with the keyword it is
 # about ("outer_lr must be ..."); ours raise HyperparameterError, which carries it.
@@ -145,6 +146,35 @@ class TrainConfig:
     """Sequences per worker per inner step."""
     block_size: int = 64
     """Tokens per sequence (the model's context length)."""
+
+    # --- documents (variable-length work; lowcomm.balance) -----------------------------------
+    documents: bool = False
+    """Train on whole documents instead of fixed windows: each step a worker draws exactly
+    batch_size x block_size tokens of documents (pieces of at most block_size), packed with
+    block-diagonal causal attention and assigned to ranks by --balance. --data: a folder (one
+    document per file), a .jsonl file ("text" per line) or a text file (blank-line separated);
+    unset: the Python standard library's source files."""
+    balance: str = "cost"
+    """With documents: how documents are assigned to ranks: sequential (each keeps what it
+    drew), random, length (group by length), tokens (equal tokens) or cost (equal predicted
+    compute time). Outer algorithms balance a whole round, ddp every step."""
+    balance_method: str = "lpt"
+    """With documents: the partitioning of tokens and cost balancing: lpt or kk
+    (Karmarkar-Karp)."""
+    split_documents: bool = False
+    """With documents and balance cost: split a document whose cost exceeds the fair share over
+    several ranks (zig-zag ring attention) where the link makes it pay (inside a node when only
+    the node's network does)."""
+    token_cap: int | None = None
+    """With documents: most tokens one rank trains on in a step (memory); unset: twice
+    batch_size x block_size. At least batch_size x block_size + block_size."""
+    cost_model: str = "fit"
+    """With documents: the cost model the planner balances: fit (time this model's forward and
+    backward at several lengths on every rank at start-up) or analytic (FLOP counts)."""
+    busy_wait: bool = False
+    """Wait for collectives by polling instead of sleeping, so that a waiting worker keeps its
+    share of a CPU shared by several workers (emulates one device per worker on an
+    oversubscribed host; for measurements)."""
 
     # --- model -----------------------------------------------------------------------------
     n_layer: int = 4
@@ -229,6 +259,7 @@ class TrainConfig:
         for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches", "log_every"):
             check_int(key, getattr(self, key), low=1)
         check_int("seed", self.seed, low=0)
+        self._check_documents()
         check_int("warmup", self.warmup, low=0)
         check_int("ceiling_steps", self.ceiling_steps, low=0)
         check_int("checkpoint_every", self.checkpoint_every, low=0)
@@ -272,6 +303,51 @@ class TrainConfig:
                 )
         self._check_paths()
         self._check_outer()
+
+    def _check_documents(self) -> None:
+        from lowcomm.balance import METHODS, STRATEGIES
+
+        for key, choices in (
+            ("balance", STRATEGIES),
+            ("balance_method", METHODS),
+            ("cost_model", _COST_MODELS),
+        ):
+            if getattr(self, key) not in choices:
+                raise ConfigError(
+                    key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}"
+                )
+        if not self.documents:
+            for key in ("split_documents", "token_cap"):
+                if getattr(self, key) not in (False, None):
+                    raise ConfigError(key, "applies to documents mode only: add --documents")
+            return
+        if self.ceiling_steps:
+            raise ConfigError(
+                "ceiling_steps",
+                "times fixed windows, not documents: run algo none with --documents for the "
+                "no-sync ceiling of the same work",
+            )
+        if self.split_documents and self.balance != "cost":
+            raise ConfigError(
+                "split_documents", f"needs balance cost (got {self.balance!r}): --balance cost"
+            )
+        if self.block_size < 16:
+            raise ConfigError("block_size", "must be at least 16 with documents")
+        need = self.batch_size * self.block_size + self.block_size
+        if self.token_cap is not None:
+            check_int("token_cap", self.token_cap, low=1)
+            if self.token_cap < need:
+                raise ConfigError(
+                    "token_cap",
+                    f"({self.token_cap}) is below a step's tokens plus the longest document "
+                    f"(batch_size x block_size + block_size = {need}): raise it to {need}",
+                )
+        if self.nodes > 1 and self.algo not in BASELINES:
+            raise ConfigError(
+                "documents",
+                "with node groups is supported for ddp only (an outer algorithm across nodes "
+                "would need per-step balancing inside each node): drop --nodes or use ddp",
+            )
 
     def _check_layout(self) -> None:
         """Resolve ``workers`` and ``procs_per_node`` from each other and ``nodes``, refusing

@@ -63,7 +63,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lowcomm.train.checkpoint as ckpt
-from lowcomm.comm import CommStats, DDPCommMeter
+from lowcomm.balance import DocumentCorpus
+from lowcomm.comm import CommStats, DDPCommMeter, set_busy_wait
 from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
 from lowcomm.guard import check_same_across_ranks, checksum
 from lowcomm.integrations.loggers import EveryStep, MetricsLogger
@@ -71,6 +72,7 @@ from lowcomm.link import EmulatedLink
 from lowcomm.optim import DeMo
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.documents import DocumentJob, load_job_documents, val_micro_batches
 from lowcomm.train.failures import attempt
 from lowcomm.train.faults import FAULT_ENV, fault_point, inject_fault
 from lowcomm.train.metrics import CHECKPOINT_NOTE, plot_losses, save_checkpoint, write_json
@@ -103,21 +105,28 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def _evaluate(model: nn.Module, batches: list[Any]) -> float:
+    """Mean validation loss over ``batches``: ``(x, y)`` windows, or ``(x, y, packed)``
+    documents (then the mean over their tokens)."""
     was_training = model.training
     model.eval()
-    total = 0.0
-    for x, y in batches:
-        _, loss = model(x, y)
-        total += float(loss)
+    total, tokens = 0.0, 0
+    for batch in batches:
+        if len(batch) == 3:
+            x, y, packed = batch
+            _, loss = model(x, y, packed=packed, reduction="sum")
+            total, tokens = total + float(loss), tokens + y.numel()
+        else:
+            _, loss = model(*batch)
+            total, tokens = total + float(loss), tokens + 1
     model.train(was_training)
-    return total / len(batches)
+    return total / tokens
 
 
 @torch.no_grad()
 def _evaluate_with(
     model: nn.Module,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    batches: list[Any],
     values: list[torch.Tensor],
 ) -> float:
     """Evaluate ``model`` with ``values`` in place of its trainable parameters (model order),
@@ -254,7 +263,10 @@ class _Job:
     sync: _Sync
     gen: torch.Generator
     """This rank's batches."""
-    val: list[tuple[torch.Tensor, torch.Tensor]]
+    val: list[Any]
+    """Validation batches: ``(x, y)`` windows, or ``(x, y, packed)`` with documents."""
+    docs: DocumentJob | None
+    """Documents mode (``--documents``): the stream, its step and its records."""
     tokens_per_step: int
     progress: Progress | None
     """Rank 0's records; ``None`` elsewhere."""
@@ -298,7 +310,8 @@ class _Job:
                 )
         dist.barrier()  # no rank writes a checkpoint before the folder is cleaned up
 
-        self.corpus = corpus = load_corpus(cfg.data)
+        set_busy_wait(cfg.busy_wait)
+        self.corpus = corpus = load_job_documents(cfg) if cfg.documents else load_corpus(cfg.data)
         check_same_job(cfg, corpus)
         groups = node_groups(cfg, world)
         torch.manual_seed(cfg.seed)  # identical initial model on every rank
@@ -314,6 +327,11 @@ class _Job:
             self.inner = inner_optimizer(gpt, cfg)
             if state is not None:
                 self.inner.load_state_dict(state["optimizer"])
+        self.docs = None
+        if cfg.documents:  # fits the cost model on every rank, before any optimizer step
+            part = state.get("documents") if state is not None else None
+            assert isinstance(corpus, DocumentCorpus)
+            self.docs = DocumentJob(cfg, corpus, gpt, device=device, state=part)
         self.ceiling = Ceiling(gpt, cfg, corpus, rank, device) if cfg.ceiling_steps else None
         driven = self.zero.optim if self.zero is not None else self.inner
         self.sync = _synchronisation(cfg, gpt, driven, groups, state, device)
@@ -321,10 +339,15 @@ class _Job:
         self.gen = make_generator(cfg.seed, rank)
         if state is not None:
             self.gen.set_state(state["rng"]["data"])
-        self.val = [
-            (x.to(device), y.to(device))
-            for x, y in eval_batches(corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches)
-        ]
+        if isinstance(corpus, DocumentCorpus):
+            self.val = list(val_micro_batches(corpus, cfg.block_size, cfg.eval_batches, device))
+        else:
+            self.val = [
+                (x.to(device), y.to(device))
+                for x, y in eval_batches(
+                    corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches
+                )
+            ]
         self.tokens_per_step = cfg.batch_size * cfg.block_size * world
         self.progress = None
         if self.is_main:
@@ -392,10 +415,14 @@ class _Job:
             for group in inner.param_groups:
                 group["lr"] = lr
                 group["initial_lr"] = cfg.lr  # the peak, as torch's LR schedulers name it
-            x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, gen)
-            x, y = x.to(device), y.to(device)
-            _, loss = sync.model(x, y)
-            loss.backward()
+            if self.docs is not None:
+                ddp = isinstance(sync.model, nn.parallel.DistributedDataParallel)
+                loss = self.docs.step(sync.model, ddp=ddp)
+            else:
+                x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, gen)
+                x, y = x.to(device), y.to(device)
+                _, loss = sync.model(x, y)
+                loss.backward()
             if sync.meter is not None:
                 sync.meter.backward_done()
             if sync.node_meter is not None:
@@ -404,6 +431,8 @@ class _Job:
             inner.zero_grad(set_to_none=True)
             if sync.algo is not None:
                 sync.algo.step()
+            if self.docs is not None:
+                self.docs.unit_done(step % self.docs.unit_steps == 0)
             if self.fault is not None and self.fault[0] == step:
                 inject_fault(self.fault[1], self.rank, step, cfg.collective_timeout, model=self.gpt)
             if progress is not None:
@@ -452,6 +481,7 @@ class _Job:
                 sync.ddp_compression.state_dict() if sync.ddp_compression is not None else None
             ),
             "rng": rng_state(self.gen, self.device),
+            "documents": self.docs.state_dict() if self.docs is not None else None,
             "comm_stats": dataclasses.asdict(sync.stats),
             "intra_node_stats": (
                 dataclasses.asdict(sync.node_meter.stats) if sync.node_meter is not None else None
@@ -491,6 +521,7 @@ class _Job:
         if self.ceiling is not None:
             self.ceiling.run(cfg.ceiling_steps - cfg.ceiling_steps // 2)
 
+        balance = self.docs.report() if self.docs is not None else None
         per_rank = {
             "rank": self.rank,
             "rounds": self.rounds(),
@@ -541,6 +572,9 @@ class _Job:
             ceiling=None if self.ceiling is None else self.ceiling.summary(self.tokens_per_step),
         )
         summary["resumed_at"] = list(progress.resumed_at)
+        if balance is not None:
+            write_json(os.path.join(self.out, "balance.json"), balance)
+            summary["balance"] = balance["summary"]
         write_json(os.path.join(self.out, "summary.json"), summary)
         plot_losses(
             os.path.join(self.out, "metrics.jsonl"),
@@ -566,8 +600,11 @@ def check_same_job(cfg: TrainConfig, corpus: Any) -> None:
         for k, v in cfg.to_dict().items()
         if k not in ckpt.RESUME_FREE_KEYS and k != "data"
     ]
-    tokens = f"{len(corpus.train)} train + {len(corpus.val)} val tokens"
-    text = checksum(torch.cat([corpus.train, corpus.val]).to(torch.uint8))
+    train, val = corpus.train, corpus.val
+    if isinstance(train, list):  # documents
+        train, val = torch.cat(train), torch.cat(val)
+    tokens = f"{len(train)} train + {len(val)} val tokens"
+    text = checksum(torch.cat([train, val]).to(torch.uint8))
     check_same_across_ranks(
         [*settings, ("corpus size", tokens), ("corpus (checksum)", text)],
         what="lowcomm train settings",

@@ -1,0 +1,318 @@
+"""Documents mode of ``lowcomm train`` (``--documents``): whole documents, balanced across ranks.
+
+Every rank fits the cost model at start-up (all ranks time the same shapes together, and fit
+the mean of their times, so every rank plans with the same model), then each step trains on
+its :class:`~lowcomm.balance.DocumentStream` micro-batches. With DDP the micro-batches run
+under ``no_sync`` and the gradient all-reduce is started once this rank's compute is done (a
+one-token backward whose gradient is zero), so the compute time measured is the compute
+alone; with ``busy_wait`` the ranks first meet at a polling barrier. An outer algorithm's
+ranks meet once a round, and the plan balances the round.
+
+Each rank records per step its compute time, the cost model's prediction and its tokens;
+:meth:`DocumentJob.report` turns every rank's records into ``balance.json``: per plan unit
+(step or round) each rank's compute time ``t_r``, the straggler wait ``max_j t_j - t_r``, the
+idle fraction ``sum_r (max t - t_r) / (R max t)``, the unit's wall time and the cost model's
+error ``|predicted - measured| / measured``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowcomm.balance import (
+    CostFit,
+    CostModel,
+    DocumentCorpus,
+    DocumentStream,
+    LinkTier,
+    SplitPolicy,
+    analytic_cost_model,
+    load_documents,
+    measure_cost_model,
+)
+from lowcomm.comm import spin_barrier
+from lowcomm.link import EmulatedLink
+from lowcomm.models.gpt import Packed
+from lowcomm.registry import BASELINES
+from lowcomm.train.config import TrainConfig
+
+__all__ = ["DocumentJob", "load_job_documents", "val_micro_batches"]
+
+logger = logging.getLogger(__name__)
+
+_WARMUP_UNITS = 1
+"""Plan units left out of the aggregates (start-up: allocations, first-touch)."""
+
+
+def load_job_documents(cfg: TrainConfig) -> DocumentCorpus:
+    return load_documents(cfg.data)
+
+
+def val_micro_batches(
+    corpus: DocumentCorpus, cap: int, count: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor, Packed]]:
+    """The validation documents (the first ``cap + 1`` tokens of each), packed in order into
+    ``count`` micro-batches of at most ``cap`` tokens (fewer when the documents run out)."""
+    out: list[tuple[torch.Tensor, torch.Tensor, Packed]] = []
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+
+    def flush() -> None:
+        lengths = [len(x) for x in xs]
+        x, y = torch.cat(xs)[None].to(device), torch.cat(ys)[None].to(device)
+        out.append((x, y, Packed(lengths=lengths)))
+        xs.clear()
+        ys.clear()
+
+    for doc in corpus.val:
+        piece = doc[: cap + 1]
+        if xs and sum(len(x) for x in xs) + len(piece) - 1 > cap:
+            flush()
+            if len(out) == count:
+                return out
+        xs.append(piece[:-1])
+        ys.append(piece[1:])
+    if xs:
+        flush()
+    return out
+
+
+def _split_policy(cfg: TrainConfig) -> SplitPolicy:
+    link = None
+    if cfg.link is not None:
+        emulated = EmulatedLink.parse(cfg.link)
+        link = LinkTier(emulated.bandwidth_bps, emulated.latency_s, name=f"{cfg.link} link")
+    kv = 2 * cfg.n_embd * cfg.n_layer * 4  # fp32 keys and values, every layer
+    if cfg.nodes > 1:
+        return SplitPolicy(
+            kv_bytes_per_token=kv,
+            layers=cfg.n_layer,
+            node_size=cfg.procs_per_node,
+            intra=LinkTier(name="intra-node"),
+            inter=link or LinkTier(name="inter-node"),
+        )
+    return SplitPolicy(
+        kv_bytes_per_token=kv, layers=cfg.n_layer, intra=link or LinkTier(name="local")
+    )
+
+
+def _mean_over_ranks(times: list[float]) -> list[float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+class DocumentJob:
+    """One rank's documents: the cost model, the stream, the step and the records."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        corpus: DocumentCorpus,
+        gpt: nn.Module,
+        *,
+        device: torch.device,
+        state: dict[str, Any] | None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.fit: CostFit | None = None
+        if state is not None and state.get("cost_model") is not None:
+            self.cost = CostModel(**state["cost_model"])  # plan exactly as before the stop
+        elif cfg.cost_model == "fit":
+            self.fit = measure_cost_model(
+                gpt,
+                cfg.block_size,
+                vocab_size=corpus.vocab_size,
+                device=device,
+                between=spin_barrier,
+                combine=_mean_over_ranks,
+            )
+            self.cost = self.fit.model
+        else:
+            self.cost = analytic_cost_model(n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+        split = _split_policy(cfg) if cfg.split_documents else None
+        self.ring_group = dist.new_group() if split is not None else None
+        self.unit_steps = 1 if cfg.algo in BASELINES else cfg.sync_every
+        tokens = cfg.batch_size * cfg.block_size
+        self.stream = DocumentStream(
+            corpus,
+            cap=cfg.block_size,
+            tokens_per_step=tokens,
+            steps_per_unit=self.unit_steps,
+            seed=cfg.seed,
+            strategy=cfg.balance,
+            method=cfg.balance_method,
+            token_cap=cfg.token_cap if cfg.token_cap is not None else 2 * tokens,
+            cost=self.cost,
+            split=split,
+            ring_group=self.ring_group,
+            device=device,
+        )
+        if state is not None:
+            self.stream.load_state_dict(state["stream"])
+        self.records: list[dict[str, Any]] = []
+        self.plans: dict[int, dict[str, Any]] = {}
+        self._last_loss = torch.zeros((), device=device)
+        self._dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+    def step(self, model: nn.Module, *, ddp: bool) -> torch.Tensor:
+        """Forward and backward of this rank's documents for one step (gradients averaged
+        over ranks for DDP); returns this rank's mean token loss, for the records."""
+        work = self.stream.next_step()
+        if work.first_of_unit:
+            self.plans[work.unit] = {
+                "ratio": work.plan.ratio,
+                "splits": [(d.k, d.tier) for d in work.plan.splits],
+                "t_start": time.perf_counter(),
+            }
+        scale = self.stream.loss_scale()
+        total = torch.zeros((), device=self.device)
+        t0 = time.perf_counter()
+        no_sync = model.no_sync() if ddp else contextlib.nullcontext()  # type: ignore[operator]
+        with no_sync:
+            for mb in work.micro_batches:
+                _, loss = model(mb.x, mb.y, packed=mb.packed, reduction="sum")
+                (loss * scale).backward()
+                total += loss.detach()
+        compute = time.perf_counter() - t0
+        wait = 0.0
+        if ddp:
+            t1 = time.perf_counter()
+            if self.cfg.busy_wait:
+                spin_barrier()
+            wait = time.perf_counter() - t1
+            # start the all-reduce of the accumulated gradients: a zero-weighted backward
+            _, loss = model(self._dummy, self._dummy, reduction="sum")
+            (loss * 0.0).backward()
+        self.records.append(
+            {
+                "unit": work.unit,
+                "compute_s": compute,
+                "predicted_s": work.predicted_s,
+                "tokens": work.tokens,
+                "barrier_s": wait,
+            }
+        )
+        if work.tokens:
+            self._last_loss = total / work.tokens
+        return self._last_loss
+
+    def unit_done(self, unit_end: bool) -> None:
+        """Call after the step's synchronisation: stamps the end of a plan unit."""
+        if unit_end and self.plans:
+            last = max(self.plans)
+            self.plans[last].setdefault("t_end", time.perf_counter())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "cost_model": self.cost.as_dict()}
+
+    # --- the report ---------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any] | None:
+        """Gather every rank's records; rank 0 gets ``balance.json``'s contents."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, self.records)
+        if self.rank != 0:
+            return None
+        return summarise(
+            gathered,
+            self.plans,
+            cost=self.cost,
+            fit=self.fit,
+            strategy=self.cfg.balance,
+            unit_steps=self.unit_steps,
+        )
+
+
+def summarise(
+    per_rank: list[list[dict[str, Any]]],
+    plans: dict[int, dict[str, Any]],
+    *,
+    cost: CostModel,
+    fit: CostFit | None,
+    strategy: str,
+    unit_steps: int,
+) -> dict[str, Any]:
+    """Per plan unit and overall: compute time per rank, straggler wait, idle fraction, wall
+    time, the cost model's error (see the module docstring)."""
+    units: dict[int, dict[str, list[float]]] = {}
+    for r, records in enumerate(per_rank):
+        for rec in records:
+            u = units.setdefault(
+                rec["unit"],
+                {
+                    k: [0.0] * len(per_rank)
+                    for k in ("compute_s", "predicted_s", "tokens", "barrier_s")
+                },
+            )
+            for k in ("compute_s", "predicted_s", "tokens", "barrier_s"):
+                u[k][r] += rec[k]
+    rows = []
+    for unit in sorted(units):
+        u = units[unit]
+        t = u["compute_s"]
+        worst = max(t)
+        wait = [worst - x for x in t]
+        errors = [
+            abs(p - m) / m for p, m in zip(u["predicted_s"], t, strict=True) if m > 0 and p == p
+        ]
+        info = plans.get(unit, {})
+        wall = info.get("t_end", float("nan")) - info.get("t_start", float("nan"))
+        rows.append(
+            {
+                "unit": unit,
+                "compute_s": t,
+                "predicted_s": u["predicted_s"],
+                "tokens": [int(x) for x in u["tokens"]],
+                "straggler_wait_s": wait,
+                "idle_fraction": sum(wait) / (len(t) * worst) if worst > 0 else 0.0,
+                "wall_s": wall,
+                "plan_ratio": info.get("ratio"),
+                "splits": info.get("splits", []),
+                "cost_model_error": statistics.fmean(errors) if errors else None,
+            }
+        )
+    kept = rows[_WARMUP_UNITS:] if len(rows) > _WARMUP_UNITS else rows
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in kept if r[key] is not None and r[key] == r[key]]
+        return statistics.fmean(values) if values else None
+
+    splits = [s for r in kept for s in r["splits"]]
+    return {
+        "strategy": strategy,
+        "unit_steps": unit_steps,
+        "cost_model": fit.as_dict() if fit is not None else cost.as_dict(),
+        "summary": {
+            "units": len(kept),
+            "idle_fraction": mean("idle_fraction"),
+            "straggler_wait_s": statistics.fmean(
+                [statistics.fmean(r["straggler_wait_s"]) for r in kept]
+            )
+            if kept
+            else None,
+            "max_compute_s": statistics.fmean([max(r["compute_s"]) for r in kept])
+            if kept
+            else None,
+            "mean_compute_s": statistics.fmean([statistics.fmean(r["compute_s"]) for r in kept])
+            if kept
+            else None,
+            "wall_s": mean("wall_s"),
+            "plan_ratio": mean("plan_ratio"),
+            "cost_model_error": mean("cost_model_error"),
+            "documents_split": sum(1 for k, _ in splits if k > 1),
+            "splits_refused": sum(1 for k, _ in splits if k == 1),
+            "split_tiers": sorted({tier for k, tier in splits if k > 1}),
+        },
+        "units": rows,
+    }

@@ -1,0 +1,71 @@
+"""``lowcomm train --documents``: whole documents balanced across ranks, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from lowcomm.cli import main
+from lowcomm.testing.jobs import run_train_job, tiny_job_args
+from lowcomm.testing.runs import assert_same_run
+from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.loop import FAULT_ENV
+
+DOCS = [
+    "--documents",
+    *tiny_job_args(block_size=64, batch_size=1, steps=6, sync_every=2, dropout=0.0),
+]
+
+
+@pytest.mark.timeout(240)
+def test_ddp_documents_with_splitting_record_the_balance(train_job: Any, tmp_path: Any) -> None:
+    out = tmp_path / "ddp"
+    summary = train_job("--algo", "ddp", *DOCS, "--split-documents", out=out)
+    with open(out / "balance.json", encoding="utf-8") as f:
+        balance = json.load(f)
+    assert balance["strategy"] == "cost" and balance["unit_steps"] == 1
+    units = balance["units"]
+    assert [u["unit"] for u in units] == list(range(6))
+    for u in units:
+        assert len(u["compute_s"]) == 2 and all(t > 0 for t in u["compute_s"])
+        assert sum(u["tokens"]) >= 2 * 64 - 2  # a split piece's share is counted per rank
+        assert min(u["straggler_wait_s"]) == 0.0
+        assert 0.0 <= u["idle_fraction"] < 1.0
+    fit = balance["cost_model"]
+    assert fit["rms_rel_error"] >= 0 and len(fit["samples"]) >= 4
+    assert summary["balance"]["units"] == 5  # the first is start-up
+    assert summary["balance"]["cost_model_error"] is not None
+    assert summary["val_loss_final"] < summary["val_loss_initial"]
+
+
+@pytest.mark.timeout(240)
+def test_documents_resume_mid_round_is_exact(tmp_path: Any, monkeypatch: Any) -> None:
+    argv = ["--algo", "co2", *DOCS, "--cost-model", "analytic", "--checkpoint-every", "3"]
+    ref = str(tmp_path / "ref")
+    run_train_job(ref, *argv)
+    out = str(tmp_path / "run")
+    monkeypatch.setenv(FAULT_ENV, "1:5")
+    assert main(["train", *argv, "--out", out]) == 1
+    monkeypatch.delenv(FAULT_ENV)
+    assert main(["train", *argv, "--out", out, "--resume"]) == 0
+    assert_same_run(ref, out, resumed_at=[3])
+    assert os.path.exists(os.path.join(out, "balance.json"))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"split_documents": True}, "documents mode only"),
+        ({"documents": True, "split_documents": True, "balance": "tokens"}, "needs balance cost"),
+        ({"documents": True, "token_cap": 100}, "raise it to 1088"),
+        ({"documents": True, "ceiling_steps": 4}, "not documents"),
+        ({"documents": True, "balance": "fastest"}, "must be one of"),
+        ({"documents": True, "algo": "co2", "nodes": 2, "workers": 4}, "ddp only"),
+    ],
+)
+def test_documents_settings_are_checked(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**settings)
