@@ -24,6 +24,7 @@ plan falls back to LPT (``Plan.method`` says which ran).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -112,6 +113,8 @@ class SplitDecision:
     """The link tier the split crosses, or why it was not split."""
     saving_s: float
     comm_s: float
+    refused: str | None = None
+    """A wider split refused first (the slow link it would have crossed), if any."""
 
 
 @dataclass
@@ -315,10 +318,7 @@ def plan(
             joint.lower_bound, joint.strategy, joint.splits = lower, strategy, decisions
             return joint
         no_gain = "not split: the plan is no shorter with it"
-        decisions = [
-            SplitDecision(d.doc, d.length, 1, no_gain, d.saving_s, d.comm_s) if d.k > 1 else d
-            for d in decisions
-        ]
+        decisions = [dataclasses.replace(d, k=1, tier=no_gain) if d.k > 1 else d for d in decisions]
     base.splits = decisions
     return base
 
@@ -373,18 +373,19 @@ def _split_decisions(
         if min(want, node) >= 2:
             options.append((min(want, node), policy.intra, several_nodes))
         reason, saving, comm = "not split: fewer than 2 tokens per chunk", 0.0, 0.0
-        chosen = None
+        chosen, refused = None, None
         for k, link, in_node in options:
             pays, saving, comm = split_pays(lengths[i], k, cost, policy, link)
             if pays:
                 chosen = (k, link, in_node)
                 break
             reason = f"not split: the {link.name} link costs more than it saves"
+            refused = refused or f"k={k} over the {link.name} link"
         if chosen is None:
-            decisions.append(SplitDecision(i, lengths[i], 1, reason, saving, comm))
+            decisions.append(SplitDecision(i, lengths[i], 1, reason, saving, comm, refused))
             continue
         k, link, in_node = chosen
-        decisions.append(SplitDecision(i, lengths[i], k, link.name, saving, comm))
+        decisions.append(SplitDecision(i, lengths[i], k, link.name, saving, comm, refused))
         groups.append((i, k, in_node))
     return decisions, groups
 

@@ -4,6 +4,8 @@ lowcomm bench --quick                          # < 5 minutes on 2 cores
 lowcomm bench                                  # the full matrix
 lowcomm bench --algos co2,ddp --links 1gbit,100mbit --workers 2,4 --steps 120
 lowcomm bench --convergence                    # loss and time to DDP's loss, 3 seeds
+lowcomm bench --balance                        # length-aware balancing of documents, 4 workers
+lowcomm bench --cost-model                     # fit and check the cost model on this device
 """
 
 from __future__ import annotations
@@ -63,6 +65,73 @@ def add_subcommand(subparsers: Any) -> None:
         "--seeds, loss at equal tokens, and steps, tokens and wall time on each of --links to "
         "DDP's final loss (writes convergence.md, results.json and plots; default out "
         "runs/convergence)",
+    )
+    p.add_argument(
+        "--balance",
+        action="store_true",
+        default=False,
+        help="the balancing benchmark instead of the matrix: lowcomm train --documents under "
+        "every assignment of documents to ranks, with DDP and CO2, and splitting long documents "
+        "on fast and slow links (writes balance.md and results.json; default out runs/balance)",
+    )
+    p.add_argument(
+        "--cost-model",
+        dest="cost_model",
+        action="store_true",
+        default=False,
+        help="fit the cost model c(s) = d + a s + b s^2 of a GPT on this device and report its "
+        "error on held-out packed micro-batches",
+    )
+    p.add_argument(
+        "--assignments",
+        type=_csv,
+        metavar="A,B",
+        help="--balance: rows of the assignment section (default: all)",
+    )
+    p.add_argument(
+        "--block-size",
+        dest="block_size",
+        type=int,
+        metavar="N",
+        help="--balance, --cost-model: longest document (default 4096)",
+    )
+    p.add_argument(
+        "--batch-size",
+        dest="batch_size",
+        type=int,
+        metavar="N",
+        help="--balance: sequences of block-size tokens per worker per step (default 4)",
+    )
+    p.add_argument(
+        "--split-block-size",
+        dest="split_block_size",
+        type=int,
+        metavar="N",
+        help="--balance: longest document of the splitting section (default 8192)",
+    )
+    p.add_argument(
+        "--splitting",
+        action=argparse.BooleanOptionalAction,
+        help="--balance: run the splitting section (default on)",
+    )
+    p.add_argument(
+        "--busy-wait",
+        dest="busy_wait",
+        action=argparse.BooleanOptionalAction,
+        help="--balance: poll collectives (default: when workers outnumber CPU cores)",
+    )
+    p.add_argument(
+        "--n-layer",
+        dest="n_layer",
+        type=int,
+        metavar="N",
+        help="--balance, --cost-model: default 2",
+    )
+    p.add_argument(
+        "--n-embd", dest="n_embd", type=int, metavar="N", help="--balance, --cost-model: default 64"
+    )
+    p.add_argument(
+        "--n-head", dest="n_head", type=int, metavar="N", help="--balance, --cost-model: default 2"
     )
     p.add_argument("--seeds", type=_int_csv, metavar="S,T", help="--convergence: default 0,1,2")
     p.add_argument(
@@ -171,7 +240,8 @@ def _run_convergence(args: argparse.Namespace) -> int:
     from lowcomm.bench.convergence_report import format_markdown
 
     given = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    flags = ("quick", "convergence", "long", "lengths", "reuse", "overwrite", "data")
+    flags = {"quick", "convergence", "long", "lengths", "reuse", "overwrite", "data", "balance"}
+    flags.add("cost_model")
     wrong = sorted(k for k in given if k not in _CONVERGENCE_KEYS and k not in flags)
     if wrong:
         raise ValueError(
@@ -202,11 +272,91 @@ def _run_convergence(args: argparse.Namespace) -> int:
     return 0
 
 
+_BALANCE_KEYS = {"algos", "workers", "steps", "sync_every", "seed", "data", "out", "assignments"}
+_BALANCE_KEYS |= {"block_size", "batch_size", "split_block_size", "splitting", "busy_wait"}
+_BALANCE_KEYS |= {"n_layer", "n_embd", "n_head"}
+_SWITCHES = ("quick", "convergence", "balance", "cost_model", "long", "reuse", "overwrite")
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        k: v
+        for k, v in vars(args).items()
+        if not k.startswith("_") and not (k in _SWITCHES and v is False)
+    }
+
+
+def _run_balance(args: argparse.Namespace) -> int:
+    from lowcomm.bench.balance import BalanceSpec, format_balance, run_balance
+
+    given = _given(args)
+    wrong = sorted(k for k in given if k not in _BALANCE_KEYS and k not in ("balance", "overwrite"))
+    if wrong:
+        raise ValueError(f"--{wrong[0].replace('_', '-')} is not a flag of --balance")
+    values = {k: v for k, v in given.items() if k in _BALANCE_KEYS}
+    if "workers" in values:
+        if len(values["workers"]) != 1:
+            raise ValueError("--balance runs one worker count: give --workers N")
+        values["workers"] = values["workers"][0]
+    spec = BalanceSpec(**values)
+    results_path = os.path.join(spec.out, "results.json")
+    if os.path.exists(results_path) and not args.overwrite:
+        raise ValueError(
+            f"--out {spec.out!r} already holds results; choose another folder or pass --overwrite"
+        )
+    command = "lowcomm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_balance(
+        spec, command=command, progress=lambda text: print(text, file=sys.stderr, flush=True)
+    )
+    print(format_balance(results))
+    print(f"results: {results_path} (+ balance.md; every job's balance.json under jobs/)")
+    return 0
+
+
+def _run_cost_model(args: argparse.Namespace) -> int:
+    from lowcomm.bench.balance import run_cost_model
+
+    given = _given(args)
+    shape = ("block_size", "n_layer", "n_head", "n_embd")
+    wrong = sorted(k for k in given if k not in shape and k != "cost_model")
+    if wrong:
+        raise ValueError(f"--{wrong[0].replace('_', '-')} is not a flag of --cost-model")
+    values = {"block_size": 4096, "n_layer": 2, "n_head": 2, "n_embd": 64}
+    values.update({k: v for k, v in given.items() if k in shape})
+    report = run_cost_model(**values)
+    fit = report["fit"]
+    print(
+        f"cost model on this device (GPT {values['n_layer']} layers x {values['n_embd']}, "
+        f"documents up to {values['block_size']} tokens):\n"
+        f"  c(s) = {fit['d']:.3g} + {fit['a']:.3g} s + {fit['b']:.3g} s^2 seconds per document, "
+        f"+ {fit['c0']:.3g} per micro-batch\n"
+        f"  attention costs as much as the linear layers at s = {report['crossover_tokens']:.0f}\n"
+        f"  fit error: {100 * fit['rms_rel_error']:.1f}% rms over {len(fit['samples'])} shapes "
+        f"(largest {100 * fit['max_rel_error']:.1f}%)\n"
+        f"  held-out packed micro-batches: mean error {100 * report['held_out_error_mean']:.1f}%"
+    )
+    return 0
+
+
 def _run_bench(args: argparse.Namespace, prog: str) -> int:
     from lowcomm.bench.matrix import BenchSpec, run_bench
     from lowcomm.bench.report import format_markdown
     from lowcomm.train.launcher import WorkerFailed
 
+    if args.balance and (args.convergence or args.quick or args.cost_model):
+        raise ValueError("--balance is a run of its own: drop --quick, --convergence, --cost-model")
+    if args.cost_model:
+        return _run_cost_model(args)
+    if args.balance:
+        try:
+            return _run_balance(args)
+        except WorkerFailed as e:
+            where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
+            print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
+            return 1
+    for key in _BALANCE_KEYS - {"algos", "workers", "steps", "sync_every", "seed", "data", "out"}:
+        if key in vars(args):
+            raise ValueError(f"--{key.replace('_', '-')} is a flag of --balance; add it")
     if args.convergence:
         try:
             return _run_convergence(args)
@@ -222,6 +372,7 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
         for k, v in vars(args).items()
         if not k.startswith("_")
         and k not in ("quick", "overwrite", "data", "convergence", "long", "lengths", "reuse")
+        and k not in ("balance", "cost_model")
     }
     if getattr(args, "data", None) is not None:
         values["train_overrides"] = {"data": args.data}

@@ -5,7 +5,7 @@ the mean of their times, so every rank plans with the same model), then each ste
 its :class:`~lowcomm.balance.DocumentStream` micro-batches. With DDP the micro-batches run
 under ``no_sync`` and the gradient all-reduce is started once this rank's compute is done (a
 one-token backward whose gradient is zero), so the compute time measured is the compute
-alone; with ``busy_wait`` the ranks first meet at a polling barrier. An outer algorithm's
+alone; with ``busy_wait`` the ranks meet at a polling barrier before and after their compute. An outer algorithm's
 ranks meet once a round, and the plan balances the round.
 
 Each rank records per step its compute time, the cost model's prediction and its tokens;
@@ -172,11 +172,15 @@ class DocumentJob:
         if work.first_of_unit:
             self.plans[work.unit] = {
                 "ratio": work.plan.ratio,
-                "splits": [(d.k, d.tier) for d in work.plan.splits],
+                "splits": [(d.k, d.tier, d.refused) for d in work.plan.splits],
                 "t_start": time.perf_counter(),
             }
         scale = self.stream.loss_scale()
         total = torch.zeros((), device=self.device)
+        if ddp and self.cfg.busy_wait:
+            # start together: a rank let out of the last step's all-reduce early (an emulated
+            # link's sleep ends by each rank's own clock) would compute alone on a shared CPU
+            spin_barrier()
         t0 = time.perf_counter()
         no_sync = model.no_sync() if ddp else contextlib.nullcontext()  # type: ignore[operator]
         with no_sync:
@@ -310,9 +314,10 @@ def summarise(
             "wall_s": mean("wall_s"),
             "plan_ratio": mean("plan_ratio"),
             "cost_model_error": mean("cost_model_error"),
-            "documents_split": sum(1 for k, _ in splits if k > 1),
-            "splits_refused": sum(1 for k, _ in splits if k == 1),
-            "split_tiers": sorted({tier for k, tier in splits if k > 1}),
+            "documents_split": sum(1 for k, _, _ in splits if k > 1),
+            "not_split": sum(1 for k, _, _ in splits if k == 1),
+            "refused_by_link": sum(1 for _, _, refused in splits if refused),
+            "split_tiers": sorted({tier for k, tier, _ in splits if k > 1}),
         },
         "units": rows,
     }

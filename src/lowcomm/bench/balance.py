@@ -1,0 +1,342 @@
+"""``lowcomm bench --balance``: length-aware balancing measured on real multi-process jobs.
+
+Every job is ``lowcomm train --documents`` on the same long-tailed corpus (the standard
+library's source unless ``--data``), the same seed and the same tokens per step; only the
+assignment of documents to ranks differs. Each job's ``balance.json`` gives per plan unit (a
+step for DDP, a round for CO2) every rank's compute time, the straggler wait
+``max_j t_j - t_r``, the idle fraction and the cost model's prediction; its ``summary.json``
+the tokens per second. Two sections:
+
+- **assignment**: random, sequential, group-by-length, token-balanced, cost-balanced and
+  cost-balanced + splitting, with DDP (balanced per step) and with CO2 (per round);
+- **splitting**: longer documents (``--split-block-size``, one sequence per step) where one
+  document dominates a step: cost-balanced with and without splitting on one node, splitting
+  on 2 nodes x 2 joined by a slow emulated link (split inside a node only), and on 4 nodes x 1
+  (every split would cross the slow link: refused).
+
+With more workers than CPU cores the jobs wait for collectives by polling (``--busy-wait``), so
+that a waiting worker keeps its share of the cores: as if every worker had a device of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["ASSIGNMENTS", "BalanceSpec", "format_balance", "run_balance", "run_cost_model"]
+
+logger = logging.getLogger(__name__)
+
+ASSIGNMENTS: dict[str, dict[str, Any]] = {
+    "random": {"balance": "random"},
+    "sequential": {"balance": "sequential"},
+    "group-by-length": {"balance": "length"},
+    "token-balanced": {"balance": "tokens"},
+    "cost-balanced": {"balance": "cost"},
+    "cost-balanced + split": {"balance": "cost", "split_documents": True},
+}
+"""The assignment section's rows: name -> ``lowcomm train`` settings."""
+
+
+@dataclass
+class BalanceSpec:
+    """What ``lowcomm bench --balance`` runs (see the module docstring)."""
+
+    workers: int = 4
+    algos: list[str] = field(default_factory=lambda: ["ddp", "co2"])
+    assignments: list[str] = field(default_factory=lambda: list(ASSIGNMENTS))
+    steps: int = 24
+    sync_every: int = 4
+    block_size: int = 4096
+    """The longest document piece (the model's context) of the assignment section."""
+    batch_size: int = 4
+    """Tokens per worker per step = batch_size x block_size."""
+    split_block_size: int = 8192
+    split_batch_size: int = 1
+    split_link: str = "100mbit"
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    seed: int = 0
+    data: str | None = None
+    busy_wait: bool | None = None
+    """Poll collectives (default: when there are more workers than CPU cores)."""
+    splitting: bool = True
+    """Run the splitting section."""
+    out: str = "runs/balance"
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.assignments if a not in ASSIGNMENTS]
+        if unknown:
+            raise ValueError(
+                f"unknown assignment {unknown[0]!r}: choose from {', '.join(ASSIGNMENTS)}"
+            )
+        if self.workers < 2:
+            raise ValueError(f"--workers {self.workers}: balancing needs at least 2 workers")
+        if self.splitting and self.workers % 2:
+            raise ValueError(
+                f"--workers {self.workers}: the splitting section runs 2 nodes; use an even "
+                "count or --no-splitting"
+            )
+
+    @property
+    def polls(self) -> bool:
+        if self.busy_wait is not None:
+            return self.busy_wait
+        return self.workers > (os.cpu_count() or 1)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job: its section, name and ``TrainConfig`` values."""
+        base = {
+            "documents": True,
+            "workers": self.workers,
+            "steps": self.steps,
+            "sync_every": self.sync_every,
+            "seed": self.seed,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "warmup": 2,
+            "eval_every": 10**6,
+            "eval_batches": 2,
+            "busy_wait": self.polls,
+            "data": self.data,
+            "overwrite": True,
+            "quiet": True,
+        }
+        jobs = []
+        for algo in self.algos:
+            for name in self.assignments:
+                values = {
+                    **base,
+                    **ASSIGNMENTS[name],
+                    "algo": algo,
+                    "block_size": self.block_size,
+                    "batch_size": self.batch_size,
+                }
+                jobs.append({"section": "assignment", "algo": algo, "name": name, "cfg": values})
+        if self.splitting:
+            split = {
+                **base,
+                "algo": "ddp",
+                "balance": "cost",
+                "block_size": self.split_block_size,
+                "batch_size": self.split_batch_size,
+            }
+            w = self.workers
+            layouts: list[tuple[str, dict[str, Any]]] = [
+                ("cost-balanced, 1 node", {}),
+                ("+ split, 1 node", {"split_documents": True}),
+                (
+                    f"+ split, 2 nodes x {w // 2}, {self.split_link}",
+                    {"split_documents": True, "nodes": 2, "link": self.split_link},
+                ),
+                (
+                    f"+ split, {w} nodes x 1, {self.split_link}",
+                    {"split_documents": True, "nodes": w, "link": self.split_link},
+                ),
+            ]
+            for name, extra in layouts:
+                values = {**split, **extra}
+                if "nodes" in extra:
+                    values.pop("workers")
+                    values["procs_per_node"] = w // extra["nodes"]
+                jobs.append({"section": "splitting", "algo": "ddp", "name": name, "cfg": values})
+        return jobs
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").replace("--", "-")
+
+
+def _row(job: dict[str, Any], folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, "balance.json"), encoding="utf-8") as f:
+        balance = json.load(f)
+    with open(os.path.join(folder, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    s = balance["summary"]
+    return {
+        "section": job["section"],
+        "algo": job["algo"],
+        "assignment": job["name"],
+        "idle_fraction": s["idle_fraction"],
+        "straggler_wait_s": s["straggler_wait_s"],
+        "max_compute_s": s["max_compute_s"],
+        "mean_compute_s": s["mean_compute_s"],
+        "unit_wall_s": s["wall_s"],
+        "unit_steps": balance["unit_steps"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "cost_model_error": s["cost_model_error"],
+        "plan_ratio": s["plan_ratio"],
+        "documents_split": s["documents_split"],
+        "refused_by_link": s["refused_by_link"],
+        "split_tiers": s["split_tiers"],
+        "cost_model_fit_error": balance["cost_model"].get("rms_rel_error"),
+        "val_loss_final": summary["val_loss_final"],
+        "folder": folder,
+    }
+
+
+def run_balance(
+    spec: BalanceSpec, *, command: str, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Run every job of ``spec`` (one after another) and write ``results.json`` and
+    ``balance.md`` to ``spec.out``; returns the results."""
+    from lowcomm.train.config import config_from_dict
+    from lowcomm.train.launcher import launch
+
+    os.makedirs(spec.out, exist_ok=True)
+    rows = []
+    jobs = spec.jobs()
+    for i, job in enumerate(jobs, 1):
+        folder = os.path.join(spec.out, "jobs", _slug(f"{job['algo']}-{job['name']}"))
+        values = {**job["cfg"], "out": folder, "name": _slug(job["name"])}
+        cfg = config_from_dict(values, source="bench --balance").with_paths()
+        if progress is not None:
+            progress(f"[{i}/{len(jobs)}] {job['section']}: {job['algo']}, {job['name']}")
+        t0 = time.perf_counter()
+        launch(cfg)
+        row = _row(job, folder)
+        row["command_s"] = time.perf_counter() - t0
+        rows.append(row)
+    errors = [r["cost_model_error"] for r in rows if r["cost_model_error"] is not None]
+    results = {
+        "command": command,
+        "spec": asdict(spec),
+        "busy_wait": spec.polls,
+        "cpu_count": os.cpu_count(),
+        "rows": rows,
+        "cost_model_error_mean": statistics.fmean(errors) if errors else None,
+    }
+    with open(os.path.join(spec.out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(spec.out, "balance.md"), "w", encoding="utf-8") as f:
+        f.write(format_balance(results))
+    return results
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_balance(results: dict[str, Any]) -> str:
+    """The results as Markdown tables."""
+    spec = results["spec"]
+    lines = [
+        f"Command: `{results['command']}`",
+        "",
+        f"{spec['workers']} workers on {results['cpu_count']} CPU cores"
+        + (", waiting by polling (one device per worker, emulated)" if results["busy_wait"] else "")
+        + f"; GPT {spec['n_layer']} layers x {spec['n_embd']} wide; "
+        f"{spec['steps']} steps, the first plan unit left out as start-up.",
+        "",
+        "Idle fraction: sum over ranks of (slowest rank's compute - this rank's) / (ranks x "
+        "slowest), per step (DDP) or round (CO2). Straggler wait: its mean per rank. Cost model "
+        "error: mean |predicted - measured| / measured per rank and unit.",
+        "",
+    ]
+    head = (
+        "| algo | assignment | idle | straggler wait (s) | slowest rank (s) | unit time (s) "
+        "| tokens/s | cost model error | split |"
+    )
+    sep = "|---|---|---:|---:|---:|---:|---:|---:|---|"
+    for section, title in (
+        (
+            "assignment",
+            f"Assignment ({spec['block_size']}-token cap, {spec['batch_size']} x "
+            f"{spec['block_size']} tokens per worker per step)",
+        ),
+        (
+            "splitting",
+            f"Splitting ({spec['split_block_size']}-token cap, "
+            f"{spec['split_batch_size']} x {spec['split_block_size']} tokens per worker per step, "
+            "DDP)",
+        ),
+    ):
+        rows = [r for r in results["rows"] if r["section"] == section]
+        if not rows:
+            continue
+        lines += [f"### {title}", "", head, sep]
+        for r in rows:
+            split = "-"
+            if r["documents_split"] or r["refused_by_link"]:
+                split = f"{r['documents_split']} split"
+                if r["split_tiers"]:
+                    split += f" ({', '.join(r['split_tiers'])})"
+                if r["refused_by_link"]:
+                    split += f", {r['refused_by_link']} refused by the link"
+            lines.append(
+                f"| {r['algo']} | {r['assignment']} | {_pct(r['idle_fraction'])} | "
+                f"{_num(r['straggler_wait_s'], '.3f')} | {_num(r['max_compute_s'])} | "
+                f"{_num(r['unit_wall_s'])} | {_num(r['tokens_per_s'], ',.0f')} | "
+                f"{_pct(r['cost_model_error'])} | {split} |"
+            )
+        lines.append("")
+    lines.append(f"Cost model error over every job: {_pct(results['cost_model_error_mean'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def run_cost_model(
+    *, block_size: int, n_layer: int, n_head: int, n_embd: int, repeats: int = 3
+) -> dict[str, Any]:
+    """Fit the cost model of a GPT of this shape on this device (one process) and check it on
+    micro-batches packed from the embedded documents that the fit did not see."""
+    import torch
+
+    from lowcomm.balance import load_documents, measure_cost_model
+    from lowcomm.models.gpt import GPT, GPTConfig, Packed
+
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd
+        )
+    )
+    fit = measure_cost_model(model, block_size, repeats=repeats)
+    corpus = load_documents()
+    gen = torch.Generator().manual_seed(1)
+    checks: list[dict[str, Any]] = []
+    errors: list[float] = []
+    for _ in range(8):
+        lengths, room = [], block_size
+        while room > 16:
+            i = int(torch.randint(len(corpus.train), (1,), generator=gen))
+            n = min(len(corpus.train[i]) - 1, room)
+            lengths.append(n)
+            room -= n
+        x = torch.randint(256, (1, sum(lengths)), generator=gen)
+        times = []
+        for k in range(repeats + 1):
+            t0 = time.perf_counter()
+            _, loss = model(x, x, packed=Packed(lengths=lengths), reduction="sum")
+            assert loss is not None
+            loss.backward()
+            if k:
+                times.append(time.perf_counter() - t0)
+        measured = statistics.median(times)
+        predicted = fit.model.batch(lengths)
+        errors.append(abs(predicted - measured) / measured)
+        checks.append(
+            {
+                "lengths": lengths,
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "error": errors[-1],
+            }
+        )
+    return {
+        "fit": fit.as_dict(),
+        "held_out": checks,
+        "held_out_error_mean": statistics.fmean(errors),
+        "crossover_tokens": fit.model.crossover(),
+    }
