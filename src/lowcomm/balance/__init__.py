@@ -49,9 +49,17 @@ from lowcomm.balance.planner import (
     spread_over_steps,
 )
 from lowcomm.balance.ring import RingAttention, zigzag_positions, zigzag_sizes, zigzag_take
-from lowcomm.balance.stream import DocumentStream, MicroBatch, StepWork, step_loss
+from lowcomm.balance.stream import (
+    ASSIGNMENTS,
+    DocumentStream,
+    MicroBatch,
+    StepWork,
+    parse_assignments,
+    step_loss,
+)
 
 __all__ = [
+    "ASSIGNMENTS",
     "EMBEDDED_DOCUMENTS",
     "METHODS",
     "STRATEGIES",
@@ -73,6 +81,7 @@ __all__ = [
     "load_documents",
     "measure_cost_model",
     "min_split_length",
+    "parse_assignments",
     "plan",
     "spread_over_steps",
     "split_pays",

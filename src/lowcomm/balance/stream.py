@@ -20,7 +20,7 @@ whichever rank holds which document.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +29,18 @@ import torch.distributed as dist
 
 from lowcomm.balance.cost import CostModel
 from lowcomm.balance.documents import MIN_DOC_TOKENS, DocumentCorpus, DocumentSampler
-from lowcomm.balance.planner import Piece, Plan, SplitPolicy, plan, spread_over_steps
+from lowcomm.balance.planner import (
+    STRATEGIES,
+    Piece,
+    Plan,
+    SplitPolicy,
+    plan,
+    spread_over_steps,
+)
 from lowcomm.balance.ring import RingAttention, zigzag_positions, zigzag_sizes, zigzag_take
 from lowcomm.models.gpt import Packed
 
-__all__ = ["DocumentStream", "MicroBatch", "StepWork"]
+__all__ = ["ASSIGNMENTS", "DocumentStream", "MicroBatch", "StepWork", "parse_assignments"]
 
 
 @dataclass
@@ -59,18 +66,44 @@ class StepWork:
     """The cost model's compute time for them."""
     unit: int
     """The plan unit (step or round) the step belongs to."""
+    assignment: str
+    """The unit's assignment (an entry of :data:`ASSIGNMENTS`)."""
     plan: Plan
     """The unit's plan (the same on every rank)."""
     first_of_unit: bool = False
     records: dict[str, Any] = field(default_factory=dict)
 
 
+ASSIGNMENTS = (*STRATEGIES, "cost+split")
+"""What a plan unit's documents are assigned by: a planner strategy, or ``cost+split``
+(cost-balanced, splitting documents by the ``split`` policy)."""
+
+
+def parse_assignments(spec: str | Sequence[str]) -> list[str]:
+    """``"random,cost"`` or ``["random", "cost"]`` -> the checked list.
+
+    Raises:
+        ValueError: an empty list or an entry not in :data:`ASSIGNMENTS`.
+    """
+    items = [a.strip() for a in spec.split(",")] if isinstance(spec, str) else list(spec)
+    bad = [a for a in items if a not in ASSIGNMENTS]
+    if not items or bad:
+        raise ValueError(
+            f"assignment {bad[0] if bad else spec!r} is not one of {', '.join(ASSIGNMENTS)} "
+            "(or a comma-separated list of them, taken in turn per plan unit)"
+        )
+    return items
+
+
 class DocumentStream:
     """Per-rank iterator of :class:`StepWork` (see the module docstring).
 
-    ``group`` carries the length gathers (default WORLD); ``ring_group`` the split documents'
-    key/value exchanges, a group of every rank that carries nothing else (required when
-    ``split`` is given)."""
+    ``strategy`` is an entry of :data:`ASSIGNMENTS` or a list of them, taken in turn per plan
+    unit (to compare assignments side by side in one run: the averaged gradient does not
+    depend on the assignment, so neither does training). ``split`` is the policy of
+    ``cost+split``. ``group`` carries the length gathers (default WORLD); ``ring_group`` the
+    split documents' key/value exchanges, a group of every rank that carries nothing else
+    (required with ``cost+split``)."""
 
     def __init__(
         self,
@@ -80,7 +113,7 @@ class DocumentStream:
         tokens_per_step: int,
         steps_per_unit: int = 1,
         seed: int = 0,
-        strategy: str = "cost",
+        strategy: str | Sequence[str] = "cost",
         method: str = "lpt",
         token_cap: int | None = None,
         cost: CostModel | None = None,
@@ -89,14 +122,17 @@ class DocumentStream:
         ring_group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        if split is not None and ring_group is None:
-            raise ValueError("splitting documents needs ring_group (a group of every rank).")
+        self.assignments = parse_assignments(strategy)
+        if "cost+split" in self.assignments and (split is None or ring_group is None):
+            raise ValueError(
+                "cost+split needs split (a SplitPolicy) and ring_group (a group of every rank)."
+            )
         self.corpus = corpus
         self.cap = cap
         self.tokens_per_step = tokens_per_step
         self.steps_per_unit = steps_per_unit
         self.seed = seed
-        self.strategy, self.method, self.token_cap = strategy, method, token_cap
+        self.method, self.token_cap = method, token_cap
         self.cost, self.split = cost, split
         self.group, self.ring_group = group, ring_group
         self.device = torch.device(device)
@@ -147,15 +183,17 @@ class DocumentStream:
         cap = None
         if self.token_cap is not None:
             cap = self.token_cap * self.steps_per_unit
+        self.assignment = self.assignments[self.unit % len(self.assignments)]
+        splitting = self.assignment == "cost+split"
         self._plan = plan(
             lengths,
             self.world,
-            strategy=self.strategy,
+            strategy="cost" if splitting else self.assignment,
             cost=self.cost,
             method=self.method,
             token_cap=cap,
             seed=self._unit_seed(self.unit),
-            split=self.split,
+            split=self.split if splitting else None,
         )
         mine = self._plan.assignment[self.rank]
         if self.steps_per_unit == 1:
@@ -180,6 +218,7 @@ class DocumentStream:
             tokens=tokens,
             predicted_s=self._predict(mbs),
             unit=self.unit,
+            assignment=self.assignment,
             plan=self._plan,
             first_of_unit=first,
         )

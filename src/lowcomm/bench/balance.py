@@ -33,15 +33,16 @@ __all__ = ["ASSIGNMENTS", "BalanceSpec", "format_balance", "run_balance", "run_c
 
 logger = logging.getLogger(__name__)
 
-ASSIGNMENTS: dict[str, dict[str, Any]] = {
-    "random": {"balance": "random"},
-    "sequential": {"balance": "sequential"},
-    "group-by-length": {"balance": "length"},
-    "token-balanced": {"balance": "tokens"},
-    "cost-balanced": {"balance": "cost"},
-    "cost-balanced + split": {"balance": "cost", "split_documents": True},
+ASSIGNMENTS: dict[str, str] = {
+    "random": "random",
+    "sequential": "sequential",
+    "group-by-length": "length",
+    "token-balanced": "tokens",
+    "cost-balanced": "cost",
+    "cost-balanced + split": "cost+split",
 }
-"""The assignment section's rows: name -> ``lowcomm train`` settings."""
+"""The assignment section's rows: name -> ``lowcomm train --balance`` entry."""
+NAMES = {entry: name for name, entry in ASSIGNMENTS.items()}
 
 
 @dataclass
@@ -51,7 +52,12 @@ class BalanceSpec:
     workers: int = 4
     algos: list[str] = field(default_factory=lambda: ["ddp", "co2"])
     assignments: list[str] = field(default_factory=lambda: list(ASSIGNMENTS))
-    steps: int = 24
+    cycles: int = 6
+    """Plan units per assignment with DDP (the first is left out as start-up)."""
+    round_cycles: int = 4
+    """Rounds per assignment with an outer algorithm."""
+    split_cycles: int = 8
+    """Steps per assignment in the splitting section."""
     sync_every: int = 4
     block_size: int = 4096
     """The longest document piece (the model's context) of the assignment section."""
@@ -96,7 +102,6 @@ class BalanceSpec:
         base = {
             "documents": True,
             "workers": self.workers,
-            "steps": self.steps,
             "sync_every": self.sync_every,
             "seed": self.seed,
             "n_layer": self.n_layer,
@@ -110,44 +115,40 @@ class BalanceSpec:
             "overwrite": True,
             "quiet": True,
         }
+        entries = [ASSIGNMENTS[name] for name in self.assignments]
         jobs = []
         for algo in self.algos:
-            for name in self.assignments:
-                values = {
-                    **base,
-                    **ASSIGNMENTS[name],
-                    "algo": algo,
-                    "block_size": self.block_size,
-                    "batch_size": self.batch_size,
-                }
-                jobs.append({"section": "assignment", "algo": algo, "name": name, "cfg": values})
+            per_unit = 1 if algo in ("ddp", "none") else self.sync_every
+            cycles = self.cycles if per_unit == 1 else self.round_cycles
+            values = {
+                **base,
+                "algo": algo,
+                "balance": ",".join(entries),
+                "steps": cycles * len(entries) * per_unit,
+                "block_size": self.block_size,
+                "batch_size": self.batch_size,
+            }
+            jobs.append({"section": "assignment", "algo": algo, "layout": "1 node", "cfg": values})
         if self.splitting:
             split = {
                 **base,
                 "algo": "ddp",
-                "balance": "cost",
+                "balance": "cost,cost+split",
+                "steps": 2 * self.split_cycles,
                 "block_size": self.split_block_size,
                 "batch_size": self.split_batch_size,
             }
             w = self.workers
-            layouts: list[tuple[str, dict[str, Any]]] = [
-                ("cost-balanced, 1 node", {}),
-                ("+ split, 1 node", {"split_documents": True}),
-                (
-                    f"+ split, 2 nodes x {w // 2}, {self.split_link}",
-                    {"split_documents": True, "nodes": 2, "link": self.split_link},
-                ),
-                (
-                    f"+ split, {w} nodes x 1, {self.split_link}",
-                    {"split_documents": True, "nodes": w, "link": self.split_link},
-                ),
-            ]
-            for name, extra in layouts:
-                values = {**split, **extra}
-                if "nodes" in extra:
+            for nodes, link in ((1, None), (2, self.split_link), (w, self.split_link)):
+                values = {**split, "link": link}
+                layout = "1 node"
+                if nodes > 1:
                     values.pop("workers")
-                    values["procs_per_node"] = w // extra["nodes"]
-                jobs.append({"section": "splitting", "algo": "ddp", "name": name, "cfg": values})
+                    values.update(nodes=nodes, procs_per_node=w // nodes)
+                    layout = f"{nodes} nodes x {w // nodes}, {link} between"
+                jobs.append(
+                    {"section": "splitting", "algo": "ddp", "layout": layout, "cfg": values}
+                )
         return jobs
 
 
@@ -155,32 +156,40 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text).strip("-").replace("--", "-")
 
 
-def _row(job: dict[str, Any], folder: str) -> dict[str, Any]:
+def _rows(job: dict[str, Any], folder: str) -> list[dict[str, Any]]:
     with open(os.path.join(folder, "balance.json"), encoding="utf-8") as f:
         balance = json.load(f)
-    with open(os.path.join(folder, "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
-    s = balance["summary"]
-    return {
-        "section": job["section"],
-        "algo": job["algo"],
-        "assignment": job["name"],
-        "idle_fraction": s["idle_fraction"],
-        "straggler_wait_s": s["straggler_wait_s"],
-        "max_compute_s": s["max_compute_s"],
-        "mean_compute_s": s["mean_compute_s"],
-        "unit_wall_s": s["wall_s"],
-        "unit_steps": balance["unit_steps"],
-        "tokens_per_s": summary["tokens_per_s"],
-        "cost_model_error": s["cost_model_error"],
-        "plan_ratio": s["plan_ratio"],
-        "documents_split": s["documents_split"],
-        "refused_by_link": s["refused_by_link"],
-        "split_tiers": s["split_tiers"],
-        "cost_model_fit_error": balance["cost_model"].get("rms_rel_error"),
-        "val_loss_final": summary["val_loss_final"],
-        "folder": folder,
-    }
+    rows = []
+    for entry, s in balance["assignments"].items():
+        rows.append(
+            {
+                "section": job["section"],
+                "algo": job["algo"],
+                "layout": job["layout"],
+                "assignment": NAMES.get(entry, entry),
+                "unit_steps": balance["unit_steps"],
+                **{k: s[k] for k in _KEYS},
+                "cost_model_fit_error": balance["cost_model"].get("rms_rel_error"),
+                "folder": folder,
+            }
+        )
+    return rows
+
+
+_KEYS = (
+    "units",
+    "idle_fraction",
+    "straggler_wait_s",
+    "max_compute_s",
+    "mean_compute_s",
+    "wall_s",
+    "tokens_per_s",
+    "cost_model_error",
+    "plan_ratio",
+    "documents_split",
+    "refused_by_link",
+    "split_tiers",
+)
 
 
 def run_balance(
@@ -195,16 +204,21 @@ def run_balance(
     rows = []
     jobs = spec.jobs()
     for i, job in enumerate(jobs, 1):
-        folder = os.path.join(spec.out, "jobs", _slug(f"{job['algo']}-{job['name']}"))
-        values = {**job["cfg"], "out": folder, "name": _slug(job["name"])}
-        cfg = config_from_dict(values, source="bench --balance").with_paths()
+        name = _slug(f"{job['section']}-{job['algo']}-{job['layout']}")
+        folder = os.path.join(spec.out, "jobs", name)
+        cfg = config_from_dict(
+            {**job["cfg"], "out": folder, "name": name}, source="bench --balance"
+        ).with_paths()
         if progress is not None:
-            progress(f"[{i}/{len(jobs)}] {job['section']}: {job['algo']}, {job['name']}")
+            progress(
+                f"[{i}/{len(jobs)}] {job['section']}: {job['algo']}, {job['layout']}, "
+                f"{cfg.steps} steps of {cfg.balance}"
+            )
         t0 = time.perf_counter()
         launch(cfg)
-        row = _row(job, folder)
-        row["command_s"] = time.perf_counter() - t0
-        rows.append(row)
+        for row in _rows(job, folder):
+            row["command_s"] = time.perf_counter() - t0
+            rows.append(row)
     errors = [r["cost_model_error"] for r in rows if r["cost_model_error"] is not None]
     results = {
         "command": command,
@@ -238,7 +252,8 @@ def format_balance(results: dict[str, Any]) -> str:
         f"{spec['workers']} workers on {results['cpu_count']} CPU cores"
         + (", waiting by polling (one device per worker, emulated)" if results["busy_wait"] else "")
         + f"; GPT {spec['n_layer']} layers x {spec['n_embd']} wide; "
-        f"{spec['steps']} steps, the first plan unit left out as start-up.",
+        "the assignments of a section taken in turn per step (DDP) or round (CO2) in one job, "
+        "so that they share the machine's state; each one's first unit left out as start-up.",
         "",
         "Idle fraction: sum over ranks of (slowest rank's compute - this rank's) / (ranks x "
         "slowest), per step (DDP) or round (CO2). Straggler wait: its mean per rank. Cost model "
@@ -246,10 +261,10 @@ def format_balance(results: dict[str, Any]) -> str:
         "",
     ]
     head = (
-        "| algo | assignment | idle | straggler wait (s) | slowest rank (s) | unit time (s) "
-        "| tokens/s | cost model error | split |"
+        "| algo | layout | assignment | idle | straggler wait (s) | slowest rank (s) "
+        "| unit time (s) | tokens/s | cost model error | split |"
     )
-    sep = "|---|---|---:|---:|---:|---:|---:|---:|---|"
+    sep = "|---|---|---|---:|---:|---:|---:|---:|---:|---|"
     for section, title in (
         (
             "assignment",
@@ -276,9 +291,10 @@ def format_balance(results: dict[str, Any]) -> str:
                 if r["refused_by_link"]:
                     split += f", {r['refused_by_link']} refused by the link"
             lines.append(
-                f"| {r['algo']} | {r['assignment']} | {_pct(r['idle_fraction'])} | "
-                f"{_num(r['straggler_wait_s'], '.3f')} | {_num(r['max_compute_s'])} | "
-                f"{_num(r['unit_wall_s'])} | {_num(r['tokens_per_s'], ',.0f')} | "
+                f"| {r['algo']} | {r['layout']} | {r['assignment']} | "
+                f"{_pct(r['idle_fraction'])} | {_num(r['straggler_wait_s'], '.3f')} | "
+                f"{_num(r['max_compute_s'])} | {_num(r['wall_s'])} | "
+                f"{_num(r['tokens_per_s'], ',.0f')} | "
                 f"{_pct(r['cost_model_error'])} | {split} |"
             )
         lines.append("")

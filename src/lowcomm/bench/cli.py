@@ -110,6 +110,13 @@ def add_subcommand(subparsers: Any) -> None:
         help="--balance: longest document of the splitting section (default 8192)",
     )
     p.add_argument(
+        "--cycles",
+        type=int,
+        metavar="N",
+        help="--balance: plan units per assignment in every job, the first left out as start-up "
+        "(default 6 DDP steps, 4 CO2 rounds, 8 steps in the splitting section)",
+    )
+    p.add_argument(
         "--splitting",
         action=argparse.BooleanOptionalAction,
         help="--balance: run the splitting section (default on)",
@@ -272,7 +279,7 @@ def _run_convergence(args: argparse.Namespace) -> int:
     return 0
 
 
-_BALANCE_KEYS = {"algos", "workers", "steps", "sync_every", "seed", "data", "out", "assignments"}
+_BALANCE_KEYS = {"algos", "workers", "cycles", "sync_every", "seed", "data", "out", "assignments"}
 _BALANCE_KEYS |= {"block_size", "batch_size", "split_block_size", "splitting", "busy_wait"}
 _BALANCE_KEYS |= {"n_layer", "n_embd", "n_head"}
 _SWITCHES = ("quick", "convergence", "balance", "cost_model", "long", "reuse", "overwrite")
@@ -298,6 +305,9 @@ def _run_balance(args: argparse.Namespace) -> int:
         if len(values["workers"]) != 1:
             raise ValueError("--balance runs one worker count: give --workers N")
         values["workers"] = values["workers"][0]
+    if "cycles" in values:
+        n = values["cycles"]
+        values.update(cycles=n, round_cycles=n, split_cycles=n)
     spec = BalanceSpec(**values)
     results_path = os.path.join(spec.out, "results.json")
     if os.path.exists(results_path) and not args.overwrite:
@@ -354,7 +364,7 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
             where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
             print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
             return 1
-    for key in _BALANCE_KEYS - {"algos", "workers", "steps", "sync_every", "seed", "data", "out"}:
+    for key in _BALANCE_KEYS - {"algos", "workers", "sync_every", "seed", "data", "out"}:
         if key in vars(args):
             raise ValueError(f"--{key.replace('_', '-')} is a flag of --balance; add it")
     if args.convergence:

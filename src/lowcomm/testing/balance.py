@@ -147,7 +147,7 @@ def balance_scenarios(rank: int, world: int) -> dict[str, Any]:
         "tokens": dict(strategy="tokens"),
         "cost": dict(strategy="cost", cost=quadratic),
         "cost-kk": dict(strategy="cost", cost=quadratic, method="kk"),
-        "cost+split": dict(strategy="cost", cost=quadratic, split=policy),
+        "cost+split": dict(strategy="cost+split", cost=quadratic, split=policy),
     }
     grads, plans, splits = {}, {}, {}
     model = tiny_doc_model()

@@ -156,15 +156,14 @@ class TrainConfig:
     unset: the Python standard library's source files."""
     balance: str = "cost"
     """With documents: how documents are assigned to ranks: sequential (each keeps what it
-    drew), random, length (group by length), tokens (equal tokens) or cost (equal predicted
-    compute time). Outer algorithms balance a whole round, ddp every step."""
+    drew), random, length (group by length), tokens (equal tokens), cost (equal predicted
+    compute time) or cost+split (also split a document whose cost exceeds the fair share over
+    several ranks, where the link makes it pay). Outer algorithms balance a whole round, ddp
+    every step. A comma-separated list is taken in turn per step or round (to compare them
+    side by side: training does not depend on it)."""
     balance_method: str = "lpt"
     """With documents: the partitioning of tokens and cost balancing: lpt or kk
     (Karmarkar-Karp)."""
-    split_documents: bool = False
-    """With documents and balance cost: split a document whose cost exceeds the fair share over
-    several ranks (zig-zag ring attention) where the link makes it pay (inside a node when only
-    the node's network does)."""
     token_cap: int | None = None
     """With documents: most tokens one rank trains on in a step (memory); unset: twice
     batch_size x block_size. At least batch_size x block_size + block_size."""
@@ -305,10 +304,13 @@ class TrainConfig:
         self._check_outer()
 
     def _check_documents(self) -> None:
-        from lowcomm.balance import METHODS, STRATEGIES
+        from lowcomm.balance import METHODS, parse_assignments
 
+        try:
+            parse_assignments(self.balance)
+        except ValueError as e:
+            raise ConfigError("balance", str(e).removeprefix("assignment ")) from None
         for key, choices in (
-            ("balance", STRATEGIES),
             ("balance_method", METHODS),
             ("cost_model", _COST_MODELS),
         ):
@@ -317,19 +319,16 @@ class TrainConfig:
                     key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}"
                 )
         if not self.documents:
-            for key in ("split_documents", "token_cap"):
-                if getattr(self, key) not in (False, None):
-                    raise ConfigError(key, "applies to documents mode only: add --documents")
+            if self.token_cap is not None:
+                raise ConfigError("token_cap", "applies to documents mode only: add --documents")
+            if self.balance != "cost":
+                raise ConfigError("balance", "applies to documents mode only: add --documents")
             return
         if self.ceiling_steps:
             raise ConfigError(
                 "ceiling_steps",
                 "times fixed windows, not documents: run algo none with --documents for the "
                 "no-sync ceiling of the same work",
-            )
-        if self.split_documents and self.balance != "cost":
-            raise ConfigError(
-                "split_documents", f"needs balance cost (got {self.balance!r}): --balance cost"
             )
         if self.block_size < 16:
             raise ConfigError("block_size", "must be at least 16 with documents")

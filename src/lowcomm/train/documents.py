@@ -5,20 +5,25 @@ the mean of their times, so every rank plans with the same model), then each ste
 its :class:`~lowcomm.balance.DocumentStream` micro-batches. With DDP the micro-batches run
 under ``no_sync`` and the gradient all-reduce is started once this rank's compute is done (a
 one-token backward whose gradient is zero), so the compute time measured is the compute
-alone; with ``busy_wait`` the ranks meet at a polling barrier before and after their compute. An outer algorithm's
-ranks meet once a round, and the plan balances the round.
+alone; with ``busy_wait`` the ranks meet at a polling barrier before and after their compute.
+An outer algorithm's ranks meet once a round, and the plan balances the round. A list of
+assignments (``--balance random,cost``) is taken in turn per step or round, so that they are
+measured side by side on the same machine at the same time.
 
 Each rank records per step its compute time, the cost model's prediction and its tokens;
 :meth:`DocumentJob.report` turns every rank's records into ``balance.json``: per plan unit
 (step or round) each rank's compute time ``t_r``, the straggler wait ``max_j t_j - t_r``, the
 idle fraction ``sum_r (max t - t_r) / (R max t)``, the unit's wall time and the cost model's
-error ``|predicted - measured| / measured``.
+error ``|predicted - measured| / measured``; and the same aggregated per assignment (the
+first unit of each left out: start-up), with tokens per second = tokens per unit / mean wall
+time of a unit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import statistics
 import time
 from typing import Any
@@ -37,6 +42,7 @@ from lowcomm.balance import (
     analytic_cost_model,
     load_documents,
     measure_cost_model,
+    parse_assignments,
 )
 from lowcomm.comm import spin_barrier
 from lowcomm.link import EmulatedLink
@@ -140,7 +146,8 @@ class DocumentJob:
             self.cost = self.fit.model
         else:
             self.cost = analytic_cost_model(n_layer=cfg.n_layer, n_embd=cfg.n_embd)
-        split = _split_policy(cfg) if cfg.split_documents else None
+        self.assignments = parse_assignments(cfg.balance)
+        split = _split_policy(cfg) if "cost+split" in self.assignments else None
         self.ring_group = dist.new_group() if split is not None else None
         self.unit_steps = 1 if cfg.algo in BASELINES else cfg.sync_every
         tokens = cfg.batch_size * cfg.block_size
@@ -150,7 +157,7 @@ class DocumentJob:
             tokens_per_step=tokens,
             steps_per_unit=self.unit_steps,
             seed=cfg.seed,
-            strategy=cfg.balance,
+            strategy=self.assignments,
             method=cfg.balance_method,
             token_cap=cfg.token_cap if cfg.token_cap is not None else 2 * tokens,
             cost=self.cost,
@@ -171,6 +178,7 @@ class DocumentJob:
         work = self.stream.next_step()
         if work.first_of_unit:
             self.plans[work.unit] = {
+                "assignment": work.assignment,
                 "ratio": work.plan.ratio,
                 "splits": [(d.k, d.tier, d.refused) for d in work.plan.splits],
                 "t_start": time.perf_counter(),
@@ -247,19 +255,15 @@ def summarise(
     strategy: str,
     unit_steps: int,
 ) -> dict[str, Any]:
-    """Per plan unit and overall: compute time per rank, straggler wait, idle fraction, wall
-    time, the cost model's error (see the module docstring)."""
+    """Per plan unit, and per assignment over its units: compute time per rank, straggler
+    wait, idle fraction, wall time, tokens per second, the cost model's error (see the module
+    docstring). The first unit of each assignment is left out of the aggregates (start-up)."""
+    keys = ("compute_s", "predicted_s", "tokens", "barrier_s")
     units: dict[int, dict[str, list[float]]] = {}
     for r, records in enumerate(per_rank):
         for rec in records:
-            u = units.setdefault(
-                rec["unit"],
-                {
-                    k: [0.0] * len(per_rank)
-                    for k in ("compute_s", "predicted_s", "tokens", "barrier_s")
-                },
-            )
-            for k in ("compute_s", "predicted_s", "tokens", "barrier_s"):
+            u = units.setdefault(rec["unit"], {k: [0.0] * len(per_rank) for k in keys})
+            for k in keys:
                 u[k][r] += rec[k]
     rows = []
     for unit in sorted(units):
@@ -271,53 +275,56 @@ def summarise(
             abs(p - m) / m for p, m in zip(u["predicted_s"], t, strict=True) if m > 0 and p == p
         ]
         info = plans.get(unit, {})
-        wall = info.get("t_end", float("nan")) - info.get("t_start", float("nan"))
         rows.append(
             {
                 "unit": unit,
+                "assignment": info.get("assignment", strategy),
                 "compute_s": t,
                 "predicted_s": u["predicted_s"],
                 "tokens": [int(x) for x in u["tokens"]],
                 "straggler_wait_s": wait,
                 "idle_fraction": sum(wait) / (len(t) * worst) if worst > 0 else 0.0,
-                "wall_s": wall,
+                "wall_s": info.get("t_end", math.nan) - info.get("t_start", math.nan),
                 "plan_ratio": info.get("ratio"),
                 "splits": info.get("splits", []),
                 "cost_model_error": statistics.fmean(errors) if errors else None,
             }
         )
-    kept = rows[_WARMUP_UNITS:] if len(rows) > _WARMUP_UNITS else rows
-
-    def mean(key: str) -> float | None:
-        values = [r[key] for r in kept if r[key] is not None and r[key] == r[key]]
-        return statistics.fmean(values) if values else None
-
-    splits = [s for r in kept for s in r["splits"]]
+    names = list(dict.fromkeys(r["assignment"] for r in rows))
+    per_assignment = {
+        name: _aggregate([r for r in rows if r["assignment"] == name][_WARMUP_UNITS:])
+        for name in names
+    }
     return {
         "strategy": strategy,
         "unit_steps": unit_steps,
         "cost_model": fit.as_dict() if fit is not None else cost.as_dict(),
-        "summary": {
-            "units": len(kept),
-            "idle_fraction": mean("idle_fraction"),
-            "straggler_wait_s": statistics.fmean(
-                [statistics.fmean(r["straggler_wait_s"]) for r in kept]
-            )
-            if kept
-            else None,
-            "max_compute_s": statistics.fmean([max(r["compute_s"]) for r in kept])
-            if kept
-            else None,
-            "mean_compute_s": statistics.fmean([statistics.fmean(r["compute_s"]) for r in kept])
-            if kept
-            else None,
-            "wall_s": mean("wall_s"),
-            "plan_ratio": mean("plan_ratio"),
-            "cost_model_error": mean("cost_model_error"),
-            "documents_split": sum(1 for k, _, _ in splits if k > 1),
-            "not_split": sum(1 for k, _, _ in splits if k == 1),
-            "refused_by_link": sum(1 for _, _, refused in splits if refused),
-            "split_tiers": sorted({tier for k, tier, _ in splits if k > 1}),
-        },
+        "summary": _aggregate(rows[_WARMUP_UNITS * len(names) :]),
+        "assignments": per_assignment,
         "units": rows,
+    }
+
+
+def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def mean(values: list[Any]) -> float | None:
+        kept = [v for v in values if v is not None and v == v]
+        return statistics.fmean(kept) if kept else None
+
+    splits = [s for r in rows for s in r["splits"]]
+    wall = mean([r["wall_s"] for r in rows])
+    tokens = mean([sum(r["tokens"]) for r in rows])
+    return {
+        "units": len(rows),
+        "idle_fraction": mean([r["idle_fraction"] for r in rows]),
+        "straggler_wait_s": mean([statistics.fmean(r["straggler_wait_s"]) for r in rows]),
+        "max_compute_s": mean([max(r["compute_s"]) for r in rows]),
+        "mean_compute_s": mean([statistics.fmean(r["compute_s"]) for r in rows]),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if tokens is not None and wall else None,
+        "plan_ratio": mean([r["plan_ratio"] for r in rows]),
+        "cost_model_error": mean([r["cost_model_error"] for r in rows]),
+        "documents_split": sum(1 for k, _, _ in splits if k > 1),
+        "not_split": sum(1 for k, _, _ in splits if k == 1),
+        "refused_by_link": sum(1 for _, _, refused in splits if refused),
+        "split_tiers": sorted({tier for k, tier, _ in splits if k > 1}),
     }
