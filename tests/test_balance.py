@@ -20,6 +20,7 @@ from lowcomm.balance import (
     load_documents,
     measure_cost_model,
     min_split_length,
+    parse_assignments,
     plan,
     split_pays,
     spread_over_steps,
@@ -107,6 +108,29 @@ def test_bad_plans_are_refused_with_the_fix():
         plan([1], 1, strategy="cost")
     with pytest.raises(ValueError, match="needs the cost strategy"):
         plan([1], 1, strategy="tokens", split=SplitPolicy(kv_bytes_per_token=8, layers=1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(2, 2000), min_size=1, max_size=20), st.integers(2, 6))
+def test_a_split_plan_is_never_longer_and_covers_every_token(lengths, world):
+    quad = CostModel(a=1e-7, b=1e-8)
+    policy = SplitPolicy(kv_bytes_per_token=64, layers=2)
+    whole = plan(lengths, world, strategy="cost", cost=quad)
+    split = plan(lengths, world, strategy="cost", cost=quad, split=policy)
+    assert split.makespan <= whole.makespan + 1e-15
+    for i in range(len(lengths)):
+        parts = [p for pieces in split.assignment for p in pieces if p.doc == i]
+        if len(parts) > 1:  # every part of a split document on its own rank, in ring order
+            assert sorted(p.index for p in parts) == list(range(len(parts)))
+            assert all(p.ranks == parts[0].ranks and len(p.ranks) == len(parts) for p in parts)
+        else:
+            assert parts == [parts[0]] and not parts[0].split
+
+
+def test_assignments_parse_and_refuse_unknown_ones():
+    assert parse_assignments("random, cost+split") == ["random", "cost+split"]
+    with pytest.raises(ValueError, match="'fastest' is not one of"):
+        parse_assignments("cost,fastest")
 
 
 def test_spread_over_steps_keeps_splits_first_and_every_piece():

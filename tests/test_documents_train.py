@@ -23,12 +23,15 @@ DOCS = [
 @pytest.mark.timeout(240)
 def test_ddp_documents_with_splitting_record_the_balance(train_job: Any, tmp_path: Any) -> None:
     out = tmp_path / "ddp"
-    summary = train_job("--algo", "ddp", *DOCS, "--split-documents", out=out)
+    summary = train_job("--algo", "ddp", *DOCS, "--balance", "random,cost+split", out=out)
     with open(out / "balance.json", encoding="utf-8") as f:
         balance = json.load(f)
-    assert balance["strategy"] == "cost" and balance["unit_steps"] == 1
+    assert balance["unit_steps"] == 1
     units = balance["units"]
     assert [u["unit"] for u in units] == list(range(6))
+    assert [u["assignment"] for u in units] == ["random", "cost+split"] * 3
+    assert set(balance["assignments"]) == {"random", "cost+split"}
+    assert balance["assignments"]["random"]["units"] == 2  # the first of each is start-up
     for u in units:
         assert len(u["compute_s"]) == 2 and all(t > 0 for t in u["compute_s"])
         assert sum(u["tokens"]) >= 2 * 64 - 2  # a split piece's share is counted per rank
@@ -36,7 +39,7 @@ def test_ddp_documents_with_splitting_record_the_balance(train_job: Any, tmp_pat
         assert 0.0 <= u["idle_fraction"] < 1.0
     fit = balance["cost_model"]
     assert fit["rms_rel_error"] >= 0 and len(fit["samples"]) >= 4
-    assert summary["balance"]["units"] == 5  # the first is start-up
+    assert summary["balance"]["units"] == 4  # the first of each assignment is start-up
     assert summary["balance"]["cost_model_error"] is not None
     assert summary["val_loss_final"] < summary["val_loss_initial"]
 
@@ -58,11 +61,11 @@ def test_documents_resume_mid_round_is_exact(tmp_path: Any, monkeypatch: Any) ->
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"split_documents": True}, "documents mode only"),
-        ({"documents": True, "split_documents": True, "balance": "tokens"}, "needs balance cost"),
+        ({"balance": "tokens"}, "documents mode only"),
+        ({"documents": True, "balance": "tokens,split"}, "'split' is not one of"),
         ({"documents": True, "token_cap": 100}, "raise it to 1088"),
         ({"documents": True, "ceiling_steps": 4}, "not documents"),
-        ({"documents": True, "balance": "fastest"}, "must be one of"),
+        ({"documents": True, "balance": "fastest"}, "is not one of"),
         ({"documents": True, "algo": "co2", "nodes": 2, "workers": 4}, "ddp only"),
     ],
 )

@@ -145,6 +145,58 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, relation: str) -> to
     return s
 
 
+def _flash_cpu(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, relation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one key block and the log-sum-exp of its scores (CPU: torch's
+    flash kernel; elsewhere: the scores in memory)."""
+    if _flash_cpu(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, relation == "causal", scale=scale
+        )
+        return out, lse.to(q.dtype)
+    s = _scores(q, k, scale, relation)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+def _block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    relation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of dq, dk, dv, given the *final* output and log-sum-exp of the rows."""
+    if _flash_cpu(q):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.contiguous(),
+            lse.contiguous(),
+            0.0,
+            relation == "causal",
+            scale=scale,
+        )
+        return dq, dk, dv
+    p = torch.exp(_scores(q, k, scale, relation) - lse[..., None])
+    dv = torch.matmul(p.transpose(-2, -1), dout)
+    dp = torch.matmul(dout, v.transpose(-2, -1))
+    ds = p * (dp - (dout * out).sum(dim=-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+
+
 def _pairs(ring: RingAttention, owner: int) -> list[tuple[slice, slice, str]]:
     """(query rows, key rows, relation) of every block pair between this rank's queries and
     ``owner``'s keys that attends at all."""
@@ -184,9 +236,9 @@ class _RingFunction(torch.autograd.Function):
                 )
                 works = ring.exchange(held, nxt)
             for qs, ks, rel in _pairs(ring, owner):
-                s = _scores(q[..., qs, :], held[0][..., ks, :], scale, rel)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(torch.exp(s - block_lse[..., None]), held[1][..., ks, :])
+                block_out, block_lse = _block_forward(
+                    q[..., qs, :], held[0][..., ks, :], held[1][..., ks, :], scale, rel
+                )
                 new_lse = torch.logaddexp(lse[..., qs], block_lse)
                 out[..., qs, :] = (
                     out[..., qs, :] * torch.exp(lse[..., qs] - new_lse)[..., None]
@@ -207,7 +259,6 @@ class _RingFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         scale = 1.0 / math.sqrt(q.shape[-1])
-        delta = (grad_out * out).sum(dim=-1)
         dq = torch.zeros_like(q)
         # the block in hand: its keys, values and the gradients gathered for them so far
         held = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)]).contiguous()
@@ -216,13 +267,19 @@ class _RingFunction(torch.autograd.Function):
             owner = (ring.index - step) % n
             kb, vb, dk, dv = held[0], held[1], held[2], held[3]
             for qs, ks, rel in _pairs(ring, owner):
-                s = _scores(q[..., qs, :], kb[..., ks, :], scale, rel)
-                p = torch.exp(s - lse[..., qs, None])
-                dv[..., ks, :] += torch.matmul(p.transpose(-2, -1), grad_out[..., qs, :])
-                dp = torch.matmul(grad_out[..., qs, :], vb[..., ks, :].transpose(-2, -1))
-                ds = p * (dp - delta[..., qs, None])
-                dq[..., qs, :] += torch.matmul(ds, kb[..., ks, :]) * scale
-                dk[..., ks, :] += torch.matmul(ds.transpose(-2, -1), q[..., qs, :]) * scale
+                dq_b, dk_b, dv_b = _block_backward(
+                    grad_out[..., qs, :],
+                    q[..., qs, :],
+                    kb[..., ks, :],
+                    vb[..., ks, :],
+                    out[..., qs, :],
+                    lse[..., qs],
+                    scale,
+                    rel,
+                )
+                dq[..., qs, :] += dq_b
+                dk[..., ks, :] += dk_b
+                dv[..., ks, :] += dv_b
             if n == 1:
                 break
             prev_owner = (owner - 1) % n

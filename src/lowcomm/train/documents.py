@@ -14,7 +14,9 @@ Each rank records per step its compute time, the cost model's prediction and its
 :meth:`DocumentJob.report` turns every rank's records into ``balance.json``: per plan unit
 (step or round) each rank's compute time ``t_r``, the straggler wait ``max_j t_j - t_r``, the
 idle fraction ``sum_r (max t - t_r) / (R max t)``, the unit's wall time and the cost model's
-error ``|predicted - measured| / measured``; and the same aggregated per assignment (the
+error ``|predicted - measured| / measured`` (and the same with the prediction scaled by the
+previous unit's measured / predicted ratio: the device's speed tracked, for a shared machine
+whose speed drifts); and the same aggregated per assignment (the
 first unit of each left out: start-up), with tokens per second = tokens per unit / mean wall
 time of a unit.
 """
@@ -265,7 +267,8 @@ def summarise(
             u = units.setdefault(rec["unit"], {k: [0.0] * len(per_rank) for k in keys})
             for k in keys:
                 u[k][r] += rec[k]
-    rows = []
+    rows: list[dict[str, Any]] = []
+    scale = None  # measured / predicted over the previous unit: the device's speed, tracked
     for unit in sorted(units):
         u = units[unit]
         t = u["compute_s"]
@@ -274,6 +277,12 @@ def summarise(
         errors = [
             abs(p - m) / m for p, m in zip(u["predicted_s"], t, strict=True) if m > 0 and p == p
         ]
+        tracked = None
+        if scale is not None:
+            pairs = zip(u["predicted_s"], t, strict=True)
+            tracked = statistics.fmean(abs(scale * p - m) / m for p, m in pairs if m > 0)
+        if sum(u["predicted_s"]) > 0:
+            scale = sum(t) / sum(u["predicted_s"])
         info = plans.get(unit, {})
         rows.append(
             {
@@ -288,6 +297,7 @@ def summarise(
                 "plan_ratio": info.get("ratio"),
                 "splits": info.get("splits", []),
                 "cost_model_error": statistics.fmean(errors) if errors else None,
+                "cost_model_error_tracked": tracked,
             }
         )
     names = list(dict.fromkeys(r["assignment"] for r in rows))
@@ -323,6 +333,7 @@ def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": tokens / wall if tokens is not None and wall else None,
         "plan_ratio": mean([r["plan_ratio"] for r in rows]),
         "cost_model_error": mean([r["cost_model_error"] for r in rows]),
+        "cost_model_error_tracked": mean([r["cost_model_error_tracked"] for r in rows]),
         "documents_split": sum(1 for k, _, _ in splits if k > 1),
         "not_split": sum(1 for k, _, _ in splits if k == 1),
         "refused_by_link": sum(1 for _, _, refused in splits if refused),
