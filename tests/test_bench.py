@@ -182,3 +182,72 @@ def test_cli_refuses_previous_results_and_bad_lists(tmp_path, capsys):
     assert "unknown algorithm 'fast'" in err
     assert main(["bench", "--workers", "two"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+# --- lowcomm bench --balance ------------------------------------------------------------------
+
+
+def test_balance_jobs_interleave_assignments_and_lay_out_the_splitting_section():
+    from lowcomm.bench.balance import ASSIGNMENTS, BalanceSpec
+    from lowcomm.train.config import config_from_dict
+
+    spec = BalanceSpec(cycles=3, round_cycles=2, split_cycles=4, sync_every=4)
+    jobs = spec.jobs()
+    assert [(j["section"], j["algo"]) for j in jobs] == [
+        ("assignment", "ddp"),
+        ("assignment", "co2"),
+        ("splitting", "ddp"),
+        ("splitting", "ddp"),
+        ("splitting", "ddp"),
+    ]
+    ddp, co2 = jobs[0]["cfg"], jobs[1]["cfg"]
+    assert ddp["balance"].split(",") == list(ASSIGNMENTS.values())
+    assert ddp["steps"] == 3 * 6 and co2["steps"] == 2 * 6 * 4
+    layouts = [(j["cfg"].get("nodes", 1), j["cfg"]["link"]) for j in jobs[2:]]
+    assert layouts == [(1, None), (2, "100mbit"), (4, "100mbit")]
+    for job in jobs:  # every job is a valid lowcomm train configuration
+        cfg = config_from_dict(job["cfg"], source="test")
+        assert cfg.documents and cfg.world_size == 4
+    with pytest.raises(ValueError, match="unknown assignment"):
+        BalanceSpec(assignments=["fastest"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--balance", "--quick"], "run of its own"),
+        (["--balance", "--links", "1gbit"], "--links is not a flag of --balance"),
+        (["--balance", "--workers", "2,4"], "one worker count"),
+        (["--block-size", "64"], "--block-size is a flag of --balance"),
+        (["--cost-model", "--workers", "2"], "not a flag of --cost-model"),
+    ],
+)
+def test_balance_flags_are_checked(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_tiny_balance_bench_end_to_end(tmp_path):
+    from lowcomm.bench.balance import BalanceSpec, run_balance
+
+    spec = BalanceSpec(
+        workers=2,
+        algos=["ddp"],
+        assignments=["random", "cost-balanced"],
+        cycles=2,
+        block_size=64,
+        batch_size=1,
+        n_layer=1,
+        n_embd=16,
+        splitting=False,
+        out=str(tmp_path / "bal"),
+    )
+    results = run_balance(spec, command="test")
+    rows = results["rows"]
+    assert [r["assignment"] for r in rows] == ["random", "cost-balanced"]
+    for r in rows:
+        assert r["units"] == 1 and 0.0 <= r["idle_fraction"] < 1.0 and r["tokens_per_s"] > 0
+    text = (tmp_path / "bal" / "balance.md").read_text()
+    assert "| ddp | 1 node | cost-balanced |" in text and "Command: `test`" in text
+    assert json.loads((tmp_path / "bal" / "results.json").read_text())["rows"] == rows

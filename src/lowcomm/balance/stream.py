@@ -100,7 +100,9 @@ class DocumentStream:
 
     ``strategy`` is an entry of :data:`ASSIGNMENTS` or a list of them, taken in turn per plan
     unit (to compare assignments side by side in one run: the averaged gradient does not
-    depend on the assignment, so neither does training). ``split`` is the policy of
+    depend on the assignment, so neither does training); with ``paired`` every assignment of a
+    turn gets the same documents (each drawn unit is then trained once per assignment: for
+    measurements, comparing assignments on identical work). ``split`` is the policy of
     ``cost+split``. ``group`` carries the length gathers (default WORLD); ``ring_group`` the
     split documents' key/value exchanges, a group of every rank that carries nothing else
     (required with ``cost+split``)."""
@@ -114,6 +116,7 @@ class DocumentStream:
         steps_per_unit: int = 1,
         seed: int = 0,
         strategy: str | Sequence[str] = "cost",
+        paired: bool = False,
         method: str = "lpt",
         token_cap: int | None = None,
         cost: CostModel | None = None,
@@ -123,6 +126,7 @@ class DocumentStream:
         device: torch.device | str = "cpu",
     ) -> None:
         self.assignments = parse_assignments(strategy)
+        self.paired = paired
         if "cost+split" in self.assignments and (split is None or ring_group is None):
             raise ValueError(
                 "cost+split needs split (a SplitPolicy) and ring_group (a group of every rank)."
@@ -174,6 +178,8 @@ class DocumentStream:
 
     def _begin_unit(self, pieces: list[tuple[int, int, int]] | None = None) -> None:
         self.unit += 1
+        if pieces is None and self.paired and self.unit % len(self.assignments):
+            pieces = self._pieces  # the same documents for the next assignment
         if pieces is None:
             self._pieces = self._finish_gather()
             self._start_gather()  # the next unit's lengths travel during this one

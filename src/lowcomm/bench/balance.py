@@ -111,6 +111,7 @@ class BalanceSpec:
             "eval_every": 10**6,
             "eval_batches": 2,
             "busy_wait": self.polls,
+            "balance_paired": True,
             "data": self.data,
             "overwrite": True,
             "quiet": True,
@@ -160,6 +161,7 @@ def _rows(job: dict[str, Any], folder: str) -> list[dict[str, Any]]:
     with open(os.path.join(folder, "balance.json"), encoding="utf-8") as f:
         balance = json.load(f)
     rows = []
+    paired = _split_pairs(balance)
     for entry, s in balance["assignments"].items():
         rows.append(
             {
@@ -170,10 +172,39 @@ def _rows(job: dict[str, Any], folder: str) -> list[dict[str, Any]]:
                 "unit_steps": balance["unit_steps"],
                 **{k: s[k] for k in _KEYS},
                 "cost_model_fit_error": balance["cost_model"].get("rms_rel_error"),
+                "split_pairs": paired if entry == "cost+split" else None,
                 "folder": folder,
             }
         )
     return rows
+
+
+def _split_pairs(balance: dict[str, Any]) -> dict[str, Any] | None:
+    """The units where cost+split split a document, against the cost unit of the same turn
+    (the same documents with paired assignments): mean slowest-rank compute and wall time."""
+    units = [u for u in balance["units"] if u["unit"] > 0]
+    names = list(dict.fromkeys(u["assignment"] for u in balance["units"]))
+    if "cost" not in names or "cost+split" not in names:
+        return None
+    by_turn = {(u["unit"] // len(names), u["assignment"]): u for u in units}
+    pairs = [
+        (by_turn[(turn, "cost")], u)
+        for (turn, name), u in by_turn.items()
+        if name == "cost+split"
+        and any(k > 1 for k, _, _ in u["splits"])
+        and (turn, "cost") in by_turn
+    ]
+    if not pairs:
+        return None
+    return {
+        "units": len(pairs),
+        "slowest_without_s": statistics.fmean(max(a["compute_s"]) for a, _ in pairs),
+        "slowest_with_s": statistics.fmean(max(b["compute_s"]) for _, b in pairs),
+        "wall_without_s": statistics.fmean(a["wall_s"] for a, _ in pairs),
+        "wall_with_s": statistics.fmean(b["wall_s"] for _, b in pairs),
+        "planned_without": statistics.fmean(max(a["predicted_s"]) for a, _ in pairs),
+        "planned_with": statistics.fmean(max(b["predicted_s"]) for _, b in pairs),
+    }
 
 
 _KEYS = (
@@ -256,7 +287,8 @@ def format_balance(results: dict[str, Any]) -> str:
         + (", waiting by polling (one device per worker, emulated)" if results["busy_wait"] else "")
         + f"; GPT {spec['n_layer']} layers x {spec['n_embd']} wide; "
         "the assignments of a section taken in turn per step (DDP) or round (CO2) in one job, "
-        "so that they share the machine's state; each one's first unit left out as start-up.",
+        "each turn's assignments on the same documents (`--balance-paired`), so that they share "
+        "the machine's state and the work; each one's first unit left out as start-up.",
         "",
         "Idle fraction: sum over ranks of (slowest rank's compute - this rank's) / (ranks x "
         "slowest), per step (DDP) or round (CO2). Straggler wait: its mean per rank. Cost model "
@@ -303,6 +335,19 @@ def format_balance(results: dict[str, Any]) -> str:
                 f"{split} |"
             )
         lines.append("")
+        for r in rows:
+            sp = r.get("split_pairs")
+            if sp:
+                lines.append(
+                    f"- {r['layout']}: on the {sp['units']} steps where a document was split, "
+                    f"the slowest rank took {sp['slowest_with_s']:.2f} s against "
+                    f"{sp['slowest_without_s']:.2f} s for the same documents unsplit "
+                    f"(predicted {sp['planned_with']:.2f} s against "
+                    f"{sp['planned_without']:.2f} s); the step {sp['wall_with_s']:.2f} s "
+                    f"against {sp['wall_without_s']:.2f} s."
+                )
+        if any(r.get("split_pairs") for r in rows):
+            lines.append("")
     lines.append(
         f"Cost model error over every row: {_pct(results['cost_model_error_mean'])} with the "
         "start-up fit; "

@@ -161,6 +161,10 @@ class TrainConfig:
     several ranks, where the link makes it pay). Outer algorithms balance a whole round, ddp
     every step. A comma-separated list is taken in turn per step or round (to compare them
     side by side: training does not depend on it)."""
+    balance_paired: bool = False
+    """With a list of assignments: give each assignment of a turn the same documents (every
+    drawn step or round is trained once per assignment), so they are compared on identical
+    work; for measurements."""
     balance_method: str = "lpt"
     """With documents: the partitioning of tokens and cost balancing: lpt or kk
     (Karmarkar-Karp)."""
@@ -323,6 +327,10 @@ class TrainConfig:
                 raise ConfigError("token_cap", "applies to documents mode only: add --documents")
             if self.balance != "cost":
                 raise ConfigError("balance", "applies to documents mode only: add --documents")
+            if self.balance_paired:
+                raise ConfigError(
+                    "balance_paired", "applies to documents mode only: add --documents"
+                )
             return
         if self.ceiling_steps:
             raise ConfigError(

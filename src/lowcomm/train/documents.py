@@ -160,6 +160,7 @@ class DocumentJob:
             steps_per_unit=self.unit_steps,
             seed=cfg.seed,
             strategy=self.assignments,
+            paired=cfg.balance_paired,
             method=cfg.balance_method,
             token_cap=cfg.token_cap if cfg.token_cap is not None else 2 * tokens,
             cost=self.cost,
