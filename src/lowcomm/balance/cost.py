@@ -42,8 +42,13 @@ class CostModel:
     """Seconds per document."""
     c0: float = 0.0
     """Seconds per micro-batch."""
+    split_factor: float = 1.0
+    """What a split document's part costs over its ideal share ``(a*s + b*s**2)/k`` (ring
+    attention's block-wise kernels and exchanges; measured by the job when it splits)."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.split_factor) and self.split_factor > 0):
+            raise ValueError(f"CostModel.split_factor={self.split_factor!r} must be > 0.")
         for name in ("a", "b", "d", "c0"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -57,8 +62,9 @@ class CostModel:
 
     def split_piece(self, length: float, k: int) -> float:
         """Cost on each of ``k`` ranks of a ``length``-token document split over them (the
-        zig-zag layout gives each the same tokens and the same causal attention work)."""
-        return self.d + (self.a * length + self.b * length * length) / k
+        zig-zag layout gives each the same tokens and the same causal attention work), times
+        :attr:`split_factor`."""
+        return self.d + self.split_factor * (self.a * length + self.b * length * length) / k
 
     def batch(self, lengths: Sequence[float]) -> float:
         """Cost of one micro-batch packing documents of ``lengths``."""

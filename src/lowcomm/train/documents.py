@@ -24,6 +24,7 @@ time of a unit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import statistics
@@ -40,11 +41,15 @@ from lowcomm.balance import (
     DocumentCorpus,
     DocumentStream,
     LinkTier,
+    RingAttention,
     SplitPolicy,
     analytic_cost_model,
     load_documents,
     measure_cost_model,
     parse_assignments,
+    zigzag_positions,
+    zigzag_sizes,
+    zigzag_take,
 )
 from lowcomm.comm import spin_barrier
 from lowcomm.link import EmulatedLink
@@ -151,6 +156,10 @@ class DocumentJob:
         self.assignments = parse_assignments(cfg.balance)
         split = _split_policy(cfg) if "cost+split" in self.assignments else None
         self.ring_group = dist.new_group() if split is not None else None
+        restored = state is not None and state.get("cost_model") is not None
+        if split is not None and cfg.cost_model == "fit" and not restored and self.world > 1:
+            factor = self._split_factor(gpt, cfg.block_size)
+            self.cost = dataclasses.replace(self.cost, split_factor=factor)
         self.unit_steps = 1 if cfg.algo in BASELINES else cfg.sync_every
         tokens = cfg.batch_size * cfg.block_size
         self.stream = DocumentStream(
@@ -174,6 +183,43 @@ class DocumentJob:
         self.plans: dict[int, dict[str, Any]] = {}
         self._last_loss = torch.zeros((), device=device)
         self._dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+    def _split_factor(self, gpt: nn.Module, length: int, repeats: int = 3) -> float:
+        """Time one ``length``-token document split over pairs of ranks (0 and 1, 2 and 3, ...;
+        an odd last rank only keeps pace) against the cost model's ideal share: the mean ratio
+        over ranks, at least 1."""
+        partner = self.rank ^ 1
+        ratio = torch.zeros(2, dtype=torch.float64)
+        ring = None
+        if partner < self.world:
+            pair = sorted((self.rank, partner))
+            index = pair.index(self.rank)
+            sizes = zigzag_sizes(length, 2)
+            ring = RingAttention(self.ring_group, ranks=pair, index=index, sizes=sizes)
+            gen = torch.Generator().manual_seed(0)
+            x = zigzag_take(torch.randint(256, (length,), generator=gen), sizes, index)[None]
+            x = x.to(self.device)
+            packed = Packed(
+                lengths=[x.shape[1]], positions=zigzag_positions(sizes, index), split=ring
+            )
+        times = []
+        for i in range(repeats + 1):
+            spin_barrier()
+            if ring is None:
+                continue
+            t0 = time.perf_counter()
+            _, loss = gpt(x, x, packed=packed, reduction="sum")
+            loss.backward()
+            if i:
+                times.append(time.perf_counter() - t0)
+        gpt.zero_grad(set_to_none=True)
+        if times:
+            ideal = self.cost.c0 + self.cost.split_piece(length, 2)
+            ratio += torch.tensor([statistics.median(times) / ideal, 1.0], dtype=torch.float64)
+        dist.all_reduce(ratio)
+        factor = max(1.0, float(ratio[0] / ratio[1]))
+        logger.debug("split documents cost %.2fx their ideal share", factor)
+        return factor
 
     def step(self, model: nn.Module, *, ddp: bool) -> torch.Tensor:
         """Forward and backward of this rank's documents for one step (gradients averaged
@@ -309,7 +355,7 @@ def summarise(
     return {
         "strategy": strategy,
         "unit_steps": unit_steps,
-        "cost_model": fit.as_dict() if fit is not None else cost.as_dict(),
+        "cost_model": {**(fit.as_dict() if fit is not None else {}), **cost.as_dict()},
         "summary": _aggregate(rows[_WARMUP_UNITS * len(names) :]),
         "assignments": per_assignment,
         "units": rows,
