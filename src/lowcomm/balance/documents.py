@@ -29,6 +29,7 @@ __all__ = [
     "DocumentCorpus",
     "DocumentSampler",
     "load_documents",
+    "stdlib_texts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,21 @@ def _stdlib_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def stdlib_texts() -> list[str]:
+    """The embedded documents' texts: the standard library's ``.py`` files outside
+    ``site-packages`` and the test suites, in sorted path order."""
+    files = _stdlib_files()
+    if not files:
+        raise ValueError(
+            "The embedded document corpus is the standard library's source, which this "
+            "Python lacks: pass --data with a folder of documents."
+        )
+    return [f.read_text("utf-8", errors="replace") for f in files]
+
+
 def _texts(path: str | None) -> tuple[list[str], str]:
     if path is None:
-        files = _stdlib_files()
-        if not files:
-            raise ValueError(
-                "The embedded document corpus is the standard library's source, which this "
-                "Python lacks: pass --data with a folder of documents."
-            )
-        return [f.read_text("utf-8", errors="replace") for f in files], EMBEDDED_DOCUMENTS
+        return stdlib_texts(), EMBEDDED_DOCUMENTS
     p = Path(path).expanduser()
     if p.is_dir():
         files = sorted(

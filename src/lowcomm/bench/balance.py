@@ -9,8 +9,9 @@ the tokens per second. Two sections:
 
 - **assignment**: random, sequential, group-by-length, token-balanced, cost-balanced and
   cost-balanced + splitting, with DDP (balanced per step) and with CO2 (per round);
-- **splitting**: longer documents (``--split-block-size``, one sequence per step) where one
-  document dominates a step: cost-balanced with and without splitting on one node, splitting
+- **splitting**: a corpus where one document can dominate a step (the standard library's long
+  source files among many 256-byte pieces of the others; ``--split-block-size`` tokens, one
+  sequence per worker per step): cost-balanced with and without splitting on one node, splitting
   on 2 nodes x 2 joined by a slow emulated link (split inside a node only), and on 4 nodes x 1
   (every split would cross the slow link: refused).
 
@@ -66,6 +67,9 @@ class BalanceSpec:
     split_block_size: int = 8192
     split_batch_size: int = 1
     split_link: str = "100mbit"
+    long_every: int = 128
+    """The splitting section's corpus (without ``--data``): one long document per this many
+    short ones, so that about one step in a few holds a document that dominates it."""
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 64
@@ -133,6 +137,7 @@ class BalanceSpec:
         if self.splitting:
             split = {
                 **base,
+                "data": self.data or os.path.join(self.out, DOMINANT_CORPUS),
                 "algo": "ddp",
                 "balance": "cost,cost+split",
                 "steps": 2 * self.split_cycles,
@@ -151,6 +156,36 @@ class BalanceSpec:
                     {"section": "splitting", "algo": "ddp", "layout": layout, "cfg": values}
                 )
         return jobs
+
+
+DOMINANT_CORPUS = "dominant.jsonl"
+"""The splitting section's corpus, written to ``--out``."""
+
+
+def write_dominant_corpus(path: str, *, long_tokens: int, long_every: int) -> dict[str, int]:
+    """A corpus where one document can dominate a step, from the standard library's source:
+    source files of at least ``long_tokens`` bytes whole (the long documents), and
+    ``long_every`` short documents per long one: 256-byte pieces of every file, in order.
+    Written as JSON lines; returns the counts."""
+    from lowcomm.balance.documents import stdlib_texts
+
+    texts = stdlib_texts()
+    pieces: list[str] = []
+    for t in texts:
+        raw = t.encode()
+        pieces += [raw[i : i + 256].decode("utf-8", "ignore") for i in range(0, len(raw), 256)]
+    pieces = [p for p in pieces if len(p) > 64]
+    long = [t for t in texts if len(t.encode()) >= long_tokens + 1][: len(pieces) // long_every]
+    short = pieces[: long_every * len(long)]
+    docs = []
+    for i, text in enumerate(long):
+        docs.append(text)
+        docs += short[i * long_every : (i + 1) * long_every]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for text in docs:
+            f.write(json.dumps({"text": text}) + "\n")
+    return {"long": len(long), "short": len(short)}
 
 
 def _slug(text: str) -> str:
@@ -233,6 +268,12 @@ def run_balance(
     from lowcomm.train.launcher import launch
 
     os.makedirs(spec.out, exist_ok=True)
+    if spec.splitting and spec.data is None:
+        write_dominant_corpus(
+            os.path.join(spec.out, DOMINANT_CORPUS),
+            long_tokens=spec.split_block_size,
+            long_every=spec.long_every,
+        )
     rows = []
     jobs = spec.jobs()
     for i, job in enumerate(jobs, 1):
@@ -309,7 +350,10 @@ def format_balance(results: dict[str, Any]) -> str:
         ),
         (
             "splitting",
-            f"Splitting ({spec['split_block_size']}-token cap, "
+            "Splitting (a corpus where one document can dominate a step: the standard "
+            f"library's source files of {spec['split_block_size']}+ bytes among "
+            f"{spec['long_every']} times as many 256-byte pieces; "
+            f"{spec['split_block_size']}-token cap, "
             f"{spec['split_batch_size']} x {spec['split_block_size']} tokens per worker per step, "
             "DDP)",
         ),
