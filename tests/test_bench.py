@@ -187,11 +187,22 @@ def test_cli_refuses_previous_results_and_bad_lists(tmp_path, capsys):
 # --- lowcomm bench --balance ------------------------------------------------------------------
 
 
-def test_balance_jobs_interleave_assignments_and_lay_out_the_splitting_section():
-    from lowcomm.bench.balance import ASSIGNMENTS, BalanceSpec
+def test_balance_jobs_interleave_assignments_and_lay_out_the_splitting_section(tmp_path):
+    from lowcomm.balance import load_documents
+    from lowcomm.bench.balance import (
+        ASSIGNMENTS,
+        DOMINANT_CORPUS,
+        BalanceSpec,
+        write_dominant_corpus,
+    )
     from lowcomm.train.config import config_from_dict
 
-    spec = BalanceSpec(cycles=3, round_cycles=2, split_cycles=4, sync_every=4)
+    spec = BalanceSpec(cycles=3, round_cycles=2, split_cycles=4, sync_every=4, out=str(tmp_path))
+    corpus = os.path.join(spec.out, DOMINANT_CORPUS)
+    counts = write_dominant_corpus(corpus, long_tokens=8192, long_every=128)
+    assert counts["short"] == 128 * counts["long"] and counts["long"] > 20
+    lengths = sorted(len(d) for d in load_documents(corpus).train)
+    assert lengths[-1] > 8192 and lengths[len(lengths) // 2] <= 256
     jobs = spec.jobs()
     assert [(j["section"], j["algo"]) for j in jobs] == [
         ("assignment", "ddp"),
@@ -205,6 +216,7 @@ def test_balance_jobs_interleave_assignments_and_lay_out_the_splitting_section()
     assert ddp["steps"] == 3 * 6 and co2["steps"] == 2 * 6 * 4
     layouts = [(j["cfg"].get("nodes", 1), j["cfg"]["link"]) for j in jobs[2:]]
     assert layouts == [(1, None), (2, "100mbit"), (4, "100mbit")]
+    assert all(j["cfg"]["data"] == corpus for j in jobs[2:]) and ddp["data"] is None
     for job in jobs:  # every job is a valid lowcomm train configuration
         cfg = config_from_dict(job["cfg"], source="test")
         assert cfg.documents and cfg.world_size == 4
