@@ -404,14 +404,17 @@ def format_balance(results: dict[str, Any]) -> str:
 def run_cost_model(
     *, block_size: int, n_layer: int, n_head: int, n_embd: int, repeats: int = 3
 ) -> dict[str, Any]:
-    """Fit the cost model of a GPT of this shape on this device (one process) and check it on
-    micro-batches packed from the embedded documents that the fit did not see."""
+    """Fit the cost model of a GPT of this shape on this device (one process, one thread: a
+    worker's share of a CPU) and check it on micro-batches packed from the embedded documents
+    that the fit did not see."""
     import torch
 
     from lowcomm.balance import load_documents, measure_cost_model
     from lowcomm.models.gpt import GPT, GPTConfig, Packed
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one worker of lowcomm train per core
     model = GPT(
         GPTConfig(
             vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd
@@ -449,6 +452,7 @@ def run_cost_model(
                 "error": errors[-1],
             }
         )
+    torch.set_num_threads(threads)
     return {
         "fit": fit.as_dict(),
         "held_out": checks,
