@@ -77,3 +77,6 @@ trainer.save_model()  # every rank holds the same model: the one the ranks agree
 final = trainer.evaluate()  # every rank takes part
 if trainer.is_world_process_zero():
     print(f"final eval loss {final['eval_loss']:.3f}; model in {args.out}")
+if torch.distributed.is_initialized():  # leave together, the process group closed
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

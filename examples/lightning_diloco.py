@@ -89,3 +89,6 @@ trainer.fit(module, loader, val_loader, ckpt_path=last[-1] if args.resume and la
 final = trainer.validate(module, val_loader, verbose=False)[0]  # the model every rank agrees on
 if trainer.is_global_zero:
     print(f"final val loss {final['val_loss']:.3f}; checkpoints in {args.out}")
+if torch.distributed.is_initialized():  # leave together, the process group closed
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

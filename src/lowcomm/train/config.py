@@ -310,6 +310,11 @@ class TrainConfig:
     def _check_documents(self) -> None:
         from lowcomm.balance import METHODS, parse_assignments
 
+        for key in ("documents", "balance_paired", "busy_wait"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, f"must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.balance, str):
+            raise ConfigError("balance", f"must be a string such as 'cost', got {self.balance!r}")
         try:
             parse_assignments(self.balance)
         except ValueError as e:
