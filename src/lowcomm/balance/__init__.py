@@ -55,7 +55,6 @@ from lowcomm.balance.stream import (
     MicroBatch,
     StepWork,
     parse_assignments,
-    step_loss,
 )
 
 __all__ = [
@@ -85,7 +84,6 @@ __all__ = [
     "plan",
     "spread_over_steps",
     "split_pays",
-    "step_loss",
     "timing_shapes",
     "zigzag_positions",
     "zigzag_sizes",

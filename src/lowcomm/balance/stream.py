@@ -20,8 +20,8 @@ whichever rank holds which document.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,7 +71,6 @@ class StepWork:
     plan: Plan
     """The unit's plan (the same on every rank)."""
     first_of_unit: bool = False
-    records: dict[str, Any] = field(default_factory=dict)
 
 
 ASSIGNMENTS = (*STRATEGIES, "cost+split")
@@ -324,11 +323,3 @@ class DocumentStream:
         else:
             self.unit = -1
         self._pending = (state["next"], None)
-
-
-def step_loss(
-    model: Callable[..., Any], mb: MicroBatch, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scaled loss to backward, token sum)`` of a micro-batch."""
-    _, total = model(mb.x, mb.y, packed=mb.packed, reduction="sum")
-    return total * scale, total.detach()

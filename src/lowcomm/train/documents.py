@@ -44,7 +44,6 @@ from lowcomm.balance import (
     RingAttention,
     SplitPolicy,
     analytic_cost_model,
-    load_documents,
     measure_cost_model,
     parse_assignments,
     zigzag_positions,
@@ -57,16 +56,12 @@ from lowcomm.models.gpt import Packed
 from lowcomm.registry import BASELINES
 from lowcomm.train.config import TrainConfig
 
-__all__ = ["DocumentJob", "load_job_documents", "val_micro_batches"]
+__all__ = ["DocumentJob", "val_micro_batches"]
 
 logger = logging.getLogger(__name__)
 
 _WARMUP_UNITS = 1
 """Plan units left out of the aggregates (start-up: allocations, first-touch)."""
-
-
-def load_job_documents(cfg: TrainConfig) -> DocumentCorpus:
-    return load_documents(cfg.data)
 
 
 def val_micro_batches(

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lowcomm.train.checkpoint as ckpt
-from lowcomm.balance import DocumentCorpus
+from lowcomm.balance import DocumentCorpus, load_documents
 from lowcomm.comm import CommStats, DDPCommMeter, set_busy_wait
 from lowcomm.data import eval_batches, get_batch, load_corpus, make_generator
 from lowcomm.guard import check_same_across_ranks, checksum
@@ -72,7 +72,7 @@ from lowcomm.link import EmulatedLink
 from lowcomm.optim import DeMo
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.documents import DocumentJob, load_job_documents, val_micro_batches
+from lowcomm.train.documents import DocumentJob, val_micro_batches
 from lowcomm.train.failures import attempt
 from lowcomm.train.faults import FAULT_ENV, fault_point, inject_fault
 from lowcomm.train.metrics import CHECKPOINT_NOTE, plot_losses, save_checkpoint, write_json
@@ -311,7 +311,7 @@ class _Job:
         dist.barrier()  # no rank writes a checkpoint before the folder is cleaned up
 
         set_busy_wait(cfg.busy_wait)
-        self.corpus = corpus = load_job_documents(cfg) if cfg.documents else load_corpus(cfg.data)
+        self.corpus = corpus = load_documents(cfg.data) if cfg.documents else load_corpus(cfg.data)
         check_same_job(cfg, corpus)
         groups = node_groups(cfg, world)
         torch.manual_seed(cfg.seed)  # identical initial model on every rank
