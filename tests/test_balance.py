@@ -225,7 +225,7 @@ def test_measured_cost_model_on_the_real_model_is_a_valid_fit():
     model = tiny_doc_model(torch.float32)
     fit = measure_cost_model(model, 64, repeats=1)
     assert len(fit.samples) == len(timing_shapes(64))
-    assert fit.model.a > 0 or fit.model.b > 0
+    assert all(t > 0 for _, t in fit.samples) and math.isfinite(fit.rms_rel_error)
     assert all(p.grad is None for p in model.parameters())
     json.dumps(fit.as_dict())
 

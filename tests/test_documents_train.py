@@ -21,7 +21,9 @@ DOCS = [
 
 
 @pytest.mark.timeout(240)
-def test_ddp_documents_with_splitting_record_the_balance(train_job: Any, tmp_path: Any) -> None:
+def test_ddp_documents_in_turn_record_the_balance_per_assignment(
+    train_job: Any, tmp_path: Any
+) -> None:
     out = tmp_path / "ddp"
     summary = train_job("--algo", "ddp", *DOCS, "--balance", "random,cost+split", out=out)
     with open(out / "balance.json", encoding="utf-8") as f:

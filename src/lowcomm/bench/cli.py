@@ -349,31 +349,33 @@ def _run_cost_model(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace, prog: str) -> int:
+    from lowcomm.train.launcher import WorkerFailed
+
+    try:
+        return _dispatch(args)
+    except WorkerFailed as e:
+        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
+        print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """``lowcomm bench``'s run: the cost model, the balancing benchmark, the convergence
+    harness or the matrix."""
     from lowcomm.bench.matrix import BenchSpec, run_bench
     from lowcomm.bench.report import format_markdown
-    from lowcomm.train.launcher import WorkerFailed
 
     if args.balance and (args.convergence or args.quick or args.cost_model):
         raise ValueError("--balance is a run of its own: drop --quick, --convergence, --cost-model")
     if args.cost_model:
         return _run_cost_model(args)
     if args.balance:
-        try:
-            return _run_balance(args)
-        except WorkerFailed as e:
-            where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
-            print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
-            return 1
+        return _run_balance(args)
     for key in _BALANCE_KEYS - {"algos", "workers", "sync_every", "seed", "data", "out"}:
         if key in vars(args):
             raise ValueError(f"--{key.replace('_', '-')} is a flag of --balance; add it")
     if args.convergence:
-        try:
-            return _run_convergence(args)
-        except WorkerFailed as e:
-            where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
-            print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
-            return 1
+        return _run_convergence(args)
     for key in ("seeds", "timing_steps", "long", "lengths", "reuse"):
         if getattr(args, key, False) not in (False, None):
             raise ValueError(f"--{key.replace('_', '-')} is a flag of --convergence; add it")
@@ -398,12 +400,7 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
     def progress(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    try:
-        results = run_bench(spec, command=command, progress=progress)
-    except WorkerFailed as e:
-        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
-        print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
-        return 1
+    results = run_bench(spec, command=command, progress=progress)
     print(format_markdown(results))
     print(f"results: {results_path} (+ results.md, throughput.png, loss_vs_time.png)")
     return 0
