@@ -251,10 +251,12 @@ def _build_parser() -> _Parser:
     _add_train(subparsers)
     from lowcomm.bench.cli import add_subcommand as add_bench
     from lowcomm.bench.simulate import add_subcommand as add_simulate
+    from lowcomm.plan.cli import add_subcommand as add_plan
     from lowcomm.zo.cli import add_subcommand as add_finetune
 
     add_bench(subparsers)
     add_simulate(subparsers)
+    add_plan(subparsers)
     add_finetune(subparsers)
     return parser
 
@@ -294,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         if extra:
             return _fail(parser.prog, f"unrecognized arguments: {' '.join(extra)}")
-        return _fail(parser.prog, "choose a command: train, bench, simulate, finetune")
+        return _fail(parser.prog, "choose a command: train, bench, simulate, plan, finetune")
     prog = f"{parser.prog} {args._command}"
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")

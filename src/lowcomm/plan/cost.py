@@ -1,0 +1,622 @@
+"""The α-β cost model shared by ``lowcomm simulate`` and ``lowcomm plan``.
+
+The collectives' costs (ring, hierarchical and tiered all-reduce, all-gather, reduce-scatter,
+point-to-point, group exchange), the workload and the network (:class:`Workload`,
+:class:`Network`) and each data-parallel algorithm's overlap rule (:func:`step_time`, chosen by
+the algorithm's ``schedule`` in :data:`lowcomm.registry.REGISTRY`). ``lowcomm simulate`` projects
+these to N workers (:mod:`lowcomm.bench.simulate.model`); ``lowcomm plan`` prices the collectives
+of a TP/PP/DP layout with them and uses :func:`step_time` for an outer algorithm across the
+slowest tier (:mod:`lowcomm.plan.timing`). Nothing here reads files or prints.
+
+**Communication (α-β, Hockney).** A ring all-reduce of ``S`` bytes over ``n`` workers sends
+``2 (n - 1)`` messages of ``S / n`` bytes in sequence, so on a link of bandwidth β (bits/s) and
+per-message latency α (s) it takes
+
+    T_ring(S, n) = 2 (n - 1) α + 2 (n - 1) / n · 8 S / β          (0 when n = 1)
+
+(:func:`ring_allreduce_time`); a reduce-scatter or an all-gather is half of it. Nodes of ``G`` GPUs
+with a fast link inside and one slow NIC per node are modelled hierarchically
+(:func:`hierarchical_allreduce_time`): reduce-scatter inside the node, then ``G`` concurrent
+inter-node rings, one per ``S / G`` shard, that share the node's NIC (so the NIC carries the whole
+``2 (m - 1) / m · S`` of an ``m``-node ring), then all-gather inside the node. lowcomm's own link
+emulation (:mod:`lowcomm.link`) charges a collective ``α + 2 (n - 1) / n · 8 S / β`` (latency once,
+first in first out), which :func:`emulated_allreduce_time` reproduces for calibration against
+``lowcomm bench``.
+
+**Compute.** ``t_c`` is the time of one inner step (forward, backward, inner optimizer) on one
+worker, measured or given; it does not change with N (weak scaling: every worker keeps its batch).
+The payload is the parameter count × bytes per element (4 for fp32, lowcomm's buckets; 2 for
+bf16), or a measured payload.
+
+**Overlap rules**, one per registry schedule (per worker; H = ``sync_every``; T = all-reduce time
+of the whole payload; ``t_o`` = one outer update):
+
+* ``never`` (``none``): no communication, step = t_c (the ceiling).
+* ``every-step`` (``ddp``, synchronous AdamW/SGD): all-reduce of the gradients every step. DDP
+  launches bucket all-reduces during backward, so at most the backward share ``b`` of ``t_c`` can
+  hide them: step = t_c + max(0, T − b·t_c). ``b = 2/3`` by default (backward ≈ twice forward);
+  ``b = 0`` is no overlap, which is what lowcomm's emulated DDP shows when the model fits in one
+  or two buckets (the link delay then starts after backward has finished).
+* ``blocking`` (``localsgd``, ``slowmo``, ``diloco``): blocking all-reduce every H steps:
+  round = H·t_c + T + t_o.
+* ``one-round-stale`` (``co2``, ``co2-eager``): the all-reduce launched at the end of round r is
+  waited for at the end of round r + 1, so it overlaps H steps and the outer update:
+  round = max(H·t_c + t_o, T). Communication is exposed only when T > H·t_c + t_o, and then
+  exactly by the excess (the link is the bottleneck; first in, first out).
+* ``fragments`` (``streaming``: Streaming DiLoCo, and ``cocodc``): P fragments of S / P bytes,
+  one synced every H / P steps; each all-reduce (time T_f) is launched ``overlap`` (τ) steps
+  before its sync point, so each sync point exposes max(0, T_f − τ·t_c). The link carries one
+  fragment at a time, so a round is never shorter than P·T_f:
+  round = max(H·t_c + P·max(0, T_f − τ·t_c) + t_o, P·T_f). CoCoDC's adaptive fragment choice
+  adds a blocking all-reduce of P float64 scores at each sync point (a latency-bound collective).
+* ``gossip`` (``noloco``): no all-reduce; every H steps each worker exchanges its full payload
+  with the other members of a random group of n (``group_size``; with N not divisible by n the
+  last group has n + N mod n members, and the largest group sets the round). A member sends
+  its S bytes to each of the g − 1 others at once over its own link, so the exchange takes
+  T_x = α + (g − 1) · 8 S / β, independent of N (:func:`exchange_time`; with ``G`` GPUs per node
+  sharing one NIC and the partners on other nodes, the NIC carries G of them:
+  α + G (g − 1) · 8 S / β). Launched τ (``overlap``) steps before it is applied:
+  round = max(H·t_c + max(0, T_x − τ·t_c) + t_o, T_x). The model assumes every worker has its
+  own full-duplex link of bandwidth β and that the exchanges of different groups do not share
+  links (no switch or core contention); the finish() all-reduce of φ is once per run and left
+  out.
+* ``every-step-gather`` (``demo``): every step an all-gather of each worker's top-k DCT
+  coefficients, S_d = parameters · min(1, k / s²) · 8 bytes (an int32 index and an fp32 value
+  per coefficient; k = ``topk`` of every s × s block, ``chunk`` s: the 2-D tensors that hold
+  nearly all parameters). A ring all-gather sends (n − 1) messages of S_d and every worker
+  receives (n − 1)·S_d, so T_g = (n − 1)(α + 8 S_d / β) grows with N (:func:`allgather_time`;
+  lowcomm's emulation charges α + (n − 1)·8 S_d / β). Compression happens after backward, so
+  nothing hides it: step = t_c + T_g; with ``overlap`` (applied one step late) it runs behind the
+  next step: step = max(t_c, T_g).
+
+**Tiers.** A cluster is a stack of tiers (devices in a node, nodes in a region, regions), each
+with its own bandwidth and latency per uplink. A collective over a group with ``k_i`` members
+in each unit of tier ``i`` (``k_0`` devices of a node, ``k_1`` nodes of a region, ...) is
+priced as reduce-scatters down the tiers, an all-reduce at the top and all-gathers back up (as
+NCCL's hierarchical algorithms run it); at tier ``i`` every device sends its shard
+``S / (k_0 ⋯ k_{i-1})``, and ``share_i`` devices that communicate at once share the tier's
+uplink (:func:`tiered_allreduce_time`):
+
+    T = Σ_i 2 (k_i − 1) α_i + 2 (k_i − 1) / k_i · 8 S_i · share_i / β_i
+
+With two tiers and ``share_1 = k_0`` this is :func:`hierarchical_allreduce_time`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
+
+from lowcomm.outer.cocodc import CoCoDC
+from lowcomm.registry import REGISTRY, AlgorithmEntry, names
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "CostModel",
+    "LinkModel",
+    "Network",
+    "StepTime",
+    "TierLevel",
+    "Workload",
+    "allgather_time",
+    "emulated_allreduce_time",
+    "exchange_time",
+    "hierarchical_allreduce_time",
+    "p2p_time",
+    "ring_allreduce_time",
+    "solve_compute_time",
+    "step_time",
+    "tiered_allreduce_time",
+]
+
+ALGORITHMS = names()
+"""Algorithms the model knows: every ``lowcomm train --algo`` value, in registry order."""
+
+_SCORE_BYTES = 8  # CoCoDC all-reduces one float64 priority score per fragment
+
+CostModel = Literal["ring", "emulated"]
+
+
+# --- communication ----------------------------------------------------------------------------
+
+
+def _check_collective(payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {n!r}")
+    if not payload_bytes >= 0:
+        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes!r}")
+    if not bandwidth_bps > 0:
+        raise ValueError(f"bandwidth must be > 0 bits/s, got {bandwidth_bps!r}")
+    if not (latency_s >= 0 and math.isfinite(latency_s)):
+        raise ValueError(f"latency must be a finite number >= 0 s, got {latency_s!r}")
+
+
+def allgather_time(
+    payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float, *, emulated: bool = False
+) -> float:
+    """Time of a ring all-gather of ``payload_bytes`` per worker over ``n`` workers:
+    ``(n − 1)(α + 8 S / β)`` (emulated: latency once, ``α + (n − 1) · 8 S / β``); 0 for n = 1."""
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    if n == 1:
+        return 0.0
+    wire = (n - 1) * 8.0 * payload_bytes / bandwidth_bps
+    return latency_s + wire if emulated else (n - 1) * latency_s + wire
+
+
+def exchange_time(
+    payload_bytes: float, group: int, bandwidth_bps: float, latency_s: float, *, sharing: int = 1
+) -> float:
+    """Time of a group exchange (NoLoCo): each of ``group`` members sends ``payload_bytes`` to
+    every other member at once over its link, shared by ``sharing`` workers (GPUs behind one
+    NIC): ``α + sharing · (g − 1) · 8 S / β``; 0 for a group of one. lowcomm's emulated link
+    charges the same (``sharing`` 1)."""
+    if group <= 1:
+        return 0.0
+    return latency_s + sharing * (group - 1) * 8.0 * payload_bytes / bandwidth_bps
+
+
+def ring_allreduce_time(
+    payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float
+) -> float:
+    """Time of a ring all-reduce of ``payload_bytes`` over ``n`` workers (α-β model).
+
+    ``2 (n - 1) α + 2 (n - 1) / n · 8 S / β``: a reduce-scatter and an all-gather of ``n - 1``
+    steps each, every step one message of ``S / n`` bytes; 0 for ``n = 1``.
+
+    Args:
+        payload_bytes: S, bytes each worker contributes.
+        n: workers in the ring.
+        bandwidth_bps: β, link bandwidth in bits/s per worker, each direction.
+        latency_s: α, latency per message in seconds.
+    """
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * latency_s + 2 * (n - 1) / n * 8.0 * payload_bytes / bandwidth_bps
+
+
+def emulated_allreduce_time(
+    payload_bytes: float, n: int, bandwidth_bps: float, latency_s: float
+) -> float:
+    """What lowcomm's :class:`~lowcomm.link.EmulatedLink` charges: α + 2 (n - 1) / n · 8 S / β.
+
+    The emulation books the ring's wire bytes on one FIFO link and adds the latency once
+    (propagation overlaps the next transfer), so a set of buckets launched together costs the
+    same as one bucket of their total size. 0 for ``n = 1``.
+    """
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    if n == 1:
+        return 0.0
+    return latency_s + 2 * (n - 1) / n * 8.0 * payload_bytes / bandwidth_bps
+
+
+def p2p_time(
+    payload_bytes: float, bandwidth_bps: float, latency_s: float, *, share: int = 1
+) -> float:
+    """Time of one point-to-point message of ``payload_bytes``: ``α + 8 S · share / β``, with
+    ``share`` senders on the same link at once (pipeline stages sending through one NIC)."""
+    _check_collective(payload_bytes, 1, bandwidth_bps, latency_s)
+    return latency_s + 8.0 * payload_bytes * share / bandwidth_bps
+
+
+@dataclass(frozen=True)
+class TierLevel:
+    """A group's part in one tier of a cluster, for :func:`tiered_allreduce_time`."""
+
+    members: int
+    """k_i: units of this tier the group spans inside one unit of the next (devices of a node
+    at tier 0, nodes of a region at tier 1, ...)."""
+    bandwidth_bps: float
+    """β_i: bandwidth of this tier's uplink, bits/s (per device at tier 0, per node at 1, ...)."""
+    latency_s: float = 0.0
+    """α_i: latency per message on this tier."""
+    share: int = 1
+    """Devices that send through one uplink of this tier at the same time."""
+
+
+def tiered_allreduce_time(payload_bytes: float, levels: Sequence[TierLevel]) -> float:
+    """All-reduce of ``payload_bytes`` per device over a group spread across tiers.
+
+    Reduce-scatter down the tiers, all-reduce at the top, all-gather back up: at tier ``i`` each
+    device holds the shard ``S_i = S / (k_0 ⋯ k_{i-1})`` and ``share_i`` devices send through
+    the tier's uplink at once, so the tier costs
+    ``2 (k_i − 1) α_i + 2 (k_i − 1) / k_i · 8 S_i · share_i / β_i`` (0 when ``k_i = 1``).
+    """
+    total, held = 0.0, 1
+    for level in levels:
+        k = level.members
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"tier members must be an integer >= 1, got {k!r}")
+        if isinstance(level.share, bool) or not isinstance(level.share, int) or level.share < 1:
+            raise ValueError(f"tier share must be an integer >= 1, got {level.share!r}")
+        _check_collective(payload_bytes, k, level.bandwidth_bps, level.latency_s)
+        if k > 1:
+            sent = payload_bytes * (level.share / held)
+            total += 2 * (k - 1) * level.latency_s
+            total += 2 * (k - 1) / k * 8.0 * sent / level.bandwidth_bps
+        held *= k
+    return total
+
+
+def hierarchical_allreduce_time(
+    payload_bytes: float,
+    n: int,
+    *,
+    gpus_per_node: int,
+    bandwidth_bps: float,
+    latency_s: float,
+    intra_bandwidth_bps: float | None,
+    intra_latency_s: float = 0.0,
+) -> float:
+    """All-reduce over nodes of ``gpus_per_node`` GPUs: fast link inside, one slow NIC per node.
+
+    Within one node (``n <= G``) this is a ring on the fast link. Across ``m = n / G`` nodes:
+    reduce-scatter inside each node (``(G - 1) α_i + (G - 1) / G · 8 S / β_i``), then G concurrent
+    inter-node rings on ``S / G`` bytes each, which share the node's NIC: together
+    ``T_ring(S, m)`` on (β, α); then all-gather inside the node (as the reduce-scatter). The
+    two-tier case of :func:`tiered_allreduce_time`. ``intra_bandwidth_bps=None`` makes the fast
+    link free.
+
+    Args:
+        payload_bytes: S, bytes per GPU.
+        n: GPUs in all; a multiple of ``gpus_per_node`` when above it.
+        gpus_per_node: G.
+        bandwidth_bps: β, the inter-node bandwidth per node (its NIC), bits/s.
+        latency_s: α, inter-node latency per message.
+        intra_bandwidth_bps: β_i, bandwidth of the fast link per GPU, bits/s.
+        intra_latency_s: α_i, latency per message on the fast link.
+    """
+    _check_collective(payload_bytes, n, bandwidth_bps, latency_s)
+    g = gpus_per_node
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"gpus_per_node must be an integer >= 1, got {g!r}")
+    intra_bw = math.inf if intra_bandwidth_bps is None else intra_bandwidth_bps
+    if n <= g:
+        return ring_allreduce_time(payload_bytes, n, intra_bw, intra_latency_s)
+    if n % g:
+        raise ValueError(
+            f"workers ({n}) must be a multiple of gpus_per_node ({g}) above one node; "
+            f"e.g. {g * math.ceil(n / g)}"
+        )
+    levels = [
+        TierLevel(g, intra_bw, intra_latency_s),
+        TierLevel(n // g, bandwidth_bps, latency_s, share=g),
+    ]
+    return tiered_allreduce_time(payload_bytes, levels)
+
+
+class LinkModel(Protocol):
+    """What :func:`step_time` asks of a network: the time of its collectives over ``n``
+    workers (:class:`Network`; ``lowcomm plan`` passes the data-parallel group of a layout)."""
+
+    def allreduce_time(self, payload_bytes: float, n: int) -> float: ...
+
+    def allgather_time(self, payload_bytes: float, n: int) -> float: ...
+
+    def exchange_time(self, payload_bytes: float, group: int) -> float: ...
+
+
+@dataclass(kw_only=True, frozen=True)
+class Network:
+    """The links between workers."""
+
+    bandwidth_bps: float
+    """β: bandwidth of the slow link in bits/s; per node (its NIC) when gpus_per_node > 1."""
+    latency_s: float = 0.0
+    """α: latency per message on the slow link, in seconds."""
+    gpus_per_node: int = 1
+    """G: workers per node; 1 puts every worker on the slow link (a flat ring)."""
+    intra_bandwidth_bps: float | None = None
+    """β_i: bandwidth of the fast link inside a node, per GPU, bits/s (None: free)."""
+    intra_latency_s: float = 0.0
+    """α_i: latency per message on the fast link."""
+    cost: CostModel = "ring"
+    """"ring": the α-β ring; "emulated": what lowcomm's link emulation charges (flat only)."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bps > 0:
+            raise ValueError(
+                f"bandwidth must be > 0 bits/s, got {self.bandwidth_bps!r}; e.g. 80e9 (80 Gbit/s)"
+            )
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency must be a finite number >= 0 s, got {self.latency_s!r}")
+        g = self.gpus_per_node
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"gpus_per_node must be an integer >= 1, got {g!r}")
+        if self.intra_bandwidth_bps is not None and not self.intra_bandwidth_bps > 0:
+            raise ValueError(
+                f"intra_bandwidth must be > 0 bits/s, got {self.intra_bandwidth_bps!r}"
+            )
+        if not (self.intra_latency_s >= 0 and math.isfinite(self.intra_latency_s)):
+            raise ValueError(
+                f"intra_latency must be a finite number >= 0 s, got {self.intra_latency_s!r}"
+            )
+        if self.cost not in ("ring", "emulated"):
+            raise ValueError(f"cost must be 'ring' or 'emulated', got {self.cost!r}")
+        if self.cost == "emulated" and g != 1:
+            raise ValueError("the emulated link is flat: use gpus_per_node=1 with cost='emulated'")
+
+    def allreduce_time(self, payload_bytes: float, n: int) -> float:
+        """Seconds for one mean all-reduce of ``payload_bytes`` per worker over ``n`` workers."""
+        if self.cost == "emulated":
+            return emulated_allreduce_time(payload_bytes, n, self.bandwidth_bps, self.latency_s)
+        if self.gpus_per_node == 1:
+            return ring_allreduce_time(payload_bytes, n, self.bandwidth_bps, self.latency_s)
+        return hierarchical_allreduce_time(
+            payload_bytes,
+            n,
+            gpus_per_node=self.gpus_per_node,
+            bandwidth_bps=self.bandwidth_bps,
+            latency_s=self.latency_s,
+            intra_bandwidth_bps=self.intra_bandwidth_bps,
+            intra_latency_s=self.intra_latency_s,
+        )
+
+    def allgather_time(self, payload_bytes: float, n: int) -> float:
+        """Seconds for one all-gather of ``payload_bytes`` per worker over ``n`` workers (with
+        nodes of several GPUs, a ring over the nodes, each node's NIC carrying its G shards)."""
+        emulated = self.cost == "emulated"
+        g = 1 if emulated else self.gpus_per_node
+        nodes = n if g == 1 else self.nodes(n)
+        return allgather_time(
+            g * payload_bytes, nodes, self.bandwidth_bps, self.latency_s, emulated=emulated
+        )
+
+    def exchange_time(self, payload_bytes: float, group: int) -> float:
+        """Seconds for one group exchange (NoLoCo) of ``payload_bytes`` per member among
+        ``group`` members (:func:`exchange_time`; nodes of several GPUs share their NIC)."""
+        sharing = 1 if self.cost == "emulated" else self.gpus_per_node
+        return exchange_time(
+            payload_bytes, group, self.bandwidth_bps, self.latency_s, sharing=sharing
+        )
+
+    def nodes(self, n: int) -> int:
+        return max(1, math.ceil(n / self.gpus_per_node))
+
+
+# --- workload and algorithms ------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class Workload:
+    """What one worker computes and sends."""
+
+    parameters: float
+    """Model parameters (all are synchronised)."""
+    tokens_per_step: float
+    """Tokens (or samples) one worker processes per inner step."""
+    step_time_s: float
+    """t_c: compute time of one inner step on one worker (forward, backward, inner optimizer)."""
+    bytes_per_param: float = 4.0
+    """Bytes per synchronised element: 4 for fp32 (lowcomm's buckets), 2 for bf16/fp16."""
+    payload_bytes: float | None = None
+    """Bytes per worker per full synchronisation; None: parameters × bytes_per_param."""
+    backward_fraction: float = 2.0 / 3.0
+    """b: share of t_c during which DDP's gradient all-reduce can overlap backward (0: none)."""
+    outer_time_s: float = 0.0
+    """t_o: compute time of one outer update (all fragments together)."""
+
+    def __post_init__(self) -> None:
+        for key in ("parameters", "tokens_per_step", "bytes_per_param"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
+        if not (self.step_time_s >= 0 and math.isfinite(self.step_time_s)):
+            raise ValueError(f"step_time must be a finite number >= 0 s, got {self.step_time_s!r}")
+        if self.payload_bytes is not None and not self.payload_bytes >= 0:
+            raise ValueError(f"payload_bytes must be >= 0, got {self.payload_bytes!r}")
+        if not 0.0 <= self.backward_fraction <= 1.0:
+            raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction!r}")
+        if not (self.outer_time_s >= 0 and math.isfinite(self.outer_time_s)):
+            raise ValueError(
+                f"outer_time must be a finite number >= 0 s, got {self.outer_time_s!r}"
+            )
+
+    @property
+    def payload(self) -> float:
+        """Bytes per worker in one full synchronisation."""
+        if self.payload_bytes is not None:
+            return self.payload_bytes
+        return self.parameters * self.bytes_per_param
+
+
+@dataclass(kw_only=True, frozen=True)
+class Algorithm:
+    """One algorithm and its schedule."""
+
+    name: str
+    """One of :data:`ALGORITHMS`."""
+    sync_every: int = 1
+    """H: inner steps per round (the CO2 paper's τ); ignored by ddp and none."""
+    num_fragments: int = 1
+    """P: streaming/cocodc fragments; H must be a multiple of P."""
+    overlap: int = 0
+    """τ: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied."""
+    adaptive: bool = True
+    """cocodc: fragments chosen by an all-reduced priority score (a blocking collective)."""
+    group_size: int = 2
+    """n: noloco's group size."""
+    topk: int = 32
+    """k: demo's coefficients sent per chunk."""
+    chunk: int = 64
+    """s: demo's chunk size per dimension."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.name!r}")
+        keys = [("sync_every", 1), ("num_fragments", 1), ("overlap", 0), ("group_size", 2)]
+        keys += [("topk", 1), ("chunk", 1)]
+        for key, low in keys:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        if self.schedule in ("fragments", "gossip") and self.overlap >= self.sync_every:
+            raise ValueError(
+                f"overlap ({self.overlap}) must be < sync_every ({self.sync_every}) for {self.name}"
+            )
+        if self.schedule == "fragments" and self.sync_every % self.num_fragments:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
+                f"({self.num_fragments}) for {self.name}"
+            )
+
+    @property
+    def entry(self) -> AlgorithmEntry:
+        """Its entry in :data:`lowcomm.registry.REGISTRY`."""
+        return REGISTRY[self.name]
+
+    @property
+    def schedule(self) -> str:
+        """How it communicates (one of :data:`lowcomm.registry.SCHEDULES`): the overlap
+        rule :func:`step_time` applies."""
+        return self.entry.schedule
+
+    @property
+    def period(self) -> int:
+        """Inner steps per synchronisation: 1 for a sync every step (ddp, demo), else
+        ``sync_every``."""
+        return 1 if self.schedule in ("every-step", "every-step-gather") else self.sync_every
+
+    @property
+    def label(self) -> str:
+        """Short name for tables and plots, e.g. ``co2 H=48``."""
+        if self.schedule == "every-step-gather":
+            return f"{self.name} k={self.topk} s={self.chunk}" + (
+                " overlap" if self.overlap else ""
+            )
+        if not self.entry.is_outer:
+            return self.name
+        text = f"{self.name} H={self.sync_every}"
+        if self.schedule == "fragments":
+            text += f" P={self.num_fragments} overlap={self.overlap}"
+        if self.schedule == "gossip":
+            text += f" n={self.group_size}" + (f" overlap={self.overlap}" if self.overlap else "")
+        return text
+
+    def largest_group(self, n: int) -> int:
+        """noloco: members of the largest group among ``n`` workers (the remainder of n not
+        divisible by ``group_size`` joins the last group)."""
+        groups = max(1, n // self.group_size)
+        return n - (groups - 1) * self.group_size
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Per-worker time of one inner step, averaged over a round."""
+
+    step_s: float
+    """Wall time per inner step."""
+    compute_s: float
+    """t_c."""
+    comm_s: float
+    """All-reduce time per inner step (all of a round's collectives, divided by H)."""
+    exposed_s: float
+    """Communication not hidden behind compute, per inner step."""
+    outer_s: float
+    """Outer-update compute per inner step."""
+    queued_s: float = 0.0
+    """Time collectives wait for the link behind earlier ones, per inner step (link-bound)."""
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        """1 − blocked / in flight, as lowcomm's counters define it (in flight from launch to
+        completion, queueing included); None without communication."""
+        in_flight = self.comm_s + self.queued_s
+        if in_flight <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.exposed_s / in_flight))
+
+
+def step_time(algorithm: Algorithm, workload: Workload, network: LinkModel, n: int) -> StepTime:
+    """Time per inner step of ``algorithm`` on ``n`` workers; see the module docstring's rules."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {n!r}")
+    t = workload.step_time_s
+    schedule = algorithm.schedule
+    if schedule == "never" or n == 1:
+        return StepTime(t, t, 0.0, 0.0, 0.0)
+    payload = workload.payload
+    if schedule == "every-step":
+        comm = network.allreduce_time(payload, n)
+        exposed = max(0.0, comm - workload.backward_fraction * t)
+        return StepTime(t + exposed, t, comm, exposed, 0.0)
+    if schedule == "every-step-gather":
+        sent = workload.parameters * min(1.0, algorithm.topk / algorithm.chunk**2) * 8.0
+        comm = network.allgather_time(sent, n)
+        exposed = max(0.0, comm - t) if algorithm.overlap else comm
+        return StepTime(t + exposed, t, comm, exposed, 0.0)
+    h = algorithm.sync_every
+    outer = workload.outer_time_s
+    if schedule == "blocking":
+        comm = network.allreduce_time(payload, n)
+        return StepTime(t + (comm + outer) / h, t, comm / h, comm / h, outer / h)
+    if schedule == "one-round-stale":
+        comm = network.allreduce_time(payload, n)
+        window = h * t + outer
+        exposed = max(0.0, comm - window)
+        # link-bound: each all-reduce also queues behind the previous one for the excess
+        return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
+    if schedule == "gossip":
+        ex = network.exchange_time(payload, algorithm.largest_group(n))
+        per_sync = max(0.0, ex - algorithm.overlap * t)
+        round_s = max(h * t + per_sync + outer, ex)
+        queued = max(0.0, ex - (h * t + per_sync + outer))
+        return StepTime(
+            round_s / h, t, ex / h, (round_s - h * t - outer) / h, outer / h, queued / h
+        )
+    assert schedule == "fragments", schedule
+    p = algorithm.num_fragments
+    frag = network.allreduce_time(payload / p, n)
+    score = 0.0
+    if _scores_fragments(algorithm):
+        score = network.allreduce_time(_SCORE_BYTES * p, n)
+    per_point = max(0.0, frag - algorithm.overlap * t) + score
+    compute_bound = h * t + p * per_point + outer
+    link_bound = p * (frag + score)
+    round_s = max(compute_bound, link_bound)
+    exposed = round_s - h * t - outer
+    queued = max(0.0, link_bound - compute_bound)
+    return StepTime(round_s / h, t, p * (frag + score) / h, exposed / h, outer / h, queued / h)
+
+
+def _scores_fragments(algorithm: Algorithm) -> bool:
+    """Whether each sync point also all-reduces a priority score per fragment: CoCoDC's adaptive
+    transmission (its class and variants, unless ``adaptive`` is off or fixed off)."""
+    entry = algorithm.entry
+    if entry.cls is None or not issubclass(entry.cls, CoCoDC):
+        return False
+    return bool(entry.fixed.get("adaptive", algorithm.adaptive))
+
+
+def solve_compute_time(
+    target_step_s: float, algorithm: Algorithm, workload: Workload, network: LinkModel, n: int
+) -> float:
+    """The compute time t_c at which ``algorithm`` on ``n`` workers takes ``target_step_s``.
+
+    Bisection on t_c; the step time is non-decreasing in t_c for ddp, the blocking algorithms and
+    CO2, which is what it is used for (turning a measured throughput into a compute time).
+    """
+
+    def f(t: float) -> float:
+        return step_time(algorithm, replace(workload, step_time_s=t), network, n).step_s
+
+    if not (target_step_s > 0 and math.isfinite(target_step_s)):
+        raise ValueError(f"target step time must be a finite number > 0, got {target_step_s!r}")
+    lo, hi = 0.0, target_step_s
+    if f(lo) > target_step_s:
+        raise ValueError(
+            f"no compute time gives {target_step_s:.6g} s per step for {algorithm.label} on {n} "
+            f"workers: communication alone exposes {f(lo):.6g} s"
+        )
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if f(mid) < target_step_s:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * target_step_s:
+            break
+    return 0.5 * (lo + hi)

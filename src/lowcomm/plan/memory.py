@@ -1,0 +1,217 @@
+"""The memory model: bytes one device holds at its peak, by kind, for one layout.
+
+Per device, for the pipeline stage that needs the most (the first holds the most micro-batches in
+flight, the last holds the logits), with Φ its parameters and d the data-parallel size:
+
+* **Model state by ZeRO stage** (w, g, m, o: bytes per parameter of the working weights,
+  gradients, a separate master copy and the optimizer state; :class:`~lowcomm.plan.spec.Precision`):
+
+  - 0: ``Φ (w + g + m + o)``;
+  - 1: ``Φ (w + g) + Φ (m + o) / d``;
+  - 2: ``Φ w + Φ (g + max(m, w) + o) / d`` (the sharded parameters are the master copy; the
+    working copy is gathered for the whole forward and backward, as FSDP's ``SHARD_GRAD_OP``);
+  - 3: ``Φ (g + max(m, w) + o) / d`` plus the gathered working set: the embedding and head and
+    two layers (one computing, one prefetched);
+  - 2 and 3 also hold the unsharded gradients of two layers whose reduce-scatters are in
+    flight.
+
+  Gradients are counted resident (a contiguous gradient buffer, DDP's
+  ``gradient_as_bucket_view``, or accumulation over micro-batches).
+* **Activations per layer and micro-batch** (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", arXiv 2205.05198, §4), with e bytes per activation,
+  TP t, s b h the tokens × width: layer-norm inputs ``2 e sbh``, the inputs of the QKV and of the
+  MLP ``2 e sbh`` and the dropout masks of the attention and MLP outputs ``2 sbh`` are replicated
+  over the TP group (split by sequence parallelism); Q, K, V ``3 e sbh / t`` (fewer with grouped
+  KV heads), the output projection's input ``e sbh / t``, the MLP's ``2 e s b f / t`` (gated:
+  ``4 e s b f / t``). The attention core adds the softmax ``e a s² b / t`` (+ its dropout mask and
+  output ``(1 + e) a s² b / t``); with flash attention it keeps only its output and log-sum-exp
+  instead, ``e sbh / t + 4 a s b / t``; selective recompute drops the core. Megatron's GPT (e = 2,
+  dropout, no flash): ``sbh (10 + 24/t + 5 a s / (h t))``; with sequence parallelism and
+  selective recompute ``34 sbh / t``. Full recompute keeps each layer's input, ``e sbh`` (/t with
+  SP), and rebuilds one layer at a time in backward.
+* **In flight** (1F1B): the first stage holds ``min(p, m)`` micro-batches of its ``L / p``
+  layers (× ``1 + (p − 1) / (p v)`` with v interleaved stages), the last stage one.
+* **Head** (last stage): final norm input and output and the fp32 cross entropy over the
+  vocabulary: its saved softmax, the gradient arriving from the loss and the logits' gradient,
+  ``3 · 4 s b V / t`` at the start of backward. The peak adds the larger of the head and one
+  rebuilt layer (full recompute) to what is stored, since they happen at different times.
+* **Outer algorithm**: its anchor, outer momentum and send buffer in fp32, ``12 Φ``.
+
+Left out: the optimizer step's temporaries, framework workspaces (cuBLAS, NCCL buffers) and
+allocator fragmentation: the planner keeps ``1 − usable`` of the memory for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from lowcomm.plan.spec import Layout, ModelSpec, Precision
+
+__all__ = ["MemoryBreakdown", "activation_bytes_per_layer", "memory", "stage_parameters"]
+
+OUTER_STATE_BYTES = 12
+"""fp32 anchor, outer momentum and send buffer per parameter of an outer algorithm."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on one device, by kind."""
+
+    stage: str
+    """Which pipeline stage binds: "first", "last" or "only"."""
+    parameters: float
+    """Parameters the stage holds (Φ, before ZeRO sharding)."""
+    weights: float
+    gradients: float
+    optimizer: float
+    """Optimizer state and master copy."""
+    working: float
+    """Gathered parameters of ZeRO-2/3."""
+    outer: float
+    activations: float
+    """Stored activations of the micro-batches in flight, plus the head or a rebuilt layer."""
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.working
+            + self.outer
+            + self.activations
+        )
+
+    def as_dict(self) -> dict[str, float | str]:
+        out: dict[str, float | str] = dict(asdict(self))
+        out["total"] = self.total
+        return out
+
+
+def stage_parameters(model: ModelSpec, layout: Layout, stage: str) -> float:
+    """Parameters one device of ``stage`` ("first", "last" or "only") holds under TP."""
+    t, p = layout.tp, layout.pp
+    layers = model.layers / p * model.layer_parameters() / t
+    emb = model.embedding_parameters() / t
+    head = model.head_parameters() / t
+    if stage == "only":
+        return layers + emb + head
+    if stage == "first":
+        return layers + emb
+    tied_replica = model.vocab * model.hidden / t if model.tied_embeddings else 0.0
+    return layers + head + tied_replica
+
+
+def activation_bytes_per_layer(
+    model: ModelSpec, precision: Precision, layout: Layout, micro_batch: int, *, stored: bool
+) -> float:
+    """Activation bytes of one layer for one micro-batch; ``stored=False``: everything the
+    layer keeps when nothing is recomputed (what full recompute rebuilds in backward)."""
+    e = precision.activation_bytes
+    t = layout.tp
+    s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
+    sbh = s * b * h
+    rep = t if layout.sequence_parallel else 1  # replicated parts split only by SP
+    if stored and layout.recompute == "full":
+        return e * sbh / rep
+    mask = 1.0 if model.dropout else 0.0
+    replicated = (4 * e + 2 * mask) * sbh / rep  # two norm inputs, QKV and MLP inputs, masks
+    kv = s * b * model.kv_dim
+    split = e * (sbh + 2 * kv) + e * sbh  # Q, K, V; output projection input
+    split += (4 if model.gated else 2) * e * s * b * model.ffn
+    if layout.flash_attention:
+        core = e * sbh + 4.0 * a * s * b
+    elif stored and layout.recompute == "selective":
+        core = 0.0
+    else:
+        core = (e + mask * (1 + e)) * a * s * s * b
+    return replicated + (split + core) / t
+
+
+def _head_bytes(model: ModelSpec, precision: Precision, layout: Layout, micro_batch: int) -> float:
+    s, b, h = model.seq, micro_batch, model.hidden
+    rep = layout.tp if layout.sequence_parallel else 1
+    norm = 2 * precision.activation_bytes * s * b * h / rep
+    return norm + 3 * 4.0 * s * b * model.vocab / layout.tp
+
+
+def in_flight(layout: Layout, micro_batches: int) -> float:
+    """Micro-batches whose activations the first stage holds at once (1F1B)."""
+    p, v = layout.pp, layout.interleave
+    held = float(min(p, micro_batches))
+    if v > 1:
+        held *= 1 + (p - 1) / (p * v)
+    return held
+
+
+def memory(
+    model: ModelSpec, precision: Precision, layout: Layout, micro_batches: int
+) -> MemoryBreakdown:
+    """Peak memory of the stage that needs the most; ``micro_batches`` per iteration per
+    pipeline (m = global batch / (dp × micro_batch))."""
+    stages = ("only",) if layout.pp == 1 else ("first", "last")
+    return max(
+        (_stage_memory(model, precision, layout, micro_batches, stage) for stage in stages),
+        key=lambda m: m.total,
+    )
+
+
+def _stage_memory(
+    model: ModelSpec, precision: Precision, layout: Layout, micro_batches: int, stage: str
+) -> MemoryBreakdown:
+    phi = stage_parameters(model, layout, stage)
+    d, z = layout.dp, layout.zero
+    w, g = precision.weight_bytes, precision.grad_bytes
+    master, opt = precision.master_bytes, precision.optimizer_bytes
+    working = 0.0
+    if z == 0:
+        weights, grads, optim = phi * w, phi * g, phi * (master + opt)
+    elif z == 1:
+        weights, grads, optim = phi * w, phi * g, phi * (master + opt) / d
+    else:
+        weights, grads, optim = 0.0, phi * g / d, phi * (max(master, w) + opt) / d
+        t = layout.tp
+        in_flight_grads = min(phi, 2 * model.layer_parameters() / t) * g  # reduce-scatters
+        if z == 2:
+            working = phi * w + in_flight_grads
+        else:
+            gathered = 2 * model.layer_parameters() / t
+            if stage in ("first", "only"):
+                gathered += model.embedding_parameters() / t
+            if stage in ("last", "only"):
+                gathered += model.head_parameters() / t
+            working = min(phi, gathered) * w + in_flight_grads
+    outer = phi * OUTER_STATE_BYTES if layout.outer else 0.0
+    b = layout.micro_batch
+    layers = model.layers / layout.pp
+    per_layer = activation_bytes_per_layer(model, precision, layout, b, stored=True)
+    rebuilt = 0.0
+    if layout.recompute == "full":
+        rebuilt = activation_bytes_per_layer(model, precision, layout, b, stored=False)
+    held = 1.0 if stage == "last" else in_flight(layout, micro_batches)
+    act = layers * held * per_layer
+    extra = rebuilt
+    if stage in ("last", "only"):
+        extra = max(extra, _head_bytes(model, precision, layout, b))
+    mask = 1.0 if model.dropout else 0.0
+    if stage in ("first", "only") and mask:
+        act += (
+            held
+            * model.seq
+            * b
+            * model.hidden
+            * mask
+            / (layout.tp if layout.sequence_parallel else 1)
+        )
+    assert math.isfinite(act + extra)
+    return MemoryBreakdown(
+        stage=stage,
+        parameters=phi,
+        weights=weights,
+        gradients=grads,
+        optimizer=optim,
+        working=working,
+        outer=outer,
+        activations=act + extra,
+    )

@@ -1,0 +1,315 @@
+"""The search: every layout of a model on a cluster, the feasibility rules, and the ranking.
+
+Rules (the Frontier study's and Megatron's, :func:`check_layout`): TP × PP × DP uses every
+device; attention heads divisible by TP and TP within a node; layers divisible by PP (by PP × v
+when interleaved); ZeRO at most 1 with PP > 1 (stage 2/3 would reshard gradients or parameters
+every micro-batch); the global batch divisible by DP × micro-batch; sequence parallelism only
+with TP > 1; the peak memory (:func:`~lowcomm.plan.memory.memory`) within ``usable`` of the
+device's. An outer algorithm is offered where the data-parallel group crosses a tier above the
+node's, with the smallest H (a power of two up to ``max_sync_every``) that keeps the iteration
+within ``outer_tolerance`` of never synchronising across that tier; ``sync_every`` fixes H.
+
+Candidates are ranked by predicted tokens/s; ties keep the smaller memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from lowcomm.plan.memory import MemoryBreakdown, memory
+from lowcomm.plan.spec import RECOMPUTE, Cluster, Layout, ModelSpec, Precision, Recompute
+from lowcomm.plan.timing import TimeBreakdown, group_levels, iteration_time
+from lowcomm.registry import REGISTRY
+
+__all__ = ["Candidate", "PlanResult", "check_layout", "evaluate", "plan", "rank_of"]
+
+OUTER_SCHEDULES = ("blocking", "one-round-stale", "fragments")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout with its prediction."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    fits: bool
+    reasons: tuple[str, ...] = ()
+    """Why it is infeasible (empty when feasible)."""
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    def as_dict(self) -> dict[str, object]:
+        lay = self.layout
+        return {
+            "layout": lay.label(),
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "zero": lay.zero,
+            "micro_batch": lay.micro_batch,
+            "recompute": lay.recompute,
+            "sequence_parallel": lay.sequence_parallel,
+            "flash_attention": lay.flash_attention,
+            "interleave": lay.interleave,
+            "order": lay.order,
+            "outer": lay.outer,
+            "sync_every": lay.sync_every if lay.outer else None,
+            "memory": self.memory.as_dict(),
+            "time": self.time.as_dict(),
+            "reasons": list(self.reasons),
+        }
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Feasible candidates best first, and how many layouts were rejected and why."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: Precision
+    global_batch: int
+    candidates: tuple[Candidate, ...]
+    rejected: dict[str, int]
+    """Count of rejected layouts per first reason."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def check_layout(
+    model: ModelSpec,
+    cluster: Cluster,
+    layout: Layout,
+    global_batch: int,
+) -> list[str]:
+    """The structural rules a layout breaks (empty: it can run); memory is checked apart."""
+    reasons = []
+    t, p = layout.tp, layout.pp
+    if layout.devices != cluster.devices:
+        reasons.append(
+            f"TP x PP x DP = {layout.devices} does not use the cluster's {cluster.devices} devices"
+        )
+    if model.heads % t:
+        reasons.append(f"attention heads ({model.heads}) not divisible by TP ({t})")
+    if model.kv % t and t % model.kv:
+        reasons.append(f"key/value heads ({model.kv}) and TP ({t}) do not divide one another")
+    if t > cluster.devices_per_node or cluster.devices_per_node % t:
+        reasons.append(f"TP ({t}) does not fit inside a node of {cluster.devices_per_node} devices")
+    if model.layers % (p * layout.interleave):
+        reasons.append(
+            f"layers ({model.layers}) not divisible by PP x interleave ({p * layout.interleave})"
+        )
+    if p > 1 and layout.zero > 1:
+        reasons.append(f"ZeRO-{layout.zero} with PP > 1 (use ZeRO <= 1 with pipelining)")
+    if global_batch % (layout.dp * layout.micro_batch):
+        reasons.append(
+            f"global batch ({global_batch}) not divisible by DP x micro-batch "
+            f"({layout.dp} x {layout.micro_batch})"
+        )
+    if layout.zero and layout.dp == 1:
+        reasons.append("ZeRO needs DP > 1")
+    if layout.outer:
+        levels = group_levels(cluster, layout.dp, _dp_stride(layout))
+        if not any(lv.members > 1 for lv in levels[1:]):
+            reasons.append(f"{layout.outer} across tiers needs DP spanning more than one node")
+    return reasons
+
+
+def _dp_stride(layout: Layout) -> int:
+    return layout.tp if layout.order == "tp-dp-pp" else layout.tp * layout.pp
+
+
+def evaluate(
+    model: ModelSpec,
+    precision: Precision,
+    cluster: Cluster,
+    layout: Layout,
+    global_batch: int,
+    *,
+    usable: float = 0.9,
+) -> Candidate:
+    """Memory, time and feasibility of one layout (:func:`check_layout` and the memory bound)."""
+    reasons = check_layout(model, cluster, layout, global_batch)
+    micro = max(1, global_batch // (layout.dp * layout.micro_batch))
+    mem = memory(model, precision, layout, micro)
+    fits = mem.total <= usable * cluster.device_memory_bytes
+    if not fits:
+        reasons.append(
+            f"needs {mem.total / 1e9:.1f} GB of {usable * cluster.device_memory_bytes / 1e9:.1f} "
+            "GB usable"
+        )
+    timing = iteration_time(model, precision, cluster, layout, global_batch)
+    return Candidate(layout=layout, memory=mem, time=timing, fits=fits, reasons=tuple(reasons))
+
+
+def _same_as_default_order(cand: Candidate, found: list[Candidate]) -> bool:
+    twin = replace(cand.layout, order="tp-dp-pp")
+    return any(
+        c.layout == twin and math.isclose(c.time.iteration_s, cand.time.iteration_s, rel_tol=1e-12)
+        for c in found[-8:]
+    )
+
+
+def _reason_kind(reason: str) -> str:
+    """A reason without its numbers, to count rejections by kind."""
+    if reason.startswith("needs "):
+        return "does not fit in memory"
+    return reason.split(" (")[0]
+
+
+def _micro_batches(per_replica: int, cap: int) -> list[int]:
+    return [b for b in _divisors(per_replica) if b <= cap]
+
+
+def _outer_layout(
+    model: ModelSpec,
+    precision: Precision,
+    cluster: Cluster,
+    base: Layout,
+    global_batch: int,
+    name: str,
+    sync_every: int | None,
+    max_sync_every: int,
+    tolerance: float,
+) -> Layout:
+    """``base`` with the outer algorithm ``name`` and its H: given, or the smallest power of
+    two whose iteration is within ``tolerance`` of an iteration without the slow tier."""
+    if sync_every is not None:
+        return replace(base, outer=name, sync_every=sync_every)
+    h = 1
+    free = iteration_time(
+        model, precision, cluster, replace(base, outer=name, sync_every=1 << 30), global_batch
+    ).iteration_s
+    while True:
+        layout = replace(base, outer=name, sync_every=h)
+        step = iteration_time(model, precision, cluster, layout, global_batch).iteration_s
+        if step <= (1 + tolerance) * free or h >= max_sync_every:
+            return layout
+        h *= 2
+
+
+def plan(
+    model: ModelSpec,
+    precision: Precision,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    usable: float = 0.9,
+    max_micro_batch: int = 16,
+    recompute: Sequence[Recompute] = RECOMPUTE,
+    flash_attention: bool = True,
+    outer: Iterable[str] = ("diloco", "co2"),
+    sync_every: int | None = None,
+    max_sync_every: int = 512,
+    outer_tolerance: float = 0.05,
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+) -> PlanResult:
+    """Every feasible layout of ``model`` on ``cluster`` for ``global_batch`` sequences per
+    iteration, best predicted throughput first."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch must be an integer >= 1, got {global_batch!r}")
+    if not 0 < usable <= 1:
+        raise ValueError(f"usable must be in (0, 1], got {usable!r}")
+    outer = tuple(outer)
+    for name in outer:
+        if name not in REGISTRY or REGISTRY[name].schedule not in OUTER_SCHEDULES:
+            allowed = [n for n, e in REGISTRY.items() if e.schedule in OUTER_SCHEDULES]
+            raise ValueError(
+                f"outer algorithm {name!r} is not one lowcomm plan prices: choose from "
+                f"{', '.join(allowed)}"
+            )
+    n = cluster.devices
+    out: list[Candidate] = []
+    rejected: dict[str, int] = {}
+    for t, p in itertools.product(_divisors(cluster.devices_per_node), _divisors(model.layers)):
+        if n % (t * p):
+            continue
+        d = n // (t * p)
+        if global_batch % d:
+            key = "global batch not divisible by DP"
+            rejected[key] = rejected.get(key, 0) + 1
+            continue
+        zeros = [z for z in zero_stages if (z == 0 or d > 1) and (p == 1 or z <= 1)]
+        orders = ["tp-dp-pp", "tp-pp-dp"] if p > 1 and d > 1 else ["tp-dp-pp"]
+        sps = [False, True] if t > 1 else [False]
+        for z, b, rc, sp, order in itertools.product(
+            zeros, _micro_batches(global_batch // d, max_micro_batch), recompute, sps, orders
+        ):
+            if rc == "selective" and flash_attention:
+                continue  # flash attention already keeps only what selective recompute keeps
+            layout = Layout(
+                tp=t,
+                pp=p,
+                dp=d,
+                zero=z,
+                micro_batch=b,
+                recompute=rc,
+                sequence_parallel=sp,
+                flash_attention=flash_attention,
+                order=order,
+            )
+            variants = [layout]
+            if d > 1 and outer:
+                levels = group_levels(cluster, d, _dp_stride(layout))
+                if any(lv.members > 1 for lv in levels[1:]):
+                    variants += [
+                        _outer_layout(
+                            model,
+                            precision,
+                            cluster,
+                            layout,
+                            global_batch,
+                            name,
+                            sync_every,
+                            max_sync_every,
+                            outer_tolerance,
+                        )
+                        for name in outer
+                    ]
+            for lay in variants:
+                cand = evaluate(model, precision, cluster, lay, global_batch, usable=usable)
+                if lay.order != "tp-dp-pp" and _same_as_default_order(cand, out):
+                    continue  # placing stages or replicas first changes nothing here
+                if cand.feasible:
+                    out.append(cand)
+                else:
+                    key = _reason_kind(cand.reasons[0])
+                    rejected[key] = rejected.get(key, 0) + 1
+    out.sort(key=lambda c: (-c.time.tokens_per_s, c.memory.total))
+    return PlanResult(
+        model=model,
+        cluster=cluster,
+        precision=precision,
+        global_batch=global_batch,
+        candidates=tuple(out),
+        rejected=rejected,
+    )
+
+
+def rank_of(result: PlanResult, layout: Layout) -> int | None:
+    """1-based rank of the candidate with ``layout``'s TP, PP, DP, ZeRO, micro-batch,
+    recompute, sequence parallelism and order (the best of its outer variants); None if
+    infeasible or not searched."""
+    keys = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sequence_parallel", "order")
+
+    def same(a: Layout) -> bool:
+        return all(getattr(a, k) == getattr(layout, k) for k in keys) and a.outer == layout.outer
+
+    for i, cand in enumerate(result.candidates, start=1):
+        if same(cand.layout):
+            return i
+    return None
+
+
+def best_percent(result: PlanResult) -> float:
+    """Predicted percent of peak of the best candidate (nan when none is feasible)."""
+    if not result.candidates:
+        return math.nan
+    return result.candidates[0].time.percent_of_peak

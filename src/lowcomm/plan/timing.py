@@ -1,0 +1,254 @@
+"""The time model: one training iteration of a layout, by part.
+
+With m = global batch / (d · b) micro-batches per pipeline, on the stage with the most work
+(the last: its layers and the logits), per micro-batch:
+
+* **Compute**: forward FLOPs / (peak × GEMM efficiency), backward twice that, plus the
+  recomputed forward (all layers with full recompute, the attention core with selective);
+  FLOPs as in :class:`~lowcomm.plan.spec.ModelSpec`, split over TP.
+* **Elementwise**: norms, activation functions, softmax, dropout and residuals are bound by
+  memory bandwidth: every activation byte a layer keeps (:func:`~lowcomm.plan.memory.
+  activation_bytes_per_layer`) is written and read once per pass (forward, backward twice, the
+  recompute pass once more), at the device's memory bandwidth.
+* **TP**: four all-reduces of ``e s b h`` bytes per layer (two in forward, two in backward; six
+  with full recompute), ring over the TP group inside a node; sequence parallelism replaces
+  each by a reduce-scatter and an all-gather of the same bytes. Not overlapped.
+* **PP**: per micro-batch and virtual stage one activation forward and one gradient backward,
+  ``e s b h / t`` bytes each (Megatron's scatter/gather), point-to-point over the slowest link
+  between consecutive stages (devices that cross a node boundary share its NIC).
+
+A micro-batch's slot is their sum; the pipeline takes ``(m + (p − 1) / v) · slot``, the
+``(p − 1) / v`` slots being the bubble. Then:
+
+* **Data parallel**, priced over the tiers the group spans (:func:`~lowcomm.plan.cost.
+  tiered_allreduce_time`): ZeRO 0/1 one all-reduce (or reduce-scatter + all-gather) of the
+  gradients per iteration, hidden behind the last micro-batch's backward without pipelining (as
+  DDP's buckets do) and exposed after a pipeline flush; ZeRO-2 a reduce-scatter per micro-batch
+  behind its backward and one all-gather; ZeRO-3 two all-gathers and a reduce-scatter per
+  micro-batch behind its compute.
+* **Outer algorithm** across the slowest tier the data-parallel group crosses: the synchronous
+  all-reduce stays inside that tier's units, and the algorithm's own all-reduce of the fp32
+  parameters (every H iterations) goes over the whole group, overlapped by its schedule's rule
+  (:func:`~lowcomm.plan.cost.step_time`, the rule ``lowcomm simulate`` uses).
+* **Optimizer step**: reading and writing the weights, gradients and optimizer state of the
+  device's shard at memory bandwidth.
+
+Reported like Narayanan et al. 2021: achieved FLOP/s per device = executed FLOPs (recompute
+included, their eq. 3) / (iteration time × devices); MFU counts the model FLOPs only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lowcomm.plan.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
+from lowcomm.plan.cost import tiered_allreduce_time as _tiered
+from lowcomm.plan.memory import activation_bytes_per_layer, stage_parameters
+from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision
+
+__all__ = ["TimeBreakdown", "group_levels", "iteration_time", "p2p_link"]
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one iteration, by part (the parts add up to ``iteration_s``)."""
+
+    compute_s: float
+    """GEMMs of all micro-batches (recompute included)."""
+    elementwise_s: float
+    tp_s: float
+    pp_s: float
+    bubble_s: float
+    dp_s: float
+    """Exposed data-parallel communication."""
+    outer_s: float
+    """Exposed communication of the outer algorithm, per iteration."""
+    optimizer_s: float
+    iteration_s: float
+    dp_comm_s: float
+    """Data-parallel communication in all, hidden or not."""
+    tokens_per_s: float
+    tflops_per_device: float
+    """Executed FLOP/s per device, in TFLOP/s (Narayanan et al.'s "achieved teraFLOP/s")."""
+    percent_of_peak: float
+    mfu: float
+    """Model FLOPs (no recompute) per second / (devices × peak)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(asdict(self))
+
+
+@functools.lru_cache(maxsize=4096)
+def _members(units: tuple[int, ...], size: int, stride: int) -> tuple[int, ...]:
+    """Members of a group (``size`` devices ``stride`` apart) per unit of each tier."""
+    positions = [j * stride for j in range(size)]
+    distinct = [1] * (len(units) + 1)
+    distinct[0] = size
+    for i, unit in enumerate(units):
+        distinct[i + 1] = len({pos // unit for pos in positions})
+    return tuple(-(-distinct[i] // distinct[i + 1]) for i in range(len(units)))
+
+
+def group_levels(cluster: Cluster, size: int, stride: int) -> list[TierLevel]:
+    """The tiers a group of ``size`` devices, ``stride`` apart, spans, as
+    :class:`~lowcomm.plan.cost.TierLevel` s for a collective every such group runs at once."""
+    units = tuple(cluster.unit_sizes())
+    members = _members(units, size, stride)
+    levels = []
+    for i, tier in enumerate(cluster.tiers):
+        share = 1 if i == 0 else units[i - 1]
+        levels.append(TierLevel(members[i], tier.bandwidth_bps, tier.latency_s, share=share))
+    return levels
+
+
+def p2p_link(cluster: Cluster, stages: int, stride: int) -> tuple[int, int]:
+    """(tier index, devices sharing its uplink) of the slowest link between consecutive
+    pipeline stages ``stride`` devices apart."""
+    units = cluster.unit_sizes()
+    worst, share = 0, 1
+    for j in range(stages - 1):
+        a, b = j * stride, (j + 1) * stride
+        tier = next(i for i, u in enumerate(units) if a // u == b // u)
+        if tier > worst:
+            worst, share = tier, min(units[tier - 1], stride)
+    return worst, share
+
+
+class _GroupNetwork:
+    """The data-parallel group as :func:`~lowcomm.plan.cost.step_time` sees a network."""
+
+    def __init__(self, levels: list[TierLevel]) -> None:
+        self.levels = levels
+
+    def allreduce_time(self, payload_bytes: float, n: int) -> float:
+        return _tiered(payload_bytes, self.levels)
+
+    def allgather_time(self, payload_bytes: float, n: int) -> float:
+        return 0.5 * _tiered(payload_bytes * n, self.levels)
+
+    def exchange_time(self, payload_bytes: float, group: int) -> float:
+        raise ValueError("lowcomm plan prices all-reduce based outer algorithms only")
+
+
+def iteration_time(
+    model: ModelSpec,
+    precision: Precision,
+    cluster: Cluster,
+    layout: Layout,
+    global_batch: int,
+) -> TimeBreakdown:
+    """Predicted time of one iteration of ``global_batch`` sequences; see the module docstring."""
+    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.interleave
+    b = layout.micro_batch
+    m = global_batch // (d * b)
+    flops_rate = cluster.peak_flops * cluster.gemm_efficiency
+    e = precision.activation_bytes
+    layers = model.layers / p
+
+    # compute of one micro-batch on the last stage (its layers and the logits)
+    fwd_layer = model.layer_forward_flops(b) / t
+    fwd = (layers * fwd_layer + model.logits_forward_flops(b) / t) / flops_rate
+    recompute = 0.0
+    if layout.recompute == "full":
+        recompute = layers * fwd_layer / flops_rate
+    elif layout.recompute == "selective" and not layout.flash_attention:
+        recompute = layers * model.attention_core_flops(b) / t / flops_rate
+    compute = 3 * fwd + recompute
+    passes = 3 + (1 if layout.recompute != "none" else 0)
+    kept = activation_bytes_per_layer(model, precision, layout, b, stored=False)
+    head = 3 * 4.0 * model.seq * b * model.vocab / t
+    elementwise = passes * 2 * (layers * kept + head) / cluster.memory_bandwidth_Bps
+
+    tp_time = 0.0
+    if t > 1:
+        tier = cluster.tiers[0]
+        count = 4 + (2 if layout.recompute == "full" else 0)
+        one = _tiered(
+            e * model.seq * b * model.hidden, [TierLevel(t, tier.bandwidth_bps, tier.latency_s)]
+        )
+        tp_time = layers * count * one
+
+    pp_time = 0.0
+    pp_stride = t * d if layout.order == "tp-dp-pp" else t
+    dp_stride = t if layout.order == "tp-dp-pp" else t * p
+    if p > 1:
+        tier_index, share = p2p_link(cluster, p, pp_stride)
+        tier = cluster.tiers[tier_index]
+        message = e * model.seq * b * model.hidden / t
+        pp_time = 2 * v * p2p_time(message, tier.bandwidth_bps, tier.latency_s, share=share)
+
+    slot = compute + elementwise + tp_time + pp_time
+    bubble = (p - 1) / v * slot if p > 1 else 0.0
+
+    phi = max(
+        stage_parameters(model, layout, s) for s in (("only",) if p == 1 else ("first", "last"))
+    )
+    levels = group_levels(cluster, d, dp_stride)
+    outer_levels = levels
+    if layout.outer:
+        top = max(i for i, lv in enumerate(levels) if lv.members > 1)
+        levels = [
+            TierLevel(1, lv.bandwidth_bps, lv.latency_s, lv.share) if i >= top else lv
+            for i, lv in enumerate(levels)
+        ]
+    allreduce = _tiered(phi * precision.grad_bytes, levels)
+    backward_last = 2 * fwd
+    if layout.zero <= 1:
+        dp_comm = allreduce
+        dp_exposed = max(0.0, allreduce - backward_last) if p == 1 else allreduce
+    elif layout.zero == 2:
+        scatter = allreduce / 2
+        gather = _tiered(phi * precision.weight_bytes, levels) / 2
+        dp_comm = m * scatter + gather
+        dp_exposed = m * max(0.0, scatter - backward_last) + gather
+    else:
+        scatter = allreduce / 2
+        gather = _tiered(phi * precision.weight_bytes, levels) / 2
+        per_micro = 2 * gather + scatter
+        dp_comm = m * per_micro
+        dp_exposed = m * max(0.0, per_micro - compute)
+
+    shard = d if layout.zero >= 1 else 1
+    state = precision.master_bytes + precision.optimizer_bytes
+    optimizer = phi * (2 * precision.weight_bytes + precision.grad_bytes + 2 * state) / shard
+    optimizer /= cluster.memory_bandwidth_Bps
+
+    inner = m * slot + bubble + dp_exposed + optimizer
+    outer_exposed = 0.0
+    if layout.outer:
+        settings: dict[str, Any] = dict(layout.extra)
+        algo = Algorithm(name=layout.outer, sync_every=layout.sync_every, **settings)
+        work = Workload(
+            parameters=phi,
+            tokens_per_step=float(global_batch * model.seq),
+            step_time_s=inner,
+            bytes_per_param=4.0,
+            backward_fraction=0.0,
+        )
+        outer_exposed = step_time(algo, work, _GroupNetwork(outer_levels), d).step_s - inner
+        dp_comm += _tiered(phi * 4.0, outer_levels) / layout.sync_every
+
+    iteration = inner + outer_exposed
+    devices = layout.devices
+    executed = model.hardware_flops(global_batch, layout.recompute)
+    if layout.recompute == "selective" and layout.flash_attention:
+        executed = model.model_flops(global_batch)
+    per_device = executed / (iteration * devices)
+    return TimeBreakdown(
+        compute_s=m * compute,
+        elementwise_s=m * elementwise,
+        tp_s=m * tp_time,
+        pp_s=m * pp_time,
+        bubble_s=bubble,
+        dp_s=dp_exposed,
+        outer_s=outer_exposed,
+        optimizer_s=optimizer,
+        iteration_s=iteration,
+        dp_comm_s=dp_comm,
+        tokens_per_s=global_batch * model.seq / iteration,
+        tflops_per_device=per_device / 1e12,
+        percent_of_peak=100.0 * per_device / cluster.peak_flops,
+        mfu=model.model_flops(global_batch) / (iteration * devices * cluster.peak_flops),
+    )

@@ -1,0 +1,253 @@
+"""lowcomm.plan: formulas against hand-computed cases, feasibility rules, search, CLI, and the
+memory model against a real measurement on gloo processes."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from lowcomm.cli import main
+from lowcomm.plan import (
+    PRECISIONS,
+    Cluster,
+    Layout,
+    ModelSpec,
+    Tier,
+    activation_bytes_per_layer,
+    check_layout,
+    cluster_preset,
+    evaluate,
+    iteration_time,
+    memory,
+    model_preset,
+    plan,
+    rank_of,
+)
+from lowcomm.plan.cost import (
+    TierLevel,
+    hierarchical_allreduce_time,
+    p2p_time,
+    ring_allreduce_time,
+    tiered_allreduce_time,
+)
+from lowcomm.plan.validate import validate_frontier, validate_megatron
+
+BF16 = PRECISIONS["bf16"]
+GPT = ModelSpec(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048)
+
+
+def test_parameters_and_flops_match_narayanan_equations() -> None:
+    L, h, V, s, B = GPT.layers, GPT.hidden, GPT.vocab, GPT.seq, 512
+    eq2 = 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
+    assert GPT.parameters() == pytest.approx(eq2 + 2 * h, rel=1e-12)  # + the final LayerNorm
+    eq3 = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert GPT.hardware_flops(B, "full") == pytest.approx(eq3, rel=1e-12)
+    model = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert GPT.model_flops(B) == pytest.approx(model, rel=1e-12)
+    assert GPT.hardware_flops(B, "selective") == pytest.approx(model + 4 * B * s * s * h * L)
+
+
+def test_llama_parameter_count_matches_its_published_size() -> None:
+    # Llama 2 7B: 6.74e9 parameters; Llama 3 8B: 8.03e9
+    assert model_preset("llama2-7b").parameters() == pytest.approx(6.738e9, rel=1e-3)
+    assert model_preset("llama3-8b").parameters() == pytest.approx(8.030e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_activations_per_layer_follow_korthikanti(t: int) -> None:
+    s, h, a, b = GPT.seq, GPT.hidden, GPT.heads, 3
+    sbh = s * b * h
+    plain = Layout(tp=t, flash_attention=False)
+    got = activation_bytes_per_layer(GPT, BF16, plain, b, stored=True)
+    assert got == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-12)
+    if t > 1:
+        sp = Layout(tp=t, sequence_parallel=True, recompute="selective", flash_attention=False)
+        got = activation_bytes_per_layer(GPT, BF16, sp, b, stored=True)
+        assert got == pytest.approx(34 * sbh / t, rel=1e-12)
+    full = Layout(tp=t, recompute="full", flash_attention=False)
+    assert activation_bytes_per_layer(GPT, BF16, full, b, stored=True) == 2 * sbh
+
+
+def test_model_state_by_zero_stage_is_hand_computed() -> None:
+    tiny = ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq=16, dropout=False)
+    phi = tiny.parameters()
+    d = 4
+    act = memory(tiny, BF16, Layout(dp=d), 1).activations
+    totals = {z: memory(tiny, BF16, Layout(dp=d, zero=z), 1).total - act for z in range(4)}
+    assert totals[0] == pytest.approx(phi * (2 + 2 + 4 + 8))
+    assert totals[1] == pytest.approx(phi * (2 + 2) + phi * 12 / d)
+    layer_grads = 2 * tiny.layer_parameters() * 2
+    assert totals[2] == pytest.approx(phi * 2 + phi * (2 + 4 + 8) / d + layer_grads)
+    gathered = (2 * tiny.layer_parameters() + tiny.embedding_parameters() + 2 * 64) * 2
+    assert totals[3] == pytest.approx(phi * (2 + 4 + 8) / d + gathered + layer_grads)
+
+
+def test_pipeline_first_stage_holds_p_microbatches() -> None:
+    from lowcomm.plan.memory import _stage_memory
+
+    lay = Layout(pp=4, dp=1, recompute="full", flash_attention=False)
+    first = _stage_memory(GPT, BF16, lay, 32, "first")
+    per_layer = 2 * GPT.seq * GPT.hidden  # a layer's input, bf16
+    rebuilt = activation_bytes_per_layer(GPT, BF16, lay, 1, stored=False)
+    mask = 4 * GPT.seq * GPT.hidden  # embedding dropout masks of 4 micro-batches
+    assert first.activations == pytest.approx(6 * 4 * per_layer + mask + rebuilt)
+    few = _stage_memory(GPT, BF16, lay, 2, "first")  # 2 micro-batches: only 2 in flight
+    assert few.activations == pytest.approx(6 * 2 * per_layer + mask / 2 + rebuilt)
+    last = _stage_memory(GPT, BF16, lay, 32, "last")
+    head = 2 * 2 * GPT.seq * GPT.hidden + 3 * 4 * GPT.seq * GPT.vocab
+    assert last.activations == pytest.approx(6 * per_layer + max(head, rebuilt))
+    assert memory(GPT, BF16, lay, 32).total == max(first.total, last.total)
+
+
+def test_tiered_allreduce_reduces_to_ring_and_hierarchical() -> None:
+    s = 3e9
+    assert tiered_allreduce_time(s, [TierLevel(8, 1e11, 1e-6)]) == pytest.approx(
+        ring_allreduce_time(s, 8, 1e11, 1e-6)
+    )
+    two = [TierLevel(8, 2.4e12, 5e-6), TierLevel(16, 1.6e12, 5e-6, share=8)]
+    assert tiered_allreduce_time(s, two) == hierarchical_allreduce_time(
+        s, 128, gpus_per_node=8, bandwidth_bps=1.6e12, latency_s=5e-6,
+        intra_bandwidth_bps=2.4e12, intra_latency_s=5e-6,
+    )  # fmt: skip
+    # hand: inside 2*7*5e-6 + 2*7/8*8*s/2.4e12; across 2*15*5e-6 + 2*15/16*8*s*8/8/1.6e12
+    hand = 2 * 7 * 5e-6 + 2 * 7 / 8 * 8 * s / 2.4e12 + 2 * 15 * 5e-6 + 2 * 15 / 16 * 8 * s / 1.6e12
+    assert tiered_allreduce_time(s, two) == pytest.approx(hand)
+    assert p2p_time(1e6, 8e9, 1e-5, share=4) == pytest.approx(1e-5 + 4e-3)
+
+
+def test_iteration_parts_add_up_and_bubble_is_p_minus_1_over_v_slots() -> None:
+    cluster = cluster_preset("dgx-a100", 16)
+    lay = Layout(tp=8, pp=4, dp=4, micro_batch=1, recompute="full", interleave=2)
+    t = iteration_time(GPT, BF16, cluster, lay, 256)
+    m = 256 // 4
+    slot = (t.compute_s + t.elementwise_s + t.tp_s + t.pp_s) / m
+    assert t.bubble_s == pytest.approx(3 / 2 * slot)
+    parts = t.compute_s + t.elementwise_s + t.tp_s + t.pp_s + t.bubble_s + t.dp_s
+    assert t.iteration_s == pytest.approx(parts + t.outer_s + t.optimizer_s)
+    assert t.tokens_per_s == pytest.approx(256 * GPT.seq / t.iteration_s)
+
+
+def test_feasibility_rules() -> None:
+    cluster = cluster_preset("dgx-a100", 4)
+    model = GPT  # 24 heads, 24 layers
+
+    def broken(**kw: object) -> list[str]:
+        return check_layout(model, cluster, Layout(**kw), 512)  # type: ignore[arg-type]
+
+    assert broken(tp=1, pp=1, dp=32) == []
+    assert any("heads" in r for r in broken(tp=16, pp=1, dp=2))  # 24 % 16, and > a node
+    assert any("inside a node" in r for r in broken(tp=16, pp=1, dp=2))
+    assert any("layers" in r for r in broken(tp=2, pp=16, dp=1))
+    assert any("ZeRO-2 with PP" in r for r in broken(tp=1, pp=2, dp=16, zero=2))
+    assert broken(tp=1, pp=2, dp=16, zero=1) == []
+    assert any("global batch" in r for r in broken(tp=1, pp=1, dp=32, micro_batch=5))
+    assert any("devices" in r for r in broken(tp=1, pp=1, dp=16))
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        Layout(tp=1, sequence_parallel=True)
+
+
+def test_plan_ranks_feasible_layouts_and_offers_outer_only_across_a_slow_tier() -> None:
+    model = model_preset("llama2-7b")
+    one_node = plan(model, BF16, cluster_preset("dgx-h100", 1), 64)
+    assert one_node.candidates and all(c.feasible for c in one_node.candidates)
+    speeds = [c.time.tokens_per_s for c in one_node.candidates]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(c.layout.outer is None for c in one_node.candidates)  # DP never leaves the node
+    assert all(c.memory.total <= 0.9 * 80e9 for c in one_node.candidates)
+    regions = plan(model, BF16, cluster_preset("two-regions", 2), 64)
+    best = regions.candidates[0]
+    assert best.layout.outer in ("diloco", "co2")  # a 10 Gbit/s all-reduce every step loses
+    sync = [c for c in regions.candidates if c.layout.outer is None]
+    assert sync and sync[0].time.tokens_per_s < best.time.tokens_per_s / 2
+    assert rank_of(regions, best.layout) == 1
+
+
+def test_outer_algorithm_hides_the_slow_tier_with_enough_h() -> None:
+    model = model_preset("llama2-7b")
+    cluster = cluster_preset("two-regions", 2)
+    base = Layout(tp=8, pp=1, dp=2)
+    free = evaluate(model, BF16, cluster, replace(base, outer="co2", sync_every=10**6), 64)
+    slow = evaluate(model, BF16, cluster, replace(base, outer="diloco", sync_every=1), 64)
+    hidden = evaluate(model, BF16, cluster, replace(base, outer="co2", sync_every=64), 64)
+    assert slow.time.outer_s > 5 * free.time.iteration_s  # 3.4 GB per device over 10 Gbit/s
+    assert hidden.time.outer_s == 0.0
+    assert hidden.time.iteration_s == pytest.approx(free.time.iteration_s)
+
+
+def test_megatron_table_within_15_percent_and_frontier_ranks() -> None:
+    rows = validate_megatron()
+    assert len(rows) == 10
+    assert all(abs(r["ratio"] - 1) <= 0.15 for r in rows), [r["ratio"] for r in rows]
+    assert all(r["feasible"] for r in rows)  # every published layout fits in 80 GB
+    front = validate_frontier()
+    assert [r["model"] for r in front] == ["frontier-22b", "frontier-175b", "frontier-1t"]
+    for r in front:
+        assert r["rank"] is not None and 1 <= r["rank"] <= r["candidates"]
+        assert math.isfinite(r["predicted_percent"]) and 0 < r["predicted_percent"] < 100
+
+
+def test_cli_plan_writes_json_and_plot(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "plan.json"
+    png = tmp_path / "plan.png"
+    code = main(
+        ["plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100", "--nodes", "4",
+         "--global-batch", "512", "--top", "3", "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| 1 |" in text and "| 3 |" in text and "| 4 |" not in text
+    data = json.loads(out.read_text())
+    assert data["feasible"] == len(data["candidates"]) > 3
+    assert png.stat().st_size > 1000
+
+
+def test_cli_plan_explicit_model_and_tiers(capsys) -> None:  # type: ignore[no-untyped-def]
+    code = main(
+        ["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab", "32000",
+         "--seq", "1024", "--tier", "node:4:800:5", "--tier", "net:2:100:10",
+         "--device-memory-gb", "24", "--peak-tflops", "100", "--global-batch", "32"]
+    )  # fmt: skip
+    assert code == 0
+    assert "8 devices" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100"], "--global-batch"),
+        (["plan", "--model", "nope", "--cluster", "dgx-a100", "--global-batch", "8"], "preset"),
+        (["plan", "--model", "gpt-1.7b", "--global-batch", "8"], "--cluster"),
+        (["plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100", "--global-batch", "8",
+          "--outer", "ddp"], "outer algorithm"),
+        (["plan", "--model", "gpt-1.7b", "--tier", "node:8", "--global-batch", "8"], "--tier"),
+    ],
+)  # fmt: skip
+def test_cli_plan_refuses_bad_input(argv, message, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_validation_names_the_key() -> None:
+    with pytest.raises(ValueError, match="gemm_efficiency"):
+        Cluster(
+            device_memory_bytes=1e9,
+            peak_flops=1e12,
+            gemm_efficiency=1.5,
+            memory_bandwidth_Bps=1e9,
+            tiers=(Tier(name="node", members=2, bandwidth_bps=1e9),),
+        )
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelSpec(layers=2, hidden=64, heads=4, kv_heads=3, vocab=8, seq=8)
+
+
+@pytest.mark.timeout(300)
+def test_memory_model_against_real_peak_memory_ddp_and_zero1() -> None:
+    from lowcomm.plan.measure import MemoryCase, measure_peak_memory
+
+    cases = [MemoryCase("ddp", 1, "none"), MemoryCase("zero1", 2, "full")]
+    rows = measure_peak_memory(cases, world=2)  # the README table's model
+    for row in rows:
+        assert 0.9 <= row["ratio"] <= 1.1, row
