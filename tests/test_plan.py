@@ -73,16 +73,32 @@ def test_activations_per_layer_follow_korthikanti(t: int) -> None:
 
 def test_model_state_by_zero_stage_is_hand_computed() -> None:
     tiny = ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq=16, dropout=False)
-    phi = tiny.parameters()
-    d = 4
-    act = memory(tiny, BF16, Layout(dp=d), 1).activations
-    totals = {z: memory(tiny, BF16, Layout(dp=d, zero=z), 1).total - act for z in range(4)}
-    assert totals[0] == pytest.approx(phi * (2 + 2 + 4 + 8))
-    assert totals[1] == pytest.approx(phi * (2 + 2) + phi * 12 / d)
-    layer_grads = 2 * tiny.layer_parameters() * 2
-    assert totals[2] == pytest.approx(phi * 2 + phi * (2 + 4 + 8) / d + layer_grads)
-    gathered = (2 * tiny.layer_parameters() + tiny.embedding_parameters() + 2 * 64) * 2
-    assert totals[3] == pytest.approx(phi * (2 + 4 + 8) / d + gathered + layer_grads)
+    phi, d = tiny.parameters(), 4
+    layer = tiny.layer_parameters()
+    root = tiny.embedding_parameters() + 2 * 64  # embeddings and the final LayerNorm
+    emb_grad = 128 * 64 * 2  # the tied embedding's gradient, bf16
+    phases = set()
+    for b in (1, 64):  # activations small (the end of backward binds) and large
+        act = memory(tiny, BF16, Layout(dp=d, micro_batch=b), 1).activations
+        static = {
+            0: phi * (2 + 2 + 4 + 8),
+            1: phi * (2 + 2) + phi * 12 / d,
+            2: phi * (2 + 4 + 8) / d,
+            3: phi * (2 + 4 + 8) / d,
+        }
+        start = {0: act, 1: act, 2: phi * 2 + act, 3: (layer + root) * 2 + act}
+        end = {
+            0: emb_grad,
+            1: emb_grad,
+            2: phi * 2 + layer * 2 + 3 * emb_grad,
+            3: root * 2 + layer * 2 + 3 * emb_grad,
+        }
+        for z in range(4):
+            got = memory(tiny, BF16, Layout(dp=d, zero=z, micro_batch=b), 1)
+            assert got.total == pytest.approx(static[z] + max(start[z], end[z])), (b, z)
+            assert got.phase == ("backward start" if start[z] >= end[z] else "backward end")
+            phases.add(got.phase)
+    assert phases == {"backward start", "backward end"}  # both moments bind somewhere here
 
 
 def test_pipeline_first_stage_holds_p_microbatches() -> None:
@@ -163,6 +179,20 @@ def test_plan_ranks_feasible_layouts_and_offers_outer_only_across_a_slow_tier() 
     sync = [c for c in regions.candidates if c.layout.outer is None]
     assert sync and sync[0].time.tokens_per_s < best.time.tokens_per_s / 2
     assert rank_of(regions, best.layout) == 1
+
+
+def test_outer_algorithms_only_across_a_slow_tier_and_zero_shards_inside_it() -> None:
+    model = model_preset("llama2-7b")
+    fast = plan(model, BF16, cluster_preset("dgx-h100", 2), 64)  # InfiniBand is not slow
+    assert fast.candidates and all(c.layout.outer is None for c in fast.candidates)
+    cluster = cluster_preset("two-regions", 4)  # 2 regions x 2 nodes x 8 GPUs
+    lay = Layout(tp=4, pp=1, dp=8, zero=1, outer="co2", sync_every=8)
+    cand = evaluate(model, BF16, cluster, lay, 64)
+    phi = cand.memory.parameters
+    assert cand.memory.optimizer == pytest.approx(phi * 12 / 4)  # 4 replicas per region
+    assert cand.memory.outer == pytest.approx(phi * 12)
+    refused = evaluate(model, BF16, cluster_preset("dgx-h100", 4), lay, 64)
+    assert any("slow tier" in r for r in refused.reasons)
 
 
 def test_outer_algorithm_hides_the_slow_tier_with_enough_h() -> None:

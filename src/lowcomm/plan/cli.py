@@ -68,17 +68,20 @@ def _model(args: argparse.Namespace) -> ModelSpec:
 
 def _tier(text: str) -> Tier:
     parts = text.split(":")
-    if len(parts) not in (3, 4):
+    slow = len(parts) == 5 and parts[4] == "slow"
+    if len(parts) not in (3, 4, 5) or (len(parts) == 5 and not slow):
         raise ValueError(
-            f"--tier {text!r} must be NAME:MEMBERS:GBIT_PER_S[:LATENCY_US], e.g. node:8:2400:5 "
-            "(devices of a node joined at 2400 Gbit/s each) or wan:2:10:30000"
+            f"--tier {text!r} must be NAME:MEMBERS:GBIT_PER_S[:LATENCY_US[:slow]], e.g. "
+            "node:8:2400:5 (devices of a node joined at 2400 Gbit/s each) or "
+            "wan:2:10:30000:slow (a slow tier the outer algorithms may cross)"
         )
-    latency = float(parts[3]) * 1e-6 if len(parts) == 4 else 0.0
+    latency = float(parts[3]) * 1e-6 if len(parts) >= 4 else 0.0
     return Tier(
         name=parts[0],
         members=_int(parts[1], "--tier members"),
         bandwidth_bps=_float(parts[2], "--tier bandwidth") * 1e9,
         latency_s=latency,
+        slow=slow,
     )
 
 
@@ -203,8 +206,9 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
     ("--llama", None, "Llama-style: SwiGLU MLP, RMSNorm, no biases, rotary, untied head"),
     ("--cluster", "PRESET", f"cluster preset: {', '.join(CLUSTERS)}"),
     ("--nodes", "N", "nodes of the cluster preset (default 1)"),
-    ("--tier", "NAME:MEMBERS:GBITS[:LATENCY_US]",
-     "an explicit tier, fastest first, repeated: devices of a node, then nodes, then regions"),
+    ("--tier", "NAME:MEMBERS:GBITS[:LATENCY_US[:slow]]",
+     "an explicit tier, fastest first, repeated: devices of a node, then nodes, then regions; "
+     "'slow' marks a tier the outer algorithms may replace the all-reduce across"),
     ("--device-memory-gb", "GB", "memory per device (explicit cluster, or overrides a preset)"),
     ("--peak-tflops", "T", "peak dense TFLOP/s per device at the training precision"),
     ("--gemm-efficiency", "E", "fraction of peak the GEMMs sustain (preset's, or 0.6)"),
@@ -214,7 +218,7 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
     ("--recompute", "LIST", "recompute modes to search (default none,selective,full)"),
     ("--no-flash", None, "no flash attention (the s^2 attention scores are kept)"),
     ("--outer", "A,B",
-     "outer algorithms offered across the slowest tier DP crosses (default diloco,co2; none)"),
+     "outer algorithms offered where DP crosses a slow tier (default diloco,co2; none)"),
     ("--sync-every", "H", "H of the outer algorithms (default: the smallest power of two that "
      "keeps the iteration within 5%% of never synchronising across that tier)"),
     ("--max-micro-batch", "B", "largest micro-batch searched (default 16)"),
@@ -224,7 +228,7 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
     ("--plot", "PATH", "plot predicted tokens/s against memory per device (PNG)"),
     ("--validate", "{" + ",".join(VALIDATIONS) + "}",
      "print a validation table: megatron (Narayanan et al. 2021 Table 1), frontier (Dash et "
-     "al. 2023), memory (measured here on gloo processes, about a minute)"),
+     "al. 2023), memory (measured here on gloo processes, about two minutes)"),
     ("--world", "N", "--validate memory: processes (default 2)"),
 )  # fmt: skip
 

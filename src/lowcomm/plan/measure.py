@@ -1,27 +1,38 @@
 """Real peak memory of small GPTs under DDP and ZeRO-1/2/3, to check the memory model against.
 
-N processes on a gloo group (127.0.0.1) each build lowcomm's GPT (no dropout, fp32, PyTorch's
-scaled-dot-product attention, which takes its flash kernel on CPU), wrap it as
+N processes on a gloo group (127.0.0.1) each build lowcomm's GPT (no dropout, fp32) from the
+same seed and wrap it as
 
-* ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` + AdamW (ZeRO-0);
+* ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True, init_sync=False)`` + AdamW
+  (ZeRO-0; the ranks' parameters are equal by seed, so the initial broadcast, whose flat copy
+  of the parameters gloo sometimes keeps alive for the whole run, is skipped);
 * ``zero1``: the same with ``torch.distributed.optim.ZeroRedundancyOptimizer`` (AdamW);
 * ``zero2`` / ``zero3``: FSDP2 (``fully_shard`` on every block and the root) with
   ``reshard_after_forward`` False / True (ZeRO-2: the gathered parameters live from forward to
-  the end of backward; ZeRO-3: gathered a layer at a time) + AdamW,
+  the end of backward; ZeRO-3: gathered a layer at a time) + AdamW.
 
-with full recompute as ``torch.utils.checkpoint`` around every block, and trains six steps;
-gradients stay allocated between steps (``zero_grad(set_to_none=False)``), as the model counts them.
-The peak is the largest over the third to sixth steps and over the ranks (FSDP's asynchronous
-reduce-scatters make it vary from step to step), from PyTorch's profiler with ``profile_memory``:
-every allocation and free of the CPU allocator from before the model is built, summed in time order,
-so it is the bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports on a GPU), not
-the process's resident size.
+Attention is PyTorch's scaled-dot-product attention: its flash kernel on CPU (keeps its output
+and log-sum-exp), or its math kernel (keeps the s × s softmax); full recompute puts every block
+under ``torch.utils.checkpoint``, selective recompute only the attention core (math kernel).
+Six training steps; gradients stay allocated between steps (``zero_grad(set_to_none=False)``),
+as the model counts them; the garbage collector runs before each step and not during it (FSDP
+holds tensors in reference cycles; collecting at random points made the peak depend on when).
+
+The peak is the largest over the third to sixth steps and over the ranks, from PyTorch's
+profiler with ``profile_memory``: the allocations and frees of the CPU allocator from before the
+model is built, summed in time order, a free counted only for a block allocated while profiling
+(by address, from the trace). So it is the bytes of live tensors (what
+``torch.cuda.max_memory_allocated`` reports on a GPU), not the process's resident size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Sequence
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,13 +55,23 @@ class MemoryCase:
     """ddp, zero1, zero2 or zero3."""
     micro_batch: int
     recompute: str = "none"
-    """none or full."""
+    """none, selective (the attention core recomputed; math attention only) or full."""
+    attention: str = "flash"
+    """flash (PyTorch's flash kernel: keeps its output and log-sum-exp) or math (keeps the
+    s × s softmax)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MEASURE_MODES:
             raise ValueError(f"mode must be one of {', '.join(MEASURE_MODES)}, got {self.mode!r}")
-        if self.recompute not in ("none", "full"):
-            raise ValueError(f"recompute must be none or full, got {self.recompute!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"attention must be flash or math, got {self.attention!r}")
+        if self.recompute == "selective" and self.attention == "flash":
+            raise ValueError(
+                "selective recompute is what flash attention already does: use "
+                "attention='math' with recompute='selective'"
+            )
 
 
 def spec_of(shape: dict[str, int]) -> ModelSpec:
@@ -73,21 +94,46 @@ def predict_case(case: MemoryCase, shape: dict[str, int], world: int) -> float:
         dp=world,
         zero=MEASURE_MODES[case.mode] if world > 1 else 0,
         micro_batch=case.micro_batch,
-        recompute="full" if case.recompute == "full" else "none",
+        recompute=case.recompute,  # type: ignore[arg-type]
+        flash_attention=case.attention == "flash",
     )
     return memory(spec_of(shape), PRECISIONS["fp32"], layout, 1).total
 
 
-def _peak_of_step(prof: Any, step: str) -> int:
-    events = prof.profiler.kineto_results.events()
-    allocations = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    start, end = next((e.start_ns(), e.end_ns()) for e in events if e.name() == step)
-    live = peak = 0
-    for when, nbytes in allocations:
-        live += nbytes
-        if start <= when <= end:
-            peak = max(peak, live)
-    return peak
+def _step_peaks(prof: Any, steps: Sequence[str]) -> list[int]:
+    """Peak bytes of live allocations during each named step.
+
+    From the profiler's trace, whose memory events carry the block's address: allocations are
+    summed in time order from the start of profiling, and a free counts only for a block
+    allocated while profiling (the allocator's size table can hold stale sizes of blocks from
+    an earlier profile, freed and reused in between).
+    """
+    with tempfile.TemporaryDirectory(prefix="lowcomm-plan-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    windows = {}
+    for e in events:
+        if e.get("name") in steps and e.get("ph") == "X":
+            windows[e["name"]] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+    memory_events = sorted(
+        (float(e["ts"]), int(e["args"]["Bytes"]), e["args"]["Addr"])
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+    )
+    live, held = 0, {}
+    peaks = dict.fromkeys(steps, 0)
+    for when, nbytes, addr in memory_events:
+        if nbytes > 0:
+            held[addr] = nbytes
+            live += nbytes
+        elif addr in held:
+            live -= held.pop(addr)
+        for step, (start, end) in windows.items():
+            if start <= when <= end:
+                peaks[step] = max(peaks[step], live)
+    return [peaks[step] for step in steps]
 
 
 def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
@@ -125,16 +171,21 @@ def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
                 model.blocks[i] = Checkpointed(block)
         net: torch.nn.Module = model
         if case.mode in ("ddp", "zero1"):
-            net = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+            # the ranks built identical models (same seed): no initial broadcast, whose flat
+            # copy of the parameters gloo may keep alive for the whole run
+            net = torch.nn.parallel.DistributedDataParallel(
+                model, gradient_as_bucket_view=True, init_sync=False
+            )
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (world,))
             reshard = case.mode == "zero3"
-            for block in model.blocks:
+            for block in [*model.blocks, model]:
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+                block.set_custom_reduce_scatter(_AllReduceScatter())
+                block.set_custom_all_gather(_ChunkAllGather())
         opt: torch.optim.Optimizer
         if case.mode == "zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -144,17 +195,110 @@ def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
             )
         else:
             opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-        gc.collect()  # set-up leftovers (e.g. DDP's initial broadcast buffers) go before we measure
-        for i in range(STEPS):
-            with record_function(f"lowcomm-step-{i}"):
-                loss = net(x, y)[1]
-                loss.backward()
-                del loss
-                opt.step()
-                opt.zero_grad(set_to_none=False)
+        with _attention(case):
+            for i in range(STEPS):
+                # set-up leftovers and the previous step's cyclic garbage (FSDP keeps tensors
+                # in reference cycles) go before each step, and the collector waits during it
+                gc.collect()
+                gc.disable()
+                try:
+                    with record_function(f"lowcomm-step-{i}"):
+                        loss = net(x, y)[1]
+                        loss.backward()
+                        del loss
+                        opt.step()
+                        opt.zero_grad(set_to_none=False)
+                finally:
+                    gc.enable()
         del net, model, opt
     gc.collect()
-    return max(_peak_of_step(prof, f"lowcomm-step-{i}") for i in range(2, STEPS))
+    return max(_step_peaks(prof, [f"lowcomm-step-{i}" for i in range(2, STEPS)]))
+
+
+def _reduce_scatter_class() -> type:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class AllReduceScatter(ReduceScatter):
+        """A reduce-scatter as an in-place all-reduce and a copy of this rank's chunk: the
+        buffers a NCCL reduce-scatter uses. gloo's own reduce-scatter keeps a copy of its input
+        alive after each call, so FSDP's memory there grows step after step."""
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: Any,
+            async_op: bool = False,
+        ) -> None:
+            dist.all_reduce(input_tensor, op=op, group=group)
+            chunks = input_tensor.view(group.size(), -1)
+            output_tensor.view(-1).copy_(chunks[group.rank()])
+
+    return AllReduceScatter
+
+
+def _AllReduceScatter() -> Any:
+    return _reduce_scatter_class()()
+
+
+def _ChunkAllGather() -> Any:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class ChunkAllGather(AllGather):
+        """An all-gather straight into the chunks of the output (no staging copy kept)."""
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            async_op: bool = False,
+        ) -> Any:
+            chunks = list(output_tensor.view(group.size(), -1).unbind(0))
+            return dist.all_gather(chunks, input_tensor.view(-1), group=group, async_op=async_op)
+
+    return ChunkAllGather()
+
+
+@contextlib.contextmanager
+def _attention(case: MemoryCase) -> Iterator[None]:
+    """PyTorch's math attention for ``attention="math"``, its core under
+    ``torch.utils.checkpoint`` for selective recompute; flash (the default kernel) otherwise."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import checkpoint
+
+    if case.attention == "flash":
+        yield
+        return
+    original = F.scaled_dot_product_attention
+
+    def recomputed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = checkpoint(original, *args, use_reentrant=False, **kwargs)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        if case.recompute != "selective":
+            yield
+            return
+        F.scaled_dot_product_attention = recomputed  # the GPT looks it up at each call
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention = original
 
 
 def _job(rank: int, world: int, cases: list[MemoryCase], shape: dict[str, int]) -> list[int]:
@@ -165,13 +309,19 @@ DEFAULT_SHAPE = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 8192, "seq": 2
 
 
 def default_cases() -> list[MemoryCase]:
-    """Every mode at micro-batch 1, 2 and 4, with and without full recompute."""
-    return [
+    """Every mode at micro-batch 1, 2 and 4 with flash attention, without and with full
+    recompute, and at micro-batch 2 with math attention, without and with selective
+    recompute."""
+    cases = [
         MemoryCase(mode, b, rc)
         for mode in MEASURE_MODES
         for rc in ("none", "full")
         for b in (1, 2, 4)
     ]
+    cases += [
+        MemoryCase(mode, 2, rc, "math") for mode in MEASURE_MODES for rc in ("none", "selective")
+    ]
+    return cases
 
 
 def measure_peak_memory(

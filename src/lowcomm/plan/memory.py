@@ -10,10 +10,10 @@ flight, the last holds the logits), with Φ its parameters and d the data-parall
   - 1: ``Φ (w + g) + Φ (m + o) / d``;
   - 2: ``Φ w + Φ (g + max(m, w) + o) / d`` (the sharded parameters are the master copy; the
     working copy is gathered for the whole forward and backward, as FSDP's ``SHARD_GRAD_OP``);
-  - 3: ``Φ (g + max(m, w) + o) / d`` plus the gathered working set: the embedding and head and
-    two layers (one computing, one prefetched);
-  - 2 and 3 also hold the unsharded gradients of two layers whose reduce-scatters are in
-    flight.
+  - 3: ``Φ (g + max(m, w) + o) / d`` plus the gathered working set at the start of backward:
+    the embedding and head and the last layer (prefetched);
+  - at the end of backward, 2 and 3 also hold one layer's unsharded gradient waiting for its
+    reduce-scatter.
 
   Gradients are counted resident (a contiguous gradient buffer, DDP's
   ``gradient_as_bucket_view``, or accumulation over micro-batches).
@@ -35,6 +35,12 @@ flight, the last holds the logits), with Φ its parameters and d the data-parall
   vocabulary: its saved softmax, the gradient arriving from the loss and the logits' gradient,
   ``3 · 4 s b V / t`` at the start of backward. The peak adds the larger of the head and one
   rebuilt layer (full recompute) to what is stored, since they happen at different times.
+* **End of backward**: the activations are gone and the embedding's gradient (``V h / t``)
+  arrives. With resident gradients (ZeRO 0/1) it is added in place: one transient copy. With
+  ZeRO-2/3 the unsharded gradient is built afresh each backward, so a tied embedding's two
+  contributions (from the logits and from the lookup) and their sum exist at once (three
+  copies) beside the gathered parameters. The peak is the larger of the two moments
+  (``MemoryBreakdown.phase``).
 * **Outer algorithm**: its anchor, outer momentum and send buffer in fp32, ``12 Φ``.
 
 Left out: the optimizer step's temporaries, framework workspaces (cuBLAS, NCCL buffers) and
@@ -44,7 +50,7 @@ allocator fragmentation: the planner keeps ``1 − usable`` of the memory for th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lowcomm.plan.spec import Layout, ModelSpec, Precision
 
@@ -67,10 +73,14 @@ class MemoryBreakdown:
     optimizer: float
     """Optimizer state and master copy."""
     working: float
-    """Gathered parameters of ZeRO-2/3."""
+    """Gathered parameters and in-flight unsharded gradients of ZeRO-2/3; at the end of
+    backward also the embedding's incoming gradient."""
     outer: float
     activations: float
     """Stored activations of the micro-batches in flight, plus the head or a rebuilt layer."""
+    phase: str = "backward start"
+    """When the peak happens: "backward start" (activations and the logits held) or "backward
+    end" (the embedding's gradient arriving, for ZeRO-2/3 with the gathered parameters)."""
 
     @property
     def total(self) -> float:
@@ -146,25 +156,39 @@ def in_flight(layout: Layout, micro_batches: int) -> float:
 
 
 def memory(
-    model: ModelSpec, precision: Precision, layout: Layout, micro_batches: int
+    model: ModelSpec,
+    precision: Precision,
+    layout: Layout,
+    micro_batches: int,
+    *,
+    zero_group: int | None = None,
 ) -> MemoryBreakdown:
     """Peak memory of the stage that needs the most; ``micro_batches`` per iteration per
-    pipeline (m = global batch / (dp × micro_batch))."""
+    pipeline (m = global batch / (dp × micro_batch)); ZeRO shards over ``zero_group`` ranks
+    (default: all of DP; with an outer algorithm, the replicas inside one unit of the slow
+    tier)."""
     stages = ("only",) if layout.pp == 1 else ("first", "last")
+    group = layout.dp if zero_group is None else zero_group
     return max(
-        (_stage_memory(model, precision, layout, micro_batches, stage) for stage in stages),
+        (_stage_memory(model, precision, layout, micro_batches, st, group) for st in stages),
         key=lambda m: m.total,
     )
 
 
 def _stage_memory(
-    model: ModelSpec, precision: Precision, layout: Layout, micro_batches: int, stage: str
+    model: ModelSpec,
+    precision: Precision,
+    layout: Layout,
+    micro_batches: int,
+    stage: str,
+    zero_group: int | None = None,
 ) -> MemoryBreakdown:
     phi = stage_parameters(model, layout, stage)
-    d, z = layout.dp, layout.zero
+    d = layout.dp if zero_group is None else zero_group
+    z = layout.zero if d > 1 else 0
     w, g = precision.weight_bytes, precision.grad_bytes
     master, opt = precision.master_bytes, precision.optimizer_bytes
-    working = 0.0
+    working = in_flight_grads = 0.0
     if z == 0:
         weights, grads, optim = phi * w, phi * g, phi * (master + opt)
     elif z == 1:
@@ -172,16 +196,14 @@ def _stage_memory(
     else:
         weights, grads, optim = 0.0, phi * g / d, phi * (max(master, w) + opt) / d
         t = layout.tp
-        in_flight_grads = min(phi, 2 * model.layer_parameters() / t) * g  # reduce-scatters
+        # later in backward: a layer's unsharded gradient waits for its reduce-scatter
+        in_flight_grads = min(phi, model.layer_parameters() / t) * g
         if z == 2:
-            working = phi * w + in_flight_grads
+            working = phi * w
         else:
-            gathered = 2 * model.layer_parameters() / t
-            if stage in ("first", "only"):
-                gathered += model.embedding_parameters() / t
-            if stage in ("last", "only"):
-                gathered += model.head_parameters() / t
-            working = min(phi, gathered) * w + in_flight_grads
+            # at the start of backward: the root (embedding, head) and the last layer, prefetched
+            gathered = model.layer_parameters() / t + _root_parameters(model, layout, stage)
+            working = min(phi, gathered) * w
     outer = phi * OUTER_STATE_BYTES if layout.outer else 0.0
     b = layout.micro_batch
     layers = model.layers / layout.pp
@@ -205,7 +227,7 @@ def _stage_memory(
             / (layout.tp if layout.sequence_parallel else 1)
         )
     assert math.isfinite(act + extra)
-    return MemoryBreakdown(
+    start = MemoryBreakdown(
         stage=stage,
         parameters=phi,
         weights=weights,
@@ -215,3 +237,33 @@ def _stage_memory(
         outer=outer,
         activations=act + extra,
     )
+    # the end of backward: activations are gone, the embedding's gradient arrives
+    t = layout.tp
+    embedding = model.vocab * model.hidden / t
+    if stage == "last" and not model.tied_embeddings:
+        embedding = 0.0  # the head's own gradient accumulates like any layer's
+    if z <= 1:
+        # gradients are resident: the incoming gradient is added into them in place
+        end_working = embedding * g
+    else:
+        # the unsharded gradient is built afresh each backward; a tied weight's two
+        # contributions (logits and embedding lookup) and their sum exist at once
+        both = model.tied_embeddings and stage == "only"
+        gathered = phi if z == 2 else min(phi, _root_parameters(model, layout, stage))
+        end_working = gathered * w + in_flight_grads + (3 if both else 1) * embedding * g
+    if end_working > start.working + start.activations:
+        return replace(start, phase="backward end", working=end_working, activations=0.0)
+    return start
+
+
+def _root_parameters(model: ModelSpec, layout: Layout, stage: str) -> float:
+    """Parameters outside the transformer layers on ``stage`` (gathered with the root)."""
+    t = layout.tp
+    out = 0.0
+    if stage in ("first", "only"):
+        out += model.embedding_parameters() / t
+    if stage in ("last", "only"):
+        out += model.head_parameters() / t
+    if stage == "last" and model.tied_embeddings:
+        out += model.vocab * model.hidden / t
+    return out

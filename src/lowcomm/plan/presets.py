@@ -147,7 +147,10 @@ def _two_regions(nodes: int) -> Cluster:
         peak_flops=h100.peak_flops,
         gemm_efficiency=h100.gemm_efficiency,
         memory_bandwidth_Bps=h100.memory_bandwidth_Bps,
-        tiers=(*h100.tiers, Tier(name="wan", members=2, bandwidth_bps=10e9, latency_s=0.03)),
+        tiers=(
+            *h100.tiers,
+            Tier(name="wan", members=2, bandwidth_bps=10e9, latency_s=0.03, slow=True),
+        ),
         note="two regions of DGX H100 nodes (as dgx-h100) joined by one 10 Gbit/s link, 30 ms",
     )
 

@@ -167,12 +167,14 @@ def format_frontier(rows: Sequence[dict[str, Any]]) -> str:
 
 def format_memory(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| mode | recompute | micro-batch | ranks | measured MB | predicted MB | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | attention | recompute | micro-batch | ranks | measured MB | predicted MB | "
+        "ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['recompute']} | {r['micro_batch']} | {r['world']} | "
+            f"| {r['mode']} | {r['attention']} | {r['recompute']} | {r['micro_batch']} | "
+            f"{r['world']} | "
             f"{r['measured_bytes'] / 1e6:.1f} | {r['predicted_bytes'] / 1e6:.1f} | "
             f"{r['ratio']:.3f} |"
         )

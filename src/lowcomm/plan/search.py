@@ -1,13 +1,14 @@
 """The search: every layout of a model on a cluster, the feasibility rules, and the ranking.
 
-Rules (the Frontier study's and Megatron's, :func:`check_layout`): TP × PP × DP uses every
-device; attention heads divisible by TP and TP within a node; layers divisible by PP (by PP × v
-when interleaved); ZeRO at most 1 with PP > 1 (stage 2/3 would reshard gradients or parameters
-every micro-batch); the global batch divisible by DP × micro-batch; sequence parallelism only
-with TP > 1; the peak memory (:func:`~lowcomm.plan.memory.memory`) within ``usable`` of the
-device's. An outer algorithm is offered where the data-parallel group crosses a tier above the
-node's, with the smallest H (a power of two up to ``max_sync_every``) that keeps the iteration
-within ``outer_tolerance`` of never synchronising across that tier; ``sync_every`` fixes H.
+Rules (the Frontier study's and Megatron's, :func:`check_layout`): TP × PP × DP uses every device;
+attention heads divisible by TP and TP within a node; layers divisible by PP (by PP × v when
+interleaved); ZeRO at most 1 with PP > 1 (stage 2/3 would reshard gradients or parameters every
+micro-batch); the global batch divisible by DP × micro-batch; sequence parallelism only with TP > 1;
+the peak memory (:func:`~lowcomm.plan.memory.memory`) within ``usable`` of the device's. An outer
+algorithm is offered where the data-parallel group crosses a tier marked slow
+(:attr:`~lowcomm.plan.spec.Tier.slow`), with the smallest H (a power of two up to
+``max_sync_every``) that keeps the iteration within ``outer_tolerance`` of never synchronising
+across that tier; ``sync_every`` fixes H.
 
 Candidates are ranked by predicted tokens/s; ties keep the smaller memory.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from lowcomm.plan.memory import MemoryBreakdown, memory
 from lowcomm.plan.spec import RECOMPUTE, Cluster, Layout, ModelSpec, Precision, Recompute
-from lowcomm.plan.timing import TimeBreakdown, group_levels, iteration_time
+from lowcomm.plan.timing import TimeBreakdown, iteration_time, outer_split
 from lowcomm.registry import REGISTRY
 
 __all__ = ["Candidate", "PlanResult", "check_layout", "evaluate", "plan", "rank_of"]
@@ -115,15 +116,9 @@ def check_layout(
         )
     if layout.zero and layout.dp == 1:
         reasons.append("ZeRO needs DP > 1")
-    if layout.outer:
-        levels = group_levels(cluster, layout.dp, _dp_stride(layout))
-        if not any(lv.members > 1 for lv in levels[1:]):
-            reasons.append(f"{layout.outer} across tiers needs DP spanning more than one node")
+    if layout.outer and outer_split(cluster, layout)[0] is None:
+        reasons.append(f"{layout.outer} needs the data-parallel group to cross a slow tier")
     return reasons
-
-
-def _dp_stride(layout: Layout) -> int:
-    return layout.tp if layout.order == "tp-dp-pp" else layout.tp * layout.pp
 
 
 def evaluate(
@@ -138,14 +133,20 @@ def evaluate(
     """Memory, time and feasibility of one layout (:func:`check_layout` and the memory bound)."""
     reasons = check_layout(model, cluster, layout, global_batch)
     micro = max(1, global_batch // (layout.dp * layout.micro_batch))
-    mem = memory(model, precision, layout, micro)
+    shards = outer_split(cluster, layout)[1] if layout.outer else layout.dp
+    mem = memory(model, precision, layout, micro, zero_group=shards)
     fits = mem.total <= usable * cluster.device_memory_bytes
     if not fits:
         reasons.append(
             f"needs {mem.total / 1e9:.1f} GB of {usable * cluster.device_memory_bytes / 1e9:.1f} "
             "GB usable"
         )
-    timing = iteration_time(model, precision, cluster, layout, global_batch)
+    if any("slow tier" in r for r in reasons):
+        timing = iteration_time(
+            model, precision, cluster, replace(layout, outer=None), global_batch
+        )
+    else:
+        timing = iteration_time(model, precision, cluster, layout, global_batch)
     return Candidate(layout=layout, memory=mem, time=timing, fits=fits, reasons=tuple(reasons))
 
 
@@ -256,23 +257,29 @@ def plan(
                 order=order,
             )
             variants = [layout]
-            if d > 1 and outer:
-                levels = group_levels(cluster, d, _dp_stride(layout))
-                if any(lv.members > 1 for lv in levels[1:]):
-                    variants += [
-                        _outer_layout(
-                            model,
-                            precision,
-                            cluster,
-                            layout,
-                            global_batch,
-                            name,
-                            sync_every,
-                            max_sync_every,
-                            outer_tolerance,
-                        )
-                        for name in outer
-                    ]
+            top, inner = outer_split(cluster, layout) if d > 1 else (None, 1)
+            offer = bool(outer) and top is not None and (z == 0 or inner > 1)
+            need = memory(model, precision, layout, global_batch // (d * b)).total
+            if need > usable * cluster.device_memory_bytes:
+                # an outer algorithm only adds state, so none of the variants fits either
+                key = "does not fit in memory"
+                rejected[key] = rejected.get(key, 0) + 1 + (len(outer) if offer else 0)
+                continue
+            if offer:
+                variants += [
+                    _outer_layout(
+                        model,
+                        precision,
+                        cluster,
+                        layout,
+                        global_batch,
+                        name,
+                        sync_every,
+                        max_sync_every,
+                        outer_tolerance,
+                    )
+                    for name in outer
+                ]
             for lay in variants:
                 cand = evaluate(model, precision, cluster, lay, global_batch, usable=usable)
                 if lay.order != "tp-dp-pp" and _same_as_default_order(cand, out):

@@ -215,6 +215,9 @@ class Tier:
     region at tier 2, ..., shared by the devices behind it."""
     latency_s: float = 0.0
     """Latency per message."""
+    slow: bool = False
+    """A slow link (between regions, over the internet): where the data-parallel group crosses
+    it, the planner offers lowcomm's outer algorithms in place of the per-step all-reduce."""
 
     def __post_init__(self) -> None:
         _positive_int(f"tier {self.name!r}", "members", self.members)
@@ -289,8 +292,8 @@ class Layout:
     next to each other) or ``tp-pp-dp`` (pipeline stages next to each other)."""
     outer: str | None = None
     """None: data parallelism all-reduces every iteration. An outer algorithm
-    (``diloco``, ``co2``, ...): synchronous inside the slowest tier the data-parallel group
-    crosses, the outer algorithm across it."""
+    (``diloco``, ``co2``, ...): synchronous (and ZeRO-sharded) inside the units of the slowest
+    slow tier the data-parallel group crosses, the outer algorithm across it."""
     sync_every: int = 1
     """H of the outer algorithm (iterations per round)."""
     extra: dict[str, int] = field(default_factory=dict, compare=False, hash=False)

@@ -48,7 +48,14 @@ from lowcomm.plan.cost import tiered_allreduce_time as _tiered
 from lowcomm.plan.memory import activation_bytes_per_layer, stage_parameters
 from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision
 
-__all__ = ["TimeBreakdown", "group_levels", "iteration_time", "p2p_link"]
+__all__ = [
+    "TimeBreakdown",
+    "dp_stride",
+    "group_levels",
+    "iteration_time",
+    "outer_split",
+    "p2p_link",
+]
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,25 @@ def group_levels(cluster: Cluster, size: int, stride: int) -> list[TierLevel]:
         share = 1 if i == 0 else units[i - 1]
         levels.append(TierLevel(members[i], tier.bandwidth_bps, tier.latency_s, share=share))
     return levels
+
+
+def dp_stride(layout: Layout) -> int:
+    """Devices between consecutive members of a data-parallel group."""
+    return layout.tp if layout.order == "tp-dp-pp" else layout.tp * layout.pp
+
+
+def outer_split(cluster: Cluster, layout: Layout) -> tuple[int | None, int]:
+    """(index of the slowest slow tier the data-parallel group crosses, or None; its members
+    inside one unit below that tier, the group an outer algorithm syncs and shards within)."""
+    levels = group_levels(cluster, layout.dp, dp_stride(layout))
+    crossed = [i for i, lv in enumerate(levels) if lv.members > 1 and cluster.tiers[i].slow]
+    if not crossed:
+        return None, layout.dp
+    top = crossed[-1]
+    inner = 1
+    for lv in levels[:top]:
+        inner *= lv.members
+    return top, inner
 
 
 def p2p_link(cluster: Cluster, stages: int, stride: int) -> tuple[int, int]:
@@ -172,7 +198,6 @@ def iteration_time(
 
     pp_time = 0.0
     pp_stride = t * d if layout.order == "tp-dp-pp" else t
-    dp_stride = t if layout.order == "tp-dp-pp" else t * p
     if p > 1:
         tier_index, share = p2p_link(cluster, p, pp_stride)
         tier = cluster.tiers[tier_index]
@@ -185,10 +210,15 @@ def iteration_time(
     phi = max(
         stage_parameters(model, layout, s) for s in (("only",) if p == 1 else ("first", "last"))
     )
-    levels = group_levels(cluster, d, dp_stride)
+    levels = group_levels(cluster, d, dp_stride(layout))
     outer_levels = levels
+    top, _ = outer_split(cluster, layout)
     if layout.outer:
-        top = max(i for i, lv in enumerate(levels) if lv.members > 1)
+        if top is None:
+            raise ValueError(
+                f"{layout.outer} needs the data-parallel group to cross a slow tier "
+                f"({layout.label()} on {cluster.name} does not)"
+            )
         levels = [
             TierLevel(1, lv.bandwidth_bps, lv.latency_s, lv.share) if i >= top else lv
             for i, lv in enumerate(levels)
@@ -210,7 +240,7 @@ def iteration_time(
         dp_comm = m * per_micro
         dp_exposed = m * max(0.0, per_micro - compute)
 
-    shard = d if layout.zero >= 1 else 1
+    shard = (outer_split(cluster, layout)[1] if layout.outer else d) if layout.zero else 1
     state = precision.master_bytes + precision.optimizer_bytes
     optimizer = phi * (2 * precision.weight_bytes + precision.grad_bytes + 2 * state) / shard
     optimizer /= cluster.memory_bandwidth_Bps
