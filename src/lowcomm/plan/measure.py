@@ -184,8 +184,8 @@ def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
             reshard = case.mode == "zero3"
             for block in [*model.blocks, model]:
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-                block.set_custom_reduce_scatter(_AllReduceScatter())
-                block.set_custom_all_gather(_ChunkAllGather())
+                block.set_custom_reduce_scatter(_all_reduce_scatter())
+                block.set_custom_all_gather(_chunk_all_gather())
         opt: torch.optim.Optimizer
         if case.mode == "zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -215,7 +215,7 @@ def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
     return max(_step_peaks(prof, [f"lowcomm-step-{i}" for i in range(2, STEPS)]))
 
 
-def _reduce_scatter_class() -> type:
+def _all_reduce_scatter() -> Any:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -240,14 +240,10 @@ def _reduce_scatter_class() -> type:
             chunks = input_tensor.view(group.size(), -1)
             output_tensor.view(-1).copy_(chunks[group.rank()])
 
-    return AllReduceScatter
+    return AllReduceScatter()
 
 
-def _AllReduceScatter() -> Any:
-    return _reduce_scatter_class()()
-
-
-def _ChunkAllGather() -> Any:
+def _chunk_all_gather() -> Any:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
