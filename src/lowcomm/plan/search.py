@@ -313,10 +313,3 @@ def rank_of(result: PlanResult, layout: Layout) -> int | None:
         if same(cand.layout):
             return i
     return None
-
-
-def best_percent(result: PlanResult) -> float:
-    """Predicted percent of peak of the best candidate (nan when none is feasible)."""
-    if not result.candidates:
-        return math.nan
-    return result.candidates[0].time.percent_of_peak
