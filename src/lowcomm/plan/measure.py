@@ -219,14 +219,12 @@ def _all_reduce_scatter() -> Any:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-    class AllReduceScatter(ReduceScatter):
+    class AllReduceScatter(DefaultAllocMixin, ReduceScatter):
         """A reduce-scatter as an in-place all-reduce and a copy of this rank's chunk: the
         buffers a NCCL reduce-scatter uses. gloo's own reduce-scatter keeps a copy of its input
         alive after each call, so FSDP's memory there grows step after step."""
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(
             self,
@@ -247,12 +245,10 @@ def _chunk_all_gather() -> Any:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-    class ChunkAllGather(AllGather):
+    class ChunkAllGather(DefaultAllocMixin, AllGather):
         """An all-gather straight into the chunks of the output (no staging copy kept)."""
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(
             self,

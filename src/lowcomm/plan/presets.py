@@ -12,6 +12,7 @@ efficiency is one stated figure per device type, the same for every configuratio
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from lowcomm.plan.spec import Cluster, ModelSpec, Tier
 
@@ -141,12 +142,9 @@ def _two_regions(nodes: int) -> Cluster:
             f"two-regions splits the nodes over two regions: use an even --nodes, got {nodes}"
         )
     h100 = _dgx_h100(nodes // 2)
-    return Cluster(
+    return replace(
+        h100,
         name=f"two-regions x{nodes}",
-        device_memory_bytes=h100.device_memory_bytes,
-        peak_flops=h100.peak_flops,
-        gemm_efficiency=h100.gemm_efficiency,
-        memory_bandwidth_Bps=h100.memory_bandwidth_Bps,
         tiers=(
             *h100.tiers,
             Tier(name="wan", members=2, bandwidth_bps=10e9, latency_s=0.03, slow=True),

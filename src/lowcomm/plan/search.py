@@ -150,14 +150,6 @@ def evaluate(
     return Candidate(layout=layout, memory=mem, time=timing, fits=fits, reasons=tuple(reasons))
 
 
-def _same_as_default_order(cand: Candidate, found: list[Candidate]) -> bool:
-    twin = replace(cand.layout, order="tp-dp-pp")
-    return any(
-        c.layout == twin and math.isclose(c.time.iteration_s, cand.time.iteration_s, rel_tol=1e-12)
-        for c in found[-8:]
-    )
-
-
 def _reason_kind(reason: str) -> str:
     """A reason without its numbers, to count rejections by kind."""
     if reason.startswith("needs "):
@@ -229,6 +221,7 @@ def plan(
     n = cluster.devices
     out: list[Candidate] = []
     rejected: dict[str, int] = {}
+    default_order: dict[Layout, float] = {}  # iteration time of each tp-dp-pp layout
     for t, p in itertools.product(_divisors(cluster.devices_per_node), _divisors(model.layers)):
         if n % (t * p):
             continue
@@ -282,8 +275,15 @@ def plan(
                 ]
             for lay in variants:
                 cand = evaluate(model, precision, cluster, lay, global_batch, usable=usable)
-                if lay.order != "tp-dp-pp" and _same_as_default_order(cand, out):
-                    continue  # placing stages or replicas first changes nothing here
+                if lay.order == "tp-dp-pp":
+                    if cand.feasible:
+                        default_order[lay] = cand.time.iteration_s
+                else:
+                    twin = default_order.get(replace(lay, order="tp-dp-pp"))
+                    if twin is not None and math.isclose(
+                        twin, cand.time.iteration_s, rel_tol=1e-12
+                    ):
+                        continue  # placing stages or replicas first changes nothing here
                 if cand.feasible:
                     out.append(cand)
                 else:
