@@ -274,7 +274,7 @@ def test_cluster_validation_names_the_key() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_memory_model_against_real_peak_memory_ddp_and_zero1() -> None:
+def test_memory_model_against_real_peak_memory() -> None:
     from lowcomm.plan.measure import MemoryCase, measure_peak_memory
 
     shape = {"layers": 2, "hidden": 128, "heads": 4, "vocab": 2048, "seq": 128}
@@ -282,6 +282,9 @@ def test_memory_model_against_real_peak_memory_ddp_and_zero1() -> None:
         MemoryCase("ddp", 2, "none"),
         MemoryCase("zero1", 1, "full"),
         MemoryCase("ddp", 2, "selective", "math"),
+        MemoryCase("zero2", 1, "full"),
+        MemoryCase("zero3", 2, "none"),
+        MemoryCase("zero3", 2, "selective", "math"),
     ]
     rows = measure_peak_memory(cases, world=2, shape=shape)
     for row in rows:
