@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -231,8 +232,6 @@ def _released(*tensors: Any) -> Iterator[None]:
     most 5 s) until the counts are back, then 2 ms more: with the counts back, about one free
     in 2,400 still happened on gloo's thread, none in 3,600 with the extra wait.
     """
-    import time
-
     before = [t._use_count() for t in tensors]
     yield
     deadline = time.monotonic() + 5.0
