@@ -13,6 +13,11 @@ and resume it from its last checkpoint (every rank continues exactly where it wa
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --resume
 
+torchrun's agent hosts its rendezvous store on every network interface of the machine, whatever
+address ``--rdzv-endpoint`` names (``--standalone`` too; checked with ``ss -ltn`` on torch 2.13):
+on a machine that others can reach, keep its ports behind a firewall, or run ``lowcomm train``,
+whose launcher listens on 127.0.0.1 only.
+
 Other algorithms and settings: ``--algo diloco --sync-every 24``, ``--steps 480``,
 ``--data my_texts/``. On GPUs: ``torchrun --nproc-per-node 8 examples/hf_trainer.py`` (NCCL).
 """

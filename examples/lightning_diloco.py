@@ -14,6 +14,11 @@ and resume it from its last checkpoint (every rank continues exactly where it wa
 
     torchrun --standalone --nproc-per-node 2 examples/lightning_diloco.py --resume
 
+torchrun's agent hosts its rendezvous store on every network interface of the machine, whatever
+address ``--rdzv-endpoint`` names (``--standalone`` too; checked with ``ss -ltn`` on torch 2.13):
+on a machine that others can reach, keep its ports behind a firewall, or run ``lowcomm train``,
+whose launcher listens on 127.0.0.1 only.
+
 Lightning can also start the processes itself: ``python examples/lightning_diloco.py``.
 Other algorithms and settings: ``--algo co2``, ``--steps 480``, ``--data my_texts/``.
 """

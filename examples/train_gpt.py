@@ -7,7 +7,13 @@ the background during the next H steps. The loop below is ordinary PyTorch plus 
 
 Run it (CPU, this machine, 2 workers; gloo):
 
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \\
+        examples/train_gpt.py
+
+torchrun's agent hosts its rendezvous store on every network interface of the machine, whatever
+address ``--rdzv-endpoint`` names (``--standalone`` too; checked with ``ss -ltn`` on torch 2.13):
+on a machine that others can reach, keep its ports behind a firewall, or run ``lowcomm train``,
+whose launcher listens on 127.0.0.1 only.
 
 One process, no torchrun (world size 1; CO2 then has no one to talk to, but it runs):
 
@@ -15,7 +21,8 @@ One process, no torchrun (world size 1; CO2 then has no one to talk to, but it r
 
 One GPU node with 8 GPUs (NCCL):
 
-    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --device cuda
+    torchrun --nnodes 1 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \\
+        examples/train_gpt.py --device cuda
 
 Two nodes of 8 GPUs each; run this on both, HOST being the first node's address:
 

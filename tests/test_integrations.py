@@ -94,6 +94,21 @@ def test_resume_from_a_trainer_checkpoint_inside_a_round_is_exact(hf: Any) -> No
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_a_planted_pickle_in_a_trainer_checkpoint_is_refused_without_running(
+    trainer: str, request: Any
+) -> None:
+    # each rank's lowcomm state of a real checkpoint replaced by a pickle that calls os.mkdir
+    for r in request.getfixturevalue(trainer)[:2]:
+        planted = r["planted"]
+        assert planted["code_ran"] is False
+        assert planted["error"] is not None
+        assert "holds Python objects other than tensors" in planted["error"]
+        assert "posix.mkdir" in planted["error"]
+        assert "weights_only" not in planted["error"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
 def test_a_gradscaler_skip_on_one_rank_does_not_desynchronise(trainer: str, request: Any) -> None:
     r0, r1, _ = request.getfixturevalue(trainer)
     # rank 1's scaler skipped one optimizer step (and halved its scale); the algorithm still

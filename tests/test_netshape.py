@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ from lowcomm.bench.netshape import (
     unavailable_reason,
 )
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.faults import FAULT_ENV
 from lowcomm.train.launcher import WorkerFailed
 
 _REASON = unavailable_reason()
@@ -300,16 +302,17 @@ def test_launch_shaped_checks_the_config(tmp_path: Path) -> None:
 
 @requires_shaping
 @pytest.mark.timeout(60)
-def test_failed_worker_is_reported_with_its_rank(tmp_path: Path) -> None:
-    # Rank 0 cannot create its output folder: its parent is a file.
-    (tmp_path / "file").write_text("not a folder")
-    cfg = _tiny_config(tmp_path / "file" / "run")
+def test_failed_worker_is_reported_with_its_rank(tmp_path: Path, monkeypatch: Any) -> None:
+    # Rank 0 raises after its first step (the test-only fault hook, in every worker's
+    # environment); rank 1 loses its peer.
+    monkeypatch.setenv(FAULT_ENV, "0:1:raise")
+    cfg = _tiny_config(tmp_path / "run")
     with ShapedNetwork(2, 100e6) as net:
         with pytest.raises(WorkerFailed) as info:
             launch_shaped(cfg, net, timeout_s=50)
         assert all(not _pids_in(ns) for ns in net.namespaces)
     assert info.value.rank == 0
-    assert "NotADirectoryError" in info.value.error
+    assert f"fault injected by {FAULT_ENV} at step 1" in info.value.error
 
 
 @requires_shaping

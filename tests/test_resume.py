@@ -221,7 +221,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(
         f.write(b"\0" * size)
     assert main(argv) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "worker rank 1 failed: ValueError:" in line and "the file is damaged" in line, line
+    assert "worker rank 1 failed: CheckpointError:" in line and "the file is damaged" in line, line
     assert hint in line
     # a path that is not there
     assert main([*argv[:-1], str(tmp_path / "nowhere")]) == 2

@@ -17,7 +17,7 @@ from lowcomm.testing.zo import (
     tiny_model,
     zo_scenarios,
 )
-from lowcomm.zo import MeZO, mezo_decays, zo_seed
+from lowcomm.zo import MeZO, ZOStep, mezo_decays, zo_seed
 
 STEPS = 6
 SETTINGS = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.1, "seed": 3}
@@ -143,7 +143,12 @@ def test_bad_input_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def modes() -> list[dict[str, Any]]:
-    return run_workers(zo_scenarios, 4, STEPS, SETTINGS, timeout_s=240)
+    results = run_workers(zo_scenarios, 4, STEPS, SETTINGS, timeout_s=240)
+    for per_rank in results:  # each step came back as a plain dict
+        for run in per_rank.values():
+            if isinstance(run, dict) and "steps" in run:
+                run["steps"] = [ZOStep(**d) for d in run["steps"]]
+    return results
 
 
 @pytest.mark.timeout(300)

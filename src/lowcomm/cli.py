@@ -1,8 +1,16 @@
 """The ``lowcomm`` command line (also ``python -m lowcomm``).
 
-The CLI owns the terminal: it configures logging for the ``lowcomm`` loggers, prints user errors
-as one line (exit 2), a failed worker as one line (exit 1), and the final summary table.
-Library code only logs.
+The CLI owns the terminal: it configures logging for the ``lowcomm`` loggers, prints every
+failure as one line and the final summary table. Library code only logs.
+
+Exit codes (every command):
+
+* 0: finished;
+* 1: a worker failed (its rank and error on the line, its traceback in ``error-rank<r>.txt``);
+* 2: a bad flag, setting or input file, found before anything ran;
+* 3: training diverged: the loss became NaN or infinite (the summary names the step);
+* 4: an output could not be written: a read-only, missing or full place (the path is named);
+* 130: interrupted (Ctrl-C).
 
     lowcomm train                                   # CO2, 2 local workers, embedded corpus
     lowcomm train --algo diloco --workers 4 --steps 300
@@ -29,6 +37,12 @@ __all__ = ["main"]
 
 logger = logging.getLogger("lowcomm.cli")
 
+EXIT_WORKER_FAILED = 1
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_OUTPUT = 4
+EXIT_INTERRUPTED = 130
+
 
 class _UsageError(Exception):
     def __init__(self, prog: str, message: str) -> None:
@@ -45,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fail(prog: str, message: str, code: int = 2) -> int:
-    hint = f" (see {prog} --help)" if code == 2 else ""
+    hint = f" (see {prog} --help)" if code == EXIT_USAGE else ""
     one_line = " ".join(str(message).split())
     print(f"{prog}: error: {one_line}{hint}", file=sys.stderr)
     return code
@@ -101,18 +115,18 @@ def _flag(key: str) -> str:
 
 
 def _add_train(subparsers: Any) -> None:
+    from lowcomm.registry import algorithm_help, algorithm_titles
     from lowcomm.train.config import ALGORITHM_CHOICES, TrainConfig, field_docs
 
     p = subparsers.add_parser(
         "train",
         help="train a small GPT with a communication-efficient algorithm",
         description=(
-            "Train a small GPT on local worker processes (or under torchrun) with CO2 (plain or "
-            "with eager updates), DiLoCo, Streaming DiLoCo, CoCoDC, LocalSGD, SlowMo, synchronous "
-            "DDP, or no synchronisation at all (the throughput ceiling), "
-            "and write metrics, a checkpoint, a loss plot and a summary to the output folder. "
-            "Outer-loop flags that do not apply to --algo are ignored with a warning. "
-            "Precedence: defaults < --config file < flags."
+            "Train a small GPT on local worker processes (or under torchrun) with "
+            f"{algorithm_titles()}, synchronous DDP, or no synchronisation at all (the "
+            "throughput ceiling), and write metrics, a checkpoint, a loss plot and a summary to "
+            "the output folder. Flags of an algorithm that do not apply to --algo are ignored "
+            "with a warning. Precedence: defaults < --config file < flags."
         ),
         argument_default=argparse.SUPPRESS,
     )
@@ -143,6 +157,7 @@ def _add_train(subparsers: Any) -> None:
             kwargs["metavar"] = _METAVARS.get(f.name, default_metavar)
         if f.name == "algo":
             kwargs["metavar"] = "{" + ",".join(ALGORITHM_CHOICES) + "}"
+            kwargs["help"] = f"{algorithm_help()} (default: {f.default})".replace("%", "%%")
         if f.name in _OPTIONAL_VALUE:
             kwargs["nargs"] = "?"
             kwargs["const"] = _OPTIONAL_VALUE[f.name]
@@ -164,14 +179,21 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         config_from_dict,
         read_toml,
     )
+    from lowcomm.train.errors import WorkerFailed
     from lowcomm.train.launcher import (
-        WorkerFailed,
         check_environment,
         launch,
         prepare_output,
+        resource_warnings,
         under_torchrun,
     )
-    from lowcomm.train.report import format_summary
+    from lowcomm.train.report import (
+        divergence_text,
+        failed_summary,
+        format_failed,
+        format_summary,
+    )
+    from lowcomm.train.worker import resolve_backend
 
     explicit = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "config"}
     sources: dict[str, str] = {}
@@ -194,6 +216,15 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     except ValueError as e:
         return _fail(prog, str(e))
 
+    if not under_torchrun():
+        approx_parameters = 12 * cfg.n_layer * cfg.n_embd**2 + (256 + cfg.block_size) * cfg.n_embd
+        for warning in resource_warnings(
+            cfg.world_size,
+            parameters=approx_parameters,
+            cpu_workers=resolve_backend(cfg.backend) != "nccl",
+            flag=_describe_key("workers", sources) if "workers" in sources else "--workers",
+        ):
+            logger.warning("%s", warning)
     for key in cfg.ignored_outer_keys():
         logger.warning(
             "%s does not apply to --algo %s and is ignored", _describe_key(key, sources), cfg.algo
@@ -217,11 +248,11 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     try:
         summary = launch(cfg)
     except WorkerFailed as e:
-        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
-        return _fail(prog, f"worker rank {e.rank} failed: {e.error}{where}", code=1)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        if not under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+            measured, path = failed_summary(cfg, f"worker rank {e.rank} failed: {e.error}")
+            if measured is not None:
+                print(format_failed(measured, path))
+        raise
     total_s = time.perf_counter() - t0
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
@@ -230,6 +261,9 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         summary = json.load(fh)
     command_s = None if under_torchrun() else total_s
     print(format_summary(summary, command_s=command_s))
+    if summary.get("status") == "diverged":
+        where = divergence_text(summary.get("nonfinite") or {})
+        return _fail(prog, f"training diverged: {where}; lower --lr", code=EXIT_DIVERGED)
     return 0
 
 
@@ -238,12 +272,14 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
 
 def _build_parser() -> _Parser:
     from lowcomm import __version__
+    from lowcomm.registry import algorithm_titles
 
     parser = _Parser(
         prog="lowcomm",
         description=(
-            "Data-parallel training over slow links: CO2, DiLoCo, Streaming DiLoCo, CoCoDC, "
-            "LocalSGD, SlowMo; benchmarks over emulated links and a scale simulator."
+            f"Data-parallel training over slow links: {algorithm_titles()}; benchmarks over "
+            "emulated links, a scale simulator, a parallelism planner and zeroth-order "
+            "fine-tuning."
         ),
     )
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
@@ -283,8 +319,30 @@ def _setup_logging() -> None:
     root.propagate = False
 
 
+def _option_for(args: argparse.Namespace, path: str | None) -> str | None:
+    """The flag whose value ``path`` concerns: the value itself, a file under it (``--out``
+    for ``<out>/summary.json``) or a folder on its way (``/etc/passwd`` of ``--json
+    /etc/passwd/x.json``)."""
+    if not path:
+        return None
+    target = os.path.abspath(path)
+    best: tuple[int, str] | None = None
+    for key, value in vars(args).items():
+        if key.startswith("_") or not isinstance(value, str) or not value:
+            continue
+        given = os.path.abspath(value)
+        related = (
+            target == given
+            or target.startswith(given.rstrip(os.sep) + os.sep)
+            or given.startswith(target.rstrip(os.sep) + os.sep)
+        )
+        if related and (best is None or len(given) > best[0]):
+            best = (len(given), _flag(key))
+    return best[1] if best is not None else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``lowcomm`` command; returns the process exit code."""
+    """Run the ``lowcomm`` command; returns the process exit code (module docstring)."""
     parser = _build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -301,7 +359,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging()
+    from lowcomm.train.errors import WorkerFailed
+    from lowcomm.train.metrics import describe_os_error
+
     try:
         return int(run(args, prog))
+    except WorkerFailed as e:
+        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
+        code = EXIT_OUTPUT if e.errno is not None else EXIT_WORKER_FAILED
+        return _fail(prog, f"worker rank {e.rank} failed: {e.error}{where}", code=code)
+    except OSError as e:  # an output that cannot be written, found after the checks
+        return _fail(prog, describe_os_error(e, option=_option_for(args, e.filename)), EXIT_OUTPUT)
     except ValueError as e:  # a bad setting the command found after parsing
         return _fail(prog, str(e))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -9,13 +9,18 @@ averages.
   SHA-256 checksum of each tensor's bytes.
 * :func:`all_finite` and :func:`zero_non_finite_` back the numeric guard of the outer
   algorithms (``nan_policy``).
+* :func:`out_of_step` turns a collective that never completed (gloo's "Timed out waiting
+  15000ms for recv", a closed connection) into a :class:`CollectiveError` that names the likely
+  causes: ranks that call ``step()`` a different number of times, or a peer that died.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from lowcomm.hparams import HyperparameterError
 
 __all__ = [
+    "CollectiveError",
     "NAN_POLICIES",
     "NonFiniteError",
     "all_finite",
@@ -32,6 +38,10 @@ __all__ = [
     "optimizer_state_tensors",
     "check_same_across_ranks",
     "describe_tensors",
+    "explain_lost_collectives",
+    "first_line",
+    "is_peer_loss",
+    "out_of_step",
     "zero_non_finite_",
 ]
 
@@ -175,3 +185,65 @@ def optimizer_settings(what: str, optimizer: torch.optim.Optimizer) -> dict[str,
             if k != "params":
                 settings[f"{what} group {i} {k}"] = v
     return settings
+
+
+# -- collectives that never complete --------------------------------------------------------------
+
+_PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeout", re.IGNORECASE)
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+class CollectiveError(RuntimeError):
+    """A collective of an algorithm did not complete: a peer never joined it (it timed out) or
+    the connection to a peer was lost."""
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether ``error`` is what a rank sees when a peer died, stalled or is out of step (a
+    lost connection or a collective timeout): a knock-on effect, not a root cause."""
+    if isinstance(error, CollectiveError):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and bool(_PEER_LOSS.search(str(error)))
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, without the source location gloo prefixes
+    (``"[/path/unbound_buffer.cc:78] Timed out"``); empty if there is none."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return _SOURCE_LOCATION.sub("", lines[0]) if lines else ""
+
+
+@contextlib.contextmanager
+def explain_lost_collectives(who: str, doing: str, step: Callable[[], int]) -> Iterator[None]:
+    """Re-raise a collective that never completed inside the block as the
+    :class:`CollectiveError` of :func:`out_of_step` (chained to the original).
+
+    Args:
+        who: the algorithm (``"CO2"``).
+        doing: what it was doing (``"step()"``, ``"finish()"``).
+        step: returns its inner step count on this rank.
+    """
+    try:
+        yield
+    except Exception as e:
+        better = out_of_step(e, who=who, step=step(), doing=doing)
+        if better is None:
+            raise
+        raise better from e
+
+
+def out_of_step(error: BaseException, *, who: str, step: int, doing: str) -> CollectiveError | None:
+    """The error to raise instead of ``error`` (or ``None``: it is no lost collective);
+    arguments as :func:`explain_lost_collectives`'s."""
+    if isinstance(error, CollectiveError) or not is_peer_loss(error):
+        return None
+    first = first_line(error) or type(error).__name__
+    return CollectiveError(
+        f"{who}: a collective did not complete on this rank after inner step {step} ({doing}): "
+        f"{first}. Likely cause: the ranks are out of step (every rank must call step() once "
+        "after every inner step, the same number of times, and finish() once at the end), or "
+        "a peer process died or stalled"
+    )

@@ -31,7 +31,16 @@ from lowcomm.outer import CO2, CoCoDC, DiLoCo, LocalSGD, NoLoCo, SlowMo, Streami
 if TYPE_CHECKING:
     from lowcomm.outer.engine import OuterAlgorithm
 
-__all__ = ["BASELINES", "REGISTRY", "SCHEDULES", "AlgorithmEntry", "names", "outer_names"]
+__all__ = [
+    "BASELINES",
+    "REGISTRY",
+    "SCHEDULES",
+    "AlgorithmEntry",
+    "algorithm_help",
+    "algorithm_titles",
+    "names",
+    "outer_names",
+]
 
 SCHEDULES = (
     "blocking",
@@ -139,3 +148,19 @@ def names() -> tuple[str, ...]:
 def outer_names() -> tuple[str, ...]:
     """The names an outer algorithm runs (every name but the baselines)."""
     return tuple(n for n, e in REGISTRY.items() if e.is_outer)
+
+
+def algorithm_titles() -> str:
+    """The algorithms lowcomm implements, by their papers' names, for help texts: the part of
+    each summary before its colon (variants and the baselines ``ddp`` and ``none`` left out)."""
+    titles = [
+        e.summary.split(":")[0]
+        for e in REGISTRY.values()
+        if not e.fixed and ":" in e.summary and e.name not in ("ddp", "none")
+    ]
+    return ", ".join(titles)
+
+
+def algorithm_help() -> str:
+    """Every ``--algo`` value with its one-line summary, for ``--algo``'s help."""
+    return "; ".join(f"{e.name} - {e.summary}" for e in REGISTRY.values())

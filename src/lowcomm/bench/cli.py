@@ -349,17 +349,6 @@ def _run_cost_model(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace, prog: str) -> int:
-    from lowcomm.train.launcher import WorkerFailed
-
-    try:
-        return _dispatch(args)
-    except WorkerFailed as e:
-        where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
-        print(f"{prog}: error: worker rank {e.rank} failed: {e.error}{where}", file=sys.stderr)
-        return 1
-
-
-def _dispatch(args: argparse.Namespace) -> int:
     """``lowcomm bench``'s run: the cost model, the balancing benchmark, the convergence
     harness or the matrix."""
     from lowcomm.bench.matrix import BenchSpec, run_bench

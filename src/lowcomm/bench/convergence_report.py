@@ -17,10 +17,10 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lowcomm.bench.report import fmt, pyplot, table, write_text
+from lowcomm.bench.report import fmt, pyplot, table
 from lowcomm.bench.results import interpolate_time_to_target
 from lowcomm.registry import REGISTRY
-from lowcomm.train.metrics import json_safe
+from lowcomm.train.metrics import json_safe, write_text
 
 if TYPE_CHECKING:
     from lowcomm.bench.convergence import ConvergenceSpec

@@ -11,9 +11,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from lowcomm.train.metrics import json_safe
+from lowcomm.train.metrics import json_safe, write_text
 
-__all__ = ["fmt", "format_markdown", "pyplot", "table", "write_report", "write_text"]
+__all__ = ["fmt", "format_markdown", "pyplot", "table", "write_report"]
 
 _FILES = ("results.json", "results.md", "throughput.png", "loss_vs_time.png")
 
@@ -32,13 +32,6 @@ def write_report(results: dict[str, Any], out: str) -> list[str]:
     paths.append(plot_throughput(results, os.path.join(out, "throughput.png")))
     paths.append(plot_loss_vs_time(results, os.path.join(out, "loss_vs_time.png")))
     return paths
-
-
-def write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def fmt(value: Any, spec: str, missing: str = "-") -> str:

@@ -32,7 +32,7 @@ from lowcomm.integrations.loggers import MetricsLogger, merged_metrics
 from lowcomm.integrations.torchtitan import resolve_aliases
 from lowcomm.optim import DeMo
 from lowcomm.registry import REGISTRY, outer_names
-from lowcomm.train.metrics import save_checkpoint
+from lowcomm.train.metrics import load_checkpoint, save_checkpoint
 
 __all__ = ["STATE_FOLDER", "Driver", "state_path", "unwrap_optimizer"]
 
@@ -43,6 +43,8 @@ STATE_FOLDER = "lowcomm"
 (Hugging Face), ``<file>.ckpt.lowcomm/`` (Lightning)."""
 
 FORMAT = 1
+
+_NOT_OURS = "resume from a checkpoint this trainer saved with lowcomm attached, or start afresh"
 
 
 def state_path(folder: str, rank: int) -> str:
@@ -277,7 +279,11 @@ class Driver:
                 "was saved by a trainer without lowcomm attached, or the save did not finish on "
                 "every rank; resume from a checkpoint saved with lowcomm, or start afresh"
             )
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_checkpoint(
+            path, what="lowcomm's state of a trainer checkpoint", hint=_NOT_OURS
+        )
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError(f"{path} is not lowcomm's state of a trainer checkpoint; {_NOT_OURS}")
         problems = []
         if state.get("algorithm") != self.name:
             problems.append(f"algorithm {state.get('algorithm')!r} (now {self.name!r})")

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import Communicator, Handle
+from lowcomm.guard import explain_lost_collectives
 from lowcomm.hparams import (
     HyperparameterError,
     Hyperparameters,
@@ -211,7 +212,13 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One DeMo step over every parameter with a gradient: one pair of all-gathers."""
+        """One DeMo step over every parameter with a gradient: one pair of all-gathers (on
+        every rank the same number of times: a collective that never completes names that as
+        its likely cause)."""
+        with explain_lost_collectives("DeMo", "step()", lambda: self.steps):
+            return self._demo_step(closure)
+
+    def _demo_step(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -299,7 +306,10 @@ class DeMo(torch.optim.Optimizer):
         """Apply the update still in flight (``overlap``); idempotent."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            with torch.no_grad():
+            with (
+                torch.no_grad(),
+                explain_lost_collectives("DeMo", "finish()", lambda: self.steps),
+            ):
                 self._apply(pending)
 
     def state_dict(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from lowcomm.guard import (
     NonFiniteError,
     all_finite,
     describe_tensors,
+    explain_lost_collectives,
 )
 from lowcomm.hparams import HyperparameterError, describe, signature
 from lowcomm.outer.fragment import (
@@ -57,7 +58,7 @@ from lowcomm.outer.fragment import (
     Sync,
 )
 from lowcomm.outer.functional import pseudo_gradient_norm
-from lowcomm.outer.guards import Guards
+from lowcomm.outer.guards import Guards, log_repeated
 from lowcomm.outer.hparams import OuterConfig
 from lowcomm.params import collect_params
 
@@ -127,6 +128,8 @@ class OuterAlgorithm(Guards):
         self.shard_outer_state = bool(getattr(self.config, "shard_outer_state", False))
         # inner steps taken; rounds of H completed; syncs applied; updates skipped (NaN/Inf)
         self.local_step = self.rounds = self.sync_points = self.skipped_updates = 0
+        self._own_non_finite = 0  # times this rank's own pseudo-gradient was not finite
+        self._steps_checked = -1  # the step count finish() last compared across the ranks
         self._hook: RemovableHandle | None = None
         self._warned_partial_at = -1
         self._profile_tag = f"lowcomm::{self.name}"
@@ -267,7 +270,12 @@ class OuterAlgorithm(Guards):
         return [by_id[id(p)] for p in self.params]
 
     def step(self) -> None:
-        """Call once after every inner ``optimizer.step()``."""
+        """Call once after every inner ``optimizer.step()``, on every rank the same number of
+        times (a collective that never completes names that as its likely cause)."""
+        with explain_lost_collectives(type(self).__name__, "step()", lambda: self.local_step):
+            self._step()
+
+    def _step(self) -> None:
         if self._unchecked is not None:
             self._check_consistency()
         self.local_step += 1
@@ -345,11 +353,13 @@ class OuterAlgorithm(Guards):
                         f"{message}; lower the learning rate, check the data, or use "
                         "nan_policy='skip' to drop such steps"
                     )
-                logger.warning(
-                    "%s: step skipped alike on every rank (%d skipped so far)",
-                    message,
-                    self.skipped_updates,
-                )
+                if self.comm.rank == 0:  # the same event on every rank: told once
+                    log_repeated(
+                        self.skipped_updates,
+                        "%s: step skipped alike on every rank (%d skipped so far)",
+                        message,
+                        self.skipped_updates,
+                    )
                 for p in self.params:
                     p.grad = None
                 for comp in self._warm_compressors:
@@ -443,15 +453,35 @@ class OuterAlgorithm(Guards):
             message = f"{type(self).__name__}.finish() discards {partial} inner step(s) taken "
             message += "since the last round boundary; make the number of steps a multiple of "
             warnings.warn(f"{message}sync_every={self.sync_every} to keep them", stacklevel=2)
-        if self._unchecked is not None:
-            self._check_consistency()
-        with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
-            drained = bool(self._in_flight)
-            for k in sorted(self._in_flight):
-                self._apply(k)
-            self._after_finish(drained)
-            for frag in self.fragments:
-                frag.anchor.copy_to(frag.params)
+        with explain_lost_collectives(type(self).__name__, "finish()", lambda: self.local_step):
+            if self._unchecked is not None:
+                self._check_consistency()
+            with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
+                drained = bool(self._in_flight)
+                for k in sorted(self._in_flight):
+                    self._apply(k)
+                self._after_finish(drained)
+                for frag in self.fragments:
+                    frag.anchor.copy_to(frag.params)
+            self._check_same_steps()
+
+    def _check_same_steps(self) -> None:
+        """At :meth:`finish`: every rank took as many inner steps (one small all-gather, once
+        per step count). Ranks that call :meth:`step` a different number of times would
+        otherwise end apart without a word (when their rounds happen to line up) or wait for
+        each other's collectives until they time out."""
+        if self.comm.world_size == 1 or self._steps_checked == self.local_step:
+            return
+        self._steps_checked = self.local_step
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.comm.world_size)]
+        dist.all_gather(counts, torch.tensor([self.local_step]), group=self.comm.group)
+        steps = [int(c) for c in counts]
+        if len(set(steps)) > 1:
+            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(steps))
+            raise ValueError(
+                f"{type(self).__name__}.finish(): the ranks called step() a different number "
+                f"of times ({listed}); every rank must call step() once after every inner step"
+            )
 
     # -- metrics -------------------------------------------------------------------------------
 

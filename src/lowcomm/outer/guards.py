@@ -38,12 +38,30 @@ if TYPE_CHECKING:
     from lowcomm.outer.engine import AnyFragment
     from lowcomm.outer.hparams import OuterConfig
 
-__all__ = ["Guards"]
+__all__ = ["Guards", "log_repeated"]
 
 _NOT_COMPARED = ("check_consistency", "outer_optimizer", "fragments")
 """Keywords the guard does not compare (callables and modules: the settings they make are)."""
 
 logger = logging.getLogger(__name__)
+
+_LOGGED_REPEATS = 3
+"""How many times a repeated numeric-guard event is logged as a warning (then at debug level:
+``skipped_updates`` keeps counting)."""
+
+
+def log_repeated(count: int, message: str, *args: Any) -> None:
+    """Log the ``count``-th occurrence of an event: a warning the first few times, then one
+    note that further ones are only counted, then debug."""
+    if count <= _LOGGED_REPEATS:
+        logger.warning(message, *args)
+        if count == _LOGGED_REPEATS:
+            logger.warning(
+                "further non-finite updates are not logged; skipped_updates counts them (the "
+                "run's summary shows the total)"
+            )
+    else:
+        logger.debug(message, *args)
 
 
 class Guards:
@@ -60,6 +78,7 @@ class Guards:
     overlap: int
     local_step: int
     skipped_updates: int
+    _own_non_finite: int
     _unchecked: Description | None
 
     # -- guards --------------------------------------------------------------------------------
@@ -117,12 +136,14 @@ class Guards:
                 "use nan_policy='skip' to drop such updates"
             )
         fixed = self._recover_local()
-        logger.warning(
-            "%s: update skipped alike on every rank (%d skipped so far)%s",
-            message,
-            self.skipped_updates,
-            f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
-        )
+        if self.comm.rank == 0:  # the same event on every rank: told once
+            log_repeated(
+                self.skipped_updates,
+                "%s: update skipped alike on every rank (%d skipped so far)%s",
+                message,
+                self.skipped_updates,
+                f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
+            )
 
     def check_own(self, delta: Sequence[torch.Tensor]) -> bool:
         """At launch: whether this rank's own contribution is finite. If not, this rank
@@ -131,7 +152,9 @@ class Guards:
         if all_finite(delta):
             return True
         fixed = self._recover_local()
-        logger.warning(
+        self._own_non_finite += 1
+        log_repeated(
+            self._own_non_finite,
             "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
             "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
             type(self).__name__,

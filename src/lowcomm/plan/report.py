@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowcomm.plan.search import PlanResult
+from lowcomm.train.metrics import write_text
 
 __all__ = [
     "format_candidates",
@@ -77,10 +78,7 @@ def result_json(result: PlanResult, top: int | None = None) -> dict[str, Any]:
 def write_json(data: Any, path: str) -> str:
     """Write ``data`` to ``path`` through a temporary file (a failed write leaves no half)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=2))
     return path
 
 

@@ -25,6 +25,7 @@ def _entry(
     args: tuple[Any, ...],
     out_dir: str,
     timeout_s: float,
+    barrier: bool,
 ) -> None:
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -39,7 +40,8 @@ def _entry(
         )
         try:
             result = fn(rank, world_size, *args)
-            dist.barrier()
+            if barrier:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, path)
@@ -52,9 +54,15 @@ def run_workers(
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
+    collective_timeout_s: float | None = None,
+    barrier: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo
-    WORLD group bound to 127.0.0.1; return the per-rank results (saved with ``torch.save``).
+    WORLD group bound to 127.0.0.1; return the per-rank results (saved with ``torch.save``:
+    tensors, numbers, strings and plain containers, which the parent loads with
+    ``weights_only=True``). Collectives time out after ``collective_timeout_s`` (default:
+    ``timeout_s``); with ``barrier`` every rank waits for the others after ``fn`` (leave it off
+    where ``fn`` ends with its process group broken, as after a timed-out collective).
 
     ``fn`` must be importable (a module-level function). A failure on any rank raises
     ``RuntimeError`` with that rank's traceback; processes still running after ``timeout_s``
@@ -70,7 +78,16 @@ def run_workers(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(rank, world_size, store.port, fn, args, out_dir, timeout_s),
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    fn,
+                    args,
+                    out_dir,
+                    timeout_s if collective_timeout_s is None else collective_timeout_s,
+                    barrier,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -92,7 +109,7 @@ def run_workers(
             if not os.path.exists(path):
                 errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
                 continue
-            rec = torch.load(path, weights_only=False)
+            rec = torch.load(path, weights_only=True)  # plain tensors, numbers and strings
             if rec["ok"]:
                 results.append(rec["result"])
             else:

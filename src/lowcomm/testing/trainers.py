@@ -147,6 +147,56 @@ def _own_loop(out: str, rank: int) -> dict[str, torch.Tensor]:
     return _params(model)
 
 
+class _Plant:
+    """A pickle that makes a folder named ``marker`` when it is loaded unsafely."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.mkdir, (self.marker,))
+
+
+class _Planted:
+    def __init__(self, folder: str, marker: str) -> None:
+        self.folder = folder
+        self.marker = marker
+
+
+def _planted_copy(source: str, target: str, state_of: Any, rank: int) -> _Planted:
+    """Copy the trainer checkpoint ``source`` (a folder or a file with its ``.lowcomm`` folder)
+    to ``target`` on rank 0, then replace this rank's lowcomm state (``state_of(target)``) by
+    a pickle that would run code if it were loaded unsafely."""
+    import shutil
+
+    if rank == 0:
+        if os.path.isdir(source):
+            shutil.copytree(source, target)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy(source, target)
+            shutil.copytree(f"{source}.lowcomm", f"{target}.lowcomm")
+    dist.barrier()
+    marker = os.path.join(os.path.dirname(target), f"code-ran-on-rank{rank}")
+    torch.save({"format": 1, "state": _Plant(marker)}, state_of(target))
+    dist.barrier()
+    return _Planted(target, marker)
+
+
+def _try_resume(resume: Any, marker: str) -> dict[str, Any]:
+    """Run ``resume`` (a trainer resuming from a planted checkpoint): what it raised, and
+    whether the planted code ran."""
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            resume()
+        except Exception as e:  # the refusal, however the trainer wraps it
+            error = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"error": error, "code_ran": os.path.exists(marker)}
+
+
 def trainer_scenarios(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """Every Hugging Face and Lightning scenario on this rank, in one process; see
     ``tests/test_integrations.py``. The environment is torchrun's, which both trainers read
@@ -212,6 +262,19 @@ def hf_scenarios(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-4"))
     result["resumed"] = {"params": _params(trainer.model), "digests": trainer.digests.digests}
+
+    # the same checkpoint with a planted pickle as this rank's lowcomm state: refused, not run
+    planted = _planted_copy(
+        os.path.join(saving, "checkpoint-4"),
+        os.path.join(out_dir, "planted", "checkpoint-4"),
+        lambda folder: os.path.join(folder, "lowcomm", f"rank{rank}.pt"),
+        rank,
+    )
+    trainer = _trainer(os.path.join(out_dir, "planted"), save_strategy="steps", save_steps=4)
+    attach(trainer, "co2", sync_every=HF_SYNC_EVERY)
+    result["planted"] = _try_resume(
+        lambda: trainer.train(resume_from_checkpoint=planted.folder), planted.marker
+    )
 
     # a GradScaler skip on rank 1 only (an overflow at step 5, after a 3-step warm start)
     class Overflow(Trainer):
@@ -413,6 +476,20 @@ def lightning_scenarios(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         trainer.fit(module, _loader(), ckpt_path=os.path.join(folder, "epoch=0-step=4.ckpt"))
     result["resumed"] = {"params": _params(module), "digests": trainer.digests.digests}
+
+    # the same checkpoint with a planted pickle as this rank's lowcomm state: refused, not run
+    name = "epoch=0-step=4.ckpt"
+    planted = _planted_copy(
+        os.path.join(folder, name),
+        os.path.join(out_dir, "lightning-planted", name),
+        lambda path: os.path.join(f"{path}.lowcomm", f"rank{rank}.pt"),
+        rank,
+    )
+    trainer = _lightning_trainer([LowcommCallback("co2", sync_every=HF_SYNC_EVERY)])
+    module = _lightning_module(seed=1)
+    result["planted"] = _try_resume(
+        lambda: trainer.fit(module, _loader(), ckpt_path=planted.folder), planted.marker
+    )
 
     # an AMP GradScaler skip on rank 1 only, after a 3-step warm start
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)

@@ -13,6 +13,7 @@ every addition (the negative control: its replicas drift).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,7 +210,9 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
                 result = zo.step(closure, weight=float(x.shape[0]))
             results.append(result)
         zo.flush()
-        return {"params": _params(model), "steps": results, "bytes": zo.stats.wire_bytes}
+        # plain dicts: the parent loads results with weights_only=True (ZOStep(**d) rebuilds)
+        steps_done = [dataclasses.asdict(r) for r in results]
+        return {"params": _params(model), "steps": steps_done, "bytes": zo.stats.wire_bytes}
 
     if rank < 2:
         out["pertp"] = run("pertp", pair, lambda i: batches[i])

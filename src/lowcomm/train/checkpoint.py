@@ -62,7 +62,13 @@ from typing import Any
 import torch
 
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.metrics import atomic_write, fsync_dir, save_checkpoint, write_json
+from lowcomm.train.metrics import (
+    atomic_write,
+    fsync_dir,
+    load_checkpoint,
+    save_checkpoint,
+    write_json,
+)
 from lowcomm.train.paths import CHECKPOINTS, LATEST, STEP_FOLDER, run_folder_of, step_folder_name
 
 __all__ = [
@@ -332,18 +338,12 @@ def discard_after(out: str, step: int) -> None:
 def load_rank_state(folder: str, rank: int, world_size: int) -> dict[str, Any]:
     """This rank's part of the checkpoint in ``folder`` (``torch.load(weights_only=True)``)."""
     path = _rank_file(folder, rank)
-    try:
-        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {folder!r} has no file for rank {rank}") from None
-    except Exception as e:  # torch.load raises many kinds on a damaged file
-        first = (str(e).splitlines() or [""])[0]
-        raise ValueError(
-            f"{path!r} cannot be read, the file is damaged ({type(e).__name__}: {first}); "
-            f"{_earlier(folder)}"
-        ) from None
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {folder!r} has no file for rank {rank}")
+    hint = _earlier(folder)
+    state = load_checkpoint(path, what="a lowcomm checkpoint file", hint=hint)
     if not isinstance(state, dict):
-        raise ValueError(f"{path!r} is not a lowcomm checkpoint file; {_earlier(folder)}")
+        raise ValueError(f"{path!r} is not a lowcomm checkpoint file; {hint}")
     if state.get("rank") != rank or state.get("world_size") != world_size:
         raise ValueError(
             f"{path!r} holds rank {state.get('rank')} of {state.get('world_size')}, "

@@ -66,6 +66,8 @@ else:  # pragma: no cover
 
 __all__ = [
     "ALGORITHM_CHOICES",
+    "FASTEST_STEP_S",
+    "MAX_STEPS",
     "OUTER_KEYS",
     "NODE_SHARDING",
     "ConfigError",
@@ -77,6 +79,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ALGORITHM_CHOICES = names()
+
+FASTEST_STEP_S = 1e-3
+"""A lower bound on one training step's time on any device (PyTorch launches dozens of kernels
+per step): what :data:`MAX_STEPS` is derived from."""
+MAX_STEPS = 31_557_600_000
+"""The most ``steps`` a job accepts: a year of steps at :data:`FASTEST_STEP_S`."""
 """Values of ``--algo`` (:mod:`lowcomm.registry`); ``ddp`` is the synchronous
 DistributedDataParallel baseline."""
 
@@ -109,9 +117,8 @@ class TrainConfig:
 
     # --- job -------------------------------------------------------------------------------
     algo: str = "co2"
-    """Outer-loop algorithm: co2, co2-eager (CO2 with eager updates), diloco, streaming (Streaming
-    DiLoCo), cocodc, localsgd, slowmo, ddp (synchronous baseline), or none (no synchronisation:
-    the throughput ceiling)."""
+    """The algorithm: a name of :data:`lowcomm.registry.REGISTRY` (``lowcomm train --help``
+    lists them with a line each)."""
     workers: int | None = None
     """Local worker processes to launch (default 2; with nodes, nodes x procs_per_node). Under
     torchrun, which sets the world size, it is ignored (with nodes, checked against it)."""
@@ -261,6 +268,14 @@ class TrainConfig:
             check_int(key, getattr(self, key), low=1)
         for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches", "log_every"):
             check_int(key, getattr(self, key), low=1)
+        if self.steps > MAX_STEPS:
+            years = self.steps * FASTEST_STEP_S / (365.25 * 86400)
+            raise ConfigError(
+                "steps",
+                f"({self.steps:,}) cannot be reached: even at {FASTEST_STEP_S * 1e3:g} ms per "
+                f"step, faster than any device runs a training step, they take {years:,.1f} "
+                f"years; use at most {MAX_STEPS:,}",
+            )
         check_int("seed", self.seed, low=0)
         self._check_documents()
         check_int("warmup", self.warmup, low=0)

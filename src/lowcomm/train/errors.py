@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError", "check_float", "check_int", "check_string"]
+__all__ = ["ConfigError", "WorkerFailed", "check_float", "check_int", "check_string"]
 
 
 class ConfigError(ValueError):
@@ -17,6 +17,31 @@ class ConfigError(ValueError):
         self.key = key
         self.problem = problem
         super().__init__(f"{key} {problem}" if key else problem)
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process failed.
+
+    Attributes:
+        rank: its global rank.
+        error: its error, one line (``"ValueError: ..."``).
+        traceback_path: a file holding the worker's traceback, when one could be written.
+        errno: the ``errno`` of the worker's ``OSError`` (a full disk: ``ENOSPC``), if it was one.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        error: str,
+        traceback_path: str | None = None,
+        *,
+        errno: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.error = error
+        self.traceback_path = traceback_path
+        self.errno = errno
+        super().__init__(f"worker rank {rank} failed: {error}")
 
 
 def check_string(key: str, value: Any) -> None:

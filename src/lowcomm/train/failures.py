@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
+from lowcomm.guard import first_line, is_peer_loss
 
 __all__ = [
     "attempt",
@@ -38,9 +37,6 @@ __all__ = [
     "save_traceback",
 ]
 
-_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
-_PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|timed out|timeout", re.IGNORECASE)
-
 
 def attempt() -> int:
     """Which attempt of the worker group this is: 0, or the number of restarts so far (torch
@@ -48,22 +44,15 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def is_peer_loss(error: BaseException) -> bool:
-    """Whether ``error`` is what a worker sees when a peer died or stalled (a lost connection or
-    a collective timeout): a knock-on effect, not the root cause of a failed job."""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(error, dist_error):
-        return True
-    return isinstance(error, RuntimeError) and bool(_PEER_LOSS.search(str(error)))
-
-
 def error_line(error: BaseException) -> str:
-    """``"Type: first line of the message"``: how a worker's failure is reported."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    # gloo prefixes its errors with its source location: "[/path/unbound_buffer.cc:78] Timed out"
-    return f"{type(error).__name__}: {_SOURCE_LOCATION.sub('', lines[0])}"
+    """``"Type: first line of the message"``: how a worker's failure is reported; an output that
+    could not be written (an ``OSError`` naming its file) says which and how to fix it."""
+    if isinstance(error, OSError) and error.filename and error.errno is not None:
+        from lowcomm.train.metrics import describe_os_error
+
+        return describe_os_error(error, option="--out")
+    first = first_line(error)
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def record_failure(folder: str, rank: int, error: BaseException) -> None:
@@ -76,6 +65,7 @@ def record_failure(folder: str, rank: int, error: BaseException) -> None:
         "attempt": attempt(),
         "error": error_line(error),
         "peer_lost": is_peer_loss(error),
+        "errno": error.errno if isinstance(error, OSError) and error.filename else None,
         "traceback": traceback.format_exc(),
     }
     path = os.path.join(folder, f"failure-rank{rank}-attempt{attempt()}.json")

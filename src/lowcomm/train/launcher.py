@@ -57,8 +57,9 @@ import torch
 
 import lowcomm.train.checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.errors import WorkerFailed
 from lowcomm.train.failures import attempt, error_line, read_failures, root_cause, save_traceback
-from lowcomm.train.metrics import RUN_FILES, previous_run_files
+from lowcomm.train.metrics import RUN_FILES, check_writable_folder, previous_run_files
 from lowcomm.train.worker import host_loopback_store, resolve_backend, run_worker
 
 __all__ = [
@@ -69,26 +70,55 @@ __all__ = [
     "launch",
     "launch_processes",
     "prepare_output",
+    "resource_warnings",
     "under_torchrun",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerFailed(RuntimeError):
-    """A worker process failed.
+WORKER_BASE_BYTES = 400e6
+"""Memory a CPU worker takes before its model: the interpreter with torch and lowcomm
+(measured: about 415 MB resident per worker of the default job)."""
+WORKER_BYTES_PER_PARAMETER = 40
+"""Memory per model parameter in a worker: parameters, gradients, AdamW's two moments, the
+anchor, send and receive buffers and outer state, in fp32 (about ten copies)."""
 
-    Attributes:
-        rank: its global rank.
-        error: its error, one line (``"ValueError: ..."``).
-        traceback_path: a file holding the worker's traceback, when one could be written.
-    """
 
-    def __init__(self, rank: int, error: str, traceback_path: str | None = None) -> None:
-        self.rank = rank
-        self.error = error
-        self.traceback_path = traceback_path
-        super().__init__(f"worker rank {rank} failed: {error}")
+def _available_memory() -> int | None:
+    """Memory available to new processes (``MemAvailable`` of ``/proc/meminfo``), if known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resource_warnings(
+    workers: int, *, parameters: int, cpu_workers: bool, flag: str = "--workers"
+) -> list[str]:
+    """What a user should hear before ``workers`` local processes start: more CPU workers than
+    cores (each gets a slice of one, start-up alone takes minutes, and throughput does not
+    grow), and an estimate of their memory that exceeds what is available."""
+    out = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cpu_workers and cores and workers > cores:
+        out.append(
+            f"{flag} {workers} on {cores} CPU core(s): each worker gets {cores / workers:.2g} of "
+            "a core, so start-up takes minutes and the job runs no faster than with "
+            f"{cores}; use at most {cores} workers on this machine (or one per GPU)"
+        )
+    need = workers * (WORKER_BASE_BYTES + WORKER_BYTES_PER_PARAMETER * parameters)
+    available = _available_memory()
+    if available is not None and need > 0.8 * available:
+        out.append(
+            f"{flag} {workers} may run out of memory: about {need / 1e9:.1f} GB for "
+            f"{workers} worker processes, {available / 1e9:.1f} GB available; use fewer workers"
+        )
+    return out
 
 
 def under_torchrun() -> bool:
@@ -98,9 +128,10 @@ def under_torchrun() -> bool:
 
 def check_environment(cfg: TrainConfig) -> None:
     """Checks that need this machine rather than the config alone: the backend, torchrun's
-    layout (:func:`check_torchrun_layout`), the output folder (not a file; no previous run in
-    it unless ``overwrite`` or ``resume``), the checkpoint to resume from (complete, same world
-    size and settings) and the corpus.
+    layout (:func:`check_torchrun_layout`), the output folder (created and writable, else an
+    ``OSError`` naming it; not a file; no previous run in it unless ``overwrite`` or
+    ``resume``), the checkpoint to resume from (complete, same world size and settings) and the
+    corpus.
 
     Raises :class:`ConfigError` (a ``ValueError``) in the parent, before any worker starts.
     """
@@ -119,6 +150,7 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"use at most {n_gpus} workers or --backend gloo",
             )
     check_torchrun_layout(cfg)
+    _check_output(cfg)
     if cfg.out is not None and os.path.exists(cfg.out):
         if not os.path.isdir(cfg.out):
             raise ConfigError("out", f"{cfg.out!r} exists and is not a folder; choose another path")
@@ -151,6 +183,13 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"({cfg.block_size}) is too long for the corpus: its {split} split has {n} "
                 f"tokens, a window needs {need}; use a smaller block_size or more text",
             )
+
+
+def _check_output(cfg: TrainConfig) -> None:
+    """The output folder can be written (raises ``OSError`` naming the path), unless a file is
+    in its place (refused below as a setting)."""
+    if cfg.out is not None and not (os.path.exists(cfg.out) and not os.path.isdir(cfg.out)):
+        check_writable_folder(cfg.out)
 
 
 def check_torchrun_layout(cfg: TrainConfig) -> None:
@@ -328,7 +367,8 @@ def launch(
             return run_worker(cfg, False) if job is None else run_worker(cfg, False, job=job)
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
             path = save_traceback(traceback.format_exc(), cfg.out, rank)
-            raise WorkerFailed(rank, error_line(e), path) from e
+            code = e.errno if isinstance(e, OSError) and e.filename else None
+            raise WorkerFailed(rank, error_line(e), path, errno=code) from e
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -362,9 +402,12 @@ def launch(
                 results = elastic_launch(launch_config, run_worker)(*args)
         except ChildFailedError as e:
             # The agent gives up after the last of its max_restarts restarts.
-            rank, error, text = _final_failure(e.failures, log_dir, attempt=cfg.max_restarts)
+            rank, record, error, text = _final_failure(
+                e.failures, log_dir, attempt=cfg.max_restarts
+            )
             path = save_traceback(text, cfg.out, rank)
-            raise WorkerFailed(rank, error, path) from None
+            code = record.get("errno") if record is not None else None
+            raise WorkerFailed(rank, error, path, errno=code) from None
         except SignalException:  # Ctrl-C / SIGTERM reached the launcher: workers are stopped
             raise KeyboardInterrupt from None
     return results.get(0)
@@ -510,7 +553,7 @@ def _raise_failure(
     if record is not None:
         rank = int(record["rank"])
         path = save_traceback(record.get("traceback"), cfg.out, rank)
-        raise WorkerFailed(rank, str(record["error"]), path)
+        raise WorkerFailed(rank, str(record["error"]), path, errno=record.get("errno"))
     if failed_rank is None:
         # Stopped by _stop: the first worker that had not finished.
         stopped = [
@@ -536,9 +579,10 @@ def _raise_failure(
 
 def _final_failure(
     failures: dict[int, Any], folder: str, *, attempt: int
-) -> tuple[int, str, str | None]:
-    """``(rank, error, traceback)`` of the root cause of a failed attempt
-    (:func:`~lowcomm.train.failures.root_cause` of the records the workers wrote in ``folder``).
+) -> tuple[int, Mapping[str, Any] | None, str, str | None]:
+    """``(rank, its failure record or None, error, traceback)`` of the root cause of a failed
+    attempt (:func:`~lowcomm.train.failures.root_cause` of the records the workers wrote in
+    ``folder``).
 
     ``failures`` are torch elastic's (global rank -> ``ProcessFailure``: exit code, error file);
     a worker that left no record of its own is described from them.
@@ -547,8 +591,8 @@ def _final_failure(
     assert cause is not None, "torch elastic reports at least one failure"
     rank, record = cause
     if record is not None:
-        return rank, str(record["error"]), record.get("traceback")
-    return rank, _failure_message(failures[rank]), _traceback_of(failures[rank])
+        return rank, record, str(record["error"]), record.get("traceback")
+    return rank, None, _failure_message(failures[rank]), _traceback_of(failures[rank])
 
 
 def _traceback_of(failure: Any) -> str | None:

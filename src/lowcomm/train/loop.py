@@ -52,6 +52,7 @@ the summary :mod:`lowcomm.train.report`'s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -78,7 +79,7 @@ from lowcomm.train.faults import FAULT_ENV, fault_point, inject_fault
 from lowcomm.train.metrics import CHECKPOINT_NOTE, plot_losses, save_checkpoint, write_json
 from lowcomm.train.model import build_gpt, inner_optimizer, zero_optimizer
 from lowcomm.train.nodes import NodeGroups, describe_layout, node_groups, node_link
-from lowcomm.train.report import Progress, resolved_config, run_summary
+from lowcomm.train.report import LossWatch, Progress, divergence, resolved_config, run_summary
 from lowcomm.train.resume import restore_stats, resume_source, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -275,6 +276,10 @@ class _Job:
     every_step: EveryStep | None
     """Its source without an outer algorithm or DeMo (ddp, none): every step is a sync."""
     fault: tuple[int, str] | None
+    started_at: float
+    """Wall-clock time the run started (its first attempt's, in a restarted worker group)."""
+    watch: LossWatch
+    """This rank's non-finite training losses."""
     t_start: float
     val_start: float
 
@@ -350,19 +355,22 @@ class _Job:
             ]
         self.tokens_per_step = cfg.batch_size * cfg.block_size * world
         self.progress = None
+        self.started_at = time.time()
         if self.is_main:
             config = resolved_config(cfg, world, corpus)
+            if attempt() > 0:  # a restarted worker group: the run started with attempt 0
+                self.started_at = _started_at(self.out) or self.started_at
+            config["resolved"]["started_at"] = self.started_at
             write_json(os.path.join(self.out, "config.json"), config)
             logger.info(
-                "lowcomm train: %s, %s (%s), %.2f M parameters, corpus %s "
-                "(%d train / %d val tokens), %d steps of %d tokens per worker",
+                "lowcomm train: %s, %s (%s), %.2f M parameters, corpus %s (%s), %d steps of %d "
+                "tokens per worker",
                 cfg.algo,
                 describe_layout(cfg, world),
                 dist.get_backend(),
                 gpt.num_parameters() / 1e6,
                 corpus.source,
-                len(corpus.train),
-                len(corpus.val),
+                _corpus_size(corpus),
                 cfg.steps,
                 cfg.batch_size * cfg.block_size,
             )
@@ -373,6 +381,7 @@ class _Job:
         if self.is_main and cfg.tensorboard is not None:
             self.tensorboard = self._tensorboard(cfg.tensorboard)
         self.fault = fault_point(rank)
+        self.watch = LossWatch(device, state.get("nonfinite") if state is not None else None)
 
     def _tensorboard(self, folder: str) -> MetricsLogger:
         """Rank 0's scalars, once per outer step (every ``log_every`` steps for ddp and none);
@@ -403,6 +412,13 @@ class _Job:
         elapsed_before = 0.0
         if progress is not None and state is not None:
             elapsed_before = progress.resume(self.start, state["progress"], self.source, attempt())
+        if progress is not None and attempt() > 0:
+            # A restarted group continues the same job: its time runs from the job's start,
+            # the work lost since the checkpoint and the restart itself included (a resume
+            # the user asks for later does not count the time in between).
+            since_start = time.time() - self.started_at
+            progress.lost_s += max(0.0, since_start - elapsed_before)
+            elapsed_before = max(elapsed_before, since_start)
         self.t_start = time.perf_counter() - elapsed_before
         if progress is not None:
             progress.start(self.t_start)
@@ -423,6 +439,7 @@ class _Job:
                 x, y = x.to(device), y.to(device)
                 _, loss = sync.model(x, y)
                 loss.backward()
+            self.watch.step(step, loss)
             if sync.meter is not None:
                 sync.meter.backward_done()
             if sync.node_meter is not None:
@@ -487,6 +504,7 @@ class _Job:
                 dataclasses.asdict(sync.node_meter.stats) if sync.node_meter is not None else None
             ),
             "progress": progress.state_dict() if progress is not None else None,
+            "nonfinite": self.watch.state_dict(),
         }
         ckpt.write_rank_state(self.out, step, self.rank, rank_state)
         dist.barrier()  # every rank's part is on disk before the manifest makes it complete
@@ -529,6 +547,7 @@ class _Job:
             **sync.stats.as_dict(),
             "intra_node": sync.node_meter.stats.as_dict() if sync.node_meter is not None else None,
             "params_checksum": _params_checksum(self.gpt),
+            "nonfinite": self.watch.state_dict(),
         }
         # ZeRO's group: the node's processes, or every process for ddp on one node (under
         # torchrun, the world size is torchrun's, not cfg.workers)
@@ -572,6 +591,16 @@ class _Job:
             ceiling=None if self.ceiling is None else self.ceiling.summary(self.tokens_per_step),
         )
         summary["resumed_at"] = list(progress.resumed_at)
+        summary["lost_to_restarts_s"] = progress.lost_s
+        summary["nonfinite"] = divergence(
+            gathered,
+            steps=cfg.steps,
+            tail=cfg.log_every,
+            val_start=self.val_start,
+            val_end=val_end,
+        )
+        diverged = summary["nonfinite"] is not None and summary["nonfinite"]["diverged"]
+        summary["status"] = "diverged" if diverged else "finished"
         if balance is not None:
             write_json(os.path.join(self.out, "balance.json"), balance)
             summary["balance"] = balance["summary"]
@@ -582,6 +611,27 @@ class _Job:
             title=f"{cfg.name}: {cfg.algo}, {describe_layout(cfg, world)}",
         )
         return summary
+
+
+def _corpus_size(corpus: Any) -> str:
+    """``"N train / M val tokens"``; with documents, their counts as well."""
+    if isinstance(corpus, DocumentCorpus):
+        train, val = corpus.train, corpus.val
+        return (
+            f"{len(train):,} train / {len(val):,} val documents, "
+            f"{sum(len(d) for d in train):,} / {sum(len(d) for d in val):,} tokens"
+        )
+    return f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens"
+
+
+def _started_at(out: str) -> float | None:
+    """When the run in ``out`` started (``config.json``; wall-clock seconds), if recorded."""
+    try:
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("resolved", {}).get("started_at")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _params_checksum(model: nn.Module) -> str:

@@ -5,7 +5,10 @@ table the command prints from ``summary.json`` (:func:`format_summary`)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
 import os
 import sys
 import time
@@ -16,13 +19,95 @@ import torch.distributed as dist
 
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY
+from lowcomm.train.checkpoint import complete_checkpoints
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.metrics import MetricsWriter
+from lowcomm.train.metrics import MetricsWriter, write_json
 from lowcomm.train.nodes import describe_layout, node_link
 
-__all__ = ["Progress", "format_summary", "resolved_config", "run_summary"]
+__all__ = [
+    "LossWatch",
+    "Progress",
+    "divergence",
+    "divergence_text",
+    "failed_summary",
+    "format_failed",
+    "format_summary",
+    "resolved_config",
+    "run_summary",
+]
 
 logger = logging.getLogger(__name__)
+
+
+LONG_ETA_S = 7 * 86400.0
+"""A run whose steps left would take longer than this (a week) is told so at its first record."""
+
+
+def _duration(seconds: float) -> str:
+    days = seconds / 86400
+    if days >= 365.25:
+        return f"{days / 365.25:,.1f} years"
+    return f"{days:,.1f} days"
+
+
+class LossWatch:
+    """Every rank's watch on its own training loss: the first and last step at which it was NaN
+    or Inf, kept on the device (no sync per step; read once at the end)."""
+
+    def __init__(self, device: torch.device, state: dict[str, int] | None = None) -> None:
+        self._steps = torch.zeros(2, dtype=torch.int64, device=device)  # first, last; 0: never
+        if state is not None:
+            self._steps.copy_(torch.tensor([state["first"], state["last"]]))
+
+    def step(self, step: int, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).reshape(())
+        first, last = self._steps[0], self._steps[1]
+        first.copy_(torch.where(bad & (first == 0), step, first))
+        last.copy_(torch.where(bad, step, last))
+
+    def state_dict(self) -> dict[str, int]:
+        first, last = (int(v) for v in self._steps.tolist())
+        return {"first": first, "last": last}
+
+
+EXPLODED = 2.0
+"""A run whose final validation loss exceeds this multiple of its initial one diverged (an
+untrained model's loss is about ln(vocabulary size); training never ends far above it)."""
+
+
+def divergence(
+    per_rank: list[dict[str, Any]],
+    *,
+    steps: int,
+    tail: int,
+    val_start: float,
+    val_end: float,
+) -> dict[str, Any] | None:
+    """What ``summary.json`` says of non-finite or exploding losses (``None``: nothing).
+
+    ``per_rank``: each rank's ``{"rank", "nonfinite": LossWatch.state_dict()}``. The run
+    **diverged** when the final validation loss is not finite or above :data:`EXPLODED` times
+    the initial one, or some rank's training loss was still NaN or Inf in the last ``tail``
+    steps (the final record's); otherwise a non-finite loss earlier was recovered from (its
+    update skipped)."""
+    seen = [(r["nonfinite"]["first"], r["rank"], r["nonfinite"]["last"]) for r in per_rank]
+    seen = [s for s in seen if s[0] > 0]
+    exploded = (
+        math.isfinite(val_end) and math.isfinite(val_start) and val_end > EXPLODED * val_start
+    )
+    if not seen and math.isfinite(val_end) and not exploded:
+        return None
+    first = min(seen) if seen else None
+    last = max(s[2] for s in seen) if seen else None
+    still = last is not None and last > steps - tail
+    return {
+        "diverged": still or not math.isfinite(val_end) or exploded,
+        "first_step": first[0] if first else None,
+        "first_rank": first[1] if first else None,
+        "last_step": last,
+        "val_loss_finite": math.isfinite(val_end),
+        "val_loss_exploded": exploded,
+    }
 
 
 class Progress:
@@ -55,8 +140,13 @@ class Progress:
         self.val = float("nan")
         self.val_start = float("nan")
         self.resumed_at: list[int] = []
+        self.lost_s = 0.0
+        """Time lost to failures: the work redone after a restart and the restart itself."""
         self._loss_sum = torch.zeros((), device=device)
         self._last_step = 0  # the step of the last record
+        self._first_step = 0  # the step this run started after (a resumed run's checkpoint)
+        self._segment = (time.perf_counter(), 0.0)  # when this run's steps began, eval_s then
+        self._eta_told = False
         self.bar = None
         if sys.stderr.isatty() and not cfg.quiet:
             from tqdm.auto import tqdm
@@ -68,6 +158,7 @@ class Progress:
 
     def start(self, t_start: float) -> None:
         self.t_start = t_start
+        self._segment = (time.perf_counter(), self.eval_s)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue the records exactly (checkpoint ``progress``)."""
@@ -80,6 +171,7 @@ class Progress:
             "val": self.val,
             "val_start": self.val_start,
             "resumed_at": list(self.resumed_at),
+            "lost_s": self.lost_s,
         }
 
     def resume(self, step: int, state: dict[str, Any], source: str | None, restart: int) -> float:
@@ -92,6 +184,8 @@ class Progress:
         self.loss, self.val = float(state["loss"]), float(state["val"])
         self.val_start = float(state["val_start"])
         self.resumed_at = [*state.get("resumed_at", []), step]
+        self.lost_s = float(state.get("lost_s", 0.0))
+        self._first_step = step
         self.writer.write(
             {"kind": "resume", "step": step, "checkpoint": source, "restart": restart}
         )
@@ -109,7 +203,8 @@ class Progress:
             "loss": f"{self.loss:.3f}",
             "val": f"{self.val:.3f}",
             "tok/s": f"{self._tokens_per_s(step):,.0f}",
-            "hidden": "-" if hidden is None else f"{hidden:.0%}",
+            # rank 0's own counters (the summary gives the mean over the workers)
+            "hidden r0": "-" if hidden is None else f"{hidden:.0%}",
         }
 
     def step(self, step: int, loss: torch.Tensor, lr: float, *, flush: bool = False) -> None:
@@ -122,6 +217,9 @@ class Progress:
         self.loss = float(self._loss_sum) / n  # the one device sync per record
         self._loss_sum.zero_()
         self._last_step = step
+        if not self._eta_told:
+            self._eta_told = True
+            self._tell_long_eta(step)
         self.writer.write(
             {
                 "kind": "step",
@@ -136,6 +234,23 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix(self._postfix(step), refresh=False)
             self.bar.update(n)
+
+    def _tell_long_eta(self, step: int) -> None:
+        """Once, at the first record: warn when the steps left would take more than
+        :data:`LONG_ETA_S` at the step time measured so far."""
+        done = step - self._first_step
+        train_s = time.perf_counter() - self._segment[0] - (self.eval_s - self._segment[1])
+        if done <= 0 or train_s <= 0:
+            return
+        eta_s = (self.cfg.steps - step) * train_s / done
+        if eta_s > LONG_ETA_S:
+            logger.warning(
+                "at the measured %.3g s per step, the %s steps left take %s; stop with Ctrl-C "
+                "and choose fewer --steps if that is not what you meant",
+                train_s / done,
+                f"{self.cfg.steps - step:,}",
+                _duration(eta_s),
+            )
 
     def eval(self, step: int, val_loss: float, rounds: int, eval_s: float) -> None:
         now = time.perf_counter()
@@ -162,13 +277,13 @@ class Progress:
         elif step > 0:
             p = self._postfix(step)
             logger.info(
-                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s",
+                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s (rank 0)",
                 step,
                 self.cfg.steps,
                 p["loss"],
                 p["val"],
                 p["tok/s"],
-                p["hidden"],
+                p["hidden r0"],
             )
 
     def close(self) -> None:
@@ -238,7 +353,10 @@ def run_summary(
     entry = REGISTRY[cfg.algo]
     if ceiling is not None and tokens_per_s is not None:
         ceiling["ratio"] = tokens_per_s / ceiling["tokens_per_s"]
+    kwargs = cfg.algorithm_kwargs() if cfg.algo not in ("ddp", "none") else {}
+    warm = cfg.sync_warmup_steps()
     return {
+        "status": "finished",
         "algo": cfg.algo,
         "name": cfg.name,
         "out": cfg.out,
@@ -247,8 +365,11 @@ def run_summary(
         "sync_every": {"every-step": 1, "every-step-gather": 1, "never": None}.get(
             entry.schedule, cfg.sync_every
         ),
+        "sync_warmup": (
+            {"steps": warm, "compression": kwargs.get("sync_warmup_compression")} if warm else None
+        ),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
-        "compression": cfg.compression if entry.compressible else None,
+        "compression": _compression_label(cfg, entry.compressible, kwargs),
         "parameters": n_params,
         "tokens": tokens,
         "wall_time_s": wall_s,
@@ -264,6 +385,19 @@ def run_summary(
         "comm_mean": mean,
         "comm_per_worker": workers,
     }
+
+
+def _compression_label(cfg: TrainConfig, compressible: bool, kwargs: dict[str, Any]) -> str | None:
+    """What the summary names as the job's compression: the codec spec; DeMo's own top-k of
+    DCT coefficients; ``None`` for fp32 (and for the no-sync ceiling, which sends nothing)."""
+    if cfg.algo == "demo":
+        from lowcomm.optim.demo import DeMoConfig
+
+        defaults = DeMoConfig()
+        k = kwargs.get("compression_topk", defaults.compression_topk)
+        chunk = kwargs.get("compression_chunk", defaults.compression_chunk)
+        return f"DeMo: top {k} DCT coefficients per chunk (chunk side up to {chunk})"
+    return cfg.compression if compressible else None
 
 
 def _layout_summary(
@@ -298,6 +432,82 @@ def _layout_summary(
     }
 
 
+def failed_summary(cfg: TrainConfig, error: str) -> tuple[dict[str, Any] | None, str | None]:
+    """What a failed run had measured, from its ``metrics.jsonl``: the last step reached, its
+    training and validation losses, tokens/s, and the last complete checkpoint to resume from.
+    Written as ``summary.json`` (``"status": "failed"``) where it can be; returns the summary
+    and the path written, or ``None`` where it could not be (a full disk). ``(None, None)``
+    when the run measured nothing (it failed before its first evaluation)."""
+    out = cfg.out or "."
+    records = []
+    try:
+        with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):  # a line torn by the failure
+                    records.append(json.loads(line))
+    except OSError:
+        pass
+    if not records:
+        return None, None
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    last = steps[-1] if steps else None
+    trained = [r for r in evals if r.get("step", 0) > 0]
+    summary: dict[str, Any] = {
+        "status": "failed",
+        "error": error,
+        "algo": cfg.algo,
+        "name": cfg.name,
+        "out": cfg.out,
+        "steps": cfg.steps,
+        "steps_done": last["step"] if last else 0,
+        "train_loss_last": last["loss"] if last else None,
+        "tokens": last["tokens"] if last else 0,
+        "tokens_per_s": (
+            last["tokens"] / last["elapsed_s"] if last and last.get("elapsed_s") else None
+        ),
+        "val_loss_initial": evals[0]["val_loss"] if evals else None,
+        "val_loss_last": trained[-1]["val_loss"] if trained else None,
+        "val_step_last": trained[-1]["step"] if trained else None,
+        "checkpoint": _last_checkpoint(out),
+    }
+    try:
+        path = os.path.join(out, "summary.json")
+        write_json(path, summary)
+    except OSError:
+        return summary, None
+    return summary, path
+
+
+def _last_checkpoint(out: str) -> str | None:
+    found = complete_checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def format_failed(summary: dict[str, Any], path: str | None) -> str:
+    """One line of what a failed run had measured (:func:`failed_summary`)."""
+    parts = [f"step {summary['steps_done']:,} of {summary['steps']:,} done"]
+    if summary.get("train_loss_last") is not None:
+        parts.append(f"training loss {summary['train_loss_last']:.3f}")
+    if summary.get("val_loss_last") is not None:
+        parts.append(
+            f"val loss {_loss(summary['val_loss_initial'])} -> "
+            f"{_loss(summary['val_loss_last'])} at step {summary['val_step_last']:,}"
+        )
+    if summary.get("tokens_per_s"):
+        parts.append(f"{summary['tokens_per_s']:,.0f} tokens/s")
+    checkpoint = summary.get("checkpoint")
+    parts.append(
+        f"last complete checkpoint {checkpoint} (--resume continues from it)"
+        if checkpoint
+        else "no complete checkpoint"
+    )
+    kept = f"kept in {path}" if path else "summary.json could not be written"
+    return f"lowcomm train: {summary.get('name')} failed; measured before ({kept}): " + ", ".join(
+        parts
+    )
+
+
 # --- the table ``lowcomm train`` prints -------------------------------------------------------
 
 
@@ -316,10 +526,15 @@ def _ceiling_rows(ceiling: dict[str, Any] | None) -> list[tuple[str, str]]:
     return [("ceiling", text), ("of ceiling", "-" if ratio is None else f"{ratio:.1%}")]
 
 
-def _resume_rows(resumed_at: list[int] | None) -> list[tuple[str, str]]:
+def _resume_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    resumed_at = summary.get("resumed_at")
     if not resumed_at:
         return []
-    return [("resumed at", ", ".join(f"step {s:,}" for s in resumed_at))]
+    text = ", ".join(f"step {s:,}" for s in resumed_at)
+    lost = summary.get("lost_to_restarts_s")
+    if lost:
+        text += f" ({lost:.1f} s lost to restarts: redone work and start-up, in tokens/s)"
+    return [("resumed at", text)]
 
 
 def _workers(summary: dict[str, Any]) -> str:
@@ -342,8 +557,50 @@ def _layout_rows(layout: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _loss(value: float | None) -> str:
+    return "NaN/Inf" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
+def _sync_text(summary: dict[str, Any]) -> str:
+    h = summary.get("sync_every")
+    if h is None:
+        return "never: the no-sync ceiling"
+    return "every step" if h == 1 else f"every {h} steps"
+
+
+def _warm_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    warm = summary.get("sync_warmup")
+    if not warm:
+        return []
+    codec = warm.get("compression") or "fp32"
+    return [("warm start", f"first {warm['steps']:,} steps synchronous (DDP's mean, {codec})")]
+
+
+def divergence_text(nonfinite: dict[str, Any]) -> str:
+    """What went wrong in a diverged run (``summary["nonfinite"]``), for the terminal."""
+    first = nonfinite.get("first_step")
+    if first:
+        rank = nonfinite["first_rank"]
+        text = f"the training loss became NaN or Inf at step {first:,} (rank {rank})"
+        last = nonfinite.get("last_step")
+        return text + (f" and still was at step {last:,}" if last and last != first else "")
+    if nonfinite.get("val_loss_exploded"):
+        return f"the validation loss ended above {EXPLODED:g} times its initial value"
+    return "the final validation loss is NaN or Inf"
+
+
+def _nonfinite_rows(nonfinite: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not nonfinite:
+        return []
+    if not nonfinite["diverged"]:
+        where = f"at step {nonfinite['first_step']:,} (rank {nonfinite['first_rank']})"
+        return [("non-finite loss", f"{where}, recovered: its updates were skipped")]
+    return [("diverged", f"{divergence_text(nonfinite)}; lower --lr")]
+
+
 def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
-    """A small two-column table of a run's ``summary.json``.
+    """A small two-column table of a run's ``summary.json``; its first line says whether the
+    run finished or diverged.
 
     Args:
         summary: the parsed ``summary.json``.
@@ -351,10 +608,6 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
     """
     comm = summary.get("comm_mean") or {}
     algo = summary["algo"]
-    h = summary.get("sync_every")
-    sync = "every step" if h == 1 else f"every {h} steps"
-    if h is None:
-        sync = "never: the no-sync ceiling"
     hidden = comm.get("hidden_fraction")
     tps = summary.get("tokens_per_s")
     wall = f"{summary['wall_time_s']:.1f} s training loop"
@@ -371,20 +624,22 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
             f", across nodes only; a node's {layout['procs_per_node']} processes share it: "
             f"{layout['link_per_process']} each"
         )
+    compression = summary.get("compression") or "none (fp32)"
+    if summary.get("sync_every") is None:
+        compression = "none (nothing is sent)"
     rows = [
-        ("algorithm", f"{algo} (sync {sync})"),
+        ("algorithm", f"{algo} (sync {_sync_text(summary)})"),
+        *_warm_rows(summary),
         ("workers", _workers(summary)),
         *_layout_rows(layout or None),
         ("link", link),
-        ("compression", summary.get("compression") or "none (fp32)"),
+        ("compression", compression),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
-        *_resume_rows(summary.get("resumed_at")),
+        *_resume_rows(summary),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
         *_ceiling_rows(summary.get("ceiling")),
-        (
-            "val loss",
-            f"{summary['val_loss_initial']:.3f} -> {summary['val_loss_final']:.3f}",
-        ),
+        ("val loss", f"{_loss(summary['val_loss_initial'])} -> {_loss(summary['val_loss_final'])}"),
+        *_nonfinite_rows(summary.get("nonfinite")),
         *(
             [("skipped updates", f"{summary['skipped_updates']} (NaN/Inf in the average)")]
             if summary.get("skipped_updates")
@@ -393,7 +648,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         (f"{across}payload / worker", _mb(comm.get("payload_bytes"))),
         (f"{across}wire / worker", _mb(comm.get("wire_bytes"))),
         (f"{across}blocked / worker", f"{comm.get('blocked_s') or 0.0:.2f} s"),
-        ("hidden fraction", "-" if hidden is None else f"{hidden:.1%}"),
+        ("hidden fraction", "-" if hidden is None else f"{hidden:.1%} (mean of the workers)"),
         *(
             [("intra-node wire / worker", f"{_mb(intra['wire_bytes'])} (DDP, every step)")]
             if intra
@@ -403,6 +658,6 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         ("output", str(summary.get("out"))),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = [f"lowcomm train: {summary.get('name')} finished"]
+    lines = [f"lowcomm train: {summary.get('name')} {summary.get('status', 'finished')}"]
     lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
     return "\n".join(lines)

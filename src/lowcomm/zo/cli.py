@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import os
 import shutil
-import sys
 from typing import Any
 
 __all__ = ["add_subcommand", "format_summary"]
@@ -53,48 +52,44 @@ def add_subcommand(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:
-    from lowcomm.train.launcher import WorkerFailed, launch
-    from lowcomm.zo.finetune import FinetuneConfig, finetune
+    from lowcomm.train.launcher import launch
+    from lowcomm.train.metrics import check_writable_folder
+    from lowcomm.zo.finetune import FinetuneConfig, check_init, finetune
 
     values = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    try:
-        cfg = FinetuneConfig(**values).with_paths()
-    except ValueError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+    # a bad setting or --init raises ValueError: one line, exit 2 (lowcomm.cli.main)
+    cfg = FinetuneConfig(**values).with_paths()
+    check_init(cfg)
     assert cfg.out is not None
+    check_writable_folder(cfg.out)  # OSError naming it: one line, exit 4
     if os.path.exists(os.path.join(cfg.out, "summary.json")):
         if not cfg.overwrite:
-            print(
-                f"{prog}: {cfg.out} holds a previous run; pass --overwrite to replace it or "
-                "--out for another folder",
-                file=sys.stderr,
+            raise ValueError(
+                f"{cfg.out} holds a previous run; pass --overwrite to replace it or --out for "
+                "another folder"
             )
-            return 2
         shutil.rmtree(cfg.out)
-    try:
-        summary = launch(cfg, job=finetune)  # type: ignore[arg-type]
-    except WorkerFailed as e:
-        print(f"{prog}: worker rank {e.rank} failed: {e.error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    summary = launch(cfg, job=finetune)  # type: ignore[arg-type]
     if summary is not None:
         print(format_summary(summary))
     return 0
+
+
+def _count(workers: int) -> str:
+    return "1 worker" if workers == 1 else f"{workers} workers"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The table the CLI prints at the end of a run."""
     peak = max(summary["peak_rss_bytes_per_worker"]) / 2**20
     rows = [
-        ("method", f"{summary['method']} ({summary['mode']}, {summary['workers']} workers)"),
+        ("method", f"{summary['method']} ({summary['mode']}, {_count(summary['workers'])})"),
         ("steps", f"{summary['steps']} ({summary['tokens']:,} tokens, lr {summary['lr']:g})"),
         ("held-out loss", f"{summary['val_loss_initial']:.4f} -> {summary['val_loss_final']:.4f}"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
         ("bytes / worker / step", f"{summary['bytes_sent_per_worker_per_step']:,.1f}"),
         ("peak memory / worker", f"{peak:,.0f} MiB resident"),
+        ("output", str(summary.get("out"))),
     ]
     width = max(len(k) for k, _ in rows)
     return "lowcomm finetune finished\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

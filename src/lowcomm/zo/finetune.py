@@ -43,7 +43,7 @@ from torch.nn import functional as F
 from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import ByteTokenizer, get_batch, make_generator
 from lowcomm.models.gpt import GPT, GPTConfig
-from lowcomm.train.metrics import MetricsWriter, write_json
+from lowcomm.train.metrics import CheckpointError, MetricsWriter, load_checkpoint, write_json
 from lowcomm.zo.mezo import MODES, MeZO
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "TASKS",
     "FinetuneConfig",
     "FinetuneError",
+    "check_init",
     "finetune",
     "task_tokens",
 ]
@@ -268,7 +269,14 @@ def load_model(cfg: FinetuneConfig) -> tuple[nn.Module, int]:
         torch.manual_seed(cfg.seed)
         return _LlamaBytes(cfg.block_size), cfg.block_size
     assert cfg.init is not None
-    state = torch.load(checkpoint_path(cfg.init), map_location="cpu", weights_only=True)
+    path = checkpoint_path(cfg.init)
+    hint = "pass the folder or checkpoint.pt of a lowcomm train run"
+    try:
+        state = load_checkpoint(path, what="a lowcomm train checkpoint", hint=hint)
+    except CheckpointError as e:
+        raise FinetuneError(f"--init {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise FinetuneError(f"--init {path!r} is not a lowcomm train checkpoint; {hint}")
     train = state.get("config") or {}
     try:
         config = GPTConfig(
@@ -287,6 +295,23 @@ def load_model(cfg: FinetuneConfig) -> tuple[nn.Module, int]:
     model = GPT(config)
     model.load_state_dict(state["model"])
     return model, config.block_size
+
+
+def check_init(cfg: FinetuneConfig) -> None:
+    """Before any worker starts: ``--init`` is a lowcomm train checkpoint whose model takes
+    ``--block-size`` tokens (raises :class:`FinetuneError`, a ``ValueError``)."""
+    if cfg.init is None:
+        return
+    _, context = load_model(cfg)
+    _check_context(cfg, context)
+
+
+def _check_context(cfg: FinetuneConfig, context: int) -> None:
+    if cfg.block_size > context:
+        raise FinetuneError(
+            f"--block-size {cfg.block_size} is longer than the model's context ({context}); "
+            f"use at most {context}"
+        )
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -320,10 +345,7 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
         torch.set_num_threads(cfg.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, context = load_model(cfg)
-    if cfg.block_size > context:
-        raise FinetuneError(
-            f"--block-size {cfg.block_size} is longer than the model's context ({context})"
-        )
+    _check_context(cfg, context)
     model.to(device)
     train_tokens, val_tokens = task_tokens(cfg.task)
     gen = make_generator(cfg.seed, 0)  # the same global batches on every rank
@@ -466,6 +488,7 @@ class _Records:
         tokens = cfg.steps * cfg.batch_size * cfg.block_size
         sent = [r["bytes_sent"] for r in per_rank]
         summary = {
+            "out": cfg.out,
             "method": cfg.method,
             "mode": cfg.mode if cfg.method == "zo" else ("ddp" if cfg.workers > 1 else "single"),
             "workers": cfg.workers,
