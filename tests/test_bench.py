@@ -33,6 +33,13 @@ def test_cells_cover_the_matrix_in_order():
     assert len({c.id for c in cells}) == len(cells)
     cfg = spec.train_config(cells[0], "out")
     assert cfg.ceiling_steps == spec.ceiling_steps and cfg.link == "1gbit" and cfg.quiet
+    # an algorithm with settings of its own sits beside the plain one
+    spec = BenchSpec(algos=["co2", "co2+int8/overlap=12/sync_warmup=0"], links=["100mbit"])
+    spec.validate()
+    plain, variant = (spec.train_config(c, "out") for c in spec.cells())
+    assert (variant.algo, variant.overlap, variant.sync_warmup) == ("co2", 12, 0)
+    assert variant.compression == "int8" and plain.overlap is None
+    assert variant.out != plain.out
 
 
 @pytest.mark.parametrize(
@@ -44,6 +51,9 @@ def test_cells_cover_the_matrix_in_order():
         ({"workers": [0]}, "workers: need worker counts >= 1"),
         ({"steps": 25}, "steps (25) must be a multiple of sync_every (12)"),
         ({"overhead_algos": ["ddp"]}, "overhead_algos: 'ddp' has no lowcomm hook"),
+        ({"overhead_algos": ["co2/overlap=2"]}, "takes no /KEY=VALUE settings"),
+        ({"algos": ["co2/overlap"]}, "that is not KEY=VALUE"),
+        ({"algos": ["co2/overlap=0"]}, "overlap"),
         ({"target_loss": -1.0}, "target_loss: must be > 0"),
         ({"ceiling_steps": 1}, "ceiling_steps: must be >= 2"),
         ({"train_overrides": {"n_head": 3}}, "n_head"),
@@ -164,6 +174,8 @@ def test_tiny_bench_end_to_end(tmp_path):
     memory = {(r["algo"], r["sharded"]): r for r in saved["memory"]["rows"]}
     assert set(memory) == {(a, s) for a in ("co2", "diloco", "streaming") for s in (False, True)}
     assert memory[("co2", False)]["state_bytes"] == 4 * 4 * params  # anchor, m, c, u
+    # measured on the algorithm's own rounds, not a warm start's: DiLoCo's momentum exists
+    assert memory[("diloco", False)]["state_bytes"] == 2 * 4 * params  # anchor, momentum
     for algo in ("co2", "diloco", "streaming"):
         assert 0.5 <= memory[(algo, True)]["state_vs_unsharded"] <= 0.5 + 1e-3
     assert "## Memory per rank" in text and "| co2 | sharded | 2 |" in text

@@ -25,7 +25,6 @@ An algorithm may carry job settings after slashes, so variants sit side by side:
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lowcomm.bench.variants import algo_fields
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY
 
@@ -47,29 +47,6 @@ logger = logging.getLogger(__name__)
 def _default_algos() -> list[str]:
     """DDP first (the reference), then every other entry that synchronises."""
     return ["ddp", *(n for n, e in REGISTRY.items() if n != "ddp" and e.schedule != "never")]
-
-
-def algo_fields(algo: str) -> dict[str, Any]:
-    """``"co2/outer_lr=0.3/eager=True"`` -> ``{"algo": "co2", "outer_lr": 0.3, "eager": True}``
-    (values as Python literals where they parse, else strings); ``+CODEC`` sets compression."""
-    name, *settings = algo.split("/")
-    base, plus, codec = name.partition("+")
-    out: dict[str, Any] = {"algo": base.strip()}
-    if plus:
-        out["compression"] = codec
-    for item in filter(None, (s.strip() for s in settings)):
-        key, eq, text = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(
-                f"algos: {algo!r} has a setting {item!r} that is not KEY=VALUE; e.g. "
-                "co2/outer_lr=0.3/outer_momentum=0.0"
-            )
-        try:
-            value: Any = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            value = text.strip()
-        out[key.strip().replace("-", "_")] = value
-    return out
 
 
 @dataclass

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowcomm.bench.results import assemble_results
+from lowcomm.bench.variants import algo_fields
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import BASELINES, REGISTRY, outer_names
 
@@ -174,18 +175,24 @@ class BenchSpec:
         choices = _cell_algos()
         for key in ("algos", "real_algos", "overhead_algos"):
             for algo in getattr(self, key):
-                base, plus, codec = algo.partition("+")
-                if base not in choices:
+                fields = algo_fields(algo)
+                if fields["algo"] not in choices:
                     raise ValueError(
-                        f"{key}: unknown algorithm {base!r}; choose from {', '.join(choices)} "
-                        "(the no-sync ceiling is measured inside every cell), optionally with "
-                        "+COMPRESSION such as co2+int4"
+                        f"{key}: unknown algorithm {fields['algo']!r}; choose from "
+                        f"{', '.join(choices)} (the no-sync ceiling is measured inside every "
+                        "cell), optionally with +COMPRESSION such as co2+int4 and /KEY=VALUE "
+                        "settings such as co2/overlap=12/sync_warmup=0"
                     )
-                if plus and not codec:
+                if "compression" in fields and not fields["compression"]:
                     raise ValueError(
                         f"{key}: {algo!r} names no compression after '+'; e.g. co2+int4"
                     )
         for algo in self.overhead_algos:
+            if "/" in algo:
+                raise ValueError(
+                    f"overhead_algos: {algo!r}: the overhead micro-benchmark takes no /KEY=VALUE "
+                    "settings; name the algorithm (and +COMPRESSION) only"
+                )
             if not REGISTRY[algo.partition("+")[0]].is_outer:
                 raise ValueError(
                     f"overhead_algos: {algo!r} has no lowcomm hook to measure; choose lowcomm "
@@ -244,7 +251,7 @@ class BenchSpec:
 
         values: dict[str, Any] = {
             **self.train_overrides,
-            **_algo_fields(cell.algo),
+            **algo_fields(cell.algo),
             "workers": cell.workers,
             "steps": self.steps,
             "sync_every": self.sync_every,
@@ -269,12 +276,6 @@ class BenchSpec:
         settings["data"] = cfg.data or "embedded corpus"
         settings.update(self.train_overrides)
         return settings
-
-
-def _algo_fields(algo: str) -> dict[str, Any]:
-    """``"co2+int4"`` -> ``{"algo": "co2", "compression": "int4"}``."""
-    base, _, codec = algo.partition("+")
-    return {"algo": base, "compression": codec} if codec else {"algo": base}
 
 
 def _read_curve(cell_out: str) -> list[list[float]]:

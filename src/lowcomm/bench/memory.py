@@ -1,10 +1,11 @@
 """Memory report: bytes each rank holds for an outer algorithm, sharded and unsharded.
 
 For every algorithm and group size N, N real processes on a gloo group (127.0.0.1) build the
-default GPT of ``lowcomm train``, wrap it in the algorithm with ``shard_outer_state`` off and
-on, train two rounds (so that lazily created outer state, such as SGD's momentum buffer,
-exists) and read :meth:`~lowcomm.outer.engine.OuterAlgorithm.memory_report`: bytes of the
-distinct tensor storages behind
+default GPT of ``lowcomm train``, wrap it in the algorithm (the job's defaults, without the warm
+start, whose steps are DDP's) with ``shard_outer_state`` off and on, train two rounds (so that
+lazily created outer state, such as SGD's momentum buffer, exists) and read
+:meth:`~lowcomm.outer.engine.OuterAlgorithm.memory_report`: bytes of the distinct tensor
+storages behind
 
 * **state**, what persists between syncs (anchor, outer optimizer or momentum, statistics); and
 * **buffers**, the communication buffers (pseudo-gradients in flight, snapshots, gathered
@@ -38,7 +39,9 @@ def _job(
 
     rows = []
     for algo in algos:
-        cfg = config_from_dict({**overrides, "algo": algo, "sync_every": 4}, source="bench")
+        # no warm start: its steps are DDP's, and the two rounds must be the algorithm's own
+        values = {"sync_warmup": 0, **overrides, "algo": algo, "sync_every": 4}
+        cfg = config_from_dict(values, source="bench")
         corpus = load_corpus(cfg.data)
         for sharded in (False, True):
             torch.manual_seed(cfg.seed)
