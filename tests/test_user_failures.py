@@ -286,6 +286,35 @@ def test_a_diverged_run_says_so_and_exits_3(tmp_path: Path, capsys: Any) -> None
     assert summary["status"] == "diverged" and summary["nonfinite"]["first_step"] == 3
 
 
+def test_what_counts_as_diverged() -> None:
+    from lowcomm.train.report import divergence, divergence_text
+
+    def ranks(*watch: tuple[int, int]) -> list[dict[str, Any]]:
+        return [
+            {"rank": r, "nonfinite": {"first": f, "last": la}} for r, (f, la) in enumerate(watch)
+        ]
+
+    clean = ranks((0, 0), (0, 0))
+    assert divergence(clean, steps=96, tail=10, val_start=5.3, val_end=2.1) is None
+    # a NaN at step 6 on rank 1, recovered (its update skipped): reported, not diverged
+    recovered = divergence(ranks((0, 0), (6, 7)), steps=96, tail=10, val_start=5.3, val_end=2.2)
+    assert recovered is not None and not recovered["diverged"]
+    assert (recovered["first_step"], recovered["first_rank"]) == (6, 1)
+    # still NaN in the last record's steps: diverged
+    still = divergence(ranks((26, 95), (30, 96)), steps=96, tail=10, val_start=5.3, val_end=1145)
+    assert still is not None and still["diverged"] and still["first_step"] == 26
+    text = divergence_text(still)
+    assert (
+        text == "the training loss became NaN or Inf at step 26 (rank 0) and still was at step 96"
+    )
+    # finite, but the validation loss exploded (the tiny job at --lr 100: 5.46 -> 45 million)
+    exploded = divergence(clean, steps=12, tail=2, val_start=5.46, val_end=4.5e7)
+    assert exploded is not None and exploded["diverged"] and exploded["val_loss_exploded"]
+    assert "above 2 times its initial value" in divergence_text(exploded)
+    nan_val = divergence(clean, steps=12, tail=2, val_start=5.46, val_end=float("nan"))
+    assert nan_val is not None and nan_val["diverged"]
+
+
 def test_steps_no_run_could_reach_are_refused(capsys: Any) -> None:
     assert main(["train", "--steps", str(10**12)]) == EXIT_USAGE
     line = _one_line(capsys)
@@ -361,18 +390,35 @@ def test_the_summary_shows_the_warm_start_and_demos_compression(
     tmp_path: Path, capsys: Any
 ) -> None:
     args = tiny_job_args(steps=8)
-    assert (
-        main(["train", "--algo", "co2", *args, "--sync-warmup", "4", "--out", str(tmp_path / "c")])
-        == 0
-    )
+    out = str(tmp_path / "c")
+    assert main(["train", "--algo", "co2", *args, "--sync-warmup", "4", "--out", out]) == 0
     table = capsys.readouterr().out
     assert "co2 (sync every 4 steps)" in table
     assert "warm start        first 4 steps synchronous (DDP's mean, int8)" in table
-    assert read_summary(str(tmp_path / "c"))["sync_warmup"] == {"steps": 4, "compression": "int8"}
-    assert main(["train", "--algo", "demo", *args, "--out", str(tmp_path / "d")]) == 0
-    table = capsys.readouterr().out
-    assert "compression       DeMo: top 32 DCT coefficients per chunk" in table
-    assert "none (fp32)" not in table
+    assert read_summary(out)["sync_warmup"] == {"steps": 4, "compression": "int8"}
+    # DeMo's own compression, named from its settings (the summary of a DeMo job, as run_summary
+    # makes it: no training needed for the label)
+    from lowcomm.comm import CommStats
+    from lowcomm.train.config import config_from_dict
+    from lowcomm.train.report import format_summary, run_summary
+
+    cfg = config_from_dict({"algo": "demo", "compression_topk": 8}, source="test").with_paths()
+    per_rank = [{"rank": 0, "rounds": 0, "intra_node": None, **CommStats().as_dict()}]
+    summary = run_summary(
+        cfg,
+        world=1,
+        tokens=1,
+        wall_s=1.0,
+        train_s=1.0,
+        eval_s=0.0,
+        val_start=5.0,
+        val_end=4.0,
+        per_rank=per_rank,
+        n_params=10,
+    )
+    table = format_summary(summary)
+    assert "compression       DeMo: top 8 DCT coefficients per chunk (chunk side up to 64)" in table
+    assert "none (fp32)" not in table and "warm start" not in table
 
 
 @pytest.mark.parametrize("script", ["train_gpt.py", "hf_trainer.py", "lightning_diloco.py"])
