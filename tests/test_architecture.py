@@ -35,7 +35,7 @@ def test_constructor_flags_and_errors_come_from_the_dataclass(cls: type) -> None
     fields = {f.name: f for f in dataclasses.fields(cls.Config)}
     signature = inspect.signature(cls)
     keywords = [p for p in signature.parameters if p not in ("model_or_params", "inner_optimizer")]
-    assert keywords == [*fields, "process_group"]
+    assert keywords == [*fields, "process_group", "fault_tolerance"]
     for name, f in fields.items():
         assert f"        {name}" in (cls.__doc__ or ""), name
         if f.default is not dataclasses.MISSING:

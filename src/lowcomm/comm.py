@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "host_store",
     "CommStats",
     "Communicator",
     "CompressedLauncher",
@@ -620,3 +622,27 @@ def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def host_store(host: str, port: int = 0, **kwargs: Any) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on ``host`` only, at ``port`` (0: a free port; read it
+    back from ``store.port``); ``TCPStore(is_master=True)`` alone listens on every interface.
+    ``kwargs`` go to ``TCPStore`` (``timeout``, ``multi_tenant``)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        store = dist.TCPStore(
+            host,
+            int(listener.getsockname()[1]),
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+            **kwargs,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it
+    return store

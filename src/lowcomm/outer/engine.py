@@ -32,7 +32,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from lowcomm.comm import Communicator, Handle, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
+from lowcomm.elastic.sync import ManagedCommunicator
 from lowcomm.guard import (
     Description,
     NonFiniteError,
@@ -60,13 +61,22 @@ from lowcomm.outer.fragment import (
 from lowcomm.outer.functional import pseudo_gradient_norm
 from lowcomm.outer.guards import Guards, log_repeated
 from lowcomm.outer.hparams import OuterConfig
-from lowcomm.params import collect_params
+from lowcomm.params import collect_params, load_tensors
+
+if TYPE_CHECKING:
+    from lowcomm.elastic.sync import FaultTolerance
 
 __all__ = ["OuterAlgorithm"]
 
 logger = logging.getLogger(__name__)
 
 AnyFragment = Fragment | ShardedFragment
+
+
+class _Healed(Exception):  # noqa: N818 - a signal, not an error
+    """Raised out of a step whose quorum healed this replica: its counters are its donor's, and
+    the step continues from there (:meth:`OuterAlgorithm._continue_healed`)."""
+
 
 WARM_STREAM = 1 << 16
 """Stochastic-rounding stream of fragment i's warm-start compressor: WARM_STREAM + i (the
@@ -93,10 +103,15 @@ class OuterAlgorithm(Guards):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        positional, keywords = ("model_or_params", "inner_optimizer"), {"process_group": None}
+        positional = ("model_or_params", "inner_optimizer")
+        keywords = {"process_group": None, "fault_tolerance": None}
         cls.__signature__ = signature(cls.Config, positional, keywords)  # type: ignore[attr-defined]
         if cls.__doc__ and "Keywords (its" not in cls.__doc__:
-            what = "its ``Config``; and ``process_group``, ``None`` for WORLD"
+            what = (
+                "its ``Config``; ``process_group``, ``None`` for WORLD; and ``fault_tolerance``, "
+                "a :func:`lowcomm.elastic.replica_manager` replica (or torchft Manager) whose "
+                "quorum replaces the process group"
+            )
             cls.__doc__ = f"{cls.__doc__.rstrip()}\n{describe(cls.Config, what)}"
 
     def __init__(
@@ -105,6 +120,7 @@ class OuterAlgorithm(Guards):
         inner_optimizer: torch.optim.Optimizer,
         *,
         process_group: dist.ProcessGroup | Communicator | None = None,
+        fault_tolerance: Any = None,
         **hyperparameters: Any,
     ) -> None:
         self.config = self.Config(**self._complete(hyperparameters))
@@ -116,8 +132,14 @@ class OuterAlgorithm(Guards):
                 f"{type(inner_optimizer).__name__}; pass the optimizer you call .step() on"
             )
         self.inner = inner_optimizer
-        group = process_group
-        self.comm = group if isinstance(group, Communicator) else Communicator(group)
+        self.ft: FaultTolerance | None = None
+        """The torchft Manager this replica's syncs go through (``fault_tolerance``)."""
+        if fault_tolerance is not None:
+            self.ft = self._fault_tolerance(fault_tolerance, process_group)
+            self.comm: Communicator = ManagedCommunicator(self.ft)
+        else:
+            group = process_group
+            self.comm = group if isinstance(group, Communicator) else Communicator(group)
         self.sync_every = int(self.config.sync_every)
         self.warmup = int(self.config.sync_warmup)
         """K: the first K inner steps average θ after every step (``sync_warmup``)."""
@@ -145,7 +167,9 @@ class OuterAlgorithm(Guards):
         """Inner steps between sync points: H / P."""
         # The model as built, compared across ranks at the first step (values hashed now).
         self._unchecked: Description | None = None
-        if self.config.check_consistency:
+        if self.config.check_consistency and self.ft is None:
+            # (with fault tolerance a joiner takes its donor's model and settings are checked
+            # by the job; replicas have no fixed group to compare over)
             self._unchecked = describe_tensors(named)
         self._warm_compressors: list[Compressor] = []
         """The warm start's compressors, one per fragment (``sync_warmup_compression``)."""
@@ -164,6 +188,9 @@ class OuterAlgorithm(Guards):
                             stream=WARM_STREAM + i,
                         )
                     )
+        if self.ft is not None:
+            self._check_fault_tolerance()
+            self.ft.register("lowcomm", self._heal_state, self._load_heal_state)
 
     # -- what an algorithm chooses -------------------------------------------------------------
 
@@ -276,6 +303,9 @@ class OuterAlgorithm(Guards):
             self._step()
 
     def _step(self) -> None:
+        if self.ft is not None and not self.ft.joined and self.ft.join():
+            self._continue_healed()
+            return
         if self._unchecked is not None:
             self._check_consistency()
         self.local_step += 1
@@ -286,7 +316,11 @@ class OuterAlgorithm(Guards):
                 return
             if self._to_advance:
                 self._advance_due(self.local_step)
-            self._on_step(phase)
+            try:
+                self._on_step(phase)
+            except _Healed:
+                self._continue_healed()
+                return
         if phase % self.sync_every == 0:
             self.rounds += 1
 
@@ -370,9 +404,11 @@ class OuterAlgorithm(Guards):
                 for p, gp in zip(frag.params, g):
                     p.grad = gp
 
-    def _on_step(self, step: int) -> None:
+    def _on_step(self, step: int, *, quorum: bool = True) -> None:
         # Launch before applying: with τ = 0 (or τ = H) both concern this step's fragment.
         if (step + self.overlap) % self.interval == 0:
+            if quorum and self._quorum():
+                raise _Healed  # this step's schedule is the donor's now: start it again
             self._launch((step + self.overlap) // self.interval)
         if step % self.interval == 0:
             k = step // self.interval
@@ -384,6 +420,12 @@ class OuterAlgorithm(Guards):
                     frag = self.fragments[self._choose_fragment(k)]
                     self._update(frag, None, None)
                     frag.anchor.copy_to(frag.params)
+
+    def _quorum(self) -> bool:
+        """With fault tolerance, before a sync is launched: join its quorum; returns whether
+        this replica was healed in it (then it stands where its donor stood, at this same
+        launch, and takes part in it without contributing)."""
+        return self.ft is not None and self.ft.quorum()
 
     def _launch(self, k: int) -> None:
         f = self._choose_fragment(k)
@@ -410,11 +452,95 @@ class OuterAlgorithm(Guards):
         f = self._in_flight.pop(k)
         frag = self.fragments[f]
         with record_function(f"{self._profile_tag}::outer"):
-            if frag.complete():
+            if self.ft is not None and not self._commit(frag):
+                frag.anchor.copy_to(frag.params)  # not committed: the round is dropped
+            elif frag.complete():
                 self._merge(f)
             else:
                 frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
         self.sync_points += 1
+        if self.ft is not None:
+            self.ft.contributing = True
+
+    # -- fault tolerance (lowcomm.elastic.sync) ------------------------------------------------
+
+    def _fault_tolerance(self, replica: Any, process_group: Any) -> FaultTolerance:
+        from lowcomm.elastic.sync import FaultTolerance
+
+        if process_group is not None:
+            raise ValueError(
+                "pass fault_tolerance or process_group, not both: with fault tolerance the "
+                "quorum of each sync is the group"
+            )
+        return FaultTolerance(replica)
+
+    def _check_fault_tolerance(self) -> None:
+        """Refuse what elastic syncs do not support yet, with the reason."""
+        name = type(self).__name__
+        refusals = [
+            (
+                self.warmup > 0,
+                "sync_warmup > 0 (the warm start averages every step, and a "
+                "quorum per inner step is not what fault tolerance here does): use sync_warmup=0",
+            ),
+            (
+                self.compression is not None,
+                "compression (its collectives are all-gathers, "
+                "which torchft's Manager does not carry): leave compression unset",
+            ),
+            (
+                self.shard_outer_state,
+                "shard_outer_state (its reduce-scatter is not carried by "
+                "torchft's Manager): leave it off",
+            ),
+            (self.schedule == "gossip", "gossip groups (NoLoCo's pairs need a fixed group)"),
+            (
+                self.overlap >= self.interval,
+                f"overlap {self.overlap} >= sync_every / "
+                f"num_fragments = {self.interval}: a sync would be launched before the last one "
+                "is applied, across a quorum that can rebuild the group; use a smaller overlap "
+                "(the job's CO2 uses 1)",
+            ),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"{name} with fault_tolerance: {why}")
+
+    def _commit(self, frag: AnyFragment) -> bool:
+        """Wait for the sync in flight, then vote; ``False``: drop it (popped, not applied)."""
+        assert self.ft is not None
+        sync = frag.pending[0]
+        sync.handle.wait()
+        if self.ft.commit():
+            return True
+        frag.pending.popleft()
+        return False
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a donor sends a replica it heals (in torchft's quorum thread, while this
+        replica's loop waits in the quorum: nothing is in flight)."""
+        return {
+            "algorithm": self.state_dict(),
+            "params": [p.detach().clone() for p in self.params],
+            "inner": self.inner.state_dict(),
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state["algorithm"], _healing=True)
+        with torch.no_grad():
+            load_tensors({"params": state["params"]}, "params", self.params)
+        self.inner.load_state_dict(state["inner"])
+
+    def _continue_healed(self) -> None:
+        """Right after this replica was healed at its first step: it stands where its donor
+        stood, inside the step that launches the sync (its inner step just taken is dropped:
+        its parameters are the donor's); finish that step as the donor does, without a second
+        quorum."""
+        phase = self.local_step - self.warmup
+        with torch.no_grad():
+            self._on_step(phase, quorum=False)
+        if phase % self.sync_every == 0:
+            self.rounds += 1
 
     def on_average(
         self,
@@ -470,7 +596,9 @@ class OuterAlgorithm(Guards):
         per step count). Ranks that call :meth:`step` a different number of times would
         otherwise end apart without a word (when their rounds happen to line up) or wait for
         each other's collectives until they time out."""
-        if self.comm.world_size == 1 or self._steps_checked == self.local_step:
+        if self.ft is not None or self.comm.world_size == 1:
+            return  # (replicas of an elastic job are kept in step by their quorums)
+        if self._steps_checked == self.local_step:
             return
         self._steps_checked = self.local_step
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.comm.world_size)]
@@ -565,9 +693,11 @@ class OuterAlgorithm(Guards):
             state["warm_compression"] = [c.state_dict() for c in self._warm_compressors]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, _healing: bool = False) -> None:
         """Restore :meth:`state_dict` output; refuses state from another configuration."""
         for key, mine in self._identity().items():
+            if _healing and key == "world_size":
+                continue  # a donor's quorum is this replica's too
             if key in ("num_fragments", "overlap") and self._flat_state:
                 state = {key: mine, **state}  # older one-fragment state_dicts lack them
             if key == "sync_warmup" and mine == 0:

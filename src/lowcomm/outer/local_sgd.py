@@ -65,6 +65,7 @@ class LocalSGD(OuterAlgorithm):
         # Average once more if steps were taken since the last round, so that every rank holds
         # the same parameters and no local work is lost.
         if self.local_step > self.warmup and self.local_step != self._last_sync:
+            self._quorum()  # (with fault tolerance; every replica finishes at this step)
             self._launch(0)
             self._apply(0)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowcomm.comm import host_store
 from lowcomm.train.config import TrainConfig, config_from_dict
 from lowcomm.train.failures import attempt, describe_attempt, record_failure
 from lowcomm.train.loop import train
@@ -161,24 +162,7 @@ def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
 def host_loopback_store(port: int, **kwargs: Any) -> dist.TCPStore:
     """A ``TCPStore`` server listening on 127.0.0.1 only, at ``port`` (0: a free port; read it
     back from ``store.port``). ``kwargs`` go to ``TCPStore`` (``timeout``, ``multi_tenant``)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(128)
-        store = dist.TCPStore(
-            "127.0.0.1",
-            int(listener.getsockname()[1]),
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=listener.fileno(),
-            **kwargs,
-        )
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()  # the store's server owns the socket now and closes it
-    return store
+    return host_store("127.0.0.1", port, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,230 @@
+"""The torchft parts a lowcomm replica runs on: a Lighthouse (membership: which replicas are alive
+and form the quorum of each sync) and, in every replica, a ``torchft.Manager`` (quorum, commit
+vote, healing), set up so that nothing listens beyond the address it is given.
+
+torchft binds several servers to every network interface by default: its Lighthouse as the tests
+and command line start it, the Manager's gRPC server (its address is not a parameter:
+``[::]:port``), the HTTP checkpoint transport and ``TCPStore(is_master=True)``. Here the
+Lighthouse binds the host it is given (127.0.0.1 unless asked otherwise), the replica's store
+and the Manager's server bind the replica's host, and healing goes over the replicas' own process
+group (:class:`~lowcomm.elastic.transport.TensorTransport`), with no listener of its own.
+
+Example (one machine; every process its own replica)::
+
+    from lowcomm.elastic import Lighthouse, replica_manager
+
+    lighthouse = Lighthouse(min_replicas=1)          # in one process: 127.0.0.1, a free port
+    manager = replica_manager(lighthouse.address, replica_id="replica_0")   # in each replica
+    algo = lowcomm.DiLoCo(model, inner, sync_every=12, fault_tolerance=manager)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from lowcomm.comm import host_store
+
+__all__ = ["Lighthouse", "Replica", "replica_manager", "require_torchft"]
+
+logger = logging.getLogger(__name__)
+
+TORCHFT_VERSION = "0.2.0"
+"""The torchft release lowcomm's elasticity is tested with (the ``lowcomm[ft]`` extra)."""
+
+
+def require_torchft() -> Any:
+    """The ``torchft`` module, or a ``ValueError`` saying how to install it."""
+    # torchft's Rust side logs every quorum at INFO to stderr unless told otherwise
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError:
+        raise ValueError(
+            "fault tolerance needs torchft: pip install 'lowcomm[ft]' (torchft "
+            f"{TORCHFT_VERSION}, Linux)"
+        ) from None
+    return torchft
+
+
+def _seconds(value: float, what: str) -> datetime.timedelta:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{what} must be a number of seconds > 0, got {value!r}")
+    return datetime.timedelta(seconds=float(value))
+
+
+class Lighthouse:
+    """torchft's Lighthouse: every replica's Manager heartbeats to it and asks it for the quorum
+    of each sync (the replicas alive; a new one each time membership changes).
+
+    Args:
+        host: the address to listen on (``127.0.0.1``: this machine only; give a reachable
+            address for replicas on several machines).
+        port: 0 for a free one.
+        min_replicas: a quorum needs at least this many replicas (below it, the replicas wait).
+        join_timeout_s: how long a quorum waits for replicas that heartbeat but have not asked.
+        heartbeat_timeout_s: a replica silent for longer is dead (the survivors' next quorum
+            leaves it out after about this long).
+
+    ``address`` is what replicas pass to :func:`replica_manager`. A context manager; ``close()``
+    stops it.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        min_replicas: int = 1,
+        join_timeout_s: float = 0.1,
+        heartbeat_timeout_s: float = 5.0,
+        quorum_tick_s: float = 0.05,
+    ) -> None:
+        require_torchft()
+        from torchft._torchft import LighthouseServer
+
+        if not isinstance(min_replicas, int) or isinstance(min_replicas, bool) or min_replicas < 1:
+            raise ValueError(f"min_replicas must be an integer >= 1, got {min_replicas!r}")
+        self.host = host
+        self.min_replicas = min_replicas
+        ms = {
+            f"{key}_ms": int(_seconds(value, f"{key}_s").total_seconds() * 1e3)
+            for key, value in (
+                ("join_timeout", join_timeout_s),
+                ("heartbeat_timeout", heartbeat_timeout_s),
+                ("quorum_tick", quorum_tick_s),
+            )
+        }
+        try:
+            self._server: Any = LighthouseServer(
+                bind=f"{host}:{port}", min_replicas=min_replicas, **ms
+            )
+        except Exception as e:
+            raise ValueError(f"cannot start a Lighthouse on {host}:{port}: {e}") from None
+        # address() names the machine's host name; the replicas need the address it listens on
+        self.port = int(str(self._server.address()).rsplit(":", 1)[1].strip("/"))
+        self.address = f"http://{host}:{self.port}"
+        logger.debug("lighthouse listening on %s", self.address)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _manager_server_on(host: str) -> Iterator[None]:
+    """While a ``torchft.Manager`` is built: its gRPC server listens on ``host`` instead of
+    every interface (torchft hard-codes ``[::]:port``) and advertises ``host``."""
+    import torchft.manager as manager_module
+
+    original = manager_module.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        port = str(kwargs.get("bind", ":0")).rsplit(":", 1)[1]
+        kwargs["bind"] = f"{host}:{port}"
+        kwargs["hostname"] = host
+        return original(**kwargs)
+
+    manager_module.ManagerServer = bound
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer = original
+
+
+class Replica:
+    """A replica's torchft ``Manager`` with the store it serves (which must live as long as the
+    Manager); what :func:`replica_manager` returns and ``fault_tolerance=`` takes."""
+
+    def __init__(self, manager: Any, store: Any, replica_id: str) -> None:
+        self.manager = manager
+        self.store = store
+        self.replica_id = replica_id
+
+    def shutdown(self) -> None:
+        """Stop the Manager (its heartbeats end: the others' next quorum leaves this replica
+        out) and its store."""
+        self.manager.shutdown(wait=False)
+        self.store = None
+
+
+def replica_manager(
+    lighthouse: str,
+    *,
+    replica_id: str,
+    host: str = "127.0.0.1",
+    min_replicas: int = 1,
+    timeout_s: float = 60.0,
+    quorum_timeout_s: float = 600.0,
+    connect_timeout_s: float = 30.0,
+) -> Replica:
+    """A ``torchft.Manager`` for this process as a replica of its own (a replica group of one
+    process), as lowcomm's outer algorithms drive it (``fault_tolerance=``): a blocking quorum
+    at each sync, the commit vote at its apply, healing over the replicas' process group.
+
+    Args:
+        lighthouse: the Lighthouse's address (:attr:`Lighthouse.address`).
+        replica_id: this replica's name, the same when it is restarted (``replica_3``).
+        host: the address this replica's servers listen on and advertise.
+        min_replicas: a sync commits only with at least this many replicas in it.
+        timeout_s: bound on a collective and on a heal's transfer.
+        quorum_timeout_s: bound on waiting for a quorum (covers a round of compute and a
+            joiner's wait for the next sync).
+        connect_timeout_s: bound on reaching the Lighthouse.
+
+    Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
+    """
+    require_torchft()
+    from torchft import Manager, ProcessGroupGloo
+
+    from lowcomm.elastic.transport import TensorTransport
+
+    if not replica_id or not isinstance(replica_id, str):
+        raise ValueError(f"replica_id must be a non-empty string, got {replica_id!r}")
+    timeout = _seconds(timeout_s, "timeout_s")
+    quorum_timeout = _seconds(quorum_timeout_s, "quorum_timeout_s")
+    connect_timeout = _seconds(connect_timeout_s, "connect_timeout_s")
+    # gloo's own sockets: the loopback interface when the replica stays on this machine
+    if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = host_store(host, 0, timeout=connect_timeout)
+    pg = ProcessGroupGloo(timeout=timeout)
+    try:
+        with _manager_server_on(host):
+            manager = Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=quorum_timeout,
+                connect_timeout=connect_timeout,
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=int(store.port),
+                lighthouse_addr=lighthouse,
+                replica_id=replica_id,
+                hostname=host,
+                checkpoint_transport=TensorTransport(pg, timeout),
+                init_sync=False,
+            )
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(
+            f"replica {replica_id}: cannot reach the Lighthouse at {lighthouse} within "
+            f"{connect_timeout_s:g} s ({why}); start it first or check the address"
+        ) from None
+    return Replica(manager, store, replica_id)

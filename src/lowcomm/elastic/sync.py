@@ -1,0 +1,238 @@
+"""An outer algorithm's side of elastic syncs (``fault_tolerance=``): every sync is one torchft
+Manager step — the quorum when the sync is launched, the commit vote when it is applied — and a
+replica that (re)joins is healed from a live one at a quorum, with everything it needs to continue
+as if it had never left.
+
+**One sync, one Manager step.** At a sync's launch the replica asks for a quorum
+(``start_quorum``: the replicas alive now; a replica behind the others is healed here, before
+it returns), then all-reduces its pseudo-gradient over the quorum's members; at the sync's apply
+it waits, then votes (``should_commit``). A sync whose collective failed on any member — a
+replica died while it was in flight — is not committed by anyone who saw the failure: its round
+is dropped (the anchor stays, θ goes back to it), exactly as a non-finite average is skipped. A
+replica that committed while another did not is ahead at the next quorum, and the one behind is
+healed from it, so every survivor's anchor is bit-identical again after the next quorum. Only
+one sync may be in flight across a quorum (torchft's rule: a quorum rebuilds the process group),
+so schedules that launch a sync before the last one applied (CO2 on the paper's schedule,
+``overlap`` = H) are refused.
+
+**The average** divides by the replicas that trained the round: a replica healed at this sync's
+quorum sends zeros and counts 0 (one more 4-byte element all-reduced beside the buckets), so it
+neither dilutes the average nor doubles its donor's contribution.
+
+**Healing** sends, from a donor chosen by torchft (spread round-robin over the up-to-date
+replicas), everything registered with the Manager: the algorithm's state (anchors, outer
+optimizer, counters: ``local_step``, rounds), the model's parameters, the inner optimizer's state
+(a new replica takes its donor's) and whatever the caller registers beside them (a training job:
+its data position). The healed replica then stands where its donor stood — inside the step that
+launches the sync — and takes part in that launch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowcomm.comm import CommStats, Communicator, Handle, ring_wire_bytes
+
+__all__ = ["FaultTolerance", "ManagedCommunicator"]
+
+logger = logging.getLogger(__name__)
+
+
+class FaultTolerance:
+    """One replica's torchft Manager as the outer engine drives it (see the module docstring).
+
+    Args:
+        replica: a :class:`~lowcomm.elastic.replica.Replica` (``replica_manager()``), or a
+            ``torchft.Manager`` built with ``use_async_quorum=False``.
+
+    Attributes:
+        joined: whether this replica took part in a quorum yet.
+        contributing: whether this replica's pseudo-gradient counts in the sync being launched
+            (False right after it was healed).
+        heals: manager steps at which this replica was healed.
+        failed_syncs: syncs this replica did not commit.
+        participants: the quorum size of every sync this replica launched, in order.
+    """
+
+    def __init__(self, replica: Any) -> None:
+        manager = getattr(replica, "manager", replica)
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError(
+                "fault_tolerance: the torchft Manager must be built with use_async_quorum=False "
+                "(lowcomm heals a joiner before its sync); build it with "
+                "lowcomm.elastic.replica_manager()"
+            )
+        for method in ("start_quorum", "should_commit", "allreduce", "register_state_dict_fn"):
+            if not callable(getattr(manager, method, None)):
+                raise ValueError(
+                    "fault_tolerance must be a torchft Manager or lowcomm.elastic.Replica, got "
+                    f"{type(replica).__name__}"
+                )
+        self.replica = replica
+        self.manager = manager
+        self.joined = False
+        self.contributing = True
+        self.heals: list[int] = []
+        self.failed_syncs = 0
+        self.participants: list[int] = []
+        self._healed_now = False
+
+    def register(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Heal ``key`` too: ``save()`` runs on the donor (in the Manager's quorum thread, while
+        its own loop waits in the quorum), ``load(state)`` on the joiner before its quorum
+        returns. What ``save`` returns is sent as ``torch.save`` bytes and loaded with
+        ``weights_only=True``: tensors, numbers, strings and plain containers."""
+
+        def loaded(state: Any) -> None:
+            load(state)
+            self._healed_now = True
+
+        self.manager.register_state_dict_fn(key, loaded, save)
+
+    @property
+    def step(self) -> int:
+        """Syncs committed: the Manager's step, less the one the job's start commits (see
+        :meth:`join`)."""
+        return max(0, int(self.manager.current_step()) - 1)
+
+    def quorum(self) -> bool:
+        """Join this sync's quorum; returns whether this replica was healed in it (then it
+        does not contribute to the sync it is launching)."""
+        self._healed_now = False
+        self.manager.start_quorum()
+        self.joined = True
+        healed = self._healed_now
+        error = self.manager.errored()
+        if error is not None and healed:
+            # the transfer failed half-way: what was loaded is not trusted, heal again next time
+            raise RuntimeError(f"healing failed: {error}")
+        self.contributing = not healed
+        self.participants.append(int(self.manager.num_participants()))
+        if healed:
+            self.heals.append(self.step)
+            logger.info(
+                "replica healed from a live peer at sync %d (%d replicas)",
+                self.step,
+                self.participants[-1],
+            )
+        return healed
+
+    def join(self) -> bool:
+        """The first quorum of this replica, at its first step: returns whether it was healed
+        (it stands where its donor stood, at a sync's launch). When it was not (the job's start:
+        every replica at sync 0), the quorum is committed at once, so that a replica joining
+        later is behind and is healed."""
+        healed = self.quorum()
+        if not healed:
+            self.participants.pop()  # not a sync
+            self.commit()
+        return healed
+
+    def commit(self) -> bool:
+        """Vote on the sync in flight (after its collective was waited for): whether every
+        member may apply it."""
+        ok = bool(self.manager.should_commit())
+        if not ok:
+            self.failed_syncs += 1
+            error = self.manager.errored()
+            logger.warning(
+                "sync %d not committed (%s): its round is dropped on this replica, the anchor "
+                "stays",
+                self.step + 1,
+                "a collective failed: a replica left while it was in flight"
+                if error is not None
+                else "too few replicas",
+            )
+        return ok
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "syncs_committed": self.step,
+            "failed_syncs": self.failed_syncs,
+            "heals": list(self.heals),
+            "participants_last": self.participants[-1] if self.participants else None,
+        }
+
+
+class ManagedHandle(Handle):
+    """The all-reduce of one sync through the Manager: on :meth:`wait` the buckets are divided
+    by the number of replicas that contributed (summed beside them). A failed collective does
+    not raise: the Manager records it and the commit vote drops the sync."""
+
+    def __init__(
+        self,
+        works: Sequence[Any],
+        buffers: list[torch.Tensor],
+        count: torch.Tensor,
+        stats: CommStats,
+    ) -> None:
+        super().__init__(works, buffers, 1, stats)
+        self.count = count
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._done:
+            return self.buffers
+        super().wait()  # divisor 1: the Manager's works never raise
+        contributors = float(self.count[0])
+        if contributors >= 1:
+            torch._foreach_div_(self.buffers, contributors)
+        return self.buffers
+
+
+class ManagedCommunicator(Communicator):
+    """The outer engine's communicator over a torchft Manager: the quorum's replicas instead of
+    a fixed process group. Only the mean all-reduce of flat buckets is supported (the
+    collectives of compression, sharded outer state and gossip are refused before this is
+    built)."""
+
+    def __init__(self, ft: FaultTolerance) -> None:
+        self.ft = ft
+        self.group = None
+        self.stats = CommStats()
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        """The replicas of the current quorum (2 before the first one: a replica is never
+        alone by construction)."""
+        n = self.ft.participants[-1] if self.ft.participants else 0
+        return max(2, n)
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        rank = self.ft.manager.participating_rank() if self.ft.joined else None
+        return int(rank) if rank is not None else 0
+
+    def all_reduce_mean_async(self, buffers: list[torch.Tensor]) -> Handle:
+        manager = self.ft.manager
+        if not self.ft.contributing:
+            for b in buffers:
+                b.zero_()
+        count = torch.tensor([1.0 if self.ft.contributing else 0.0])
+        payload = sum(b.numel() * b.element_size() for b in buffers)
+        n = self.world_size
+        self.stats.collectives += len(buffers)
+        self.stats.payload_bytes += payload
+        self.stats.wire_bytes += ring_wire_bytes(payload, n)
+        works = [manager.allreduce(b, reduce_op=dist.ReduceOp.SUM) for b in buffers]
+        works.append(manager.allreduce(count, reduce_op=dist.ReduceOp.SUM))
+        return ManagedHandle(works, buffers, count, self.stats)
+
+    def _refused(self, what: str) -> Any:
+        raise ValueError(f"fault_tolerance: {what} is not supported with fault tolerance yet")
+
+    def _launch(self, tensor: torch.Tensor) -> Any:
+        return self._refused("a plain all-reduce outside a sync")
+
+    def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        return self._refused("an all-gather (compression)")
+
+    def _launch_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        return self._refused("a reduce-scatter (sharded outer state)")
+
+    def _launch_exchange(self, ops: list[Any], wire_bytes: int) -> list[Any]:
+        return list(self._refused("a group exchange (gossip)"))

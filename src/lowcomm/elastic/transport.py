@@ -1,0 +1,94 @@
+"""How a healing replica receives its donor's state: torchft's checkpoint transport interface,
+carried over the replicas' own process group, loaded with ``torch.load(weights_only=True)``.
+
+torchft's own transports unpickle what a peer sends (``PGTransport`` its metadata, with
+``pickle.loads``) or listen on every network interface (``HTTPTransport``). This one sends the
+bytes ``torch.save`` writes — one length, then one byte tensor — and the receiver loads them as
+every other file lowcomm loads: tensors, numbers, strings and plain containers only
+(:func:`lowcomm.train.metrics.load_checkpoint`'s rule). It opens no listener and is synchronous:
+the donor has sent everything when its ``start_quorum`` returns, so it may change its state
+straight after.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["TensorTransport"]
+
+try:  # torchft is the optional extra lowcomm[ft]
+    from torchft.checkpointing import CheckpointTransport
+except ImportError:  # pragma: no cover - lowcomm.elastic refuses to start without it
+    CheckpointTransport = object
+
+_LENGTH_TAG = 1
+_BYTES_TAG = 2
+
+
+class TensorTransport(CheckpointTransport):
+    """A ``torchft`` checkpoint transport over ``pg`` (the Manager's process group): the donor
+    ``send``s its state as one ``torch.save`` byte tensor, the joiner ``recv``s and loads it
+    with ``weights_only=True``.
+
+    Args:
+        pg: the torchft process group the Manager reconfigures at each quorum (healing runs
+            on it after the reconfiguration, with the quorum's replica ranks).
+        timeout: bound on one transfer.
+    """
+
+    def __init__(self, pg: Any, timeout: timedelta) -> None:
+        self._pg = pg
+        self._timeout = timeout
+
+    def metadata(self) -> str:
+        return "lowcomm-tensor-transport"
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
+    ) -> None:
+        buf = io.BytesIO()
+        torch.save({"step": step, "state": state_dict}, buf)
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        works = []
+        for dst in dst_ranks:
+            works.append(self._pg.send([length], dst, tag=_LENGTH_TAG))
+            works.append(self._pg.send([data], dst, tag=_BYTES_TAG))
+        for work in works:
+            work.wait(timeout)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        length = torch.zeros(1, dtype=torch.int64)
+        self._pg.recv([length], src_rank, tag=_LENGTH_TAG).wait(timeout)
+        size = int(length.item())
+        if not 0 < size < 1 << 40:
+            raise ValueError(f"healing: the donor announced {size} bytes of state; refused")
+        data = torch.empty(size, dtype=torch.uint8)
+        self._pg.recv([data], src_rank, tag=_BYTES_TAG).wait(timeout)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                received = torch.load(
+                    io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True
+                )
+        except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError) as e:
+            raise ValueError(
+                "healing: the donor's state is not tensors, numbers and strings only, or is "
+                f"damaged ({type(e).__name__}); refused without loading it"
+            ) from None
+        if not isinstance(received, dict) or received.get("step") != step:
+            got = received.get("step") if isinstance(received, dict) else None
+            raise ValueError(f"healing: the donor sent the state of step {got}, not of {step}")
+        return received["state"]
+
+    def disallow_checkpoint(self) -> None:
+        pass  # synchronous: nothing is left to serve
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass

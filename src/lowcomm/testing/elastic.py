@@ -1,0 +1,138 @@
+"""One replica of an elastic job, as the fault-tolerance tests run it: ``python -m
+lowcomm.testing.elastic --lighthouse ADDR --replica-id ID ...`` trains a small MLP with an outer
+algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event to ``--log``:
+
+* ``{"event": "sync", "sync", "participants", "anchor", "params", "local_step", "committed"}``
+  after every sync point (``sync``: syncs committed so far; ``anchor`` and ``params``: checksums);
+* ``{"event": "healed", "donor", "mine"}``: right after this replica was healed, the checksum of
+  the state its donor had when it sent it and of the state this replica holds now;
+* ``{"event": "done", ...}`` with the final checksums.
+
+``--die-after-quorum K`` kills the process (SIGKILL) right after it joined the quorum of its K-th
+sync, before it contributes to that sync's collective: the others' collective fails while it is in
+flight. The loop ends once ``--syncs`` syncs are committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowcomm.guard import checksum
+
+__all__ = ["main"]
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    return checksum(torch.cat([t.detach().reshape(-1).float() for t in tensors]))
+
+
+def _state_digest(algo: Any, model: nn.Module, inner: torch.optim.Optimizer) -> str:
+    moments = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    params = list(model.parameters())
+    return _digest([*algo.anchor_views, *params, *[m.reshape(-1) for m in moments]])
+
+
+def _build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lowcomm.testing.elastic")
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--algo", default="diloco")
+    parser.add_argument("--sync-every", type=int, default=4)
+    parser.add_argument("--syncs", type=int, default=20)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--die-after-quorum", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    args = parser.parse_args(argv)
+
+    import lowcomm
+    from lowcomm.elastic import replica_manager
+
+    replica = replica_manager(
+        args.lighthouse, replica_id=args.replica_id, timeout_s=args.timeout, quorum_timeout_s=60
+    )
+    model, inner = _build(args)
+    kwargs: dict[str, Any] = {"sync_every": args.sync_every, "sync_warmup": 0}
+    if args.algo == "co2":
+        kwargs["overlap"] = 1
+    if args.algo == "streaming":
+        kwargs.update(num_fragments=2, overlap=1, fragments=_layers(model))
+    cls = {"diloco": lowcomm.DiLoCo, "co2": lowcomm.CO2, "streaming": lowcomm.StreamingDiLoCo}
+    algo = cls[args.algo](model, inner, fault_tolerance=replica, **kwargs)
+    ft = algo.ft
+    assert ft is not None
+    log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - closed at the end
+
+    def write(**record: Any) -> None:
+        log.write(json.dumps({"replica": args.replica_id, **record}) + "\n")
+        log.flush()
+
+    # the donor's state as it sends it, checked by the joiner against its own after the heal
+    def donor_state() -> dict[str, Any]:
+        return {"digest": _state_digest(algo, model, inner)}
+
+    def healed(state: dict[str, Any]) -> None:
+        write(event="healed", donor=state["digest"], mine=_state_digest(algo, model, inner))
+
+    ft.register("test", donor_state, healed)
+    if args.die_after_quorum:
+        quorum = ft.quorum
+        launched = [0]
+
+        def quorum_then_die() -> bool:
+            result = quorum()
+            launched[0] += 1
+            if launched[0] == args.die_after_quorum:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        ft.quorum = quorum_then_die  # type: ignore[method-assign]
+
+    gen = torch.Generator().manual_seed(1000 + int(args.replica_id.rsplit("_", 1)[-1]))
+    seen = algo.sync_points
+    guard = 0
+    while ft.step < args.syncs and guard < 100 * args.syncs * args.sync_every:
+        guard += 1
+        x = torch.randn(8, 16, generator=gen)
+        loss = ((model(x) - x.flip(1)) ** 2).mean()
+        loss.backward()
+        inner.step()
+        inner.zero_grad()
+        algo.step()
+        if algo.sync_points != seen:
+            seen = algo.sync_points
+            write(
+                event="sync",
+                sync=ft.step,
+                participants=ft.participants[-1] if ft.participants else None,
+                anchor=_digest(algo.anchor_views),
+                params=_digest(list(model.parameters())),
+                local_step=algo.local_step,
+                failed=ft.failed_syncs,
+            )
+    algo.finish()
+    write(event="done", sync=ft.step, params=_digest(list(model.parameters())), heals=ft.heals)
+    log.close()
+    replica.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
