@@ -145,3 +145,130 @@ def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
                 lowcomm.DiLoCo(model, inner, sync_every=4, fault_tolerance=object())
         finally:
             replica.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    from lowcomm.cli import main
+    from lowcomm.testing.jobs import tiny_job_args
+    from lowcomm.train.faults import FAULT_ENV
+
+    # replica 1 is SIGKILLed after step 10 (mid-round: syncs at 4, 8, 12, ...); it is started
+    # again alone; with --min-replicas 2 the other waits for it at the next sync, where it is
+    # healed and both go on
+    monkeypatch.setenv(FAULT_ENV, "1:10:kill")
+    out = tmp_path / "run"
+    argv = ["train", "--algo", "diloco", *tiny_job_args(steps=32), "--fault-tolerance"]
+    argv += ["--min-replicas", "2", "--max-restarts", "1", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "replica replica_1 left the job (exit code -9); restarting it" in printed.err
+    assert "faults              1; healed 1" in printed.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["replicas_identical"]
+    (fault,) = summary["faults"]
+    assert fault["replica"] == "replica_1" and fault["fault_to_healed_s"] > 0
+    assert sorted(os.listdir(out / "replicas")) == ["replica_0", "replica_1", "replica_1.1"]
+    # the restarted replica took its donor's step and went on from there with its own stream
+    records = [
+        json.loads(line)
+        for line in (out / "replicas" / "replica_1.1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    (healed,) = [r for r in records if r["kind"] == "healed"]
+    assert healed["step"] % 4 == 0 and healed["step"] >= 12
+    later = [r["step"] for r in records if r["kind"] == "step" and r["step"] > healed["step"]]
+    assert later and later[-1] == 32
+    own = json.loads((out / "replicas" / "replica_1.1" / "summary.json").read_text())["elastic"]
+    assert own["first_step"] == healed["step"] and own["heals"]
+    # every committed sync's anchor, as each process recorded it: one checksum per sync
+    anchors: dict[int, set[str]] = {}
+    for folder in ("replica_0", "replica_1", "replica_1.1"):
+        for line in (out / "replicas" / folder / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "sync":
+                anchors.setdefault(record["sync"], set()).add(record["anchor"])
+    assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
+
+
+def test_a_replicas_batches_are_a_function_of_its_step() -> None:
+    from lowcomm.train.elastic import replica_generator
+
+    def draw(index: int, step: int) -> torch.Tensor:
+        return torch.randint(0, 1000, (8,), generator=replica_generator(0, index, step))
+
+    # the same replica at the same step draws the same batch whatever came before (a healed
+    # replica continues its own stream: nothing replayed, nothing skipped)
+    assert torch.equal(draw(1, 12), draw(1, 12))
+    assert not torch.equal(draw(1, 12), draw(1, 13))
+    assert not torch.equal(draw(1, 12), draw(2, 12))
+
+
+@pytest.mark.timeout(180)
+def test_replicas_on_several_machines_join_a_lowcomm_lighthouse(tmp_path: Path) -> None:
+    from lowcomm.testing.jobs import tiny_job_args
+
+    env = {**os.environ, "RUST_LOG": "warn"}
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "lowcomm", "lighthouse", "--port", "0", "--min-replicas", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        assert lighthouse.stdout is not None
+        first = lighthouse.stdout.readline().decode()
+        assert first.startswith("lowcomm lighthouse: listening on http://127.0.0.1:"), first
+        address = first.split("listening on ")[1].strip()
+        replicas = []
+        for i in (0, 1):
+            argv = ["train", "--algo", "co2", *tiny_job_args(steps=16), "--fault-tolerance"]
+            argv += ["--lighthouse", address, "--replica-id", f"replica_{i}"]
+            argv += ["--out", str(tmp_path / f"replica_{i}")]
+            replicas.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "lowcomm", *argv],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
+        outputs = [p.communicate(timeout=120)[0].decode() for p in replicas]
+        assert [p.returncode for p in replicas] == [0, 0], outputs
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    summaries = [
+        json.loads((tmp_path / f"replica_{i}" / "summary.json").read_text()) for i in (0, 1)
+    ]
+    checksums = {s["comm_per_worker"][0]["params_checksum"] for s in summaries}
+    assert len(checksums) == 1  # one model on both machines
+    assert all(s["elastic"]["syncs_committed"] == 4 for s in summaries)
+    assert all(s["elastic"]["participants"] == [2, 2, 2, 2] for s in summaries)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"algo": "ddp"}, "algo 'ddp' does not run with fault_tolerance"),
+        ({"algo": "co2-eager"}, "algo 'co2-eager' does not run with fault_tolerance"),
+        ({"min_replicas": 3}, "min_replicas (3) is more than the 2 replicas started"),
+        ({"sync_warmup": 24}, "sync_warmup is not supported with fault_tolerance"),
+        ({"checkpoint_every": 12}, "checkpoint_every is not supported with fault_tolerance"),
+        ({"nodes": 2, "workers": 4}, "nodes is not supported with fault_tolerance"),
+        ({"link": "100mbit"}, "link is not supported with fault_tolerance"),
+        ({"lighthouse": "http://127.0.0.1:1"}, "replica_id is needed with lighthouse"),
+        ({"replica_id": "replica_1"}, "lighthouse is needed with replica_id"),
+    ],
+)
+def test_what_an_elastic_job_cannot_run_is_refused_up_front(
+    values: dict[str, Any], message: str
+) -> None:
+    from lowcomm.train.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"fault_tolerance": True, **values}, source="test")
+    assert message in str(info.value)
+    with pytest.raises(ConfigError, match="needs fault_tolerance"):
+        config_from_dict({"lighthouse": "http://127.0.0.1:1"}, source="test")

@@ -125,14 +125,28 @@ def test_a_diverging_worker_is_skipped_or_stops_the_run(tmp_path: Any) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def _failure(exitcode: int, timestamp: int = 0) -> Any:
+def _failure(exitcode: int, timestamp: int = 0, message: str = "") -> Any:
     return types.SimpleNamespace(
         exitcode=exitcode,
         timestamp=timestamp,
-        message="",
-        error_file_data={"message": ""},
+        message=message,
+        error_file_data={"message": {"message": message} if message else ""},
         signal_name=lambda: signal.Signals(-exitcode).name,
     )
+
+
+def test_a_worker_that_aborted_on_a_lost_peer_is_not_named_over_the_one_that_died(
+    tmp_path: Any,
+) -> None:
+    # rank 0 aborted (gloo's IoException) before it could record anything, its error file
+    # saying only that it lost its peer; rank 1 was SIGKILLed: rank 1 is the cause
+    lost = "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:17815: Connection reset by peer"
+    failures = {0: _failure(-signal.SIGABRT, 1, lost), 1: _failure(-signal.SIGKILL, 1)}
+    rank, _, error, _ = launcher._final_failure(failures, str(tmp_path), attempt=0)
+    assert (rank, error) == (1, "killed by signal 9 (SIGKILL)")
+    # an error of its own still comes first
+    failures[2] = _failure(1, 2, "ValueError: bad batch")
+    assert launcher._final_failure(failures, str(tmp_path), attempt=0)[0] == 2
 
 
 def test_root_cause_prefers_a_real_error_then_a_silent_death(tmp_path: Any) -> None:

@@ -229,7 +229,7 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         logger.warning(
             "%s does not apply to --algo %s and is ignored", _describe_key(key, sources), cfg.algo
         )
-    if cfg.max_restarts and not cfg.checkpoint_every:
+    if cfg.max_restarts and not cfg.checkpoint_every and not cfg.fault_tolerance:
         logger.warning(
             "--max-restarts without --checkpoint-every: a restarted worker group starts over "
             "from %s",
@@ -245,6 +245,12 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         )
 
     t0 = time.perf_counter()
+    if cfg.fault_tolerance and cfg.lighthouse is None:
+        from lowcomm.train.elastic import format_elastic_summary, launch_replicas
+
+        elastic = launch_replicas(cfg)
+        print(format_elastic_summary(elastic, command_s=time.perf_counter() - t0))
+        return 0
     try:
         summary = launch(cfg)
     except WorkerFailed as e:
@@ -294,7 +300,75 @@ def _build_parser() -> _Parser:
     add_simulate(subparsers)
     add_plan(subparsers)
     add_finetune(subparsers)
+    _add_lighthouse(subparsers)
     return parser
+
+
+# --- `lowcomm lighthouse` ---------------------------------------------------------------------
+
+
+def _add_lighthouse(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "lighthouse",
+        help="run the Lighthouse elastic replicas on several machines join",
+        description=(
+            "Run torchft's Lighthouse (lowcomm[ft]) for an elastic job whose replicas run on "
+            "several machines: each joins with lowcomm train --fault-tolerance --lighthouse "
+            "ADDRESS --replica-id ID. It prints its address and runs until interrupted "
+            "(Ctrl-C)."
+        ),
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; give the address "
+        "the other machines reach)",
+    )
+    p.add_argument("--port", type=int, default=29510, help="port (default 29510; 0: a free one)")
+    p.add_argument("--min-replicas", type=int, default=1, help="replicas a sync needs (default 1)")
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a quorum waits for replicas that are alive but late (default 5)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat after which a replica counts as dead (default 5)",
+    )
+    p.set_defaults(_run=_run_lighthouse)
+
+
+def _run_lighthouse(args: argparse.Namespace, prog: str) -> int:
+    from lowcomm.elastic import Lighthouse
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.min_replicas < 1:
+        raise ValueError(f"--min-replicas must be >= 1, got {args.min_replicas}")
+    for flag, value in (
+        ("--join-timeout", args.join_timeout),
+        ("--heartbeat-timeout", args.heartbeat_timeout),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be a number of seconds > 0, got {value}")
+    with Lighthouse(
+        host=args.host,
+        port=args.port,
+        min_replicas=args.min_replicas,
+        join_timeout_s=args.join_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    ) as lighthouse:
+        print(f"{prog}: listening on {lighthouse.address}", flush=True)
+        print(
+            f"join it with: lowcomm train --fault-tolerance --lighthouse {lighthouse.address} "
+            "--replica-id replica_N",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -354,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         if extra:
             return _fail(parser.prog, f"unrecognized arguments: {' '.join(extra)}")
-        return _fail(parser.prog, "choose a command: train, bench, simulate, plan, finetune")
+        return _fail(
+            parser.prog, "choose a command: train, bench, simulate, plan, finetune, lighthouse"
+        )
     prog = f"{parser.prog} {args._command}"
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")

@@ -41,6 +41,7 @@ __all__ = [
     "explain_lost_collectives",
     "first_line",
     "is_peer_loss",
+    "mentions_peer_loss",
     "out_of_step",
     "zero_non_finite_",
 ]
@@ -198,6 +199,12 @@ class CollectiveError(RuntimeError):
     the connection to a peer was lost."""
 
 
+def mentions_peer_loss(text: str) -> bool:
+    """Whether an error message says a peer was lost (a closed or reset connection, a
+    timeout)."""
+    return bool(_PEER_LOSS.search(text))
+
+
 def is_peer_loss(error: BaseException) -> bool:
     """Whether ``error`` is what a rank sees when a peer died, stalled or is out of step (a
     lost connection or a collective timeout): a knock-on effect, not a root cause."""
@@ -206,7 +213,7 @@ def is_peer_loss(error: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
         return True
-    return isinstance(error, RuntimeError) and bool(_PEER_LOSS.search(str(error)))
+    return isinstance(error, RuntimeError) and mentions_peer_loss(str(error))
 
 
 def first_line(error: BaseException) -> str:

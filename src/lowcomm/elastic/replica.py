@@ -147,10 +147,11 @@ class Replica:
     """A replica's torchft ``Manager`` with the store it serves (which must live as long as the
     Manager); what :func:`replica_manager` returns and ``fault_tolerance=`` takes."""
 
-    def __init__(self, manager: Any, store: Any, replica_id: str) -> None:
+    def __init__(self, manager: Any, store: Any, replica_id: str, min_replicas: int) -> None:
         self.manager = manager
         self.store = store
         self.replica_id = replica_id
+        self.min_replicas = min_replicas
 
     def shutdown(self) -> None:
         """Stop the Manager (its heartbeats end: the others' next quorum leaves this replica
@@ -227,4 +228,4 @@ def replica_manager(
             f"replica {replica_id}: cannot reach the Lighthouse at {lighthouse} within "
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
-    return Replica(manager, store, replica_id)
+    return Replica(manager, store, replica_id, min_replicas)

@@ -30,6 +30,8 @@ launches the sync — and takes part in that launch.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,7 +50,8 @@ class FaultTolerance:
 
     Args:
         replica: a :class:`~lowcomm.elastic.replica.Replica` (``replica_manager()``), or a
-            ``torchft.Manager`` built with ``use_async_quorum=False``.
+            ``torchft.Manager`` built with ``use_async_quorum=False`` (a blocking quorum: a
+            joiner must be healed before the sync it joins) and ``init_sync=False``.
 
     Attributes:
         joined: whether this replica took part in a quorum yet.
@@ -61,12 +64,6 @@ class FaultTolerance:
 
     def __init__(self, replica: Any) -> None:
         manager = getattr(replica, "manager", replica)
-        if getattr(manager, "_use_async_quorum", False):
-            raise ValueError(
-                "fault_tolerance: the torchft Manager must be built with use_async_quorum=False "
-                "(lowcomm heals a joiner before its sync); build it with "
-                "lowcomm.elastic.replica_manager()"
-            )
         for method in ("start_quorum", "should_commit", "allreduce", "register_state_dict_fn"):
             if not callable(getattr(manager, method, None)):
                 raise ValueError(
@@ -102,9 +99,21 @@ class FaultTolerance:
 
     def quorum(self) -> bool:
         """Join this sync's quorum; returns whether this replica was healed in it (then it
-        does not contribute to the sync it is launching)."""
+        does not contribute to the sync it is launching). While it waits, it says so every
+        :data:`WAIT_NOTE_S` seconds; a quorum that does not come within the Manager's quorum
+        timeout (fewer replicas alive than a sync needs) raises, naming that."""
         self._healed_now = False
-        self.manager.start_quorum()
+        waiting = _Waiting(self.manager)
+        try:
+            self.manager.start_quorum()
+        except Exception as e:
+            raise RuntimeError(
+                f"no quorum after {waiting.elapsed():.0f} s: fewer replicas are alive than a "
+                f"sync needs (min_replicas {getattr(self.replica, 'min_replicas', '?')}), or "
+                f"the Lighthouse is gone ({type(e).__name__}: {e})"
+            ) from e
+        finally:
+            waiting.stop()
         self.joined = True
         healed = self._healed_now
         error = self.manager.errored()
@@ -157,6 +166,36 @@ class FaultTolerance:
             "heals": list(self.heals),
             "participants_last": self.participants[-1] if self.participants else None,
         }
+
+
+WAIT_NOTE_S = 10.0
+"""While a replica waits for a quorum longer than this, it logs that it is waiting (and again
+every this many seconds)."""
+
+
+class _Waiting:
+    """Logs, on a timer thread, that this replica is still waiting for its quorum."""
+
+    def __init__(self, manager: Any) -> None:
+        self._t0 = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _run(self) -> None:
+        while not self._done.wait(WAIT_NOTE_S):
+            logger.warning(
+                "waiting %.0f s for a quorum: fewer replicas than a sync needs are alive, or the "
+                "others are still computing their round",
+                self.elapsed(),
+            )
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 class ManagedHandle(Handle):

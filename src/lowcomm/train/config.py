@@ -251,6 +251,19 @@ class TrainConfig:
     """Seconds a collective may wait for a peer before the worker fails: bounds how long the
     others hang when a worker dies or stalls (raise it for big models on slow links)."""
 
+    # --- elastic replicas (lowcomm[ft]) -------------------------------------------------------
+    fault_tolerance: bool = False
+    """Run every worker as a replica of its own on torchft: one that dies is left out of the
+    next sync and restarted alone (up to max_restarts times each), then healed from a live one;
+    the others keep training. Starts a Lighthouse on 127.0.0.1 unless lighthouse is given."""
+    min_replicas: int = 1
+    """With fault_tolerance: a sync needs at least this many replicas (fewer wait for more)."""
+    lighthouse: str | None = None
+    """With fault_tolerance: join the Lighthouse at this address (http://HOST:PORT) as the one
+    replica replica_id, instead of starting a Lighthouse and every replica here."""
+    replica_id: str | None = None
+    """With lighthouse: this replica's name, the same when it is restarted (replica_3)."""
+
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHM_CHOICES:
             raise ConfigError(
@@ -283,6 +296,7 @@ class TrainConfig:
         check_int("checkpoint_every", self.checkpoint_every, low=0)
         check_int("keep_checkpoints", self.keep_checkpoints, low=1)
         check_int("max_restarts", self.max_restarts, low=0)
+        self._check_fault_tolerance()
         check_float("collective_timeout", self.collective_timeout, low=0.0, low_open=True)
         if self.n_embd % self.n_head:
             raise ConfigError(
@@ -375,6 +389,82 @@ class TrainConfig:
                 "with node groups is supported for ddp only (an outer algorithm across nodes "
                 "would need per-step balancing inside each node): drop --nodes or use ddp",
             )
+
+    def _check_fault_tolerance(self) -> None:
+        """Elastic replicas: what they run on, refused up front with the reason."""
+        if not isinstance(self.fault_tolerance, bool):
+            raise ConfigError(
+                "fault_tolerance", f"must be true or false, got {self.fault_tolerance!r}"
+            )
+        check_int("min_replicas", self.min_replicas, low=1)
+        if self.lighthouse is not None:
+            check_string("lighthouse", self.lighthouse)
+        if self.replica_id is not None:
+            check_string("replica_id", self.replica_id)
+        if not self.fault_tolerance:
+            for key in ("lighthouse", "replica_id"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(key, "needs fault_tolerance (--fault-tolerance)")
+            return
+        if self.lighthouse is not None and self.replica_id is None:
+            raise ConfigError(
+                "replica_id", "is needed with lighthouse: the name of this replica (replica_3)"
+            )
+        if self.replica_id is not None and self.lighthouse is None:
+            raise ConfigError(
+                "lighthouse",
+                "is needed with replica_id: the address of the Lighthouse to join (without "
+                "both, lowcomm train starts the Lighthouse and every replica itself)",
+            )
+        if self.lighthouse is None and self.min_replicas > self.world_size:
+            raise ConfigError(
+                "min_replicas",
+                f"({self.min_replicas}) is more than the {self.world_size} replicas started "
+                f"(--workers); use at most {self.world_size}",
+            )
+        supported = ("diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc")
+        if self.algo not in supported:
+            raise ConfigError(
+                "algo",
+                f"{self.algo!r} does not run with fault_tolerance (elastic syncs are an outer "
+                f"algorithm's, one in flight at a time); use one of {', '.join(supported)}",
+            )
+        refused = [
+            (
+                self.nodes > 1,
+                "nodes",
+                "node groups as replicas are not supported yet: one process per replica",
+            ),
+            (
+                self.checkpoint_every > 0,
+                "checkpoint_every",
+                "replicas heal from each other, "
+                "not from disk; disk checkpoints of an elastic job are not supported yet",
+            ),
+            (self.resume is not None, "resume", "an elastic job cannot resume from disk yet"),
+            (
+                self.compression is not None,
+                "compression",
+                "compressed syncs are not carried by torchft's Manager",
+            ),
+            (
+                self.link is not None,
+                "link",
+                "the emulated link wraps a fixed process group; elastic syncs go through torchft's",
+            ),
+            (self.documents, "documents", "the document stream plans over a fixed group"),
+            (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
+            (
+                bool(self.sync_warmup),
+                "sync_warmup",
+                "the warm start averages every step, and "
+                "elastic syncs take a quorum per sync, not per inner step: leave it unset (0 with "
+                "fault_tolerance)",
+            ),
+        ]
+        for bad, key, why in refused:
+            if bad:
+                raise ConfigError(key, f"is not supported with fault_tolerance: {why}")
 
     def _check_layout(self) -> None:
         """Resolve ``workers`` and ``procs_per_node`` from each other and ``nodes``, refusing
@@ -586,6 +676,7 @@ class TrainConfig:
             steps=self.steps,
             sync_every=self.sync_every,
             n_layer=self.n_layer,
+            fault_tolerance=self.fault_tolerance,
         )
         for key in OUTER_KEYS[self.algo]:
             value = getattr(self, key)

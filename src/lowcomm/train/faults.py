@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from lowcomm.train.failures import attempt
+from lowcomm.train.failures import attempt as group_attempt
 
 __all__ = ["FAULT_ENV", "FAULT_MODES", "fault_point", "inject_fault"]
 
@@ -33,10 +33,13 @@ FAULT_MODES = ("kill", "exit", "hang", "raise", "nan")
 """The MODEs of :data:`FAULT_ENV`."""
 
 
-def fault_point(rank: int) -> tuple[int, str] | None:
-    """``(step, mode)`` of the fault :data:`FAULT_ENV` asks this rank to inject, if any."""
+def fault_point(rank: int, *, attempt: int | None = None) -> tuple[int, str] | None:
+    """``(step, mode)`` of the fault :data:`FAULT_ENV` asks this rank to inject, if any
+    (``attempt``: which start this is, else the worker group's; an elastic replica passes its
+    index as ``rank`` and its own restarts)."""
     spec = os.environ.get(FAULT_ENV)
-    if not spec or attempt() > 0:
+    started = group_attempt() if attempt is None else attempt
+    if not spec or started > 0:
         return None
     parts = spec.split(":")
     try:

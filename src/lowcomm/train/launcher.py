@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 import lowcomm.train.checkpoint as ckpt
+from lowcomm.guard import mentions_peer_loss
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.errors import WorkerFailed
 from lowcomm.train.failures import attempt, error_line, read_failures, root_cause, save_traceback
@@ -242,6 +243,7 @@ def prepare_output(cfg: TrainConfig) -> None:
     checkpoints = os.path.join(cfg.out, ckpt.CHECKPOINTS)
     # another rank under torchrun may be removing it too: check what is left afterwards
     shutil.rmtree(checkpoints, ignore_errors=True)
+    shutil.rmtree(os.path.join(cfg.out, "replicas"), ignore_errors=True)  # an elastic job's
     if os.path.exists(checkpoints):
         raise ConfigError(
             "out",
@@ -303,13 +305,20 @@ def _most_likely_first(failures: dict[int, Any]) -> list[int]:
     """The ranks of torch elastic's failures, the most likely root cause first.
 
     A worker that raised wrote an error file; peers torn down after it only carry a signal.
-    Those with an error first, then the earliest, then the lowest rank.
+    Those with an error of their own first; then those without one (killed by a signal, the
+    peer the others lost); then those whose error is that they lost a peer (a worker that aborted
+    on a broken connection before it could record its failure); each by time, then rank.
     """
 
-    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+    def key(item: tuple[int, Any]) -> tuple[int, int, int]:
         rank, failure = item
-        has_error = failure.error_file_data.get("message") not in (None, "", "<NONE>")
-        return (not has_error, failure.timestamp, rank)
+        message = failure.error_file_data.get("message")
+        if message in (None, "", "<NONE>"):
+            order = 1
+        else:
+            text = message.get("message", message) if isinstance(message, dict) else message
+            order = 2 if mentions_peer_loss(str(text)) else 0
+        return (order, failure.timestamp, rank)
 
     return [rank for rank, _ in sorted(failures.items(), key=key)]
 
@@ -344,6 +353,13 @@ def launch(
         WorkerFailed: a worker raised or died; the first failure is reported. Under torchrun,
             this process's worker raised (its traceback is saved as under the local launch).
     """
+    if getattr(cfg, "lighthouse", None) is not None:
+        # one replica of an elastic job, joining its Lighthouse: this process is the replica
+        try:
+            return run_worker(cfg, False) if job is None else run_worker(cfg, False, job=job)
+        except Exception as e:
+            path = save_traceback(traceback.format_exc(), cfg.out, 0)
+            raise WorkerFailed(0, error_line(e), path) from e
     if under_torchrun():
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0:

@@ -74,6 +74,7 @@ from lowcomm.optim import DeMo
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.documents import DocumentJob, val_micro_batches
+from lowcomm.train.elastic import ElasticReplica
 from lowcomm.train.failures import attempt
 from lowcomm.train.faults import FAULT_ENV, fault_point, inject_fault
 from lowcomm.train.metrics import CHECKPOINT_NOTE, plot_losses, save_checkpoint, write_json
@@ -152,9 +153,13 @@ def train(cfg: TrainConfig, *, device: torch.device) -> dict[str, Any] | None:
     Returns the run summary on rank 0, ``None`` elsewhere.
     """
     job = _Job(cfg, device)
-    job.build()
-    job.run()
-    return job.finalize()
+    try:
+        job.build()
+        job.run()
+        return job.finalize()
+    finally:
+        if job.elastic is not None:
+            job.elastic.close()  # its heartbeats stop: the others' next quorum leaves it out
 
 
 @dataclasses.dataclass
@@ -183,6 +188,7 @@ def _synchronisation(
     groups: NodeGroups,
     state: dict[str, Any] | None,
     device: torch.device,
+    elastic: ElasticReplica | None = None,
 ) -> _Sync:
     """Wrap ``gpt`` for ``cfg.algo`` (DDP, nothing, or an outer algorithm over the cross-node
     group, with DDP inside the node for node groups), restoring ``state``'s part of it.
@@ -232,9 +238,14 @@ def _synchronisation(
         if link is not None:
             outer_group = node_link(link, cfg).communicator(groups.cross)
         # The model itself, not its parameters: streaming builds its fragments from its blocks.
-        algo = cfg.algorithm_class()(
-            gpt, inner, process_group=outer_group, **cfg.algorithm_kwargs()
-        )
+        if elastic is not None:  # the replicas meet in torchft's quorum of each sync
+            algo = cfg.algorithm_class()(
+                gpt, inner, fault_tolerance=elastic.replica, **cfg.algorithm_kwargs()
+            )
+        else:
+            algo = cfg.algorithm_class()(
+                gpt, inner, process_group=outer_group, **cfg.algorithm_kwargs()
+            )
         if state is not None:
             algo.load_state_dict(state["algorithm"])
         sync.algo, sync.stats = algo, algo.stats
@@ -291,6 +302,8 @@ class _Job:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.is_main = self.rank == 0
+        self.elastic: ElasticReplica | None = None
+        """This process as a replica of an elastic job (``fault_tolerance``)."""
 
     # --- build --------------------------------------------------------------------------------
 
@@ -339,7 +352,9 @@ class _Job:
             self.docs = DocumentJob(cfg, corpus, gpt, device=device, state=part)
         self.ceiling = Ceiling(gpt, cfg, corpus, rank, device) if cfg.ceiling_steps else None
         driven = self.zero.optim if self.zero is not None else self.inner
-        self.sync = _synchronisation(cfg, gpt, driven, groups, state, device)
+        if cfg.fault_tolerance:
+            self.elastic = ElasticReplica(cfg)
+        self.sync = _synchronisation(cfg, gpt, driven, groups, state, device, self.elastic)
 
         self.gen = make_generator(cfg.seed, rank)
         if state is not None:
@@ -380,7 +395,11 @@ class _Job:
         self.tensorboard = self.every_step = None
         if self.is_main and cfg.tensorboard is not None:
             self.tensorboard = self._tensorboard(cfg.tensorboard)
-        self.fault = fault_point(rank)
+        self.fault = (
+            fault_point(self.elastic.index, attempt=self.elastic.attempt)
+            if self.elastic is not None
+            else fault_point(rank)
+        )
         self.watch = LossWatch(device, state.get("nonfinite") if state is not None else None)
 
     def _tensorboard(self, folder: str) -> MetricsLogger:
@@ -426,7 +445,9 @@ class _Job:
         if progress is not None and state is not None:
             self.val_start = progress.val_start
         eval_interval = cfg.eval_interval
-        for step in range(self.start + 1, cfg.steps + 1):
+        step = self.start
+        while step < cfg.steps:
+            step += 1
             lr = _lr_at(step, cfg)
             for group in inner.param_groups:
                 group["lr"] = lr
@@ -435,6 +456,8 @@ class _Job:
                 ddp = isinstance(sync.model, nn.parallel.DistributedDataParallel)
                 loss = self.docs.step(sync.model, ddp=ddp)
             else:
+                if self.elastic is not None:  # its own stream, by step (module elastic)
+                    gen = self.elastic.generator(step)
                 x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, gen)
                 x, y = x.to(device), y.to(device)
                 _, loss = sync.model(x, y)
@@ -448,6 +471,15 @@ class _Job:
             inner.zero_grad(set_to_none=True)
             if sync.algo is not None:
                 sync.algo.step()
+            if self.elastic is not None and sync.algo is not None:
+                record = self.elastic.synced(sync.algo)
+                if record is not None and progress is not None:
+                    progress.writer.write(record)
+                done = step
+                step = self.elastic.follow(sync.algo.local_step, step)
+                if step != done and progress is not None:
+                    progress.jumped(step)  # healed: the records continue at the donor's step
+                    continue
             if self.docs is not None:
                 self.docs.unit_done(step % self.docs.unit_steps == 0)
             if self.fault is not None and self.fault[0] == step:
@@ -591,6 +623,9 @@ class _Job:
             ceiling=None if self.ceiling is None else self.ceiling.summary(self.tokens_per_step),
         )
         summary["resumed_at"] = list(progress.resumed_at)
+        if self.elastic is not None:
+            assert sync.algo is not None
+            summary["elastic"] = self.elastic.report(sync.algo)
         summary["lost_to_restarts_s"] = progress.lost_s
         summary["nonfinite"] = divergence(
             gathered,

@@ -193,6 +193,17 @@ class Progress:
             self.bar.update(step)
         return float(state["elapsed_s"])
 
+    def jumped(self, step: int) -> None:
+        """This replica was healed to its donor's ``step`` (an elastic job): the loss summed
+        since the last record was its own, before the heal, and is dropped; the next record
+        covers the steps after ``step``."""
+        self._loss_sum.zero_()
+        self._last_step = step
+        self.writer.write({"kind": "healed", "step": step})
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def _tokens_per_s(self, step: int) -> float:
         train_s = time.perf_counter() - self.t_start - self.eval_s
         return step * self.tokens_per_step / max(train_s, 1e-9)

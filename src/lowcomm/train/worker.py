@@ -130,7 +130,11 @@ def _run_worker(
     # A collective that waits longer than this for a peer fails instead of hanging: a dead or
     # stalled worker stops the others within a bounded time.
     timeout = datetime.timedelta(seconds=cfg.collective_timeout)
-    if launched_locally:
+    if getattr(cfg, "fault_tolerance", False):
+        # an elastic replica: a process group of its own (the replicas meet in torchft's)
+        own = host_store("127.0.0.1", 0, timeout=timeout)
+        dist.init_process_group(backend, store=own, rank=0, world_size=1, timeout=timeout)
+    elif launched_locally:
         store = _loopback_store(rank, timeout)
         world = int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
