@@ -36,7 +36,7 @@ def _spawn(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algo", ["diloco", "co2", "streaming"])
+@pytest.mark.parametrize("algo", ["diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc"])
 def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on_return(
     algo: str, tmp_path: Path
 ) -> None:
@@ -56,12 +56,18 @@ def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on
     # every committed sync's anchor is the same on every replica that holds it
     anchors: dict[int, set[str]] = {}
     for e in syncs:
-        anchors.setdefault(e["sync"], set()).add(e["anchor"])
+        if e["committed"]:
+            anchors.setdefault(e["sync"], set()).add(e["anchor"])
     assert sorted(anchors) == list(range(1, SYNCS + 1))
     assert all(len(a) == 1 for a in anchors.values()), anchors
     # the sync in flight when replica 2 died was dropped by the survivors (not committed), and
     # they went on without it
     assert any(e["failed"] >= 1 for e in syncs if e["replica"] in ("replica_0", "replica_1"))
+    dropped = [e for e in syncs if not e["committed"]]
+    assert dropped
+    if algo in ("diloco", "slowmo", "co2"):  # one fragment: θ went back to the anchor
+        for e in dropped:
+            assert e["params"] == e["anchor"] and e["anchor"] in anchors.get(e["sync"], set())
     assert any(e["participants"] == 2 for e in syncs)
     # the restarted replica was healed with its donor's exact state, then trained with all 3
     heals = [e for e in events if e["event"] == "healed"]
@@ -74,6 +80,37 @@ def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on
     assert syncs[-1]["participants"] == 3
 
 
+@pytest.mark.timeout(180)
+def test_a_donor_killed_mid_heal_leaves_the_joiner_to_heal_from_another(tmp_path: Path) -> None:
+    log, out, token = tmp_path / "events.jsonl", tmp_path / "replicas.log", tmp_path / "token"
+    with Lighthouse(min_replicas=1, heartbeat_timeout_s=1.0, join_timeout_s=2.0) as lighthouse:
+        donors = [
+            _spawn(lighthouse.address, r, "diloco", log, out, "--die-as-donor", str(token))
+            for r in (0, 1)
+        ]
+        joiner = _spawn(lighthouse.address, 2, "diloco", log, out, "--die-after-quorum", "3")
+        assert joiner.wait(timeout=90) == -9
+        joiner = _spawn(lighthouse.address, 2, "diloco", log, out)  # heals when it is back
+        codes = sorted(p.wait(timeout=120) for p in [*donors, joiner])
+    text = out.read_text()
+    # the first donor died half-way through the transfer; the joiner loaded nothing from it,
+    # asked for a new quorum and was healed by the other up-to-date replica
+    assert token.exists() and codes == [-9, 0, 0], text[-3000:]
+    assert "healing failed" in text and "asking for a new quorum" in text, text[-3000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    heals = [e for e in events if e["event"] == "healed" and e["replica"] == "replica_2"]
+    assert len(heals) == 1 and heals[0]["donor"] == heals[0]["mine"]
+    anchors: dict[int, set[str]] = {}
+    for e in events:
+        if e["event"] == "sync" and e["committed"]:
+            anchors.setdefault(e["sync"], set()).add(e["anchor"])
+    assert all(len(a) == 1 for a in anchors.values()), anchors
+    done = {e["replica"]: e for e in events if e["event"] == "done"}
+    assert "replica_2" in done and len(done) == 2
+    assert len({e["params"] for e in done.values()}) == 1
+    assert all(e["sync"] == SYNCS for e in done.values())
+
+
 def test_a_lighthouse_that_cannot_be_reached_is_named_within_its_timeout() -> None:
     with Lighthouse() as lighthouse:
         port = lighthouse.port
@@ -83,6 +120,41 @@ def test_a_lighthouse_that_cannot_be_reached_is_named_within_its_timeout() -> No
         replica_manager(address, replica_id="replica_0", connect_timeout_s=2)
     assert time.monotonic() - t0 < 30
     assert f"cannot reach the Lighthouse at {address} within 2 s" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_fewer_replicas_than_min_replicas_wait_saying_so_then_fail_naming_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import lowcomm
+    from lowcomm.elastic import sync as elastic_sync
+
+    monkeypatch.setattr(elastic_sync, "WAIT_NOTE_S", 0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Lighthouse(min_replicas=2, join_timeout_s=0.5) as lighthouse:
+        replica = replica_manager(
+            lighthouse.address, replica_id="replica_0", min_replicas=2, quorum_timeout_s=3
+        )
+        try:
+            algo = lowcomm.DiLoCo(
+                model, inner, sync_every=2, sync_warmup=0, fault_tolerance=replica
+            )
+            t0 = time.monotonic()
+            with caplog.at_level("WARNING"), pytest.raises(Exception) as info:
+                for _ in range(4):  # the first step joins: no second replica ever comes
+                    model(torch.ones(2, 4)).sum().backward()
+                    inner.step()
+                    inner.zero_grad()
+                    algo.step()
+            assert time.monotonic() - t0 < 60
+        finally:
+            replica.shutdown()
+    assert "waiting 0 s for a quorum" in caplog.text or "waiting 1 s for a quorum" in caplog.text
+    text = f"{info.value} {info.value.__cause__}"
+    assert "no quorum after" in text and "fewer replicas are alive than a sync needs" in text
+    assert "(min_replicas 2)" in text
 
 
 def _listening() -> dict[str, str]:
@@ -187,7 +259,7 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     for folder in ("replica_0", "replica_1", "replica_1.1"):
         for line in (out / "replicas" / folder / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)
-            if record["kind"] == "sync":
+            if record["kind"] == "sync" and record["committed"]:
                 anchors.setdefault(record["sync"], set()).add(record["anchor"])
     assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
 

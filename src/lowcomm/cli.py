@@ -172,6 +172,30 @@ def _describe_key(key: str, sources: dict[str, str]) -> str:
     return _flag(key)
 
 
+class _ElasticBar:
+    """The progress line of ``lowcomm train --fault-tolerance``: the furthest replica's step,
+    the replicas in the latest sync, faults and heals."""
+
+    def __init__(self, steps: int, *, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=steps, unit="step", desc="replicas", disable=not enabled)
+
+    def update(self, status: dict[str, Any]) -> None:
+        self.bar.n = status["step"]
+        quorum = "-" if status["participants"] is None else status["participants"]
+        self.bar.set_postfix_str(
+            f"sync {status['sync']}: {quorum} in quorum, {status['running']} running, "
+            f"{status['faults']} faults, {status['heals']} heals"
+        )
+
+    def __enter__(self) -> _ElasticBar:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.bar.close()
+
+
 def _run_train(args: argparse.Namespace, prog: str) -> int:
     from lowcomm.train.config import (
         NO_OUTER_ALGORITHM,
@@ -248,7 +272,8 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     if cfg.fault_tolerance and cfg.lighthouse is None:
         from lowcomm.train.elastic import format_elastic_summary, launch_replicas
 
-        elastic = launch_replicas(cfg)
+        with _ElasticBar(cfg.steps, enabled=not cfg.quiet) as bar:
+            elastic = launch_replicas(cfg, status=bar.update)
         print(format_elastic_summary(elastic, command_s=time.perf_counter() - t0))
         return 0
     try:

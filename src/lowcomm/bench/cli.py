@@ -67,6 +67,33 @@ def add_subcommand(subparsers: Any) -> None:
         "runs/convergence)",
     )
     p.add_argument(
+        "--chaos",
+        action="store_true",
+        default=False,
+        help="the chaos benchmark instead of the matrix: elastic jobs (--fault-tolerance) of "
+        "--algos (default co2,diloco,streaming) with --workers replicas (default 4), fault-free "
+        "and with a replica SIGKILLed every --mtbf seconds (default 30) over --steps (default "
+        "960), then targeted --faults over --targeted-steps (default 240); writes chaos.md and "
+        "results.json (default out runs/chaos)",
+    )
+    p.add_argument(
+        "--mtbf", type=float, metavar="S", help="--chaos: seconds between two kills (default 30)"
+    )
+    p.add_argument(
+        "--faults",
+        type=_csv,
+        metavar="K,L",
+        help="--chaos: targeted faults among sync,donor,stall,below-min,never-returns (default "
+        "all; 'none' for none)",
+    )
+    p.add_argument(
+        "--targeted-steps",
+        dest="targeted_steps",
+        type=int,
+        metavar="N",
+        help="--chaos: inner steps of the jobs with one targeted fault (default 240)",
+    )
+    p.add_argument(
         "--balance",
         action="store_true",
         default=False,
@@ -248,7 +275,7 @@ def _run_convergence(args: argparse.Namespace) -> int:
 
     given = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     flags = {"quick", "convergence", "long", "lengths", "reuse", "overwrite", "data", "balance"}
-    flags.add("cost_model")
+    flags |= {"cost_model", "chaos"}
     wrong = sorted(k for k in given if k not in _CONVERGENCE_KEYS and k not in flags)
     if wrong:
         raise ValueError(
@@ -282,7 +309,9 @@ def _run_convergence(args: argparse.Namespace) -> int:
 _BALANCE_KEYS = {"algos", "workers", "cycles", "sync_every", "seed", "data", "out", "assignments"}
 _BALANCE_KEYS |= {"block_size", "batch_size", "split_block_size", "splitting", "busy_wait"}
 _BALANCE_KEYS |= {"n_layer", "n_embd", "n_head"}
-_SWITCHES = ("quick", "convergence", "balance", "cost_model", "long", "reuse", "overwrite")
+_SWITCHES = ("quick", "convergence", "balance", "cost_model", "long", "reuse", "overwrite", "chaos")
+_CHAOS_KEYS = {"algos", "workers", "steps", "targeted_steps", "mtbf", "faults", "seed", "out"}
+_CHAOS_KEYS |= {"data"}
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -323,6 +352,35 @@ def _run_balance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_chaos(args: argparse.Namespace) -> int:
+    from lowcomm.bench.chaos import ChaosSpec, format_chaos, run_chaos
+
+    given = _given(args)
+    wrong = sorted(k for k in given if k not in _CHAOS_KEYS and k not in ("chaos", "overwrite"))
+    if wrong:
+        raise ValueError(f"--{wrong[0].replace('_', '-')} is not a flag of --chaos")
+    values = {k: v for k, v in given.items() if k in _CHAOS_KEYS}
+    if "workers" in values:
+        if len(values["workers"]) != 1:
+            raise ValueError("--chaos runs one replica count: give --workers N")
+        values["workers"] = values["workers"][0]
+    if values.get("faults") == ["none"]:
+        values["faults"] = []
+    spec = ChaosSpec(**values)
+    results_path = os.path.join(spec.out, "results.json")
+    if os.path.exists(results_path) and not args.overwrite:
+        raise ValueError(
+            f"--out {spec.out!r} already holds results; choose another folder or pass --overwrite"
+        )
+    command = "lowcomm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_chaos(
+        spec, command=command, progress=lambda text: print(text, file=sys.stderr, flush=True)
+    )
+    print(format_chaos(results))
+    print(f"results: {results_path} (+ chaos.md; every run's replicas under runs/)")
+    return 0
+
+
 def _run_cost_model(args: argparse.Namespace) -> int:
     from lowcomm.bench.balance import run_cost_model
 
@@ -356,6 +414,15 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
 
     if args.balance and (args.convergence or args.quick or args.cost_model):
         raise ValueError("--balance is a run of its own: drop --quick, --convergence, --cost-model")
+    if args.chaos:
+        if args.balance or args.convergence or args.quick or args.cost_model:
+            raise ValueError(
+                "--chaos is a run of its own: drop --quick, --convergence, --balance, --cost-model"
+            )
+        return _run_chaos(args)
+    for key in ("mtbf", "faults", "targeted_steps"):
+        if key in vars(args):
+            raise ValueError(f"--{key.replace('_', '-')} is a flag of --chaos; add it")
     if args.cost_model:
         return _run_cost_model(args)
     if args.balance:
@@ -373,7 +440,7 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
         for k, v in vars(args).items()
         if not k.startswith("_")
         and k not in ("quick", "overwrite", "data", "convergence", "long", "lengths", "reuse")
-        and k not in ("balance", "cost_model")
+        and k not in ("balance", "cost_model", "chaos")
     }
     if getattr(args, "data", None) is not None:
         values["train_overrides"] = {"data": args.data}

@@ -147,8 +147,17 @@ class Replica:
     """A replica's torchft ``Manager`` with the store it serves (which must live as long as the
     Manager); what :func:`replica_manager` returns and ``fault_tolerance=`` takes."""
 
-    def __init__(self, manager: Any, store: Any, replica_id: str, min_replicas: int) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        store: Any,
+        replica_id: str,
+        min_replicas: int,
+        transport: Any = None,
+    ) -> None:
         self.manager = manager
+        self.transport = transport
+        """The :class:`~lowcomm.elastic.transport.TensorTransport` heals travel over."""
         self.store = store
         self.replica_id = replica_id
         self.min_replicas = min_replicas
@@ -201,6 +210,7 @@ def replica_manager(
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = host_store(host, 0, timeout=connect_timeout)
     pg = ProcessGroupGloo(timeout=timeout)
+    transport = TensorTransport(pg, timeout)
     try:
         with _manager_server_on(host):
             manager = Manager(
@@ -219,7 +229,7 @@ def replica_manager(
                 lighthouse_addr=lighthouse,
                 replica_id=replica_id,
                 hostname=host,
-                checkpoint_transport=TensorTransport(pg, timeout),
+                checkpoint_transport=transport,
                 init_sync=False,
             )
     except Exception as e:
@@ -228,4 +238,4 @@ def replica_manager(
             f"replica {replica_id}: cannot reach the Lighthouse at {lighthouse} within "
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
-    return Replica(manager, store, replica_id, min_replicas)
+    return Replica(manager, store, replica_id, min_replicas, transport)

@@ -101,7 +101,39 @@ class FaultTolerance:
         """Join this sync's quorum; returns whether this replica was healed in it (then it
         does not contribute to the sync it is launching). While it waits, it says so every
         :data:`WAIT_NOTE_S` seconds; a quorum that does not come within the Manager's quorum
-        timeout (fewer replicas alive than a sync needs) raises, naming that."""
+        timeout (fewer replicas alive than a sync needs) raises, naming that. A heal whose
+        transfer failed (its donor died half-way) loads nothing and asks for a new quorum,
+        which heals it from another up-to-date replica (up to :data:`HEAL_TRIES` times)."""
+        for tries in range(1, HEAL_TRIES + 1):
+            transport = getattr(self.replica, "transport", None)
+            received = getattr(transport, "receives", 0)
+            healed = self._quorum_once()
+            error = self.manager.errored()
+            if error is None:
+                break
+            if healed:  # loaded, but the quorum failed after: what was loaded is not trusted
+                raise RuntimeError(f"healing failed: {error}")
+            if transport is None or transport.receives == received:
+                break  # not a heal: the sync is voted down, and its round dropped, at commit
+            if tries == HEAL_TRIES:
+                raise RuntimeError(f"healing failed {tries} times, the last: {error}")
+            logger.warning(
+                "healing failed (%s): nothing was loaded; asking for a new quorum to heal from "
+                "another replica",
+                error,
+            )
+        self.contributing = not healed
+        self.participants.append(int(self.manager.num_participants()))
+        if healed:
+            self.heals.append(self.step)
+            logger.info(
+                "replica healed from a live peer at sync %d (%d replicas)",
+                self.step,
+                self.participants[-1],
+            )
+        return healed
+
+    def _quorum_once(self) -> bool:
         self._healed_now = False
         waiting = _Waiting(self.manager)
         try:
@@ -115,21 +147,7 @@ class FaultTolerance:
         finally:
             waiting.stop()
         self.joined = True
-        healed = self._healed_now
-        error = self.manager.errored()
-        if error is not None and healed:
-            # the transfer failed half-way: what was loaded is not trusted, heal again next time
-            raise RuntimeError(f"healing failed: {error}")
-        self.contributing = not healed
-        self.participants.append(int(self.manager.num_participants()))
-        if healed:
-            self.heals.append(self.step)
-            logger.info(
-                "replica healed from a live peer at sync %d (%d replicas)",
-                self.step,
-                self.participants[-1],
-            )
-        return healed
+        return self._healed_now
 
     def join(self) -> bool:
         """The first quorum of this replica, at its first step: returns whether it was healed
@@ -167,6 +185,10 @@ class FaultTolerance:
             "participants_last": self.participants[-1] if self.participants else None,
         }
 
+
+HEAL_TRIES = 3
+"""How many quorums a replica behind the others tries to be healed in before it gives up (each
+failed try: its donor died or stalled during the transfer)."""
 
 WAIT_NOTE_S = 10.0
 """While a replica waits for a quorum longer than this, it logs that it is waiting (and again

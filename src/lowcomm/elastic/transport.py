@@ -20,15 +20,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorTransport"]
+__all__ = ["BYTES_TAG", "LENGTH_TAG", "TensorTransport"]
 
 try:  # torchft is the optional extra lowcomm[ft]
     from torchft.checkpointing import CheckpointTransport
 except ImportError:  # pragma: no cover - lowcomm.elastic refuses to start without it
     CheckpointTransport = object
 
-_LENGTH_TAG = 1
-_BYTES_TAG = 2
+LENGTH_TAG = 1
+"""The tag of the message that announces a heal's size."""
+BYTES_TAG = 2
+"""The tag of the message that carries a heal's state."""
 
 
 class TensorTransport(CheckpointTransport):
@@ -43,8 +45,11 @@ class TensorTransport(CheckpointTransport):
     """
 
     def __init__(self, pg: Any, timeout: timedelta) -> None:
-        self._pg = pg
+        self.pg = pg
         self._timeout = timeout
+        self.receives = 0
+        """Transfers this replica started to receive (a heal tried), whether or not they
+        completed."""
 
     def metadata(self) -> str:
         return "lowcomm-tensor-transport"
@@ -58,19 +63,20 @@ class TensorTransport(CheckpointTransport):
         length = torch.tensor([data.numel()], dtype=torch.int64)
         works = []
         for dst in dst_ranks:
-            works.append(self._pg.send([length], dst, tag=_LENGTH_TAG))
-            works.append(self._pg.send([data], dst, tag=_BYTES_TAG))
+            works.append(self.pg.send([length], dst, tag=LENGTH_TAG))
+            works.append(self.pg.send([data], dst, tag=BYTES_TAG))
         for work in works:
             work.wait(timeout)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        self.receives += 1
         length = torch.zeros(1, dtype=torch.int64)
-        self._pg.recv([length], src_rank, tag=_LENGTH_TAG).wait(timeout)
+        self.pg.recv([length], src_rank, tag=LENGTH_TAG).wait(timeout)
         size = int(length.item())
         if not 0 < size < 1 << 40:
             raise ValueError(f"healing: the donor announced {size} bytes of state; refused")
         data = torch.empty(size, dtype=torch.uint8)
-        self._pg.recv([data], src_rank, tag=_BYTES_TAG).wait(timeout)
+        self.pg.recv([data], src_rank, tag=BYTES_TAG).wait(timeout)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -453,7 +453,12 @@ class OuterAlgorithm(Guards):
         frag = self.fragments[f]
         with record_function(f"{self._profile_tag}::outer"):
             if self.ft is not None and not self._commit(frag):
-                frag.anchor.copy_to(frag.params)  # not committed: the round is dropped
+                # not committed: the round is dropped. An outer step goes back to its anchor;
+                # LocalSGD, whose anchor was the send buffer (now undefined), keeps its θ
+                if self._averages_params:
+                    frag.anchor.copy_from(frag.params)
+                else:
+                    frag.anchor.copy_to(frag.params)
             elif frag.complete():
                 self._merge(f)
             else:

@@ -253,9 +253,10 @@ class Fragment:
         """Anchor, outer state and the completed (not applied) result of the sync in flight:
         resuming gives the same numbers as not stopping."""
         assert len(self.pending) <= 1, "state_dict() between inner steps"
-        state: dict[str, Any] = {}
-        if self.outer is not None:  # LocalSGD's anchor is its buffer, refilled at each launch
-            state["anchor"] = _clone(self.anchor.views)
+        # LocalSGD's anchor (no outer state) is its send buffer, refilled at each launch; it is
+        # saved too, as the consensus evaluated and healed before the next launch
+        state: dict[str, Any] = {"anchor": _clone(self.anchor.views)}
+        if self.outer is not None:
             state.update(self.outer.state_dict())
         state["pending_avg_delta"] = state["pending_own_delta"] = None
         for sync in self.pending:
@@ -271,8 +272,9 @@ class Fragment:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sharded" in state:
             raise ValueError(_sharding_mismatch(True, self.engine))
-        if self.outer is not None:
+        if self.outer is not None or state.get("anchor") is not None:
             load_tensors(state, "anchor", self.anchor.views)
+        if self.outer is not None:
             self.outer.load_state_dict(state)
         load_compression_state(self.compressor, state)
         self.pending.clear()

@@ -2,15 +2,18 @@
 lowcomm.testing.elastic --lighthouse ADDR --replica-id ID ...`` trains a small MLP with an outer
 algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event to ``--log``:
 
-* ``{"event": "sync", "sync", "participants", "anchor", "params", "local_step", "committed"}``
-  after every sync point (``sync``: syncs committed so far; ``anchor`` and ``params``: checksums);
+* ``{"event": "sync", "committed", "sync", "participants", "anchor", "params", "local_step"}``
+  after every sync point (``committed``: whether this one was; ``sync``: syncs committed so far;
+  ``anchor`` and ``params``: checksums);
 * ``{"event": "healed", "donor", "mine"}``: right after this replica was healed, the checksum of
   the state its donor had when it sent it and of the state this replica holds now;
 * ``{"event": "done", ...}`` with the final checksums.
 
 ``--die-after-quorum K`` kills the process (SIGKILL) right after it joined the quorum of its K-th
 sync, before it contributes to that sync's collective: the others' collective fails while it is in
-flight. The loop ends once ``--syncs`` syncs are committed.
+flight. ``--die-as-donor FILE``: the first replica to send its state to a healing one (the one that
+creates FILE) sends the length of its state and is SIGKILLed before the state itself: the joiner's
+transfer fails half-way. The loop ends once ``--syncs`` syncs are committed.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syncs", type=int, default=20)
     parser.add_argument("--log", required=True)
     parser.add_argument("--die-after-quorum", type=int, default=0)
+    parser.add_argument("--die-as-donor", default=None)
     parser.add_argument("--timeout", type=float, default=10.0)
     args = parser.parse_args(argv)
 
@@ -72,9 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "sync_warmup": 0}
     if args.algo == "co2":
         kwargs["overlap"] = 1
-    if args.algo == "streaming":
+    if args.algo in ("streaming", "cocodc"):
         kwargs.update(num_fragments=2, overlap=1, fragments=_layers(model))
-    cls = {"diloco": lowcomm.DiLoCo, "co2": lowcomm.CO2, "streaming": lowcomm.StreamingDiLoCo}
+    cls = {
+        "diloco": lowcomm.DiLoCo,
+        "slowmo": lowcomm.SlowMo,
+        "localsgd": lowcomm.LocalSGD,
+        "co2": lowcomm.CO2,
+        "streaming": lowcomm.StreamingDiLoCo,
+        "cocodc": lowcomm.CoCoDC,
+    }
     algo = cls[args.algo](model, inner, fault_tolerance=replica, **kwargs)
     ft = algo.ft
     assert ft is not None
@@ -103,10 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
 
-        ft.quorum = quorum_then_die  # type: ignore[method-assign]
+        ft.quorum = quorum_then_die
+
+    if args.die_as_donor:
+        from lowcomm.train.faults import die_as_donor
+
+        die_as_donor(replica.transport, args.die_as_donor)
 
     gen = torch.Generator().manual_seed(1000 + int(args.replica_id.rsplit("_", 1)[-1]))
     seen = algo.sync_points
+    committed = 0
     guard = 0
     while ft.step < args.syncs and guard < 100 * args.syncs * args.sync_every:
         guard += 1
@@ -120,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             seen = algo.sync_points
             write(
                 event="sync",
+                committed=ft.step > committed,
                 sync=ft.step,
                 participants=ft.participants[-1] if ft.participants else None,
                 anchor=_digest(algo.anchor_views),
@@ -127,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 local_step=algo.local_step,
                 failed=ft.failed_syncs,
             )
+            committed = ft.step
     algo.finish()
     write(event="done", sync=ft.step, params=_digest(list(model.parameters())), heals=ft.heals)
     log.close()

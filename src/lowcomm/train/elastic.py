@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +41,9 @@ from lowcomm.train.config import TrainConfig
 __all__ = [
     "ATTEMPT_ENV",
     "ElasticReplica",
+    "RunningReplica",
     "format_elastic_summary",
+    "job_status",
     "launch_replicas",
     "replica_generator",
     "replica_index",
@@ -52,12 +55,14 @@ ATTEMPT_ENV = "LOWCOMM_REPLICA_ATTEMPT"
 """Which start of its replica a process is (0, then 1, 2, … after restarts); set by
 :func:`launch_replicas`."""
 
-JOIN_TIMEOUT_S = 5.0
-"""How long a quorum waits for a replica that heartbeats but has not asked yet: replicas on one
-machine reach a sync within this of each other; one later than this is left out of that sync and
-healed at the next."""
-HEARTBEAT_TIMEOUT_S = 5.0
-"""A replica silent for longer is dead: the next quorum leaves it out."""
+JOIN_TIMEOUT_S = 2.0
+"""How long a quorum whose members changed waits for a replica that heartbeats but has not asked
+yet: replicas on one machine reach a sync within this of each other; one later than this is left
+out of that sync and healed at the next. (A quorum of the same members as the last forms at
+once.)"""
+HEARTBEAT_TIMEOUT_S = 2.0
+"""A replica silent for longer is dead: the next quorum leaves it out. Until then the others wait
+for it at their next sync, so this is what one fault costs them."""
 
 
 def replica_index(replica_id: str) -> int:
@@ -109,23 +114,32 @@ class ElasticReplica:
         self.first_step: int | None = None
         """The step it trained from: 1, or the step it was healed to."""
         self.heal_times: list[float] = []
+        self.ready_at: float | None = None
+        """When it drew its first batch: its start-up was over."""
         self._gen = torch.Generator()
         self._seen_syncs = 0
+        self._committed = 0
 
     def generator(self, step: int) -> torch.Generator:
         """This replica's batch generator for ``step`` (:func:`replica_generator`)."""
+        if self.ready_at is None:
+            self.ready_at = time.time()
         return replica_generator(self.cfg.seed, self.index, step, self._gen)
 
     def synced(self, algo: Any) -> dict[str, Any] | None:
-        """After ``algo.step()``: a record of the sync it applied, if it applied one — the
-        syncs committed, the quorum's size and a checksum of the anchor, which every replica
-        that committed the sync must hold bit for bit — else ``None``."""
+        """After ``algo.step()``: a record of the sync it applied, if it applied one — whether
+        it was committed, the syncs committed so far, the quorum's size and a checksum of the
+        anchor, which every replica that committed the sync must hold bit for bit — else
+        ``None``."""
         if algo.sync_points == self._seen_syncs:
             return None
         self._seen_syncs = algo.sync_points
         ft = algo.ft
+        committed, self._committed = ft.step > self._committed, ft.step
         return {
             "kind": "sync",
+            "committed": committed,
+            "time": time.time(),
             "step": algo.local_step,
             "sync": ft.step,
             "participants": ft.participants[-1] if ft.participants else None,
@@ -150,6 +164,31 @@ class ElasticReplica:
             self.first_step = step
         return step
 
+    def arm(self, algo: Any, step: int, mode: str) -> None:
+        """Arm an elastic fault of :data:`lowcomm.train.faults.FAULT_ENV` (tests and the chaos
+        benchmark): ``sync`` — SIGKILL this process right after it joined the quorum of the
+        first sync launched at or after ``step``; ``donor`` — the first time it sends its state
+        to a healing replica (the first of the job's replicas to, by a token file beside the
+        replicas' folders), send the length and SIGKILL itself before the state."""
+        from lowcomm.train.faults import die_as_donor
+
+        logger.warning("replica %s arms a fault: %s at step %d", self.replica_id, mode, step)
+        if mode == "sync":
+            ft = algo.ft
+            quorum = ft.quorum
+
+            def quorum_then_die() -> bool:
+                healed = quorum()
+                if algo.local_step >= step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return healed
+
+            ft.quorum = quorum_then_die
+            return
+        assert self.cfg.out is not None
+        token = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out)), ".donor-fault")
+        die_as_donor(self.replica.transport, token)
+
     def report(self, algo: Any) -> dict[str, Any]:
         """This replica's part of the job's ``summary.json``."""
         ft = algo.ft
@@ -162,6 +201,7 @@ class ElasticReplica:
             "failed_syncs": ft.failed_syncs,
             "heals": list(ft.heals),
             "heal_times": list(self.heal_times),
+            "ready_at": self.ready_at,
             "participants": list(ft.participants),
         }
 
@@ -173,7 +213,10 @@ class ElasticReplica:
 
 
 @dataclasses.dataclass
-class _Running:
+class RunningReplica:
+    """One replica process :func:`launch_replicas` started: its id, which start of it this is
+    (0, then 1, 2, … after restarts), its run folder, its process and its start time."""
+
     replica_id: str
     attempt: int
     folder: str
@@ -188,8 +231,13 @@ def _free_port() -> int:
 
 
 def _start(
-    cfg: TrainConfig, lighthouse: str, replica_id: str, attempt: int, scratch: str
-) -> _Running:
+    cfg: TrainConfig,
+    lighthouse: str,
+    replica_id: str,
+    attempt: int,
+    scratch: str,
+    extra_env: dict[str, str] | None = None,
+) -> RunningReplica:
     name = replica_id if attempt == 0 else f"{replica_id}.{attempt}"
     assert cfg.out is not None
     folder = os.path.join(cfg.out, "replicas", name)
@@ -217,6 +265,7 @@ def _start(
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         ATTEMPT_ENV: str(attempt),
+        **(extra_env or {}),
     }
     command = [sys.executable, "-m", "lowcomm.train", config_path, "--failure-dir", scratch]
     os.makedirs(folder, exist_ok=True)
@@ -229,13 +278,14 @@ def _start(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return _Running(replica_id, attempt, folder, process, time.time())
+    return RunningReplica(replica_id, attempt, folder, process, time.time())
 
 
-def _stop(running: list[_Running]) -> None:
+def _stop(running: list[RunningReplica]) -> None:
     for r in running:
         if r.process.poll() is None:
             os.killpg(r.process.pid, signal.SIGTERM)
+            os.killpg(r.process.pid, signal.SIGCONT)  # one stopped (SIGSTOP) handles it too
     deadline = time.monotonic() + 10
     for r in running:
         try:
@@ -243,6 +293,107 @@ def _stop(running: list[_Running]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(r.process.pid, signal.SIGKILL)
             r.process.wait()
+
+
+STATUS_EVERY_S = 1.0
+"""How often :func:`launch_replicas` reports the job's state to its ``status`` callback."""
+
+
+def _tail_records(folder: str) -> list[dict[str, Any]]:
+    """The records of a replica's ``metrics.jsonl`` (a line cut by a kill is skipped)."""
+    out = []
+    try:
+        with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def job_status(replicas: list[RunningReplica], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state of an elastic job from what its replicas wrote so far: the furthest step, the
+    replicas in the latest sync's quorum, replicas running, faults and heals."""
+    step = 0
+    last_sync: dict[str, Any] = {}
+    heals = 0
+    for r in replicas:
+        for record in _tail_records(r.folder):
+            kind = record.get("kind")
+            if kind == "healed":
+                heals += 1
+            elif kind in ("step", "sync") and int(record.get("step", 0)) > step:
+                step = int(record["step"])
+            if kind == "sync" and int(record.get("sync", 0)) >= int(last_sync.get("sync", 0)):
+                last_sync = record
+    return {
+        "step": step,
+        "running": sum(r.process.poll() is None for r in replicas),
+        "participants": last_sync.get("participants"),
+        "sync": last_sync.get("sync", 0),
+        "faults": sum(e["event"] == "fault" for e in events),
+        "heals": heals,
+    }
+
+
+def _last_sync(folder: str) -> int:
+    """The last sync a replica's ``metrics.jsonl`` records as committed (0: none yet)."""
+    last = 0
+    try:
+        with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                if '"kind": "sync"' in line:
+                    try:
+                        last = int(json.loads(line)["sync"])
+                    except (ValueError, KeyError):
+                        continue  # a line cut by a kill
+    except OSError:
+        pass
+    return last
+
+
+def _behind(running: list[RunningReplica], first: RunningReplica) -> list[RunningReplica]:
+    """The running replicas more than one sync behind ``first``, which finished the job: the
+    others are gone from the Lighthouse, so such a replica would form quorums of its own and
+    train the rest of the job alone from its stale state."""
+    own = (_read_summary(first.folder) or {}).get("elastic") or {}
+    final = int(own.get("syncs_committed", 0))
+    return [r for r in running if _last_sync(r.folder) < final - 1]
+
+
+def _event(kind: str, r: RunningReplica, t0: float, code: int | None = None) -> dict[str, Any]:
+    """A line of the job's ``events``: what happened to which start of which replica, when."""
+    return {
+        "event": kind,
+        "replica": r.replica_id,
+        "attempt": r.attempt,
+        "time_s": time.time() - t0,
+        "exit_code": code,
+    }
+
+
+class _TermAsExit:
+    """While the replicas run, SIGTERM to this process raises ``SystemExit(143)`` so that the
+    replicas (each in a session of its own) are stopped with it, not orphaned."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._old: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
 
 
 FINISH_GRACE_S = 30.0
@@ -256,11 +407,19 @@ def launch_replicas(
     poll_s: float = 0.1,
     join_timeout_s: float = JOIN_TIMEOUT_S,
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    chaos: Callable[[float, list[RunningReplica], bool], None] | None = None,
+    status: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` as ``cfg.world_size`` elastic replicas on this machine (module docstring):
     a Lighthouse on 127.0.0.1, one process per replica, each restarted alone when it dies (up to
     ``max_restarts`` times, and not after the job finished). Returns the job's summary (also
     ``<out>/summary.json``).
+
+    ``env`` is added to every replica's environment; ``chaos(seconds since the start, running
+    replicas, whether a replica finished the job)`` is called every poll (the chaos benchmark's
+    faults: it may signal the replicas' processes). ``status`` receives the job's state about
+    once a second (:func:`job_status`): the progress line of ``lowcomm train``.
 
     Raises:
         lowcomm.train.errors.WorkerFailed: no replica finished the job.
@@ -273,7 +432,7 @@ def launch_replicas(
     os.makedirs(cfg.out, exist_ok=True)
     ids = [f"replica_{i}" for i in range(cfg.world_size)]
     events: list[dict[str, Any]] = []
-    finished: list[_Running] = []
+    finished: list[RunningReplica] = []
     t0 = time.time()
     with (
         Lighthouse(
@@ -283,24 +442,33 @@ def launch_replicas(
         ) as lighthouse,
         tempfile.TemporaryDirectory(prefix="lowcomm-replicas-") as scratch,
     ):
-        running = [_start(cfg, lighthouse.address, rid, 0, scratch) for rid in ids]
+        stop_on_term = _TermAsExit()
+        running = [_start(cfg, lighthouse.address, rid, 0, scratch, env) for rid in ids]
+        started = list(running)
         restarts = dict.fromkeys(ids, 0)
         done_at: float | None = None
+        reported = 0.0
         try:
             while running:
                 time.sleep(poll_s)
                 if done_at is not None and time.time() - done_at > FINISH_GRACE_S:
-                    for r in running:
-                        events.append(
-                            {
-                                "event": "stopped",
-                                "replica": r.replica_id,
-                                "attempt": r.attempt,
-                                "time_s": time.time() - t0,
-                                "exit_code": None,
-                            }
-                        )
+                    events += [_event("stopped", r, t0) for r in running]
                     break  # the rest are behind a finished job: stopped below
+                if chaos is not None:
+                    chaos(time.time() - t0, running, done_at is not None)
+                if status is not None and time.time() - reported >= STATUS_EVERY_S:
+                    reported = time.time()
+                    status(job_status([*running, *finished], events))
+                if done_at is not None:
+                    for r in _behind(running, finished[0]):
+                        # it would train the rest alone from its own state: stopped
+                        running.remove(r)
+                        _stop([r])
+                        events.append(_event("stopped", r, t0))
+                        logger.warning(
+                            "replica %s stopped: it was behind when the job finished",
+                            r.replica_id,
+                        )
                 for r in list(running):
                     code = r.process.poll()
                     if code is None:
@@ -310,16 +478,7 @@ def launch_replicas(
                         finished.append(r)
                         done_at = done_at or time.time()
                         continue
-                    now = time.time()
-                    events.append(
-                        {
-                            "event": "fault",
-                            "replica": r.replica_id,
-                            "attempt": r.attempt,
-                            "time_s": now - t0,
-                            "exit_code": code,
-                        }
-                    )
+                    events.append(_event("fault", r, t0, code))
                     logger.warning(
                         "replica %s left the job (exit code %d)%s",
                         r.replica_id,
@@ -335,20 +494,16 @@ def launch_replicas(
                                 r.replica_id,
                                 restarts[r.replica_id],
                                 scratch,
+                                env,
                             )
                         )
-                        events.append(
-                            {
-                                "event": "restart",
-                                "replica": r.replica_id,
-                                "attempt": restarts[r.replica_id],
-                                "time_s": time.time() - t0,
-                            }
-                        )
+                        started.append(running[-1])
+                        events.append(_event("restart", running[-1], t0))
         finally:
             _stop(running)
+            stop_on_term.restore()
     wall_s = time.time() - t0
-    summary = _job_summary(cfg, finished, events, wall_s, t0)
+    summary = _job_summary(cfg, started, finished, events, wall_s, t0)
     write_json(os.path.join(cfg.out, "summary.json"), summary)
     if not finished:
         last = events[-1] if events else {"replica": ids[0], "exit_code": None}
@@ -369,22 +524,50 @@ def _read_summary(folder: str) -> dict[str, Any] | None:
     return data
 
 
+def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
+    """What one replica process added to the job, from its ``metrics.jsonl``: the inner steps
+    it trained that reached the model — from its start (or the step it was healed to) to the
+    end of the job if it finished, else to its last sync (a killed replica's work since is
+    lost) — and the times it was healed at."""
+    start, last_sync, last_step = 0, None, 0
+    heals: list[float] = []
+    for record in _tail_records(folder):
+        kind = record.get("kind")
+        if kind == "healed":
+            if not heals:
+                start = int(record["step"])
+            heals.append(float(record.get("time", 0.0)))
+        elif kind == "sync":
+            last_sync = int(record["step"])
+        if kind in ("step", "sync"):
+            last_step = max(last_step, int(record.get("step", 0)))
+    end = last_step if finished else (last_sync if last_sync is not None else start)
+    return max(0, end - start), heals
+
+
 def _job_summary(
     cfg: TrainConfig,
-    finished: list[_Running],
+    started: list[RunningReplica],
+    finished: list[RunningReplica],
     events: list[dict[str, Any]],
     wall_s: float,
     t0: float,
 ) -> dict[str, Any]:
     """The elastic job's summary: the finished replicas' results, every fault with the time
-    until its replica was back and healed, and the tokens trained."""
+    until its replica was back and healed, and the tokens trained by every process started
+    (:func:`_contribution`)."""
     tokens_per_step = cfg.batch_size * cfg.block_size
     replicas = []
     for r in finished:
         own = _read_summary(r.folder) or {}
         replicas.append({"folder": r.folder, **(own.get("elastic") or {})})
     first = _read_summary(finished[0].folder) if finished else None
-    heal_times = {(e["replica_id"], e["attempt"]): e.get("heal_times", []) for e in replicas if e}
+    trained = 0
+    heal_times: dict[tuple[str, int], list[float]] = {}
+    for r in started:
+        steps, heals = _contribution(r.folder, r in finished)
+        trained += steps
+        heal_times[(r.replica_id, r.attempt)] = heals
     faults = []
     for e in events:
         if e["event"] != "fault":
@@ -400,7 +583,6 @@ def _job_summary(
                 "fault_to_healed_s": None if healed_s is None else healed_s - e["time_s"],
             }
         )
-    trained = sum(int(r.get("steps_trained", 0)) for r in replicas)
     planned = cfg.world_size * cfg.steps
     survivor = max(replicas, key=lambda r: len(r.get("participants", [])), default={})
     participants = list(survivor.get("participants", []))
@@ -413,6 +595,7 @@ def _job_summary(
         "min_replicas": cfg.min_replicas,
         "steps": cfg.steps,
         "sync_every": cfg.sync_every,
+        "started_at": t0,
         "wall_time_s": wall_s,
         "tokens_trained": trained * tokens_per_step,
         "tokens_per_s": trained * tokens_per_step / wall_s if wall_s > 0 else None,
@@ -430,7 +613,7 @@ def _job_summary(
         == 1,
         "participants_per_sync": participants,
         "faults": faults,
-        "heals": sum(len(r.get("heals", [])) for r in replicas),
+        "heals": sum(len(h) for h in heal_times.values()),
         "finished_replicas": [r.folder for r in finished],
         "events": events,
     }

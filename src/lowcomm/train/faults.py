@@ -12,13 +12,21 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
 from lowcomm.train.failures import attempt as group_attempt
 
-__all__ = ["FAULT_ENV", "FAULT_MODES", "fault_point", "inject_fault"]
+__all__ = [
+    "ELASTIC_MODES",
+    "FAULT_ENV",
+    "FAULT_MODES",
+    "die_as_donor",
+    "fault_point",
+    "inject_fault",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +35,19 @@ FAULT_ENV = "LOWCOMM_FAULT_INJECT"
 that step, in the first attempt of the worker group only (``TORCHELASTIC_RESTART_COUNT`` 0):
 MODE ``kill`` (default: SIGKILL itself), ``exit`` (``os._exit(3)``), ``hang`` (stop without
 exiting, until the others time out), ``raise`` (a ``RuntimeError``) or ``nan`` (set one value
-of its first parameter to NaN and go on: a diverging worker). Not a user setting."""
+of its first parameter to NaN and go on: a diverging worker). Two more for elastic replicas
+(``--fault-tolerance``; RANK is the replica's number, and only its first start injects):
+``sync`` (SIGKILL itself right after it joined the quorum of the first sync launched at or after
+STEP, before its collective: a replica dying with a sync in flight) and ``donor`` (the first
+time it sends its state to a healing replica, send the length and SIGKILL itself before the
+state; RANK ``*``: whichever replica donates first, once per job). Not a user setting."""
 
-FAULT_MODES = ("kill", "exit", "hang", "raise", "nan")
+FAULT_MODES = ("kill", "exit", "hang", "raise", "nan", "sync", "donor")
 """The MODEs of :data:`FAULT_ENV`."""
+
+ELASTIC_MODES = ("sync", "donor")
+"""The MODEs an elastic replica arms itself (:meth:`lowcomm.train.elastic.ElasticReplica.arm`)
+rather than the loop injecting them after a step."""
 
 
 def fault_point(rank: int, *, attempt: int | None = None) -> tuple[int, str] | None:
@@ -43,15 +60,17 @@ def fault_point(rank: int, *, attempt: int | None = None) -> tuple[int, str] | N
         return None
     parts = spec.split(":")
     try:
-        fault_rank, step = int(parts[0]), int(parts[1])
+        fault_rank = None if parts[0] == "*" else int(parts[0])
+        step = int(parts[1])
         mode = parts[2] if len(parts) > 2 else "kill"
     except (IndexError, ValueError):
         mode = ""
-    if mode not in FAULT_MODES or len(parts) > 3:
+    if mode not in FAULT_MODES or len(parts) > 3 or (fault_rank is None and mode != "donor"):
         raise ValueError(
-            f"{FAULT_ENV}={spec!r} must be RANK:STEP[:MODE], MODE one of {FAULT_MODES}"
+            f"{FAULT_ENV}={spec!r} must be RANK:STEP[:MODE], MODE one of {FAULT_MODES} "
+            "(RANK * with donor only)"
         )
-    return (step, mode) if fault_rank == rank else None
+    return (step, mode) if fault_rank in (None, rank) else None
 
 
 def inject_fault(mode: str, rank: int, step: int, timeout_s: float, *, model: nn.Module) -> None:
@@ -69,3 +88,26 @@ def inject_fault(mode: str, rank: int, step: int, timeout_s: float, *, model: nn
     elif mode == "hang":
         time.sleep(10 * timeout_s)  # the peers time out long before; the launcher stops us
     raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
+
+
+def die_as_donor(transport: Any, token: str) -> None:
+    """Make the first send of ``transport`` (a :class:`lowcomm.elastic.transport.TensorTransport`)
+    among the processes given the same ``token`` path announce its length, then SIGKILL this
+    process before the state: the healing replica's transfer fails half-way. The process that
+    creates ``token`` dies; the others send as usual."""
+    from lowcomm.elastic.transport import LENGTH_TAG
+
+    send = transport.send_checkpoint
+
+    def send_then_die(dst_ranks: list[int], step: int, state_dict: Any, timeout: Any) -> None:
+        try:
+            os.close(os.open(token, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:  # another donor died already: this one sends
+            return send(dst_ranks, step, state_dict, timeout)
+        logger.warning("%s: this replica dies half-way through sending its state", FAULT_ENV)
+        length = torch.tensor([1 << 20], dtype=torch.int64)
+        for dst in dst_ranks:
+            transport.pg.send([length], dst, tag=LENGTH_TAG).wait(timeout)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    transport.send_checkpoint = send_then_die

@@ -76,7 +76,7 @@ from lowcomm.train.config import TrainConfig
 from lowcomm.train.documents import DocumentJob, val_micro_batches
 from lowcomm.train.elastic import ElasticReplica
 from lowcomm.train.failures import attempt
-from lowcomm.train.faults import FAULT_ENV, fault_point, inject_fault
+from lowcomm.train.faults import ELASTIC_MODES, FAULT_ENV, fault_point, inject_fault
 from lowcomm.train.metrics import CHECKPOINT_NOTE, plot_losses, save_checkpoint, write_json
 from lowcomm.train.model import build_gpt, inner_optimizer, zero_optimizer
 from lowcomm.train.nodes import NodeGroups, describe_layout, node_groups, node_link
@@ -400,6 +400,11 @@ class _Job:
             if self.elastic is not None
             else fault_point(rank)
         )
+        if self.fault is not None and self.fault[1] in ELASTIC_MODES:
+            if self.elastic is None or self.sync.algo is None:
+                raise ValueError(f"{FAULT_ENV}: {self.fault[1]} faults are an elastic job's")
+            self.elastic.arm(self.sync.algo, *self.fault)
+            self.fault = (self.fault[0], "armed")
         self.watch = LossWatch(device, state.get("nonfinite") if state is not None else None)
 
     def _tensorboard(self, folder: str) -> MetricsLogger:
@@ -482,7 +487,7 @@ class _Job:
                     continue
             if self.docs is not None:
                 self.docs.unit_done(step % self.docs.unit_steps == 0)
-            if self.fault is not None and self.fault[0] == step:
+            if self.fault is not None and self.fault[0] == step and self.fault[1] != "armed":
                 inject_fault(self.fault[1], self.rank, step, cfg.collective_timeout, model=self.gpt)
             if progress is not None:
                 progress.step(step, loss, lr, flush=step % eval_interval == 0 or step == cfg.steps)

@@ -199,7 +199,7 @@ class Progress:
         covers the steps after ``step``."""
         self._loss_sum.zero_()
         self._last_step = step
-        self.writer.write({"kind": "healed", "step": step})
+        self.writer.write({"kind": "healed", "step": step, "time": time.time()})
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()

@@ -1,0 +1,241 @@
+"""``lowcomm bench --chaos``: its fault schedules on real processes and signals, the checks it
+makes of what the replicas wrote, the rule that stops a replica still behind when the job
+finished, and the CLI's errors. (The benchmark itself runs in ``lowcomm bench --chaos``: its
+jobs take minutes.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, Targeted, _checks, format_chaos
+from lowcomm.cli import main
+from lowcomm.train.elastic import RunningReplica, _behind
+from lowcomm.train.faults import fault_point
+
+
+def _state(pid: int, *, stopped: bool) -> bool:
+    """Whether process ``pid`` is stopped (``stopped``) or not, waiting up to 10 s for the
+    signal to take effect."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            now = f.read().rsplit(")", 1)[1].split()[0] == "T"
+        if now == stopped or time.monotonic() > deadline:
+            return now == stopped
+        time.sleep(0.05)
+
+
+def _replicas(tmp_path: Path, n: int, syncs: int) -> list[RunningReplica]:
+    """``n`` real processes standing in for replicas, each with ``syncs`` sync records."""
+    out = []
+    for i in range(n):
+        folder = tmp_path / f"replica_{i}"
+        folder.mkdir()
+        lines = [json.dumps({"kind": "sync", "sync": s, "anchor": "a"}) for s in range(syncs)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        process = subprocess.Popen(["sleep", "60"])
+        out.append(RunningReplica(f"replica_{i}", 0, str(folder), process, time.time()))
+    return out
+
+
+def _end(replicas: list[RunningReplica]) -> None:
+    for r in replicas:
+        if r.process.poll() is None:
+            r.process.kill()
+        r.process.wait(timeout=10)
+
+
+def test_the_mtbf_loop_kills_one_replica_every_period_once_all_have_synced(
+    tmp_path: Path,
+) -> None:
+    replicas = _replicas(tmp_path, 3, syncs=2)
+    try:
+        loop = MtbfLoop(3, period_s=10.0, seed=0)
+        loop(0.0, replicas[:2], False)  # not every replica is up yet: nothing
+        assert loop.ready_at is None
+        loop(1.0, replicas, False)
+        assert loop.ready_at == 1.0 and not loop.actions
+        loop(10.9, replicas, False)  # not a period since every replica synced
+        assert not loop.actions
+        loop(11.0, replicas, False)
+        loop(11.6, [r for r in replicas if r.process.poll() is None], False)
+        assert [a["signal"] for a in loop.actions] == ["SIGKILL"]  # one per period
+        victim = next(r for r in replicas if r.replica_id == loop.actions[0]["replica"])
+        assert victim.process.wait(timeout=10) == -signal.SIGKILL
+        assert sum(r.process.poll() is None for r in replicas) == 2
+        # the same seed picks the same replicas
+        again = MtbfLoop(3, period_s=10.0, seed=0)
+        assert again.rng.random() == MtbfLoop(3, period_s=10.0, seed=0).rng.random()
+    finally:
+        _end(replicas)
+
+
+def test_a_stall_stops_a_replica_and_continues_it_even_when_the_job_ends_first(
+    tmp_path: Path,
+) -> None:
+    replicas = _replicas(tmp_path, 3, syncs=2)
+    target = replicas[2]
+    try:
+        stall = Targeted(3, ["replica_2"], stall_s=5.0, after_s=1.0)
+        stall(0.0, replicas, False)
+        stall(1.0, replicas, False)
+        assert _state(target.process.pid, stopped=True) and stall.stopped == [target.process.pid]
+        stall(3.0, replicas, False)  # not yet
+        assert _state(target.process.pid, stopped=True)
+        stall(6.0, replicas, False)
+        assert _state(target.process.pid, stopped=False) and not stall.stopped
+        # stopped again, then the job ends before the stall does: it is continued at once
+        stall = Targeted(3, ["replica_2"], stall_s=60.0, after_s=0.0)
+        stall(0.0, replicas, False)
+        stall(1.0, replicas, False)
+        assert _state(target.process.pid, stopped=True)
+        stall(2.0, replicas, True)
+        assert _state(target.process.pid, stopped=False)
+        assert [a["signal"] for a in stall.actions] == ["SIGSTOP", "SIGCONT"]
+    finally:
+        _end(replicas)
+
+
+def test_a_replica_behind_the_finished_job_is_named_to_stop(tmp_path: Path) -> None:
+    replicas = _replicas(tmp_path, 3, syncs=0)
+    try:
+        first, late, stale = replicas
+        (Path(first.folder) / "summary.json").write_text(
+            json.dumps({"elastic": {"syncs_committed": 8}})
+        )
+        syncs = [json.dumps({"kind": "sync", "sync": s}) for s in range(1, 8)]
+        (Path(late.folder) / "metrics.jsonl").write_text("\n".join(syncs) + "\n")  # at 7
+        (Path(stale.folder) / "metrics.jsonl").write_text(syncs[0] + "\n" + '{"kind": "sy')
+        # one sync behind is finishing its last round; further behind trains alone: stopped
+        assert _behind([late, stale], first) == [stale]
+    finally:
+        _end(replicas)
+
+
+def test_the_checks_find_an_anchor_that_differs_between_replicas(tmp_path: Path) -> None:
+    for name, anchors in (("replica_0", "ab"), ("replica_1", "ab"), ("replica_1.1", "xb")):
+        folder = tmp_path / "replicas" / name
+        folder.mkdir(parents=True)
+        lines = [
+            json.dumps({"kind": "sync", "sync": s + 1, "anchor": a, "time": 10.0 + 2 * s})
+            for s, a in enumerate(anchors)
+        ]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "replicas" / "replica_1.1" / "summary.json").write_text(
+        json.dumps({"elastic": {"attempt": 1, "heals": [], "ready_at": 3.0}})
+    )
+    checks = _checks(str(tmp_path), None)
+    assert checks["syncs_checked"] == 2 and not checks["anchors_identical"]
+    assert checks["round_s"] == pytest.approx(2.0)
+    # a restarted replica that finished without a heal would have trained from its own start
+    assert (checks["returned"], checks["returned_healed"]) == (1, 0)
+
+
+def test_the_table_says_which_runs_survived() -> None:
+    base = {
+        "algo": "diloco",
+        "steps": 96,
+        "status": "finished",
+        "tokens_per_s": 10_000.0,
+        "val_loss_final": 2.5,
+        "faults": 1,
+        "healed": 1,
+        "heals": 1,
+        "fault_to_healed_s": [4.0],
+        "startup_to_healed_s": [3.0],
+        "participants": [3, 2, 3],
+        "syncs_checked": 8,
+        "anchors_identical": True,
+        "replicas_identical": True,
+        "returned": 1,
+        "returned_healed": 1,
+        "round_s": 1.5,
+    }
+    runs = [
+        {**base, "kind": "mtbf", "tokens_per_s_vs_fault_free": 0.9, "round_s_fault_free": 2.0},
+        {**base, "kind": "sync", "anchors_identical": False},
+    ]
+    table = format_chaos({"runs": runs}).splitlines()
+    assert "| diloco | mtbf | 96 | yes | 10,000 | 90% |" in table[2]
+    assert "| 1 / 1 / 1 | 4.0-4.0 | 1.5 | 8 | 2-3 |" in table[2]  # 3 s / 2 s rounds
+    assert "| diloco | sync | 96 | **no** |" in table[3]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--chaos", "--algos", "ddp"], "'ddp' does not run elastic"),
+        (["--chaos", "--workers", "2"], "--workers must be at least 3"),
+        (["--chaos", "--faults", "flood"], "unknown 'flood'"),
+        (["--chaos", "--mtbf", "0"], "--mtbf must be > 0"),
+        (["--chaos", "--links", "1gbit"], "--links is not a flag of --chaos"),
+        (["--chaos", "--quick"], "--chaos is a run of its own"),
+        (["--mtbf", "30"], "--mtbf is a flag of --chaos"),
+    ],
+)
+def test_bad_chaos_settings_are_refused(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", *argv, "--out", str(tmp_path / "c")]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_elastic_faults_are_named_by_replica_and_donor_faults_by_any(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOWCOMM_FAULT_INJECT", "*:0:donor")
+    assert fault_point(0, attempt=0) == (0, "donor") == fault_point(3, attempt=0)
+    assert fault_point(3, attempt=1) is None  # a restarted replica runs clean
+    monkeypatch.setenv("LOWCOMM_FAULT_INJECT", "1:40:sync")
+    assert fault_point(1, attempt=0) == (40, "sync") and fault_point(0, attempt=0) is None
+    monkeypatch.setenv("LOWCOMM_FAULT_INJECT", "*:40:kill")
+    with pytest.raises(ValueError, match="RANK \\* with donor only"):
+        fault_point(0, attempt=0)
+    assert ChaosSpec().workers == 4
+
+
+def test_the_progress_line_of_an_elastic_job_reads_what_the_replicas_wrote(
+    tmp_path: Path,
+) -> None:
+    from lowcomm.train.elastic import job_status
+
+    replicas = _replicas(tmp_path, 2, syncs=0)
+    try:
+        a, b = replicas
+        records = [
+            {"kind": "step", "step": 10},
+            {"kind": "sync", "sync": 2, "step": 12, "participants": 2, "committed": True},
+            {"kind": "step", "step": 20},
+        ]
+        (Path(a.folder) / "metrics.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in records) + "\n"
+        )
+        healed = [
+            {"kind": "healed", "step": 24, "time": 1.0},
+            {"kind": "sync", "sync": 3, "step": 24, "participants": 3, "committed": True},
+        ]
+        (Path(b.folder) / "metrics.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in healed) + "\n" + '{"kind": "st'
+        )
+        b.process.kill()
+        b.process.wait(timeout=10)
+        events = [{"event": "fault", "replica": "replica_1"}, {"event": "restart"}]
+        status = job_status(replicas, events)
+        assert status == {
+            "step": 24,
+            "running": 1,
+            "participants": 3,
+            "sync": 3,
+            "faults": 1,
+            "heals": 1,
+        }
+    finally:
+        _end(replicas)
