@@ -239,3 +239,34 @@ def test_the_progress_line_of_an_elastic_job_reads_what_the_replicas_wrote(
         }
     finally:
         _end(replicas)
+
+
+def test_a_syncs_collective_is_bounded_by_the_last_ones() -> None:
+    from datetime import timedelta
+
+    from lowcomm.elastic.sync import MIN_TIMEOUT_S, TIMEOUT_FACTOR, FaultTolerance
+
+    def nothing(*_: object, **__: object) -> None:
+        return None
+
+    class Manager:  # the scheduling under test needs none of a Manager's work
+        start_quorum = should_commit = allreduce = register_state_dict_fn = staticmethod(nothing)
+
+    class Group:
+        bound: timedelta | None = None
+
+        def set_collective_timeout(self, timeout: timedelta) -> None:
+            self.bound = timeout
+
+    class Replica:
+        manager = Manager()
+        pg = Group()
+
+    ft = FaultTolerance(Replica())
+    ft.before_collective()  # no sync completed yet: the full collective timeout stays
+    assert ft.collective_timeout() is None and Replica.pg.bound is None
+    ft.collective_s = [0.05, 0.2]
+    assert ft.collective_timeout() == MIN_TIMEOUT_S
+    ft.collective_s = [0.4, 1.5, 0.9]
+    ft.before_collective()
+    assert Replica.pg.bound == timedelta(seconds=TIMEOUT_FACTOR * 1.5)

@@ -143,6 +143,37 @@ def _manager_server_on(host: str) -> Iterator[None]:
         manager_module.ManagerServer = original
 
 
+def _replica_gloo(
+    collective_timeout: datetime.timedelta, rendezvous_timeout: datetime.timedelta
+) -> Any:
+    """torchft's reconfigurable gloo process group whose rendezvous at each new quorum (the
+    store waits and the connections) is bounded by ``rendezvous_timeout`` — a member that died
+    between the quorum and the rendezvous costs the others that long, not a collective
+    timeout — while its collectives are bounded by ``collective_timeout`` (adjustable per sync:
+    :meth:`set_collective_timeout`)."""
+    import torch
+    from torchft import ProcessGroupGloo
+
+    class ReplicaGloo(ProcessGroupGloo):
+        def __init__(self) -> None:
+            super().__init__(timeout=rendezvous_timeout)
+            self.collective_timeout = collective_timeout
+            self._backend: Any = None
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            pg = super()._create_pg(store, rank, world_size)  # connected within the rendezvous
+            self._backend = pg._get_backend(torch.device("cpu"))
+            self._backend._set_default_timeout(self.collective_timeout)
+            return pg
+
+        def set_collective_timeout(self, timeout: datetime.timedelta) -> None:
+            """Bound the collectives launched from now on (until the next rendezvous)."""
+            if self._backend is not None:
+                self._backend._set_default_timeout(min(timeout, self.collective_timeout))
+
+    return ReplicaGloo()
+
+
 class Replica:
     """A replica's torchft ``Manager`` with the store it serves (which must live as long as the
     Manager); what :func:`replica_manager` returns and ``fault_tolerance=`` takes."""
@@ -154,8 +185,11 @@ class Replica:
         replica_id: str,
         min_replicas: int,
         transport: Any = None,
+        pg: Any = None,
     ) -> None:
         self.manager = manager
+        self.pg = pg
+        """The replicas' process group (``set_collective_timeout``)."""
         self.transport = transport
         """The :class:`~lowcomm.elastic.transport.TensorTransport` heals travel over."""
         self.store = store
@@ -178,6 +212,7 @@ def replica_manager(
     timeout_s: float = 60.0,
     quorum_timeout_s: float = 600.0,
     connect_timeout_s: float = 30.0,
+    rendezvous_timeout_s: float = 10.0,
 ) -> Replica:
     """A ``torchft.Manager`` for this process as a replica of its own (a replica group of one
     process), as lowcomm's outer algorithms drive it (``fault_tolerance=``): a blocking quorum
@@ -192,11 +227,13 @@ def replica_manager(
         quorum_timeout_s: bound on waiting for a quorum (covers a round of compute and a
             joiner's wait for the next sync).
         connect_timeout_s: bound on reaching the Lighthouse.
+        rendezvous_timeout_s: bound on the replicas' rendezvous after each new quorum (a
+            replica that died since it asked for the quorum costs the others this long).
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
     require_torchft()
-    from torchft import Manager, ProcessGroupGloo
+    from torchft import Manager
 
     from lowcomm.elastic.transport import TensorTransport
 
@@ -209,7 +246,7 @@ def replica_manager(
     if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = host_store(host, 0, timeout=connect_timeout)
-    pg = ProcessGroupGloo(timeout=timeout)
+    pg = _replica_gloo(timeout, _seconds(rendezvous_timeout_s, "rendezvous_timeout_s"))
     transport = TensorTransport(pg, timeout)
     try:
         with _manager_server_on(host):
@@ -238,4 +275,4 @@ def replica_manager(
             f"replica {replica_id}: cannot reach the Lighthouse at {lighthouse} within "
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
-    return Replica(manager, store, replica_id, min_replicas, transport)
+    return Replica(manager, store, replica_id, min_replicas, transport, pg)

@@ -29,6 +29,7 @@ launches the sync — and takes part in that launch.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -77,7 +78,26 @@ class FaultTolerance:
         self.heals: list[int] = []
         self.failed_syncs = 0
         self.participants: list[int] = []
+        self.collective_s: list[float] = []
+        """How long the collectives of the last committed syncs took (launch to done)."""
         self._healed_now = False
+
+    def collective_timeout(self) -> float | None:
+        """The bound for the collective about to be launched: :data:`TIMEOUT_FACTOR` times the
+        slowest of the last syncs' (at least :data:`MIN_TIMEOUT_S`), so that a peer that died
+        in the middle of it — whose neighbours fail at once, but whose neighbours' neighbours
+        would wait for data that never comes — costs seconds, not the whole collective timeout;
+        ``None`` (the full timeout) before any sync completed."""
+        if not self.collective_s:
+            return None
+        return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(self.collective_s[-8:]))
+
+    def before_collective(self) -> None:
+        """Bound the sync's collective about to be launched (:meth:`collective_timeout`)."""
+        pg: Any = getattr(self.replica, "pg", None)
+        bound = self.collective_timeout()
+        if bound is not None and pg is not None and hasattr(pg, "set_collective_timeout"):
+            pg.set_collective_timeout(datetime.timedelta(seconds=bound))
 
     def register(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
         """Heal ``key`` too: ``save()`` runs on the donor (in the Manager's quorum thread, while
@@ -220,6 +240,13 @@ class _Waiting:
         self._thread.join()
 
 
+TIMEOUT_FACTOR = 20.0
+"""A sync's collective may take this many times the slowest of the last ones before it is
+given up (:meth:`FaultTolerance.collective_timeout`)."""
+MIN_TIMEOUT_S = 10.0
+"""…and at least this long."""
+
+
 class ManagedHandle(Handle):
     """The all-reduce of one sync through the Manager: on :meth:`wait` the buckets are divided
     by the number of replicas that contributed (summed beside them). A failed collective does
@@ -231,14 +258,19 @@ class ManagedHandle(Handle):
         buffers: list[torch.Tensor],
         count: torch.Tensor,
         stats: CommStats,
+        ft: FaultTolerance | None = None,
     ) -> None:
         super().__init__(works, buffers, 1, stats)
         self.count = count
+        self.ft = ft
+        self.t0 = time.monotonic()
 
     def wait(self) -> list[torch.Tensor]:
         if self._done:
             return self.buffers
         super().wait()  # divisor 1: the Manager's works never raise
+        if self.ft is not None and self.ft.manager.errored() is None:
+            self.ft.collective_s = [*self.ft.collective_s[-7:], time.monotonic() - self.t0]
         contributors = float(self.count[0])
         if contributors >= 1:
             torch._foreach_div_(self.buffers, contributors)
@@ -279,9 +311,10 @@ class ManagedCommunicator(Communicator):
         self.stats.collectives += len(buffers)
         self.stats.payload_bytes += payload
         self.stats.wire_bytes += ring_wire_bytes(payload, n)
+        self.ft.before_collective()
         works = [manager.allreduce(b, reduce_op=dist.ReduceOp.SUM) for b in buffers]
         works.append(manager.allreduce(count, reduce_op=dist.ReduceOp.SUM))
-        return ManagedHandle(works, buffers, count, self.stats)
+        return ManagedHandle(works, buffers, count, self.stats, self.ft)
 
     def _refused(self, what: str) -> Any:
         raise ValueError(f"fault_tolerance: {what} is not supported with fault tolerance yet")
