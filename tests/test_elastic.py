@@ -238,6 +238,7 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     printed = capsys.readouterr()
     assert "replica replica_1 left the job (exit code -9); restarting it" in printed.err
     assert "faults              1; healed 1" in printed.out
+    assert "(the replicas' start-up included)" in printed.out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["replicas_identical"]
     (fault,) = summary["faults"]

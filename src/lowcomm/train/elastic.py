@@ -661,8 +661,12 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
         ("replicas identical", "yes" if summary.get("replicas_identical") else "no"),
         (
             "wall time",
-            f"{summary['wall_time_s']:.1f} s"
-            + (f", {command_s:.1f} s with start-up" if command_s is not None else ""),
+            f"{summary['wall_time_s']:.1f} s (the replicas' start-up included)"
+            + (
+                f", {command_s:.1f} s the whole command"
+                if command_s is not None and command_s - summary["wall_time_s"] >= 0.1
+                else ""
+            ),
         ),
         ("output", str(summary.get("out"))),
     ]
