@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lowcomm.train.elastic import HEARTBEAT_TIMEOUT_S, RunningReplica
+from lowcomm.train.elastic import HEARTBEAT_TIMEOUT_S, RunningReplica, read_replica_records
 
 __all__ = ["CHAOS_KINDS", "ChaosSpec", "format_chaos", "run_chaos"]
 
@@ -109,11 +109,7 @@ class ChaosSpec:
 
 def _syncs_done(folder: str) -> int:
     """Sync records in a replica's ``metrics.jsonl`` so far."""
-    try:
-        with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
-            return sum('"kind": "sync"' in line for line in f)
-    except OSError:
-        return 0
+    return sum(r.get("kind") == "sync" for r in read_replica_records(folder))
 
 
 class _Chaos:
@@ -251,21 +247,6 @@ def _train_config(spec: ChaosSpec, algo: str, steps: int, out: str, **extra: Any
     return config_from_dict(values, source="bench --chaos").with_paths()
 
 
-def _records(folder: str) -> list[dict[str, Any]]:
-    path = os.path.join(folder, "metrics.jsonl")
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut by a SIGKILL
-    except OSError:
-        pass
-    return out
-
-
 def _replica_folders(out: str) -> list[str]:
     root = os.path.join(out, "replicas")
     if not os.path.isdir(root):
@@ -283,7 +264,7 @@ def _checks(out: str, summary: dict[str, Any] | None) -> dict[str, Any]:
     ready: dict[str, float] = {}
     returned = returned_healed = 0
     for folder in _replica_folders(out):
-        syncs = [r for r in _records(folder) if r.get("kind") == "sync"]
+        syncs = [r for r in read_replica_records(folder) if r.get("kind") == "sync"]
         for r in syncs:
             if r.get("committed", True):
                 anchors.setdefault(int(r["sync"]), set()).add(str(r["anchor"]))

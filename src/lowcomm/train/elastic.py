@@ -45,6 +45,7 @@ __all__ = [
     "format_elastic_summary",
     "job_status",
     "launch_replicas",
+    "read_replica_records",
     "replica_generator",
     "replica_index",
 ]
@@ -299,7 +300,7 @@ STATUS_EVERY_S = 1.0
 """How often :func:`launch_replicas` reports the job's state to its ``status`` callback."""
 
 
-def _tail_records(folder: str) -> list[dict[str, Any]]:
+def read_replica_records(folder: str) -> list[dict[str, Any]]:
     """The records of a replica's ``metrics.jsonl`` (a line cut by a kill is skipped)."""
     out = []
     try:
@@ -321,7 +322,7 @@ def job_status(replicas: list[RunningReplica], events: list[dict[str, Any]]) -> 
     last_sync: dict[str, Any] = {}
     heals = 0
     for r in replicas:
-        for record in _tail_records(r.folder):
+        for record in read_replica_records(r.folder):
             kind = record.get("kind")
             if kind == "healed":
                 heals += 1
@@ -340,19 +341,9 @@ def job_status(replicas: list[RunningReplica], events: list[dict[str, Any]]) -> 
 
 
 def _last_sync(folder: str) -> int:
-    """The last sync a replica's ``metrics.jsonl`` records as committed (0: none yet)."""
-    last = 0
-    try:
-        with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                if '"kind": "sync"' in line:
-                    try:
-                        last = int(json.loads(line)["sync"])
-                    except (ValueError, KeyError):
-                        continue  # a line cut by a kill
-    except OSError:
-        pass
-    return last
+    """The last sync a replica's ``metrics.jsonl`` records (0: none yet)."""
+    syncs = [r for r in read_replica_records(folder) if r.get("kind") == "sync"]
+    return int(syncs[-1]["sync"]) if syncs else 0
 
 
 def _behind(running: list[RunningReplica], first: RunningReplica) -> list[RunningReplica]:
@@ -531,7 +522,7 @@ def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
     lost) — and the times it was healed at."""
     start, last_sync, last_step = 0, None, 0
     heals: list[float] = []
-    for record in _tail_records(folder):
+    for record in read_replica_records(folder):
         kind = record.get("kind")
         if kind == "healed":
             if not heals:
