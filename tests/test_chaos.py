@@ -41,7 +41,7 @@ def _replicas(tmp_path: Path, n: int, syncs: int) -> list[RunningReplica]:
         lines = [json.dumps({"kind": "sync", "sync": s, "anchor": "a"}) for s in range(syncs)]
         (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         process = subprocess.Popen(["sleep", "60"])
-        out.append(RunningReplica(f"replica_{i}", 0, str(folder), process, time.time()))
+        out.append(RunningReplica(f"replica_{i}", 0, str(folder), [process], time.time()))
     return out
 
 

@@ -219,24 +219,45 @@ def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
             replica.shutdown()
 
 
-@pytest.mark.timeout(240)
-def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
-    tmp_path: Path, monkeypatch: Any, capsys: Any
-) -> None:
+def _kill_one_and_train(
+    tmp_path: Path, monkeypatch: Any, capsys: Any, fault: str, *layout: str
+) -> tuple[Path, Any]:
+    """``lowcomm train --fault-tolerance`` of the tiny DiLoCo job (32 steps, ``layout``) with
+    ``fault`` injected, 2 replicas needed per sync, one restart each; returns the output
+    folder and what it printed (the replica killed: replica_1)."""
     from lowcomm.cli import main
     from lowcomm.testing.jobs import tiny_job_args
     from lowcomm.train.faults import FAULT_ENV
 
+    monkeypatch.setenv(FAULT_ENV, fault)
+    out = tmp_path / "run"
+    argv = ["train", "--algo", "diloco", *tiny_job_args(steps=32, workers=None), *layout]
+    argv += ["--fault-tolerance", "--min-replicas", "2", "--max-restarts", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "replica replica_1 left the job (exit code -9); restarting it" in printed.err
+    return out, printed
+
+
+def _committed_anchors(out: Path, *folders: str) -> dict[int, set[str]]:
+    """Every committed sync's anchor checksums, as each replica folder recorded them."""
+    anchors: dict[int, set[str]] = {}
+    for folder in folders:
+        for line in (out / "replicas" / folder / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "sync" and record["committed"]:
+                anchors.setdefault(record["sync"], set()).add(record["anchor"])
+    return anchors
+
+
+@pytest.mark.timeout(240)
+def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
     # replica 1 is SIGKILLed after step 10 (mid-round: syncs at 4, 8, 12, ...); it is started
     # again alone; with --min-replicas 2 the other waits for it at the next sync, where it is
     # healed and both go on
-    monkeypatch.setenv(FAULT_ENV, "1:10:kill")
-    out = tmp_path / "run"
-    argv = ["train", "--algo", "diloco", *tiny_job_args(steps=32), "--fault-tolerance"]
-    argv += ["--min-replicas", "2", "--max-restarts", "1", "--out", str(out)]
-    assert main(argv) == 0
-    printed = capsys.readouterr()
-    assert "replica replica_1 left the job (exit code -9); restarting it" in printed.err
+    out, printed = _kill_one_and_train(tmp_path, monkeypatch, capsys, "1:10:kill", "--workers", "2")
     assert "faults              1; healed 1" in printed.out
     assert "(the replicas' start-up included)" in printed.out
     summary = json.loads((out / "summary.json").read_text())
@@ -256,13 +277,40 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     own = json.loads((out / "replicas" / "replica_1.1" / "summary.json").read_text())["elastic"]
     assert own["first_step"] == healed["step"] and own["heals"]
     # every committed sync's anchor, as each process recorded it: one checksum per sync
-    anchors: dict[int, set[str]] = {}
-    for folder in ("replica_0", "replica_1", "replica_1.1"):
-        for line in (out / "replicas" / folder / "metrics.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            if record["kind"] == "sync" and record["committed"]:
-                anchors.setdefault(record["sync"], set()).add(record["anchor"])
+    anchors = _committed_anchors(out, "replica_0", "replica_1", "replica_1.1")
     assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
+
+
+@pytest.mark.timeout(240)
+def test_a_node_group_replica_restarts_as_a_unit_and_heals_every_process(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    # 2 replicas of 2 processes each (DDP inside a replica); process 3 = replica 1's group
+    # rank 1 is SIGKILLed after step 10: its replica goes down as a unit, is started again,
+    # and both of its processes are healed from replica 0's (group rank j from group rank j)
+    layout = ("--nodes", "2", "--procs-per-node", "2")
+    out, printed = _kill_one_and_train(tmp_path, monkeypatch, capsys, "3:10:kill", *layout)
+    assert "each 2 processes with DDP inside" in printed.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["replicas"] == 2
+    assert summary["procs_per_replica"] == 2 and summary["heals"] == 1
+    # every process of every finished replica ends with one model, the healed ones included
+    assert summary["replicas_identical"]
+    assert sorted(os.listdir(out / "replicas")) == ["replica_0", "replica_1", "replica_1.1"]
+    for folder in ("replica_0", "replica_1.1"):
+        own = json.loads((out / "replicas" / folder / "summary.json").read_text())
+        ranks = own["comm_per_worker"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert len({r["params_checksum"] for r in ranks}) == 1
+        assert all(r["intra_node"]["payload_bytes"] > 0 for r in ranks)  # DDP inside
+    anchors = _committed_anchors(out, "replica_0", "replica_1", "replica_1.1")
+    assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
+    records = [
+        json.loads(line)
+        for line in (out / "replicas" / "replica_1.1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    (healed,) = [r for r in records if r["kind"] == "healed"]
+    assert healed["step"] % 4 == 0 and healed["step"] >= 12
 
 
 def test_a_replicas_batches_are_a_function_of_its_step() -> None:
@@ -329,7 +377,19 @@ def test_replicas_on_several_machines_join_a_lowcomm_lighthouse(tmp_path: Path) 
         ({"min_replicas": 3}, "min_replicas (3) is more than the 2 replicas started"),
         ({"sync_warmup": 24}, "sync_warmup is not supported with fault_tolerance"),
         ({"checkpoint_every": 12}, "checkpoint_every is not supported with fault_tolerance"),
-        ({"nodes": 2, "workers": 4}, "nodes is not supported with fault_tolerance"),
+        (
+            {"nodes": 2, "workers": 4, "lighthouse": "http://127.0.0.1:1", "replica_id": "r_1"},
+            "nodes is not supported with fault_tolerance: with lighthouse this command is one "
+            "replica",
+        ),
+        (
+            {"nodes": 2, "workers": 4, "min_replicas": 3},
+            "min_replicas (3) is more than the 2 replicas started (--nodes)",
+        ),
+        (
+            {"nodes": 2, "workers": 4, "node_sharding": "zero"},
+            "node_sharding is not supported with fault_tolerance",
+        ),
         ({"link": "100mbit"}, "link is not supported with fault_tolerance"),
         ({"lighthouse": "http://127.0.0.1:1"}, "replica_id is needed with lighthouse"),
         ({"replica_id": "replica_1"}, "lighthouse is needed with replica_id"),

@@ -213,10 +213,20 @@ def replica_manager(
     quorum_timeout_s: float = 600.0,
     connect_timeout_s: float = 30.0,
     rendezvous_timeout_s: float = 10.0,
+    group_rank: int = 0,
+    group_size: int = 1,
+    store_addr: str | None = None,
+    store_port: int | None = None,
 ) -> Replica:
-    """A ``torchft.Manager`` for this process as a replica of its own (a replica group of one
-    process), as lowcomm's outer algorithms drive it (``fault_tolerance=``): a blocking quorum
-    at each sync, the commit vote at its apply, healing over the replicas' process group.
+    """A ``torchft.Manager`` for this process as (part of) one replica, as lowcomm's outer
+    algorithms drive it (``fault_tolerance=``): a blocking quorum at each sync, the commit vote
+    at its apply, healing over the replicas' process group.
+
+    A replica is one process (the default), or a replica group of ``group_size`` processes
+    that train it together (DDP among themselves): each calls this with its ``group_rank`` and
+    the address of a store they share (``store_addr``/``store_port``: torchrun's, under
+    ``torchrun``), group rank 0 talks to the Lighthouse for all of them, and group rank j
+    exchanges pseudo-gradients and heals with group rank j of the other replicas.
 
     Args:
         lighthouse: the Lighthouse's address (:attr:`Lighthouse.address`).
@@ -229,6 +239,11 @@ def replica_manager(
         connect_timeout_s: bound on reaching the Lighthouse.
         rendezvous_timeout_s: bound on the replicas' rendezvous after each new quorum (a
             replica that died since it asked for the quorum costs the others this long).
+        group_rank: this process's rank in its replica group.
+        group_size: the processes of the replica group (1: a replica of its own, which hosts
+            its own store on ``host``).
+        store_addr: with ``group_size`` > 1, the host of the group's shared store.
+        store_port: …and its port.
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
@@ -245,7 +260,19 @@ def replica_manager(
     # gloo's own sockets: the loopback interface when the replica stays on this machine
     if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    store = host_store(host, 0, timeout=connect_timeout)
+    if not isinstance(group_size, int) or group_size < 1 or not 0 <= group_rank < group_size:
+        raise ValueError(
+            f"group_rank {group_rank!r} must be in [0, group_size {group_size!r}), group_size >= 1"
+        )
+    store: Any = None
+    if group_size == 1:
+        store = host_store(host, 0, timeout=connect_timeout)
+        store_addr, store_port = host, int(store.port)
+    elif store_addr is None or store_port is None:
+        raise ValueError(
+            "a replica group of several processes needs the address of the store they share "
+            "(store_addr, store_port; torchrun's MASTER_ADDR and MASTER_PORT)"
+        )
     pg = _replica_gloo(timeout, _seconds(rendezvous_timeout_s, "rendezvous_timeout_s"))
     transport = TensorTransport(pg, timeout)
     try:
@@ -259,10 +286,10 @@ def replica_manager(
                 timeout=timeout,
                 quorum_timeout=quorum_timeout,
                 connect_timeout=connect_timeout,
-                rank=0,
-                world_size=1,
-                store_addr=host,
-                store_port=int(store.port),
+                rank=group_rank,
+                world_size=group_size,
+                store_addr=store_addr,
+                store_port=int(store_port),
                 lighthouse_addr=lighthouse,
                 replica_id=replica_id,
                 hostname=host,

@@ -416,11 +416,12 @@ class TrainConfig:
                 "is needed with replica_id: the address of the Lighthouse to join (without "
                 "both, lowcomm train starts the Lighthouse and every replica itself)",
             )
-        if self.lighthouse is None and self.min_replicas > self.world_size:
+        if self.lighthouse is None and self.min_replicas > self.replicas:
+            flag = "--nodes" if self.nodes > 1 else "--workers"
             raise ConfigError(
                 "min_replicas",
-                f"({self.min_replicas}) is more than the {self.world_size} replicas started "
-                f"(--workers); use at most {self.world_size}",
+                f"({self.min_replicas}) is more than the {self.replicas} replicas started "
+                f"({flag}); use at most {self.replicas}",
             )
         supported = ("diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc")
         if self.algo not in supported:
@@ -431,9 +432,16 @@ class TrainConfig:
             )
         refused = [
             (
-                self.nodes > 1,
+                self.nodes > 1 and self.lighthouse is not None,
                 "nodes",
-                "node groups as replicas are not supported yet: one process per replica",
+                "with lighthouse this command is one replica; make it a node group of M "
+                "processes by starting it under torchrun --nproc-per-node M instead",
+            ),
+            (
+                self.node_sharding != "none",
+                "node_sharding",
+                "a replica's processes keep whole AdamW states, which a joiner takes from its "
+                "donor; leave node_sharding none",
             ),
             (
                 self.checkpoint_every > 0,
@@ -552,6 +560,18 @@ class TrainConfig:
         with several nodes); torchrun's world size must equal it when ``nodes`` > 1."""
         assert self.workers is not None, "resolved in __post_init__"
         return self.workers
+
+    @property
+    def replicas(self) -> int:
+        """With fault_tolerance, the replicas ``lowcomm train`` starts: one per node with node
+        groups (``nodes``), else one per worker."""
+        return self.nodes if self.nodes > 1 else self.world_size
+
+    @property
+    def procs_per_replica(self) -> int:
+        """With fault_tolerance, the processes that train one replica together (DDP inside
+        it): ``procs_per_node`` with node groups, else 1."""
+        return self.procs_per_node if self.nodes > 1 and self.procs_per_node else 1
 
     @property
     def hierarchical(self) -> bool:

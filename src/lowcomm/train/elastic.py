@@ -94,14 +94,28 @@ def _host_for(lighthouse: str) -> str:
 class ElasticReplica:
     """This process as one replica of an elastic job (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, *, group_rank: int = 0, group_size: int = 1) -> None:
         from lowcomm.elastic import replica_manager
 
         assert cfg.lighthouse is not None and cfg.replica_id is not None
         self.cfg = cfg
         self.replica_id = cfg.replica_id
         self.index = replica_index(cfg.replica_id)
+        self.group_rank, self.group_size = group_rank, group_size
+        self.stream = self.index * group_size + group_rank
+        """This process's batch stream: its replica's number times the replica's processes plus
+        its rank in the replica (torchft numbers a replica group's processes the same way)."""
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        group: dict[str, Any] = {}
+        if (
+            group_size > 1
+        ):  # a node group: its processes share the store torchrun/the launcher hosts
+            group = {
+                "group_rank": group_rank,
+                "group_size": group_size,
+                "store_addr": os.environ["MASTER_ADDR"],
+                "store_port": int(os.environ["MASTER_PORT"]),
+            }
         self.replica = replica_manager(
             cfg.lighthouse,
             replica_id=cfg.replica_id,
@@ -109,6 +123,7 @@ class ElasticReplica:
             min_replicas=cfg.min_replicas,
             timeout_s=cfg.collective_timeout,
             quorum_timeout_s=max(600.0, cfg.collective_timeout),
+            **group,
         )
         self.steps_trained = 0
         """Inner steps this process computed (those before a heal included)."""
@@ -122,10 +137,11 @@ class ElasticReplica:
         self._committed = 0
 
     def generator(self, step: int) -> torch.Generator:
-        """This replica's batch generator for ``step`` (:func:`replica_generator`)."""
+        """This process's batch generator for ``step`` (:func:`replica_generator` of its
+        :attr:`stream`)."""
         if self.ready_at is None:
             self.ready_at = time.time()
-        return replica_generator(self.cfg.seed, self.index, step, self._gen)
+        return replica_generator(self.cfg.seed, self.stream, step, self._gen)
 
     def synced(self, algo: Any) -> dict[str, Any] | None:
         """After ``algo.step()``: a record of the sync it applied, if it applied one — whether
@@ -215,14 +231,32 @@ class ElasticReplica:
 
 @dataclasses.dataclass
 class RunningReplica:
-    """One replica process :func:`launch_replicas` started: its id, which start of it this is
-    (0, then 1, 2, … after restarts), its run folder, its process and its start time."""
+    """One replica :func:`launch_replicas` started: its id, which start of it this is (0, then
+    1, 2, … after restarts), its run folder, its processes (one, or a node group's: group rank
+    0 first, which writes the folder), its start time and the store its processes share (a node
+    group's; ``None`` for one process)."""
 
     replica_id: str
     attempt: int
     folder: str
-    process: subprocess.Popen[bytes]
+    processes: list[subprocess.Popen[bytes]]
     started: float
+    store: Any = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """Group rank 0's process (a fault sent to it brings the whole replica down)."""
+        return self.processes[0]
+
+    def poll(self) -> int | None:
+        """``None`` while the replica runs; else its exit code: the first non-zero one among
+        its processes (the replica failed as soon as one of them did), or 0 when every one
+        finished."""
+        codes = [p.poll() for p in self.processes]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        return None if None in codes else 0
 
 
 def _free_port() -> int:
@@ -242,27 +276,37 @@ def _start(
     name = replica_id if attempt == 0 else f"{replica_id}.{attempt}"
     assert cfg.out is not None
     folder = os.path.join(cfg.out, "replicas", name)
+    procs = cfg.procs_per_replica
     own = dataclasses.replace(
         cfg,
         lighthouse=lighthouse,
         replica_id=replica_id,
         out=folder,
         name=f"{cfg.name}-{name}",
-        workers=1,
+        # a replica's processes are its WORLD (DDP inside it when several)
+        workers=procs,
+        nodes=1,
+        procs_per_node=None,
         overwrite=True,
     )
     config_path = os.path.join(scratch, f"{name}.json")
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(own.to_dict(), f)
+    store = None
+    if procs > 1:
+        # the node group's store, fresh for every start of it (never a dead start's keys);
+        # its processes connect to it as torchrun's workers connect to their agent's
+        from lowcomm.comm import host_store
+
+        store = host_store("127.0.0.1", 0)
     env = {
         **os.environ,
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
+        "WORLD_SIZE": str(procs),
         # the replicas share this machine's cores
         "LOCAL_WORLD_SIZE": str(cfg.world_size),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(store.port if store is not None else _free_port()),
+        "TORCHELASTIC_USE_AGENT_STORE": "True" if store is not None else "False",
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         ATTEMPT_ENV: str(attempt),
@@ -270,30 +314,37 @@ def _start(
     }
     command = [sys.executable, "-m", "lowcomm.train", config_path, "--failure-dir", scratch]
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "process.log"), "wb") as log:
-        process = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return RunningReplica(replica_id, attempt, folder, process, time.time())
+    processes = []
+    for j in range(procs):
+        log_name = "process.log" if j == 0 else f"process.{j}.log"
+        with open(os.path.join(folder, log_name), "wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    env={**env, "RANK": str(j), "LOCAL_RANK": str(j)},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return RunningReplica(replica_id, attempt, folder, processes, time.time(), store)
 
 
-def _stop(running: list[RunningReplica]) -> None:
-    for r in running:
-        if r.process.poll() is None:
-            os.killpg(r.process.pid, signal.SIGTERM)
-            os.killpg(r.process.pid, signal.SIGCONT)  # one stopped (SIGSTOP) handles it too
+def _stop(running: list[RunningReplica], sig: int = signal.SIGTERM) -> None:
+    """Stop every process of ``running`` (``sig``, then SIGKILL after 10 s)."""
+    processes = [p for r in running for p in r.processes]
+    for p in processes:
+        if p.poll() is None:
+            os.killpg(p.pid, sig)
+            os.killpg(p.pid, signal.SIGCONT)  # one stopped (SIGSTOP) handles it too
     deadline = time.monotonic() + 10
-    for r in running:
+    for p in processes:
         try:
-            r.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(r.process.pid, signal.SIGKILL)
-            r.process.wait()
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 STATUS_EVERY_S = 1.0
@@ -332,7 +383,7 @@ def job_status(replicas: list[RunningReplica], events: list[dict[str, Any]]) -> 
                 last_sync = record
     return {
         "step": step,
-        "running": sum(r.process.poll() is None for r in replicas),
+        "running": sum(r.poll() is None for r in replicas),
         "participants": last_sync.get("participants"),
         "sync": last_sync.get("sync", 0),
         "faults": sum(e["event"] == "fault" for e in events),
@@ -402,10 +453,11 @@ def launch_replicas(
     chaos: Callable[[float, list[RunningReplica], bool], None] | None = None,
     status: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg`` as ``cfg.world_size`` elastic replicas on this machine (module docstring):
-    a Lighthouse on 127.0.0.1, one process per replica, each restarted alone when it dies (up to
-    ``max_restarts`` times, and not after the job finished). Returns the job's summary (also
-    ``<out>/summary.json``).
+    """Run ``cfg`` as ``cfg.replicas`` elastic replicas on this machine (module docstring):
+    a Lighthouse on 127.0.0.1, one process per replica (``procs_per_node`` with node groups),
+    each restarted alone when it dies — a node group as a unit, when any of its processes
+    dies — up to ``max_restarts`` times, and not after the job finished. Returns the job's
+    summary (also ``<out>/summary.json``).
 
     ``env`` is added to every replica's environment; ``chaos(seconds since the start, running
     replicas, whether a replica finished the job)`` is called every poll (the chaos benchmark's
@@ -421,7 +473,7 @@ def launch_replicas(
 
     assert cfg.out is not None and cfg.name is not None
     os.makedirs(cfg.out, exist_ok=True)
-    ids = [f"replica_{i}" for i in range(cfg.world_size)]
+    ids = [f"replica_{i}" for i in range(cfg.replicas)]
     events: list[dict[str, Any]] = []
     finished: list[RunningReplica] = []
     t0 = time.time()
@@ -461,10 +513,12 @@ def launch_replicas(
                             r.replica_id,
                         )
                 for r in list(running):
-                    code = r.process.poll()
+                    code = r.poll()
                     if code is None:
                         continue
                     running.remove(r)
+                    if code != 0:
+                        _stop([r], signal.SIGKILL)  # a node group goes down as a unit
                     if code == 0:
                         finished.append(r)
                         done_at = done_at or time.time()
@@ -547,7 +601,7 @@ def _job_summary(
     """The elastic job's summary: the finished replicas' results, every fault with the time
     until its replica was back and healed, and the tokens trained by every process started
     (:func:`_contribution`)."""
-    tokens_per_step = cfg.batch_size * cfg.block_size
+    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.procs_per_replica
     replicas = []
     for r in finished:
         own = _read_summary(r.folder) or {}
@@ -574,7 +628,7 @@ def _job_summary(
                 "fault_to_healed_s": None if healed_s is None else healed_s - e["time_s"],
             }
         )
-    planned = cfg.world_size * cfg.steps
+    planned = cfg.replicas * cfg.steps
     survivor = max(replicas, key=lambda r: len(r.get("participants", [])), default={})
     participants = list(survivor.get("participants", []))
     return {
@@ -582,7 +636,8 @@ def _job_summary(
         "algo": cfg.algo,
         "name": cfg.name,
         "out": cfg.out,
-        "replicas": cfg.world_size,
+        "replicas": cfg.replicas,
+        "procs_per_replica": cfg.procs_per_replica,
         "min_replicas": cfg.min_replicas,
         "steps": cfg.steps,
         "sync_every": cfg.sync_every,
@@ -595,10 +650,9 @@ def _job_summary(
         "val_loss_final": None if first is None else first.get("val_loss_final"),
         "replicas_identical": len(
             {
-                (_read_summary(r.folder) or {})
-                .get("comm_per_worker", [{}])[0]
-                .get("params_checksum")
+                rank.get("params_checksum")
                 for r in finished
+                for rank in (_read_summary(r.folder) or {}).get("comm_per_worker") or [{}]
             }
         )
         == 1,
@@ -621,7 +675,15 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
     participants = summary.get("participants_per_sync") or []
     rows = [
         ("algorithm", f"{summary['algo']} (sync every {summary['sync_every']} steps, elastic)"),
-        ("replicas", f"{summary['replicas']} (at least {summary['min_replicas']} per sync)"),
+        (
+            "replicas",
+            f"{summary['replicas']} (at least {summary['min_replicas']} per sync)"
+            + (
+                f", each {summary['procs_per_replica']} processes with DDP inside"
+                if summary.get("procs_per_replica", 1) > 1
+                else ""
+            ),
+        ),
         ("steps", f"{summary['steps']:,}"),
         (
             "tokens trained",

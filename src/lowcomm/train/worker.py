@@ -130,7 +130,23 @@ def _run_worker(
     # A collective that waits longer than this for a peer fails instead of hanging: a dead or
     # stalled worker stops the others within a bounded time.
     timeout = datetime.timedelta(seconds=cfg.collective_timeout)
-    if getattr(cfg, "fault_tolerance", False):
+    group = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if getattr(cfg, "fault_tolerance", False) and group > 1:
+        # an elastic replica of several processes (a node group, DDP inside): their process
+        # group meets in the store the launcher (or torchrun's agent) hosts for this replica
+        # alone, fresh at every restart (group rank 0 hosts it when no agent does); the
+        # replicas meet in torchft's
+        hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        shared = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=rank == 0 and not hosted,
+            timeout=timeout,
+        )
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        node = dist.PrefixStore(f"lowcomm/replica/{restart}", shared)
+        dist.init_process_group(backend, store=node, rank=rank, world_size=group, timeout=timeout)
+    elif getattr(cfg, "fault_tolerance", False):
         # an elastic replica: a process group of its own (the replicas meet in torchft's)
         own = host_store("127.0.0.1", 0, timeout=timeout)
         dist.init_process_group(backend, store=own, rank=0, world_size=1, timeout=timeout)
