@@ -145,6 +145,50 @@ def test_a_warm_start_is_timed_at_its_own_step_time():
     assert wall_time(co2, "100mbit", 5) == pytest.approx(7.5)
 
 
+def test_sync_to_round_reads_the_rounds_after_the_warm_start(tmp_path):
+    from types import SimpleNamespace
+
+    from lowcomm.bench.convergence import sync_to_round
+
+    # 24 warm steps, then 24 local steps (2 rounds of 12) that took 3.0 s of training, 1.2 s of
+    # it blocked: 75 ms of compute a step, 0.9 s a round; the 2 syncs were in flight 5.4 s in
+    # all, 2.7 s each: 3x a round (the warm start's counters are left out)
+    records = [
+        {
+            "kind": "eval",
+            "val_loss": 1.0,
+            "step": 0,
+            "train_s": 0.0,
+            "rounds": 0,
+            "in_flight_s": 0.0,
+        },
+        {
+            "kind": "eval",
+            "val_loss": 1.0,
+            "step": 24,
+            "train_s": 8.0,
+            "rounds": 0,
+            "in_flight_s": 7.0,
+            "blocked_s": 6.0,
+        },
+        {
+            "kind": "eval",
+            "val_loss": 1.0,
+            "step": 48,
+            "train_s": 11.0,
+            "rounds": 2,
+            "in_flight_s": 12.4,
+            "blocked_s": 7.2,
+        },
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = SimpleNamespace(out=str(tmp_path), steps=48, algo="co2", sync_warmup_steps=lambda: 24)
+    assert sync_to_round(cfg) == pytest.approx(3.0)
+    # ddp: every step is a round of one step
+    ddp = SimpleNamespace(out=str(tmp_path), steps=48, algo="ddp", sync_warmup_steps=lambda: 24)
+    assert sync_to_round(ddp) == pytest.approx((12.4 / 48) / ((11.0 - 7.2) / 48))
+
+
 def test_a_slower_co2_misses_its_time_goals():
     spec = ConvergenceSpec(algos=["ddp", "co2", "localsgd"], workers=[2], seeds=[0])
     runs = [
@@ -206,6 +250,9 @@ def test_tiny_convergence_run_end_to_end(tmp_path):
     )
     assert (timing["steps"], timing["sync_warmup"]) == (8, 4)
     assert "warm" in (out / "convergence.md").read_text()
+    # a round's syncs against a round's compute, after the warm start (tiny on 1gbit)
+    assert 0 < cells[co2]["sync_to_round"]["1gbit"] < 1
+    assert "sync / round, 1gbit" in (out / "convergence.md").read_text()
     written = json.loads((out / "results.json").read_text())
     assert written["cells"][0]["val_loss_final"] == results["cells"][0]["val_loss_final"]
 

@@ -8,7 +8,8 @@ Users buy time to a loss, which takes two measurements (../DESIGN "Convergence")
   computed: the schedules are by step), and the harness reads its validation curve;
 * **step time on each link**: every (algorithm, worker count, link) trains a short job of
   ``timing_steps`` on the emulated link and the harness divides its training time (evaluations
-  excluded) by its steps.
+  excluded) by its steps; it also reads how long a round's syncs were in flight against a
+  round's compute (:func:`sync_to_round`: above 1, no schedule can hide them).
 
 From those, per cell: the final validation loss (mean and spread over seeds) and its gap to
 DDP's, the steps and tokens at which the seed-mean curve first reaches DDP's final mean loss
@@ -39,7 +40,7 @@ from lowcomm.bench.variants import algo_fields
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY
 
-__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence"]
+__all__ = ["ConvergenceSpec", "algo_fields", "run_convergence", "sync_to_round"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class ConvergenceSpec:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     steps: int | None = None
     lengths: list[int] = field(default_factory=lambda: [1])
-    links: list[str] = field(default_factory=lambda: ["100mbit", "1gbit"])
+    links: list[str] = field(default_factory=lambda: ["10mbit", "100mbit", "1gbit"])
     timing_steps: int = 48
     eval_every: int | None = None
     eval_batches: int | None = None
@@ -173,6 +174,30 @@ def _step_times(cfg: Any, summary: dict[str, Any]) -> dict[str, float]:
     return {"step_time_s": local, "warm_step_time_s": at_k / k}
 
 
+def sync_to_round(cfg: Any) -> float | None:
+    """How long a round's syncs were in flight over how long the round's compute took, in a
+    finished timing job after its warm start (rank 0's counters): above 1, a round's bytes take
+    longer on the link than a round of compute, so no schedule hides them. The compute of a
+    step is its training time less the time blocked in collectives; a round is ``sync_every``
+    steps (one step for ddp); ``None`` when nothing was in flight."""
+    records = _evals(cfg.out)
+    k = cfg.sync_warmup_steps() if REGISTRY[cfg.algo].is_outer else 0
+    start = next((r for r in records if r["step"] == k), None)
+    end = next((r for r in reversed(records) if r["step"] == cfg.steps), None)
+    if start is None or end is None or end["step"] <= start["step"]:
+        return None
+    steps = end["step"] - start["step"]
+    rounds = end.get("rounds", 0) - start.get("rounds", 0)
+    in_flight = end.get("in_flight_s", 0.0) - start.get("in_flight_s", 0.0)
+    blocked = end.get("blocked_s", 0.0) - start.get("blocked_s", 0.0)
+    compute = (end["train_s"] - start["train_s"] - blocked) / steps
+    if in_flight <= 0 or compute <= 0:
+        return None
+    per_round = in_flight / rounds if rounds > 0 else in_flight / steps
+    steps_per_round = steps / rounds if rounds > 0 else 1
+    return float(per_round / (steps_per_round * compute))
+
+
 def _job(cfg: Any, reuse: bool) -> tuple[dict[str, Any], bool]:
     """Run one job (or reuse its finished summary when ``reuse`` and the settings match)."""
     from lowcomm.train.launcher import launch
@@ -236,7 +261,7 @@ def run_convergence(
             runs.append(row)
             what = f"seed {seed}, {length}x: val {row['val_loss_final']:.3f}"
         else:
-            row.update(link=link, **_step_times(cfg, summary))
+            row.update(link=link, **_step_times(cfg, summary), sync_to_round=sync_to_round(cfg))
             timings.append(row)
             what = f"{link}: {row['step_time_s'] * 1e3:.1f} ms/step"
             if "warm_step_time_s" in row:

@@ -83,8 +83,10 @@ def assemble(
     (``algo``, ``workers``, ``link``, ``step_time_s``)."""
     step_times: dict[tuple[str, int], dict[str, float]] = {}
     warm_times: dict[tuple[str, int], dict[str, float]] = {}
+    ratios: dict[tuple[str, int], dict[str, float | None]] = {}
     for t in timings:
         step_times.setdefault((t["algo"], t["workers"]), {})[t["link"]] = t["step_time_s"]
+        ratios.setdefault((t["algo"], t["workers"]), {})[t["link"]] = t.get("sync_to_round")
         if "warm_step_time_s" in t:
             warm_times.setdefault((t["algo"], t["workers"]), {})[t["link"]] = t["warm_step_time_s"]
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
@@ -94,6 +96,8 @@ def assemble(
         _cell(rs, step_times.get((a, w), {}), warm_times.get((a, w), {}))
         for (_, w, a), rs in groups.items()
     ]
+    for c in cells:
+        c["sync_to_round"] = dict(ratios.get((c["algo"], c["workers"]), {}))
     bases = {r["algo"]: r["base"] for r in runs}
     reference = next((a for a in spec.algos if bases.get(a) == "ddp"), None)
     for c in cells:
@@ -199,6 +203,7 @@ def format_markdown(results: dict[str, Any]) -> str:
         header = ["algo", "val loss (mean ± std)", "vs DDP", "tokens to target"]
         header += [f"time to target, {link} (s)" for link in links]
         header += [f"ms/step, {link}" for link in links]
+        header += [f"sync / round, {link}" for link in links]
         rows = []
         for c in group:
             row = [
@@ -215,6 +220,8 @@ def format_markdown(results: dict[str, Any]) -> str:
                 ms = fmt(None if step is None else step * 1e3, ".0f")
                 warm = c["warm_step_time_s"].get(link)
                 row.append(ms if warm is None else f"{ms}; {warm * 1e3:.0f} warm")
+            for link in links:
+                row.append(fmt(c.get("sync_to_round", {}).get(link), ".2f"))
             rows.append(row)
         lines += [*table(header, rows), ""]
     lines += ["## Goals", ""]
