@@ -42,7 +42,10 @@ of the whole payload; ``t_o`` = one outer update):
 * ``one-round-stale`` (``co2``, ``co2-eager``): the all-reduce launched at the end of round r is
   waited for at the end of round r + 1, so it overlaps H steps and the outer update:
   round = max(H·t_c + t_o, T). Communication is exposed only when T > H·t_c + t_o, and then
-  exactly by the excess (the link is the bottleneck; first in, first out).
+  exactly by the excess (the link is the bottleneck; first in, first out). With ``overlap``
+  0 < τ < H (``lowcomm train``'s CO2: launched τ steps before the round ends, applied at its
+  end) it is one fragment of the ``fragments`` rule: round = max(H·t_c + max(0, T − τ·t_c) +
+  t_o, T); ``overlap`` 0 is the paper's τ = H.
 * ``fragments`` (``streaming``: Streaming DiLoCo, and ``cocodc``): P fragments of S / P bytes,
   one synced every H / P steps; each all-reduce (time T_f) is launched ``overlap`` (τ) steps
   before its sync point, so each sync point exposes max(0, T_f − τ·t_c). The link carries one
@@ -434,7 +437,8 @@ class Algorithm:
     num_fragments: int = 1
     """P: streaming/cocodc fragments; H must be a multiple of P."""
     overlap: int = 0
-    """τ: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied."""
+    """τ: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied; for
+    co2, 0 < τ < H launches the all-reduce τ steps before the round ends (0: the paper's τ = H)."""
     adaptive: bool = True
     """cocodc: fragments chosen by an all-reduced priority score (a blocking collective)."""
     group_size: int = 2
@@ -494,6 +498,8 @@ class Algorithm:
             text += f" P={self.num_fragments} overlap={self.overlap}"
         if self.schedule == "gossip":
             text += f" n={self.group_size}" + (f" overlap={self.overlap}" if self.overlap else "")
+        if self.schedule == "one-round-stale" and 0 < self.overlap < self.sync_every:
+            text += f" overlap={self.overlap}"
         return text
 
     def largest_group(self, n: int) -> int:
@@ -553,6 +559,16 @@ def step_time(algorithm: Algorithm, workload: Workload, network: LinkModel, n: i
     if schedule == "blocking":
         comm = network.allreduce_time(payload, n)
         return StepTime(t + (comm + outer) / h, t, comm / h, comm / h, outer / h)
+    if schedule == "one-round-stale" and 0 < algorithm.overlap < h:
+        # lowcomm train's CO2: launched τ steps before the round ends, applied at its end —
+        # one fragment of the fragments rule below
+        comm = network.allreduce_time(payload, n)
+        exposed = max(0.0, comm - algorithm.overlap * t)
+        round_s = max(h * t + exposed + outer, comm)
+        queued = max(0.0, comm - (h * t + exposed + outer))
+        return StepTime(
+            round_s / h, t, comm / h, (round_s - h * t - outer) / h, outer / h, queued / h
+        )
     if schedule == "one-round-stale":
         comm = network.allreduce_time(payload, n)
         window = h * t + outer

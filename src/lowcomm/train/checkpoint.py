@@ -110,6 +110,7 @@ RESUME_FREE_KEYS = frozenset(
         "log_every",
         "ceiling_steps",
         "link",
+        "tune_link",  # the settings it chose are restored from the checkpoint
         "backend",
         "checkpoint_every",
         "keep_checkpoints",

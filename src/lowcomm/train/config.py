@@ -145,6 +145,11 @@ class TrainConfig:
     link: str | None = None
     """Emulated slow link for every collective: a profile (rdma-800g, tcp-80g, 1gbit, 100mbit,
     10mbit) or RATE:LATENCY such as 100mbit:20ms; unset: the real network."""
+    tune_link: str = "auto"
+    """Choose the outer sync's codec and overlap (and the warm start's codec) from the link, for
+    the settings not given: auto (the emulated --link; the real network measured under torchrun;
+    nothing on one machine), measure (always time the real network), off, or a link profile or
+    RATE:LATENCY to choose as if on that link without emulating it."""
 
     # --- data ------------------------------------------------------------------------------
     data: str | None = None
@@ -277,6 +282,16 @@ class TrainConfig:
                 EmulatedLink.parse(str(self.link))
             except ValueError as e:
                 raise ConfigError("link", str(e).removeprefix("link ")) from None
+        if self.tune_link not in ("auto", "measure", "off"):
+            from lowcomm.link import EmulatedLink
+
+            try:
+                EmulatedLink.parse(str(self.tune_link))
+            except ValueError as e:
+                raise ConfigError(
+                    "tune_link",
+                    f"must be auto, measure, off or a link profile: {str(e).removeprefix('link ')}",
+                ) from None
         for key in ("workers", "steps", "sync_every", "batch_size", "block_size"):
             check_int(key, getattr(self, key), low=1)
         for key in ("n_layer", "n_head", "n_embd", "eval_every", "eval_batches", "log_every"):

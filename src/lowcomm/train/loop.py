@@ -89,6 +89,7 @@ from lowcomm.train.resume import resume_source, rng_state, set_rng_state
 from lowcomm.train.source import DataSource, check_same_job
 from lowcomm.train.synchronisation import Synchronisation
 from lowcomm.train.topology import Topology
+from lowcomm.train.tuning import tune_to_link
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -186,6 +187,10 @@ class _Job:
     zero: ZeroRedundancyOptimizer | None
     """The inner optimizer with ``node_sharding="zero"`` (then ``inner`` too)."""
     ceiling: Ceiling | None
+    given: TrainConfig
+    """The configuration as given; ``cfg`` is it with the settings chosen from the link."""
+    tuning: dict[str, Any] | None
+    """The record of that choice (``None``: not tuned)."""
     sync: Synchronisation
     records: Instruments
     t_start: float
@@ -243,6 +248,10 @@ class _Job:
         self.ceiling = None
         if cfg.ceiling_steps:
             self.ceiling = Ceiling(gpt, cfg, data.corpus, rank, device)
+        # the link's settings (--tune-link): the rest of the job runs with them
+        self.given = cfg
+        cfg, self.tuning = tune_to_link(cfg, topology, gpt, data.corpus, device, state)
+        self.cfg = data.cfg = cfg
         driven = self.zero.optim if self.zero is not None else self.inner
         self.sync = Synchronisation.create(cfg, topology, gpt, driven, state, device)
         data.prepare(state["rng"] if state is not None else None)
@@ -327,6 +336,7 @@ class _Job:
             **self.sync.state_dict(),
             "rng": rng_state(self.data.gen, self.device),
             "documents": self.data.documents_state(),
+            "tuned": self.tuning,
             **self.records.state_dict(),
         }
         ckpt.write_rank_state(self.out, step, rank, rank_state)
@@ -335,7 +345,9 @@ class _Job:
             folder = ckpt.publish(
                 self.out,
                 step,
-                {"world_size": world, "attempt": attempt(), "config": self.cfg.to_dict()},
+                # the settings as given: a resumed run compares its own with them, and takes
+                # the ones chosen from the link from the rank states
+                {"world_size": world, "attempt": attempt(), "config": self.given.to_dict()},
                 keep=self.cfg.keep_checkpoints,
             )
             logger.debug("checkpoint of step %d written to %s", step, folder)
@@ -410,6 +422,7 @@ class _Job:
             assert sync.algo is not None
             summary["elastic"] = topology.elastic.report(sync.algo)
         summary["lost_to_restarts_s"] = progress.lost_s
+        summary["link_tuning"] = self.tuning
         summary["nonfinite"] = divergence(
             gathered,
             steps=cfg.steps,

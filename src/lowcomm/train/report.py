@@ -609,6 +609,21 @@ def _nonfinite_rows(nonfinite: dict[str, Any] | None) -> list[tuple[str, str]]:
     return [("diverged", f"{divergence_text(nonfinite)}; lower --lr")]
 
 
+def _tuning_rows(tuning: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The settings chosen from the link (``--tune-link``), if any were looked for."""
+    if not tuning:
+        return []
+    chosen = ", ".join(
+        f"{k.replace('_', ' ')} {'none' if v is None else v}"
+        for k, v in tuning.get("settings", {}).items()
+    )
+    predicted = (
+        f"predicted {tuning['step_s'] * 1e3:.0f} ms a step against {tuning['compute_s'] * 1e3:.0f}"
+        " ms of compute"
+    )
+    return [("tuned to link", f"{tuning['link']}: {chosen or 'the defaults'} ({predicted})")]
+
+
 def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
     """A small two-column table of a run's ``summary.json``; its first line says whether the
     run finished or diverged.
@@ -645,6 +660,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         *_layout_rows(layout or None),
         ("link", link),
         ("compression", compression),
+        *_tuning_rows(summary.get("link_tuning")),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
         *_resume_rows(summary),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),

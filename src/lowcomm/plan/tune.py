@@ -1,0 +1,296 @@
+"""Sync settings chosen from the link: the codec and overlap τ that hide an outer algorithm's
+syncs behind compute on the link a job runs over, with the least staleness, by the cost model of
+:mod:`lowcomm.plan.cost` (``lowcomm train --tune-link``; :func:`choose_sync_settings` for your
+own loop).
+
+A sync of S bytes over bandwidth β takes about 8·S·c/β plus latency (c the codec's ratio); a
+round takes H·t (t the inner step's compute). Overlap hides τ·t of it; the rest is waited. The
+choice walks a ladder of settings, each rung costing more per token than the one before (the
+README's convergence study: int8 with error feedback costs nothing measurable, int4 little, each
+extra step of staleness more), and takes the first rung whose predicted step time is within
+:data:`SLACK` of the compute alone; when none hides the syncs, the rung with the fastest
+predicted step (the earlier on a tie). A rung that would change a setting the user gave is
+skipped: what is given always wins.
+
+* CO2 (``overlap`` < H): fp32 τ 1, int8 τ 1, int4 τ 1, int8 τ 2, int4 τ 2, int4 τ 4;
+* DiLoCo, SlowMo, LocalSGD (blocking): fp32, int8, int4 — a codec shortens the wait, nothing
+  hides it;
+* Streaming DiLoCo, CoCoDC: fp32, int8, int4 at the job's fragments and overlap.
+
+The synchronous warm start averages gradients every step, unhidden; its codec follows the same
+rule against :data:`WARM_SLACK`: int8 (the job's default), int4, then PowerSGD rank 4.
+
+Compressed syncs travel by all-gather (every rank decodes every payload), fp32 ones by ring
+all-reduce: the times are those of :class:`~lowcomm.plan.cost.Network` for each.
+
+Example::
+
+    link = LinkProfile.parse("10mbit")
+    choice = choose_sync_settings("co2", link=link, workers=2, step_time_s=0.075,
+                                  shapes=[p.shape for p in model.parameters()], sync_every=12)
+    choice.settings   # {'compression': 'int4', 'overlap': 2, ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lowcomm.plan.cost import Algorithm, Network, Workload, step_time
+from lowcomm.registry import REGISTRY
+
+__all__ = [
+    "SLACK",
+    "WARM_SLACK",
+    "LinkProfile",
+    "SyncChoice",
+    "choose_sync_settings",
+    "sync_seconds",
+]
+
+SLACK = 0.05
+"""A rung hides its syncs when its predicted step time is at most this much above the compute."""
+WARM_SLACK = 0.5
+"""A warm-start codec is cheap enough when a warm step's all-reduce takes at most this fraction
+of the step's compute."""
+
+_CO2_LADDER: tuple[tuple[str | None, int], ...] = (
+    (None, 1),
+    ("int8", 1),
+    ("int4", 1),
+    ("int8", 2),
+    ("int4", 2),
+    ("int4", 4),
+)
+_CODEC_LADDER: tuple[str | None, ...] = (None, "int8", "int4")
+_WARM_LADDER: tuple[str, ...] = ("int8", "int4", "powersgd:4")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkProfile:
+    """The link the outer syncs cross: bandwidth (bits/s per worker, each way), latency, and
+    where the figures come from (``emulated`` links are charged as lowcomm's emulation charges
+    them; a measured or named real link as a ring)."""
+
+    bandwidth_bps: float
+    latency_s: float
+    source: str
+    emulated: bool = False
+
+    @classmethod
+    def parse(cls, spec: str, *, emulated: bool = False) -> LinkProfile:
+        """A link profile (``10mbit``) or ``RATE:LATENCY`` value, as ``--link`` takes it."""
+        from lowcomm.link import EmulatedLink
+
+        link = EmulatedLink.parse(spec)
+        return cls(link.bandwidth_bps, link.latency_s, spec, emulated)
+
+    def network(self) -> Network:
+        return Network(
+            bandwidth_bps=self.bandwidth_bps,
+            latency_s=self.latency_s,
+            cost="emulated" if self.emulated else "ring",
+        )
+
+    def describe(self) -> str:
+        rate = self.bandwidth_bps
+        unit = "Gbit/s" if rate >= 1e9 else "Mbit/s"
+        value = rate / (1e9 if rate >= 1e9 else 1e6)
+        return f"{self.source} ({value:.3g} {unit}, {self.latency_s * 1e3:.3g} ms)"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncChoice:
+    """What :func:`choose_sync_settings` chose, and why."""
+
+    settings: dict[str, Any]
+    """The job settings to apply (``compression``, ``overlap``, ``sync_warmup_compression``);
+    empty when nothing changes."""
+    step_s: float
+    """Predicted time of an inner step with them (compute plus what is waited)."""
+    compute_s: float
+    """The inner step's compute, t."""
+    sync_s: float
+    """Predicted time of one round's syncs on the link."""
+    warm_step_s: float | None
+    """Predicted time of a warm-start step (None: no warm start)."""
+    hidden: bool
+    """Whether the syncs hide behind compute within :data:`SLACK`."""
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _encoded_ratio(codec: str | None, shapes: Sequence[Sequence[int]]) -> float:
+    """Wire bytes of ``codec`` over fp32 bytes for tensors of ``shapes`` (1 for fp32)."""
+    if codec is None:
+        return 1.0
+    from lowcomm.compress.codecs import parse_codec
+
+    c = parse_codec(codec)
+    raw = sum(4 * math.prod(s) for s in shapes)
+    return sum(c.wire_nbytes(tuple(s)) for s in shapes) / raw if raw else 1.0
+
+
+def sync_seconds(
+    codec: str | None, payload_bytes: float, workers: int, link: LinkProfile, ratio: float
+) -> float:
+    """One sync of ``payload_bytes`` (fp32) over ``workers``: a ring all-reduce in fp32, an
+    all-gather of the encoded bytes (``ratio`` of them) with a codec."""
+    net = link.network()
+    if codec is None:
+        return net.allreduce_time(payload_bytes, workers)
+    return net.allgather_time(payload_bytes * ratio, workers)
+
+
+class _CodecNetwork:
+    """A :class:`~lowcomm.plan.cost.Network` whose all-reduces carry a codec's payload by
+    all-gather (what a compressed sync does), for :func:`~lowcomm.plan.cost.step_time`."""
+
+    def __init__(self, link: LinkProfile, codec: str | None, ratio: float) -> None:
+        self.link, self.codec, self.ratio = link, codec, ratio
+        self.net = link.network()
+
+    def allreduce_time(self, payload_bytes: float, n: int) -> float:
+        return sync_seconds(self.codec, payload_bytes, n, self.link, self.ratio)
+
+    def allgather_time(self, payload_bytes: float, n: int) -> float:
+        return self.net.allgather_time(payload_bytes, n)
+
+    def exchange_time(self, payload_bytes: float, group: int) -> float:
+        return self.net.exchange_time(payload_bytes, group)
+
+
+def _rungs(algo: str, current: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ladder of ``algo`` as job settings, from the current ones."""
+    entry = REGISTRY[algo]
+    schedule = entry.schedule
+    if entry.fixed:  # co2-eager: its overlap is the whole round
+        return []
+    if schedule == "one-round-stale":
+        return [{"compression": c, "overlap": tau} for c, tau in _CO2_LADDER]
+    if schedule in ("blocking", "fragments"):
+        return [{"compression": c} for c in _CODEC_LADDER]
+    return []
+
+
+def _algorithm(algo: str, sync_every: int, settings: dict[str, Any]) -> Algorithm:
+    schedule = REGISTRY[algo].schedule
+    kwargs: dict[str, Any] = {"name": algo, "sync_every": sync_every}
+    if schedule in ("one-round-stale", "fragments"):
+        kwargs["overlap"] = int(settings.get("overlap") or 0)
+    if schedule == "fragments":
+        kwargs["num_fragments"] = int(settings.get("num_fragments") or 1)
+    return Algorithm(**kwargs)
+
+
+def choose_sync_settings(
+    algo: str,
+    *,
+    link: LinkProfile,
+    workers: int,
+    step_time_s: float,
+    shapes: Iterable[Sequence[int]],
+    sync_every: int,
+    current: dict[str, Any] | None = None,
+    given: Iterable[str] = (),
+    warm_steps: int = 0,
+) -> SyncChoice:
+    """The sync settings of ``algo`` for ``link`` (module docstring).
+
+    Args:
+        algo: the ``--algo`` name.
+        link: the link the outer syncs cross.
+        workers: N, the ranks in a sync.
+        step_time_s: t, one inner step's compute (measured).
+        shapes: the synchronised parameters' shapes.
+        sync_every: H.
+        current: the job's settings before the choice (its defaults: ``overlap``,
+            ``num_fragments``, ``compression``, ``sync_warmup_compression``).
+        given: settings the user gave (never changed).
+        warm_steps: K, the warm start's steps (0: none).
+    """
+    current = dict(current or {})
+    given = set(given)
+    shapes = [tuple(s) for s in shapes]
+    payload = 4.0 * sum(math.prod(s) for s in shapes)
+    if not (step_time_s > 0 and math.isfinite(step_time_s)):
+        raise ValueError(f"step_time_s must be a finite number > 0, got {step_time_s!r}")
+    work = Workload(parameters=max(1.0, payload / 4), tokens_per_step=1.0, step_time_s=step_time_s)
+    best: tuple[float, dict[str, Any], Any] | None = None
+    chosen: tuple[dict[str, Any], Any] | None = None
+    for rung in _rungs(algo, current):
+        if any(k in given and current.get(k) != v for k, v in rung.items()):
+            continue  # it would change what the user gave
+        if int(rung.get("overlap") or 0) >= sync_every:
+            continue  # a whole round stale is another schedule (the paper's CO2), not a rung
+        settings = {**current, **rung}
+        codec = settings.get("compression")
+        ratio = _encoded_ratio(codec, shapes)
+        t = step_time(
+            _algorithm(algo, sync_every, settings), work, _CodecNetwork(link, codec, ratio), workers
+        )
+        if best is None or t.step_s < best[0] - 1e-12:
+            best = (t.step_s, rung, t)
+        if t.step_s <= (1 + SLACK) * step_time_s:
+            chosen = (rung, t)
+            break
+    if best is None:
+        return SyncChoice({}, step_time_s, step_time_s, 0.0, None, True, f"{algo}: not tuned")
+    hidden = chosen is not None
+    rung, timing = chosen if chosen is not None else (best[1], best[2])
+    settings = {k: v for k, v in rung.items() if current.get(k) != v}
+    warm_s: float | None = None
+    if warm_steps > 0:
+        warm_codec, warm_s = _warm_choice(
+            current.get("sync_warmup_compression"),
+            "sync_warmup_compression" in given,
+            payload,
+            shapes,
+            workers,
+            link,
+            step_time_s,
+        )
+        if warm_codec != current.get("sync_warmup_compression"):
+            settings["sync_warmup_compression"] = warm_codec
+    round_sync = timing.comm_s * sync_every
+    what = ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in rung.items())
+    reason = (
+        f"{what}: a round's syncs {round_sync:.3g} s against {sync_every} x {step_time_s * 1e3:.3g}"
+        f" ms of compute, "
+        + ("hidden" if hidden else f"not hidden by any setting (fastest: {what})")
+    )
+    return SyncChoice(settings, timing.step_s, step_time_s, round_sync, warm_s, hidden, reason)
+
+
+def _warm_choice(
+    current: str | None,
+    given: bool,
+    payload: float,
+    shapes: Sequence[Sequence[int]],
+    workers: int,
+    link: LinkProfile,
+    step_time_s: float,
+) -> tuple[str | None, float]:
+    """The warm start's codec (the given one, else the first of the ladder whose all-reduce
+    takes at most :data:`WARM_SLACK` of a step's compute, else the cheapest) and its predicted
+    step time."""
+
+    def warm_step(codec: str | None) -> float:
+        ratio = _encoded_ratio(codec, shapes)
+        return step_time_s + sync_seconds(codec, payload, workers, link, ratio)
+
+    if given:
+        return current, warm_step(current)
+    ladder = list(_WARM_LADDER)
+    if current is not None and current not in ladder:
+        ladder.insert(0, current)
+    timed = [(warm_step(c), c) for c in ladder]
+    for seconds, codec in timed:
+        if seconds - step_time_s <= WARM_SLACK * step_time_s:
+            return codec, seconds
+    seconds, codec = min(timed, key=lambda x: x[0])
+    return codec, seconds

@@ -1,0 +1,165 @@
+"""Settings from the link (``lowcomm.plan.tune``, ``lowcomm train --tune-link``): the choice
+against the cost model's own figures, what the user gives winning, and the job applying,
+recording and restoring the choice."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from lowcomm.compress.codecs import parse_codec
+from lowcomm.plan.cost import Network
+from lowcomm.plan.tune import SLACK, LinkProfile, choose_sync_settings
+from lowcomm.testing.jobs import tiny_job_args
+
+# the default job's GPT (4 layers, width 128, vocabulary 256): 834,304 parameters, 3.3 MB
+SHAPES = [(256, 128), (64, 128)] + [(384, 128), (128, 128), (512, 128), (128, 512)] * 4
+SHAPES += [(128,)] * 26 + [(384,)] * 4 + [(512,)] * 4
+CO2 = {"overlap": 1, "compression": None, "sync_warmup_compression": "int8"}
+
+
+def _choose(link: str, algo: str = "co2", **kw: Any) -> Any:
+    args: dict[str, Any] = {
+        "link": LinkProfile.parse(link, emulated=True),
+        "workers": 2,
+        "step_time_s": 0.075,
+        "shapes": SHAPES,
+        "sync_every": 12,
+        "current": CO2,
+    }
+    return choose_sync_settings(algo, **{**args, **kw})
+
+
+def test_a_fast_link_keeps_the_defaults_and_a_slow_one_compresses_and_overlaps() -> None:
+    fast = _choose("1gbit")
+    assert fast.settings == {} and fast.hidden
+    payload = 4 * sum(torch.Size(s).numel() for s in SHAPES)
+    # fp32, τ 1 on 1gbit: the ring all-reduce of the emulated link, 1 step of it hidden
+    sync = Network(
+        bandwidth_bps=1e9, latency_s=LinkProfile.parse("1gbit").latency_s, cost="emulated"
+    ).allreduce_time(payload, 2)
+    assert fast.sync_s == pytest.approx(sync)
+    assert fast.step_s == pytest.approx(0.075 + max(0.0, sync - 0.075) / 12)
+
+    slow = _choose("10mbit")
+    # fp32 takes 2.7 s a sync, 3 rounds of compute: the ladder goes down to int4 and 4 steps
+    # of overlap, which hide all but a little, and nothing hides the whole of it
+    assert slow.settings["compression"] == "int4" and slow.settings["overlap"] == 4
+    assert not slow.hidden and slow.step_s < 0.075 * 1.15
+    # int4 (a scale per 128 values) by all-gather, as the emulated link charges it
+    int4 = sum(parse_codec("int4").wire_nbytes(s) for s in SHAPES)
+    ten = LinkProfile.parse("10mbit")
+    net = Network(bandwidth_bps=ten.bandwidth_bps, latency_s=ten.latency_s, cost="emulated")
+    assert slow.sync_s == pytest.approx(net.allgather_time(int4, 2))
+    assert int4 < 0.14 * payload
+
+    middle = _choose("100mbit")  # int8 and one step of overlap are enough
+    assert middle.settings["compression"] == "int8" and "overlap" not in middle.settings
+    assert middle.hidden and middle.step_s <= (1 + SLACK) * 0.075
+
+
+def test_what_the_user_gives_is_never_changed() -> None:
+    # compression given as none (fp32): every rung that compresses is skipped, and nothing
+    # left hides the 2.7 s syncs
+    choice = _choose("10mbit", given={"compression"})
+    assert choice.settings == {} and not choice.hidden and choice.step_s > 0.2
+    # overlap given: int4 at τ 1 is the fastest rung left
+    choice = _choose("10mbit", given={"overlap"})
+    assert choice.settings.get("compression") == "int4" and "overlap" not in choice.settings
+    # the warm start's codec given
+    choice = _choose("10mbit", given={"sync_warmup_compression"}, warm_steps=240)
+    assert "sync_warmup_compression" not in choice.settings
+    # not given: a cheaper warm start than int8's 0.7 s a step
+    choice = _choose("10mbit", warm_steps=240)
+    assert choice.settings["sync_warmup_compression"] in ("int4", "powersgd:4")
+    assert choice.warm_step_s is not None and choice.warm_step_s < 0.075 + 0.7
+
+
+def test_blocking_algorithms_only_shorten_the_wait_and_others_are_left_alone() -> None:
+    diloco = _choose("100mbit", "diloco", current={"compression": None})
+    assert set(diloco.settings) == {"compression"} and not diloco.hidden
+    assert _choose("10mbit", "co2-eager").settings == {}
+    assert _choose("10mbit", "ddp").settings == {}
+
+
+def test_a_job_on_an_emulated_slow_link_runs_with_what_was_chosen_and_keeps_it(
+    train_job: Any, tmp_path: Any, capsys: Any
+) -> None:
+    out = str(tmp_path / "tuned")
+    argv = tiny_job_args(steps=8, sync_every=4)
+    summary = train_job("--algo", "co2", *argv, "--link", "100kbit:1ms", out=out)
+    tuning = summary["link_tuning"]
+    assert tuning["link"].startswith("100kbit:1ms (emulated)")
+    assert tuning["settings"].get("compression") in ("int8", "int4")
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    assert config["compression"] == tuning["settings"]["compression"]
+    assert summary["compression"].startswith(tuning["settings"]["compression"])
+    assert "tuned to link" in capsys.readouterr().out
+    # the same job with the codec given, and with tuning off: nothing given is changed
+    given = train_job(
+        "--algo",
+        "co2",
+        *argv,
+        "--link",
+        "100kbit:1ms",
+        "--compression",
+        "bf16",
+        out=str(tmp_path / "given"),
+    )
+    assert given["compression"].startswith("bf16")
+    assert "compression" not in given["link_tuning"]["settings"]
+    off = train_job(
+        "--algo",
+        "co2",
+        *argv,
+        "--link",
+        "100kbit:1ms",
+        "--tune-link",
+        "off",
+        out=str(tmp_path / "off"),
+    )
+    assert off["link_tuning"] is None and off["compression"] is None
+
+
+def test_without_a_slow_link_nothing_is_tuned_and_measuring_finds_the_loopback_fast(
+    train_job: Any, tmp_path: Any
+) -> None:
+    argv = tiny_job_args(steps=4, sync_every=4)
+    plain = train_job("--algo", "co2", *argv, out=str(tmp_path / "plain"))
+    assert plain["link_tuning"] is None
+    measured = train_job(
+        "--algo", "co2", *argv, "--tune-link", "measure", out=str(tmp_path / "measured")
+    )
+    assert measured["link_tuning"]["link"].startswith("measured")
+    assert measured["link_tuning"]["settings"] == {}
+    # the measurement leaves the training alone: the same model as without it
+    assert measured["val_loss_final"] == plain["val_loss_final"]
+
+
+def test_a_resumed_run_takes_the_choice_from_its_checkpoint(train_job: Any, tmp_path: Any) -> None:
+    argv = ["--algo", "co2", *tiny_job_args(steps=8, sync_every=4), "--link", "100kbit:1ms"]
+    ref = str(tmp_path / "ref")
+    full = train_job(*argv, "--checkpoint-every", "4", out=ref)
+    assert full["link_tuning"]["settings"]
+    # resumed from step 4 on another link, which would choose otherwise: the checkpoint's
+    # choice is taken as it is, and the run ends where the uninterrupted one did
+    step4 = os.path.join(ref, "checkpoints", "step-000004")
+    assert os.path.isdir(step4), os.listdir(os.path.join(ref, "checkpoints"))
+    resumed = train_job(
+        "--algo",
+        "co2",
+        *tiny_job_args(steps=8, sync_every=4),
+        "--link",
+        "1gbit",
+        "--resume",
+        step4,
+        out=str(tmp_path / "resumed"),
+    )
+    assert resumed["link_tuning"] == full["link_tuning"]
+    assert resumed["compression"] == full["compression"]
+    assert resumed["val_loss_final"] == full["val_loss_final"]
