@@ -438,3 +438,36 @@ def test_lowcomm_command_runs_simulate_and_reports_errors_in_one_line(
     assert main(["simulate", "--preset", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lowcomm simulate: error:") and "\n" not in err
+
+
+def test_simulate_shows_what_the_job_would_choose_from_the_link() -> None:
+    from lowcomm.bench.simulate.model import Scenario
+    from lowcomm.bench.simulate.report import format_link_choices
+    from lowcomm.plan.cost import Algorithm, Network, Workload
+    from lowcomm.plan.tune import LinkProfile, choose_sync_settings
+
+    def scenario(bandwidth: float) -> Scenario:
+        return Scenario(
+            name="t",
+            workload=Workload(parameters=834_304, tokens_per_step=1.0, step_time_s=0.075),
+            network=Network(bandwidth_bps=bandwidth, latency_s=0.03),
+            algorithms=(Algorithm(name="ddp"), Algorithm(name="co2", sync_every=12)),
+            workers=(1, 2, 4),
+        )
+
+    slow = format_link_choices(scenario(10e6))
+    # the same choice lowcomm train makes, for the fewest workers above one (ddp is not tuned)
+    want = choose_sync_settings(
+        "co2",
+        link=LinkProfile(10e6, 0.03, "given"),
+        workers=2,
+        step_time_s=0.075,
+        shapes=[(834_304,)],
+        sync_every=12,
+        current={"compression": None, "overlap": 1},
+    )
+    row = next(line for line in slow.splitlines() if line.startswith("| co2"))
+    assert "compression int4" in row and f"overlap {want.settings['overlap']}" in row
+    assert "ddp" not in slow and "chosen (2 workers)" in slow
+    fast = format_link_choices(scenario(100e9))
+    assert "| co2 H=12 | the defaults |" in fast and "| yes |" in fast

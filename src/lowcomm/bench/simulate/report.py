@@ -143,6 +143,54 @@ def format_calibration_table(report: SimulateReport) -> str:
     return _table(header, rows)
 
 
+def format_link_choices(s: Scenario) -> str:
+    """A table of what :func:`lowcomm.plan.tune.choose_sync_settings` chooses for each tunable
+    outer algorithm of ``s`` on its (slow) link, at its fewest workers above one; ``""`` when
+    none is tunable."""
+    from lowcomm.plan.tune import LinkProfile, choose_sync_settings
+
+    n = min((w for w in s.workers if w > 1), default=2)
+    net = s.network
+    link = LinkProfile(net.bandwidth_bps, net.latency_s, "given", net.cost == "emulated")
+    rows = []
+    for algo in s.algorithms:
+        current: dict[str, Any] = {"compression": None, "overlap": algo.overlap or None}
+        if algo.schedule == "one-round-stale":
+            current["overlap"] = algo.overlap or 1  # lowcomm train's CO2: one step stale
+        if algo.schedule == "fragments":
+            current["num_fragments"] = algo.num_fragments
+        try:
+            choice = choose_sync_settings(
+                algo.name,
+                link=link,
+                workers=n,
+                step_time_s=s.workload.step_time_s,
+                shapes=[(int(s.workload.parameters),)],
+                sync_every=algo.sync_every,
+                current=current,
+            )
+        except ValueError:
+            continue
+        if choice.reason.endswith("not tuned"):
+            continue
+        chosen = ", ".join(f"{k} {v}" for k, v in choice.settings.items()) or "the defaults"
+        rows.append(
+            [
+                algo.label,
+                chosen,
+                f"{choice.sync_s:.3g}",
+                f"{choice.compute_s / choice.step_s:.0%}",
+                "yes" if choice.hidden else "no",
+            ]
+        )
+    if not rows:
+        return ""
+    header = ["algorithm", f"chosen ({n} workers)", "round's syncs (s)", "of compute", "hidden"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def format_markdown(report: SimulateReport) -> str:
     """The report as Markdown: assumptions, projection, paper comparison, calibration."""
     s = report.scenario
@@ -151,6 +199,17 @@ def format_markdown(report: SimulateReport) -> str:
     if s.sources:
         parts.append(f"- Sources: {', '.join(s.sources)}")
     parts += ["", "## Projection", "", format_projection_table(report), ""]
+    choices = format_link_choices(s)
+    if choices:
+        parts += [
+            "## Settings from the link",
+            "",
+            "What `lowcomm train --tune-link` would choose on this link (lowcomm.plan.tune), "
+            "for the algorithms' settings not given:",
+            "",
+            choices,
+            "",
+        ]
     if report.paper:
         parts += ["## Paper vs ours", "", format_paper_table(report), ""]
     if report.implications:
