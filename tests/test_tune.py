@@ -163,3 +163,20 @@ def test_a_resumed_run_takes_the_choice_from_its_checkpoint(train_job: Any, tmp_
     assert resumed["link_tuning"] == full["link_tuning"]
     assert resumed["compression"] == full["compression"]
     assert resumed["val_loss_final"] == full["val_loss_final"]
+
+
+def test_a_warm_start_that_would_cost_more_than_its_budget_is_shortened() -> None:
+    warm = {**CO2, "sync_warmup": 240}
+    kw: dict[str, Any] = {"current": warm, "warm_steps": 240, "steps": 960}
+    # 10mbit: even int2 adds ~0.2 s a step, so the warm start goes down to its floor, a
+    # twentieth of the steps in whole rounds (48 of 960)
+    slow = _choose("10mbit", **kw)
+    assert slow.settings["sync_warmup"] == 48
+    assert slow.settings["sync_warmup_compression"] == "int2"
+    # 100mbit: int2 adds ~29 ms a step; 5% of 960 x 75 ms buys 120 steps of it (whole rounds)
+    middle = _choose("100mbit", **kw)
+    extra = middle.warm_step_s - 0.075
+    assert middle.settings["sync_warmup"] == int(0.05 * 960 * 0.075 / extra) // 12 * 12 == 120
+    # 1gbit: the job's quarter of the steps costs less than the budget; a given length stays
+    assert "sync_warmup" not in _choose("1gbit", **kw).settings
+    assert "sync_warmup" not in _choose("10mbit", given={"sync_warmup"}, **kw).settings

@@ -18,6 +18,10 @@ step time on the link. ``lengths`` runs the job at several multiples of its step
 1× and 4×), which says whether a gap closes or grows with training. The assembled results and
 goals are :mod:`lowcomm.bench.convergence_report`.
 
+An entry is one set of settings on every link: the job's settings from the link
+(``--tune-link``) apply only where the entry names the link to choose for
+(``co2/tune_link=10mbit``), to its loss and timing jobs alike.
+
 An algorithm may carry job settings after slashes, so variants sit side by side::
 
     spec = ConvergenceSpec(algos=["ddp", "co2", "co2/outer_lr=0.3/outer_momentum=0.0"])
@@ -123,6 +127,10 @@ class ConvergenceSpec:
 
         values: dict[str, Any] = {**self.train_overrides, **algo_fields(algo)}
         values.update(workers=workers, seed=seed, overwrite=True, quiet=True)
+        # an entry is one set of settings on every link: its loss jobs (no link) and timing
+        # jobs (each link) run the same ones. Settings from the link only where the entry names
+        # the link to choose for (ALGO/tune_link=10mbit), for both
+        values.setdefault("tune_link", "off")
         base = config_from_dict(values, source=f"--algos {algo!r}")
         steps = (self.steps or base.steps) * length
         if link is None:

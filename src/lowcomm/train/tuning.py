@@ -40,7 +40,7 @@ __all__ = ["TUNED_KEYS", "measure_link", "tune_to_link"]
 
 logger = logging.getLogger(__name__)
 
-TUNED_KEYS = ("compression", "overlap", "sync_warmup_compression")
+TUNED_KEYS = ("compression", "overlap", "sync_warmup", "sync_warmup_compression")
 """The job settings a choice may set (only where the user gave none)."""
 
 _TUNABLE_SCHEDULES = ("one-round-stale", "blocking", "fragments")
@@ -156,6 +156,7 @@ def tune_to_link(
             current={k: kwargs.get(k) for k in (*TUNED_KEYS, "num_fragments")},
             given=given,
             warm_steps=cfg.sync_warmup_steps(),
+            steps=cfg.steps,
         )
         record[0] = {"link": profile.describe(), **choice.as_dict()}
     dist.broadcast_object_list(record, src=0)
