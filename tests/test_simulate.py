@@ -467,7 +467,8 @@ def test_simulate_shows_what_the_job_would_choose_from_the_link() -> None:
         current={"compression": None, "overlap": 1},
     )
     row = next(line for line in slow.splitlines() if line.startswith("| co2"))
-    assert "compression int4" in row and f"overlap {want.settings['overlap']}" in row
+    assert want.settings == {"compression": "int2", "overlap": 2}
+    assert "compression int2, overlap 2" in row
     assert "ddp" not in slow and "chosen (2 workers)" in slow
     fast = format_link_choices(scenario(100e9))
     assert "| co2 H=12 | the defaults |" in fast and "| yes |" in fast
