@@ -276,3 +276,25 @@ def test_tiny_balance_bench_end_to_end(tmp_path):
     text = (tmp_path / "bal" / "balance.md").read_text()
     assert "| ddp | 1 node | cost-balanced |" in text and "Command: `test`" in text
     assert json.loads((tmp_path / "bal" / "results.json").read_text())["rows"] == rows
+
+
+def test_a_real_link_cell_chooses_its_settings_as_its_emulated_twin_does(tmp_path):
+    from lowcomm.bench.matrix import _validation_cells
+
+    spec = BenchSpec(algos=["co2"], links=["100mbit"], workers=[2], out=str(tmp_path))
+    real, twin = [c for c in _validation_cells(spec, latency_applied=False) if c.algo == "co2"]
+    assert (real.shaping, twin.shaping, twin.link) == ("real", "emulated", "100mbit:0ms")
+    configs = [spec.train_config(c, spec.out) for c in (real, twin)]
+    # the real job runs without --link, so it is told the link its twin emulates
+    assert configs[0].link is None and configs[1].link == "100mbit:0ms"
+    assert configs[0].tune_link == configs[1].tune_link == "100mbit:0ms"
+    # a tune_link the user gives holds for both
+    given = BenchSpec(
+        algos=["co2"],
+        links=["100mbit"],
+        workers=[2],
+        out=str(tmp_path),
+        train_overrides={"tune_link": "off"},
+    )
+    pair = [given.train_config(c, given.out) for c in _validation_cells(given, True)]
+    assert {c.tune_link for c in pair} == {"off"}

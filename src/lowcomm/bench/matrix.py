@@ -81,6 +81,9 @@ class Cell:
         link: link profile or ``RATE:LATENCY``.
         shaping: ``"emulated"`` or ``"real"`` (tc-shaped namespaces).
         role: ``"matrix"`` or ``"validation"`` (the emulator-validation pairs).
+        tune_link: the link the job chooses its settings for (``--tune-link``); ``None``: its
+            own (an emulated cell's link; a real cell's, which the job cannot see, is given
+            here so that it chooses as its emulated twin does).
     """
 
     algo: str
@@ -88,6 +91,7 @@ class Cell:
     link: str
     shaping: str = "emulated"
     role: str = "matrix"
+    tune_link: str | None = None
 
     @property
     def id(self) -> str:
@@ -260,6 +264,7 @@ class BenchSpec:
             "eval_batches": self.eval_batches,
             "ceiling_steps": self.ceiling_steps,
             "link": cell.link if cell.shaping == "emulated" else None,
+            **({"tune_link": cell.tune_link} if cell.tune_link is not None else {}),
             "name": cell.id,
             "out": os.path.join(out, "cells", cell.id),
             "overwrite": True,
@@ -365,9 +370,11 @@ def _validation_cells(spec: BenchSpec, latency_applied: bool) -> list[Cell]:
             parsed = EmulatedLink.parse(link)
             # The twin must see the link the real cell sees: no netem, no added latency.
             twin = link if latency_applied else f"{_rate_text(parsed.bandwidth_bps)}:0ms"
+            # …and both choose their settings for that link (the real job sees no --link)
+            tune = None if "tune_link" in spec.train_overrides else twin
             for algo in spec.real_algos:
-                cells.append(Cell(algo, w, link, "real", "validation"))
-                cells.append(Cell(algo, w, twin, "emulated", "validation"))
+                cells.append(Cell(algo, w, link, "real", "validation", tune))
+                cells.append(Cell(algo, w, twin, "emulated", "validation", tune))
     return cells
 
 
