@@ -186,3 +186,18 @@ def test_a_warm_start_that_would_cost_more_than_its_budget_is_shortened() -> Non
     # 1gbit: the job's quarter of the steps costs less than the budget; a given length stays
     assert "sync_warmup" not in _choose("1gbit", **kw).settings
     assert "sync_warmup" not in _choose("10mbit", given={"sync_warmup"}, **kw).settings
+
+
+def test_what_the_job_does_not_tune_says_why() -> None:
+    from lowcomm.train.config import config_from_dict
+    from lowcomm.train.tuning import _tunable
+
+    def why(**values: Any) -> str | None:
+        return _tunable(config_from_dict({"link": "10mbit", **values}, source="test"))
+
+    assert why(algo="co2") is None
+    assert why(algo="co2", tune_link="off") == "off"
+    assert why(algo="co2-eager") == "co2-eager is not tuned"
+    assert why(algo="ddp") == "ddp is not tuned"
+    assert why(algo="co2", documents=True) is not None  # its steps are not one timed step
+    assert why(algo="diloco", shard_outer_state=True) is not None

@@ -57,6 +57,8 @@ def _tunable(cfg: TrainConfig) -> str | None:
         return "elastic syncs are not compressed"
     if cfg.shard_outer_state:
         return "sharded outer state is not compressed"
+    if cfg.documents:
+        return "a documents job's step time follows its documents, not one timed step"
     return None
 
 
