@@ -179,8 +179,8 @@ class _CodecNetwork:
         return self.net.exchange_time(payload_bytes, group)
 
 
-def _rungs(algo: str, current: dict[str, Any]) -> list[dict[str, Any]]:
-    """The ladder of ``algo`` as job settings, from the current ones."""
+def _rungs(algo: str) -> list[dict[str, Any]]:
+    """The ladder of ``algo`` as job settings."""
     entry = REGISTRY[algo]
     schedule = entry.schedule
     if entry.fixed:  # co2-eager: its overlap is the whole round
@@ -242,7 +242,7 @@ def choose_sync_settings(
     work = Workload(parameters=max(1.0, payload / 4), tokens_per_step=1.0, step_time_s=step_time_s)
     best: tuple[float, dict[str, Any], Any] | None = None
     chosen: tuple[dict[str, Any], Any] | None = None
-    for rung in _rungs(algo, current):
+    for rung in _rungs(algo):
         if any(k in given and current.get(k) != v for k, v in rung.items()):
             continue  # it would change what the user gave
         if int(rung.get("overlap") or 0) >= sync_every:

@@ -86,9 +86,17 @@ class Topology:
         if self.elastic is not None:
             return {"fault_tolerance": self.elastic.replica}
         group: Any = self.groups.cross
-        if self.cfg.link is not None:
-            group = node_link(EmulatedLink.parse(self.cfg.link), self.cfg).communicator(group)
+        link = self.emulated_link()
+        if link is not None:
+            group = link.communicator(group)
         return {"process_group": group}
+
+    def emulated_link(self) -> EmulatedLink | None:
+        """The emulated ``--link`` as one of this process's outer syncs sees it (with node
+        groups, its share of the node's link); ``None`` without one."""
+        if self.cfg.link is None:
+            return None
+        return node_link(EmulatedLink.parse(self.cfg.link), self.cfg)
 
     def batches(self, step: int, gen: torch.Generator) -> torch.Generator:
         """The generator the batch of ``step`` is drawn from: ``gen``, this process's own

@@ -65,11 +65,8 @@ def _tunable(cfg: TrainConfig) -> str | None:
 def _profile(cfg: TrainConfig, topology: Topology, group: Any) -> LinkProfile | None:
     if cfg.tune_link not in ("auto", "measure"):
         return LinkProfile.parse(cfg.tune_link, emulated=True)
-    if cfg.link is not None and cfg.tune_link == "auto":
-        from lowcomm.link import EmulatedLink
-        from lowcomm.train.nodes import node_link
-
-        own = node_link(EmulatedLink.parse(cfg.link), cfg)
+    own = topology.emulated_link()
+    if own is not None and cfg.tune_link == "auto":
         return LinkProfile(own.bandwidth_bps, own.latency_s, f"{cfg.link} (emulated)", True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world) or topology.world)
     if cfg.tune_link == "auto" and local >= topology.world:
@@ -135,8 +132,7 @@ def tune_to_link(
     if resumed is not None:
         saved = resumed.get("tuned")
         return (cfg, None) if saved is None else (_apply(cfg, saved), saved)
-    why_not = _tunable(cfg)
-    if why_not is not None:
+    if _tunable(cfg) is not None:
         return cfg, None
     kwargs = cfg.algorithm_kwargs()
     given = {k for k in TUNED_KEYS if getattr(cfg, k, None) is not None}
