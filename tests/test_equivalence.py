@@ -79,6 +79,26 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "sync_every": 4,
         "hyper": {"overlap": 2, "sync_warmup": 4, "outer_momentum": 0.9, "nesterov": True},
     },
+    # CO2 with staggered fragments: each fragment τ = H/P steps stale, or a whole round
+    "co2-fragments": {
+        "algo": "co2",
+        "sync_every": 4,
+        "inner": "adamw",
+        "fragments": [[0, 3], [1, 2]],
+        "hyper": {"overlap": 2, "clip": 0.05},
+    },
+    "co2-fragments-full-overlap-warm-int8": {
+        "algo": "co2",
+        "sync_every": 6,
+        "fragments": [[0], [1, 2], [3]],
+        "hyper": {
+            "compression": "int8",
+            "clip_mode": "norm",
+            "clip": 0.1,
+            "sync_warmup": 6,
+            "sync_warmup_compression": "int4",
+        },
+    },
     # the outer lr follows a decaying inner lr
     "diloco-lr-follows": {
         "algo": "diloco",
@@ -160,7 +180,7 @@ def four_ranks() -> dict[str, list[dict]]:
 def _ranks_agree_every_round(name: str) -> bool:
     """Streaming DiLoCo's unsynced fragments, eager CO2's anchors and NoLoCo's are per rank."""
     sc = SCENARIOS[name]
-    per_rank = sc["algo"] in ("streaming", "cocodc", "noloco")
+    per_rank = sc["algo"] in ("streaming", "cocodc", "noloco") or len(sc.get("fragments", [])) > 1
     return not per_rank and not sc.get("hyper", {}).get("eager")
 
 
@@ -291,12 +311,15 @@ def test_co2_never_waits_in_the_round_it_launched(two_ranks: dict, name: str) ->
     h = _scenario(name, 2)["sync_every"]
     steps = _scenario(name, 2)["steps"]
     warmup = SCENARIOS[name].get("hyper", {}).get("sync_warmup", 0)
+    p = len(SCENARIOS[name].get("fragments", [None]))
+    interval = h // p  # a sync point every H/P steps
     for r in two_ranks[name]:
         launched: dict[int, int] = {}
         waited: dict[int, int] = {}
         # the warm start's gradient all-reduces are blocking, before step K's inner update
+        # (one per fragment, all launched before any is waited on)
         warm = {hid for event, hid, step in r["events"] if event == "launch" and step < warmup}
-        assert len(warm) == warmup
+        assert len(warm) == warmup * p
         for event, hid, step in r["events"]:
             if hid in warm:
                 continue
@@ -311,11 +334,12 @@ def test_co2_never_waits_in_the_round_it_launched(two_ranks: dict, name: str) ->
             assert launched[last] == waited[last] == steps
             del launched[last]
         tau = SCENARIOS[name].get("hyper", {}).get("overlap") or h
-        assert len(launched) == (steps - warmup + tau) // h - (tau == h)
+        assert len(launched) == (steps - warmup + tau) // interval - tau // interval
         for hid, at in launched.items():
-            assert (at - warmup + tau) % h == 0
-            # waited τ steps later (a full round by default), never at the step it launched
-            assert waited[hid] == at + tau or (hid == max(launched) and waited[hid] == steps)
+            assert (at - warmup + tau) % interval == 0
+            # waited τ steps later (a full round by default), never at the step it launched;
+            # what is still in flight at the end, by finish()
+            assert waited[hid] == at + tau or (at + tau > steps and waited[hid] == steps)
             assert waited[hid] > at
 
 
@@ -351,6 +375,10 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
         if algo_name == "noloco-overlap":  # the exchange launched at step 5 is in flight
             algo = ALGORITHMS["noloco"](model, inner, sync_every=3, overlap=1, outer_momentum=0.9)
             return model, inner, algo
+        if algo_name == "co2-fragments":  # two fragments in flight (τ = H), per-fragment state
+            params = list(model.parameters())
+            kw = {"fragments": [params[:2], params[2:]]}
+            return model, inner, ALGORITHMS["co2"](model, inner, sync_every=4, **kw)
         if algo_name in ("streaming", "cocodc"):
             params = list(model.parameters())
             kw: dict = {"fragments": [params[:2], params[2:]], "overlap": 1}
@@ -394,6 +422,7 @@ STATE_DICT_CUTS = [
     ("co2-eager", 6),
     ("co2-warm", 5),
     ("co2-warm", 10),
+    ("co2-fragments", 5),
     ("diloco", 4),
     ("diloco-warm-int8sr", 4),
     ("slowmo", 6),

@@ -169,7 +169,10 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "sync_warmup_compression": "int8",
     }
     assert eager.ignored_outer_keys() == ["mix"]
-    assert TrainConfig(algo="co2", num_fragments=3).ignored_outer_keys() == ["num_fragments"]
+    assert TrainConfig(algo="diloco", num_fragments=3).ignored_outer_keys() == ["num_fragments"]
+    staggered = TrainConfig(algo="co2", num_fragments=3)  # CO2 staggers fragments too
+    assert staggered.ignored_outer_keys() == []
+    assert staggered.algorithm_kwargs()["num_fragments"] == 3
 
 
 def test_inapplicable_outer_keys_are_not_checked() -> None:

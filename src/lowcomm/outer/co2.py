@@ -18,7 +18,12 @@ reset to a stale anchor discarding nothing (delayed averaging, as in Zhou et al.
 Anchors then differ across ranks; ``finish()`` takes their mean.
 
 ``overlap=τ < H`` launches each round's all-reduce τ steps before the round ends and applies
-it at the end: τ steps stale instead of a round (not with eager). Paper symbols: H
+it at the end: τ steps stale instead of a round (not with eager). ``num_fragments=P > 1``
+staggers the model as Streaming DiLoCo does (Douillard et al. 2025,
+https://arxiv.org/abs/2501.18512): P fragments, transformer blocks strided across them, a sync
+point every H/P steps syncing fragment (k − 1) mod P with the steps above, each fragment with its
+own outer state. With τ = H/P the link carries a fragment per H/P steps, the same bytes per round
+as one fragment a round, each fragment H/P steps stale instead of H. Paper symbols: H
 ``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``, φ ``clip``, Λ
 ``gap_penalty``.
 
@@ -29,11 +34,12 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from lowcomm.compress.codecs import PowerSGD, parse_compression
 from lowcomm.hparams import (
@@ -52,6 +58,9 @@ from lowcomm.outer.functional import co2_outer_update_
 from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
+    check_fragments,
+    fragments,
+    num_fragments,
     outer_lr,
     outer_lr_schedule,
     outer_momentum,
@@ -126,6 +135,8 @@ class CO2Config(ShardableConfig):
             check_number("must be an integer >= 1, got {value!r}; e.g. {key}=4", 1, integer=True)
         ),
     )
+    num_fragments: int = num_fragments()
+    fragments: Sequence[Any] | None = fragments()
     own_weight: float | None = hyper(
         None,
         doc="eager: the weight w of this rank's own fresh Δᵢ, replaced by the average a round "
@@ -150,6 +161,14 @@ class CO2Config(ShardableConfig):
                 "overlap",
                 f"must be <= sync_every={self.sync_every} (None: sync_every)",
                 shown=str(self.overlap),
+            )
+        check_fragments(self.sync_every, self.num_fragments)
+        if self.eager and self.num_fragments > 1:
+            raise HyperparameterError(
+                "eager",
+                "cannot be combined with num_fragments > 1 (eager updates take the whole "
+                "model's own delta at each sync); use num_fragments=1",
+                shown="True",
             )
         if self.eager and self.overlap not in (None, self.sync_every):
             raise HyperparameterError(
@@ -261,13 +280,27 @@ class CO2(OuterAlgorithm):
     def _overlap(self) -> int:
         return self.sync_every if self.config.overlap is None else int(self.config.overlap)
 
+    @property
+    def _flat_state(self) -> bool:  # type: ignore[override]
+        return self.config.num_fragments == 1
+
+    @classmethod
+    def _complete(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+        return cls._count_fragments(hyperparameters)
+
+    def _fragment_groups(
+        self, model_or_params: nn.Module | Iterable[torch.Tensor]
+    ) -> list[list[torch.Tensor]]:
+        return self._split(model_or_params, self.config.num_fragments, self.config.fragments)
+
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         return CO2State(self.config, anchor, self.outer_lr_factor)
 
     @property
     def outer_updates(self) -> int:
-        """Outer updates applied so far (the first one seeds the gap statistic)."""
-        return int(getattr(self.fragment.outer, "updates", 0))
+        """Outer updates applied so far (the first one seeds the gap statistic), summed over
+        the fragments."""
+        return sum(int(getattr(f.outer, "updates", 0)) for f in self.fragments)
 
     def _outer_input(
         self, frag: AnyFragment, sync: Sync | None, avg: list[torch.Tensor] | None

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -61,7 +61,7 @@ from lowcomm.outer.fragment import (
 from lowcomm.outer.functional import pseudo_gradient_norm
 from lowcomm.outer.guards import Guards, log_repeated
 from lowcomm.outer.hparams import OuterConfig
-from lowcomm.params import collect_params, load_tensors
+from lowcomm.params import check_partition, collect_params, load_tensors, split_by_blocks
 
 if TYPE_CHECKING:
     from lowcomm.elastic.sync import FaultTolerance
@@ -199,6 +199,20 @@ class OuterAlgorithm(Guards):
         """Keyword arguments for ``Config`` (subclasses derive some from others)."""
         return hyperparameters
 
+    @staticmethod
+    def _count_fragments(hyperparameters: dict[str, Any]) -> dict[str, Any]:
+        """``num_fragments`` from explicit ``fragments`` (refused when both disagree)."""
+        fragments, given = (
+            hyperparameters.get("fragments"),
+            hyperparameters.pop("num_fragments", None),
+        )
+        if fragments is not None and given is not None and given != len(fragments):
+            problem = f"but {len(fragments)} fragments were given; pass one of the two"
+            raise HyperparameterError("num_fragments", problem, shown=str(given))
+        if fragments is not None or given is not None:
+            hyperparameters["num_fragments"] = given if fragments is None else len(fragments)
+        return hyperparameters
+
     def _overlap(self) -> int:
         """τ: inner steps between a fragment's launch and its apply (the ``overlap`` keyword)."""
         return int(getattr(self.config, "overlap", 0))
@@ -208,6 +222,31 @@ class OuterAlgorithm(Guards):
     ) -> list[list[torch.Tensor]]:
         """The fragments' parameters (default: the whole model, one fragment)."""
         return [self.params]
+
+    def _split(
+        self,
+        model_or_params: nn.Module | Iterable[torch.Tensor],
+        num_fragments: int,
+        fragments: Sequence[Any] | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """``num_fragments`` fragments strided by transformer block
+        (:func:`~lowcomm.params.split_by_blocks`), or the explicit ``fragments`` (modules or
+        parameter lists), checked to hold every trainable parameter once."""
+        if fragments is None:
+            if num_fragments == 1:
+                return [self.params]
+            if not isinstance(model_or_params, nn.Module):
+                raise ValueError(
+                    "automatic fragments (num_fragments > 1) need the model as an nn.Module; "
+                    "pass the module, or fragments=[...]"
+                )
+            groups = split_by_blocks(model_or_params, num_fragments)
+        else:
+            groups = [
+                [q for q in (f.parameters() if isinstance(f, nn.Module) else f) if q.requires_grad]
+                for f in fragments
+            ]
+        return check_partition(groups, self.params)
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         """The update rule and its state over ``anchor`` (not called when
@@ -355,8 +394,8 @@ class OuterAlgorithm(Guards):
 
     def _average_grads(self) -> None:
         """The warm start (``sync_warmup``), before each of the first K inner steps: every
-        gradient ← its mean over the ranks, uncompressed and blocking, as DDP would, so the
-        inner optimizers take DDP's steps and stay equal. Post-local SGD: Lin et al., ICLR 2020
+        gradient ← its mean over the ranks, blocking, as DDP would, so the inner optimizers
+        take DDP's steps and stay equal. Post-local SGD: Lin et al., ICLR 2020
         (https://arxiv.org/abs/1808.07217), synchronous through the fast-moving start, local
         after it. A mean holding NaN or Inf skips the step alike on every rank (gradients set
         to None) or raises (``nan_policy="raise"``)."""
@@ -369,13 +408,18 @@ class OuterAlgorithm(Guards):
                 for f in self.fragments
             ]
             bufs = [f.warm_buffer() for f in self.fragments]
+            # Every fragment's mean is launched before any is waited on: one link round trip a
+            # step, not one per fragment (the same collectives in the same order on every rank).
+            handles = []
             for i, (buf, g) in enumerate(zip(bufs, grads)):
                 buf.copy_from(g)
                 if self._warm_compressors:
                     # the mean of every rank's decoded g + e; e keeps what the codec dropped
-                    self.comm.compressed_mean_async(buf, self._warm_compressors[i]).wait()
+                    handles.append(self.comm.compressed_mean_async(buf, self._warm_compressors[i]))
                 else:
-                    self.comm.all_reduce_mean(buf.buffers)
+                    handles.append(self.comm.all_reduce_mean_async(buf.buffers))
+            for handle in handles:
+                handle.wait()
             if not all(all_finite(buf.views) for buf in bufs):
                 self.skipped_updates += 1
                 message = (

@@ -29,6 +29,9 @@ __all__ = [
     "CompressionConfig",
     "OuterConfig",
     "ShardableConfig",
+    "check_fragments",
+    "fragments",
+    "num_fragments",
     "outer_lr",
     "outer_lr_schedule",
     "outer_momentum",
@@ -158,3 +161,34 @@ def overlap(doc: str) -> Any:
         symbol="τ",
         check=check_number("must be an integer >= 0, got {value!r}", 0, integer=True),
     )
+
+
+def num_fragments() -> Any:
+    """The ``num_fragments`` (P) field, default 1."""
+    return hyper(
+        1,
+        doc="fragments, transformer blocks strided across them; sync_every must be a multiple",
+        symbol="P",
+        check=check_positive_int(4),
+    )
+
+
+def fragments() -> Any:
+    """The ``fragments`` field: explicit fragments (library only)."""
+    return hyper(
+        None,
+        doc="explicit fragments: modules or parameter lists holding every parameter once",
+        job=False,
+    )
+
+
+def check_fragments(sync_every: int, num_fragments: int) -> None:
+    """H must be a multiple of P (a sync point every H/P steps)."""
+    h, p = sync_every, num_fragments
+    if h % p:
+        raise HyperparameterError(
+            "sync_every",
+            f"must be a multiple of num_fragments={p} (a sync point every H/P steps); e.g. "
+            f"sync_every={p * max(1, round(h / p))}",
+            shown=str(h),
+        )

@@ -25,10 +25,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lowcomm.hparams import HyperparameterError, check_number, check_positive_int, hyper
+from lowcomm.hparams import HyperparameterError, check_number, hyper
 from lowcomm.outer.diloco import DiLoCo, OuterSGDConfig
-from lowcomm.outer.hparams import OuterConfig, ShardableConfig, overlap
-from lowcomm.params import check_partition, split_by_blocks
+from lowcomm.outer.hparams import (
+    OuterConfig,
+    ShardableConfig,
+    check_fragments,
+    fragments,
+    num_fragments,
+    overlap,
+)
+from lowcomm.params import split_by_blocks
 
 __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_blocks"]
 
@@ -37,31 +44,16 @@ __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_bl
 class FragmentsConfig(OuterSGDConfig):
     """P fragments synced in turn, each overlapped by τ steps (Streaming DiLoCo, CoCoDC)."""
 
-    num_fragments: int = hyper(
-        1,
-        doc="fragments, transformer blocks strided across them; sync_every must be a multiple",
-        symbol="P",
-        check=check_positive_int(4),
-    )
-    fragments: Sequence[Any] | None = hyper(
-        None,
-        doc="explicit fragments: modules or parameter lists holding every parameter once",
-        job=False,
-    )
+    num_fragments: int = num_fragments()
+    fragments: Sequence[Any] | None = fragments()
     overlap: int = overlap(
         "inner steps a fragment's all-reduce runs before it is applied (below sync_every)"
     )
 
     def check(self) -> None:
         super().check()
-        h, p, tau = self.sync_every, self.num_fragments, self.overlap
-        if h % p:
-            raise HyperparameterError(
-                "sync_every",
-                f"must be a multiple of num_fragments={p} (a sync point every H/P steps); e.g. "
-                f"sync_every={p * max(1, round(h / p))}",
-                shown=str(h),
-            )
+        h, tau = self.sync_every, self.overlap
+        check_fragments(h, self.num_fragments)
         if tau >= h:
             raise HyperparameterError(
                 "overlap",
@@ -100,37 +92,12 @@ class StreamingDiLoCo(DiLoCo):
 
     @classmethod
     def _complete(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-        fragments, given = (
-            hyperparameters.get("fragments"),
-            hyperparameters.pop("num_fragments", None),
-        )
-        if fragments is not None and given is not None and given != len(fragments):
-            problem = f"but {len(fragments)} fragments were given; pass one of the two"
-            raise HyperparameterError("num_fragments", problem, shown=str(given))
-        if fragments is not None or given is not None:
-            hyperparameters["num_fragments"] = given if fragments is None else len(fragments)
-        return hyperparameters
+        return cls._count_fragments(hyperparameters)
 
     def _fragment_groups(
         self, model_or_params: nn.Module | Iterable[torch.Tensor]
     ) -> list[list[torch.Tensor]]:
-        fragments = self.config.fragments
-        if fragments is None:
-            p = self.config.num_fragments
-            if p == 1:
-                return [self.params]
-            if not isinstance(model_or_params, nn.Module):
-                raise ValueError(
-                    "automatic fragments (num_fragments > 1) need the model as an nn.Module; "
-                    "pass the module, or fragments=[...]"
-                )
-            groups = split_by_blocks(model_or_params, p)
-        else:
-            groups = [
-                [q for q in (f.parameters() if isinstance(f, nn.Module) else f) if q.requires_grad]
-                for f in fragments
-            ]
-        return check_partition(groups, self.params)
+        return self._split(model_or_params, self.config.num_fragments, self.config.fragments)
 
     def _merge(self, f: int) -> None:
         """θ_p ← (1 − mix)·Â_p + mix·θ_p (Â_p is now the fragment's anchor)."""

@@ -382,6 +382,17 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         u=[torch.zeros_like(a) for a in anchor],
     )
 
+    # CO2 with fragments: one outer state per fragment, synced in turn as Streaming DiLoCo
+    co2_frags = algo == "co2" and len(frags) > 1
+    frag_co2 = [
+        _CO2State(
+            m=[torch.zeros_like(anchor[j]) for j in idx],
+            c=[torch.zeros_like(anchor[j]) for j in idx],
+            u=[torch.zeros_like(anchor[j]) for j in idx],
+        )
+        for idx in frags
+    ]
+
     eager_a = [[a.clone() for a in anchor] for _ in range(n)]
     eager_st = [
         _CO2State(
@@ -516,6 +527,26 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
                 if phase % interval == 0 and phase - tau >= 1:
                     stream_sync(phase // interval)
+        if co2_frags:
+            with torch.no_grad():
+                tau = h if hyper.get("overlap") is None else hyper["overlap"]
+                if (phase + tau) % interval == 0:
+                    k = (phase + tau) // interval
+                    f = (k - 1) % len(frags)
+                    stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
+                if phase % interval == 0:
+                    k = phase // interval
+                    f = (k - 1) % len(frags)
+                    if k in stream_pending:
+                        launched_f, avg = stream_pending.pop(k)
+                        assert launched_f == f
+                        co2_apply(avg, [anchor[j] for j in frags[f]], frag_co2[f])
+                    for th in thetas:  # θ_f ← A_f (unlaunched sync points: A_f unchanged)
+                        for j in frags[f]:
+                            th[j].copy_(anchor[j])
+            if phase % h == 0:
+                out.rounds.append([[p.detach().clone() for p in th] for th in thetas])
+            continue
         if algo == "noloco":
             with torch.no_grad():
                 tau = hyper["overlap"]
@@ -607,7 +638,11 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         elif algo == "co2" and co2.pending is not None:
             co2_apply(co2.pending)
         for k in sorted(stream_pending):
-            stream_sync(k)
+            if co2_frags:
+                launched_f, avg = stream_pending.pop(k)
+                co2_apply(avg, [anchor[j] for j in frags[launched_f]], frag_co2[launched_f])
+            else:
+                stream_sync(k)
         if algo == "noloco":
             if noloco_pending is not None:
                 noloco_apply(noloco_pending)
