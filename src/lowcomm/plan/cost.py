@@ -45,7 +45,8 @@ of the whole payload; ``t_o`` = one outer update):
   exactly by the excess (the link is the bottleneck; first in, first out). With ``overlap``
   0 < τ < H (``lowcomm train``'s CO2: launched τ steps before the round ends, applied at its
   end) it is one fragment of the ``fragments`` rule: round = max(H·t_c + max(0, T − τ·t_c) +
-  t_o, T); ``overlap`` 0 is the paper's τ = H.
+  t_o, T); ``overlap`` 0 is the paper's τ = H. With ``num_fragments`` P > 1 (staggered
+  fragments) it is the ``fragments`` rule with τ (H where ``overlap`` is 0).
 * ``fragments`` (``streaming``: Streaming DiLoCo, and ``cocodc``): P fragments of S / P bytes,
   one synced every H / P steps; each all-reduce (time T_f) is launched ``overlap`` (τ) steps
   before its sync point, so each sync point exposes max(0, T_f − τ·t_c). The link carries one
@@ -435,7 +436,8 @@ class Algorithm:
     sync_every: int = 1
     """H: inner steps per round (the CO2 paper's τ); ignored by ddp and none."""
     num_fragments: int = 1
-    """P: streaming/cocodc fragments; H must be a multiple of P."""
+    """P: streaming/cocodc fragments (and co2's staggered fragments); H must be a multiple of
+    P."""
     overlap: int = 0
     """τ: streaming/cocodc inner steps a fragment's all-reduce runs before it is applied; for
     co2, 0 < τ < H launches the all-reduce τ steps before the round ends (0: the paper's τ = H)."""
@@ -461,7 +463,8 @@ class Algorithm:
             raise ValueError(
                 f"overlap ({self.overlap}) must be < sync_every ({self.sync_every}) for {self.name}"
             )
-        if self.schedule == "fragments" and self.sync_every % self.num_fragments:
+        staggered = self.schedule in ("fragments", "one-round-stale")
+        if staggered and self.sync_every % self.num_fragments:
             raise ValueError(
                 f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
                 f"({self.num_fragments}) for {self.name}"
@@ -498,6 +501,8 @@ class Algorithm:
             text += f" P={self.num_fragments} overlap={self.overlap}"
         if self.schedule == "gossip":
             text += f" n={self.group_size}" + (f" overlap={self.overlap}" if self.overlap else "")
+        if self.schedule == "one-round-stale" and self.num_fragments > 1:
+            text += f" P={self.num_fragments}"
         if self.schedule == "one-round-stale" and 0 < self.overlap < self.sync_every:
             text += f" overlap={self.overlap}"
         return text
@@ -559,6 +564,9 @@ def step_time(algorithm: Algorithm, workload: Workload, network: LinkModel, n: i
     if schedule == "blocking":
         comm = network.allreduce_time(payload, n)
         return StepTime(t + (comm + outer) / h, t, comm / h, comm / h, outer / h)
+    if schedule == "one-round-stale" and algorithm.num_fragments > 1:
+        # CO2 with staggered fragments: the fragments rule, τ = H where overlap is 0
+        return _fragments_step(algorithm, workload, network, n, algorithm.overlap or h)
     if schedule == "one-round-stale" and 0 < algorithm.overlap < h:
         # lowcomm train's CO2: launched τ steps before the round ends, applied at its end —
         # one fragment of the fragments rule below
@@ -584,12 +592,20 @@ def step_time(algorithm: Algorithm, workload: Workload, network: LinkModel, n: i
             round_s / h, t, ex / h, (round_s - h * t - outer) / h, outer / h, queued / h
         )
     assert schedule == "fragments", schedule
+    return _fragments_step(algorithm, workload, network, n, algorithm.overlap)
+
+
+def _fragments_step(
+    algorithm: Algorithm, workload: Workload, network: LinkModel, n: int, overlap: int
+) -> StepTime:
+    """The ``fragments`` rule (module docstring), each fragment ``overlap`` steps in flight."""
+    t, h, outer = workload.step_time_s, algorithm.sync_every, workload.outer_time_s
     p = algorithm.num_fragments
-    frag = network.allreduce_time(payload / p, n)
+    frag = network.allreduce_time(workload.payload / p, n)
     score = 0.0
     if _scores_fragments(algorithm):
         score = network.allreduce_time(_SCORE_BYTES * p, n)
-    per_point = max(0.0, frag - algorithm.overlap * t) + score
+    per_point = max(0.0, frag - overlap * t) + score
     compute_bound = h * t + p * per_point + outer
     link_bound = p * (frag + score)
     round_s = max(compute_bound, link_bound)

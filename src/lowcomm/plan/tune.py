@@ -12,9 +12,12 @@ of staleness more), and takes the first rung whose predicted step time is within
 predicted step (the earlier on a tie). A rung that would change a setting the user gave is
 skipped: what is given always wins.
 
-* CO2 (``overlap`` < H): fp32 τ 1, int8 τ 1, int4 τ 1, int2 τ 1, int4 τ 2, int2 τ 2, int2 τ 4
-  (codecs with error feedback cost nothing measurable per token in the study; staleness does:
-  τ 4 +1.6%, τ 2 +0.1%, τ 1 −1.5% against DDP with int4);
+* CO2 (``overlap`` < H): fp32 τ 1, int8 τ 1, int4 τ 1, int2 τ 1, int4 τ 2; then staggered
+  fragments (``num_fragments`` 4, a fragment synced every H/4 steps, at most H/4 steps in
+  flight): int4 τ 2, int4 τ 3, int2 τ 2, int2 τ 3; then one fragment again, int2 τ 2 and
+  int2 τ 4 (for models of fewer than 4 blocks). Codecs with error feedback cost nothing
+  measurable per token in the study; staleness does (τ 4 +1.6%, τ 2 +0.1%, τ 1 −1.5% against
+  DDP with int4), far less when a quarter of the model is stale at a time;
 * DiLoCo, SlowMo, LocalSGD (blocking): fp32, int8, int4, int2 — a codec shortens the wait,
   nothing hides it;
 * Streaming DiLoCo, CoCoDC: fp32, int8, int4, int2 at the job's fragments and overlap.
@@ -65,19 +68,24 @@ of the step's compute."""
 WARM_BUDGET = 0.05
 """The warm start is shortened until what its all-reduces add is at most this share of the
 job's compute…"""
-MIN_WARM_FRACTION = 1 / 20
-"""…but not below this share of the steps: the shortest warm start that kept the default job
-within 2% of DDP's loss per token in the study (48 of 960 steps, int2: +0.0% over 3 seeds,
-where no warm start is +30%)."""
+MIN_WARM_FRACTION = 3 / 40
+"""…but not below this share of the steps: the shortest warm start with which the default job
+tuned for a slow link (int4 syncs in 4 staggered fragments, int2 warm start) ended below DDP's
+loss in the study (72 of 960 steps: −1.0% over 3 seeds; 48 steps: +1.7%; no warm start +30%)."""
 
-_CO2_LADDER: tuple[tuple[str | None, int], ...] = (
-    (None, 1),
-    ("int8", 1),
-    ("int4", 1),
-    ("int2", 1),
-    ("int4", 2),
-    ("int2", 2),
-    ("int2", 4),
+_CO2_LADDER: tuple[tuple[str | None, int, int], ...] = (
+    # (codec, τ, P)
+    (None, 1, 1),
+    ("int8", 1, 1),
+    ("int4", 1, 1),
+    ("int2", 1, 1),
+    ("int4", 2, 1),
+    ("int4", 2, 4),
+    ("int4", 3, 4),
+    ("int2", 2, 4),
+    ("int2", 3, 4),
+    ("int2", 2, 1),
+    ("int2", 4, 1),
 )
 _CODEC_LADDER: tuple[str | None, ...] = (None, "int8", "int4", "int2")
 _WARM_LADDER: tuple[str, ...] = ("int8", "int4", "int2")
@@ -179,14 +187,19 @@ class _CodecNetwork:
         return self.net.exchange_time(payload_bytes, group)
 
 
-def _rungs(algo: str) -> list[dict[str, Any]]:
-    """The ladder of ``algo`` as job settings."""
+def _rungs(algo: str, sync_every: int, max_fragments: int) -> list[dict[str, Any]]:
+    """The ladder of ``algo`` as job settings (staggered rungs only where H splits into their
+    P fragments, each at most H/P steps in flight, and the model has P blocks)."""
     entry = REGISTRY[algo]
     schedule = entry.schedule
     if entry.fixed:  # co2-eager: its overlap is the whole round
         return []
     if schedule == "one-round-stale":
-        return [{"compression": c, "overlap": tau} for c, tau in _CO2_LADDER]
+        return [
+            {"compression": c, "overlap": tau, "num_fragments": p}
+            for c, tau, p in _CO2_LADDER
+            if p == 1 or (p <= max_fragments and sync_every % p == 0 and tau <= sync_every // p)
+        ]
     if schedule in ("blocking", "fragments"):
         return [{"compression": c} for c in _CODEC_LADDER]
     return []
@@ -197,7 +210,6 @@ def _algorithm(algo: str, sync_every: int, settings: dict[str, Any]) -> Algorith
     kwargs: dict[str, Any] = {"name": algo, "sync_every": sync_every}
     if schedule in ("one-round-stale", "fragments"):
         kwargs["overlap"] = int(settings.get("overlap") or 0)
-    if schedule == "fragments":
         kwargs["num_fragments"] = int(settings.get("num_fragments") or 1)
     return Algorithm(**kwargs)
 
@@ -214,6 +226,7 @@ def choose_sync_settings(
     given: Iterable[str] = (),
     warm_steps: int = 0,
     steps: int | None = None,
+    max_fragments: int = 1,
 ) -> SyncChoice:
     """The sync settings of ``algo`` for ``link`` (module docstring).
 
@@ -232,8 +245,12 @@ def choose_sync_settings(
             :data:`WARM_BUDGET` of the job's compute is shortened (to no fewer than
             :data:`MIN_WARM_FRACTION` of the steps, in whole rounds), unless ``sync_warmup`` is
             given.
+        max_fragments: the most fragments the model splits into (its transformer blocks): CO2's
+            staggered rungs (4 fragments) need at least 4; 1 leaves them out.
     """
     current = dict(current or {})
+    if REGISTRY[algo].schedule == "one-round-stale" and current.get("num_fragments") is None:
+        current["num_fragments"] = 1  # CO2's default: one fragment
     given = set(given)
     shapes = [tuple(s) for s in shapes]
     payload = 4.0 * sum(math.prod(s) for s in shapes)
@@ -242,7 +259,7 @@ def choose_sync_settings(
     work = Workload(parameters=max(1.0, payload / 4), tokens_per_step=1.0, step_time_s=step_time_s)
     best: tuple[float, dict[str, Any], Any] | None = None
     chosen: tuple[dict[str, Any], Any] | None = None
-    for rung in _rungs(algo):
+    for rung in _rungs(algo, sync_every, max_fragments):
         if any(k in given and current.get(k) != v for k, v in rung.items()):
             continue  # it would change what the user gave
         if int(rung.get("overlap") or 0) >= sync_every:

@@ -40,7 +40,13 @@ __all__ = ["TUNED_KEYS", "measure_link", "tune_to_link"]
 
 logger = logging.getLogger(__name__)
 
-TUNED_KEYS = ("compression", "overlap", "sync_warmup", "sync_warmup_compression")
+TUNED_KEYS = (
+    "compression",
+    "overlap",
+    "num_fragments",
+    "sync_warmup",
+    "sync_warmup_compression",
+)
 """The job settings a choice may set (only where the user gave none)."""
 
 _TUNABLE_SCHEDULES = ("one-round-stale", "blocking", "fragments")
@@ -151,10 +157,11 @@ def tune_to_link(
             step_time_s=step_s,
             shapes=[tuple(p.shape) for p in gpt.parameters() if p.requires_grad],
             sync_every=cfg.sync_every,
-            current={k: kwargs.get(k) for k in (*TUNED_KEYS, "num_fragments")},
+            current={k: kwargs.get(k) for k in TUNED_KEYS},
             given=given,
             warm_steps=cfg.sync_warmup_steps(),
             steps=cfg.steps,
+            max_fragments=cfg.n_layer,
         )
         record[0] = {"link": profile.describe(), **choice.as_dict()}
     dist.broadcast_object_list(record, src=0)

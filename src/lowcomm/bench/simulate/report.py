@@ -145,8 +145,8 @@ def format_calibration_table(report: SimulateReport) -> str:
 
 def format_link_choices(s: Scenario) -> str:
     """A table of what :func:`lowcomm.plan.tune.choose_sync_settings` chooses for each tunable
-    outer algorithm of ``s`` on its (slow) link, at its fewest workers above one; ``""`` when
-    none is tunable."""
+    outer algorithm of ``s`` on its (slow) link, at its fewest workers above one (for a model of at
+    least 4 transformer blocks: CO2's staggered rungs apply); ``""`` when none is tunable."""
     from lowcomm.plan.tune import LinkProfile, choose_sync_settings
 
     n = min((w for w in s.workers if w > 1), default=2)
@@ -168,6 +168,7 @@ def format_link_choices(s: Scenario) -> str:
                 shapes=[(int(s.workload.parameters),)],
                 sync_every=algo.sync_every,
                 current=current,
+                max_fragments=4,  # a model of at least 4 transformer blocks
             )
         except ValueError:
             continue
