@@ -17,6 +17,7 @@ from lowcomm.compress import (
     PowerSGD,
     Quantize,
     Raw,
+    Sign,
     TopK,
     parse_compression,
 )
@@ -129,6 +130,26 @@ def test_quantize_stochastic_rounding_is_unbiased_and_seeded() -> None:
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 127, 128, 129, 1000])
+@pytest.mark.parametrize("block", [1, 16, 128])
+def test_sign_sends_a_bit_an_element_scaled_by_its_blocks_mean_magnitude(
+    n: int, block: int
+) -> None:
+    x = _x((n,), seed=n)
+    codec = Sign(block=block)
+    expected = math.ceil(n / 8) + 4 * math.ceil(n / block)
+    assert codec.encoded_nbytes((n,)) == codec.encode(x).numel() == expected
+    y = codec.roundtrip(x)
+    for start in range(0, n, block):
+        part, got = x[start : start + block], y[start : start + block]
+        # every element ±(the block's mean |x|), with its own sign (0 counts as +)
+        torch.testing.assert_close(got.abs(), part.abs().mean().expand_as(got))
+        assert torch.equal(got >= 0, part >= 0)
+    # one bit an element and a scale a block: 5/9 of int2's bytes at the default block
+    if n == 1000 and block == 128:
+        assert codec.wire_nbytes((n,)) == 157 and Quantize(bits=2).wire_nbytes((n,)) == 282
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("density", [0.01, 0.2, 1.0])
 def test_topk_keeps_the_largest_exactly(shape: tuple[int, ...], density: float) -> None:
@@ -143,7 +164,7 @@ def test_topk_keeps_the_largest_exactly(shape: tuple[int, ...], density: float) 
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(0, 255), min_size=0, max_size=40), st.sampled_from([2, 4, 8]))
+@given(st.lists(st.integers(0, 255), min_size=0, max_size=40), st.sampled_from([1, 2, 4, 8]))
 def test_pack_unpack_round_trip(values: list[int], bits: int) -> None:
     codes = torch.tensor([v % (1 << bits) for v in values], dtype=torch.uint8)
     packed = pack_bits(codes, bits)
@@ -153,7 +174,7 @@ def test_pack_unpack_round_trip(values: list[int], bits: int) -> None:
 
 def test_decode_accepts_payloads_at_any_offset() -> None:
     x = _x((5, 77))
-    for codec in (BF16(), Quantize(bits=4, block=16), TopK(0.1), Raw()):
+    for codec in (BF16(), Quantize(bits=4, block=16), Sign(block=16), TopK(0.1), Raw()):
         payload = codec.encode(x)
         shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])[3:]
         assert torch.equal(codec.decode(shifted, x.shape), codec.roundtrip(x))
@@ -211,6 +232,9 @@ def test_powersgd_local_error_and_warm_start() -> None:
         ("int4", Quantize(bits=4)),
         ("INT4:64:sr", Quantize(bits=4, block=64, stochastic=True)),
         ("int2:block=32", Quantize(bits=2, block=32)),
+        ("sign", Sign()),
+        ("sign:block=64", Sign(block=64)),
+        ("SIGN:32", Sign(block=32)),
         ("topk:0.01", TopK(0.01)),
         ("topk:density=0.5", TopK(0.5)),
         ("powersgd:4", PowerSGD(4)),
@@ -244,6 +268,8 @@ def test_none_means_no_compression() -> None:
         ("powersgd:0", "e.g. 'powersgd:4'"),
         ("powersgd:x", "must be an integer"),
         ("int8:block=0", "block"),
+        ("sign:block=0", "block must be >= 1"),
+        ("sign:sr", "e.g. 'sign:block=64'"),
         ("int8:foo", "e.g. 'int4:block=64:sr'"),
         ("bf16:sr", "takes no options"),
         ("powersgd:4:colour=red", "unknown option"),
@@ -281,7 +307,7 @@ def test_eager_co2_refuses_two_phase_codecs() -> None:
 
 # -- error feedback and the compressed path on one rank ---------------------------------------
 
-CODECS = ["fp32", "bf16", "int8", "int4:16", "int2:8:sr", "topk:0.1", "powersgd:2"]
+CODECS = ["fp32", "bf16", "int8", "int4:16", "int2:8:sr", "sign:16", "topk:0.1", "powersgd:2"]
 
 
 @pytest.mark.parametrize("spec", CODECS)

@@ -23,7 +23,16 @@ from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.collectives import CompressedHandle
 from lowcomm.compress.ddp import DDPCompressionState, ddp_hook
 from lowcomm.compress.feedback import Compressor
-from lowcomm.compress.formats import BF16, Codec, ElementwiseCodec, PowerSGD, Quantize, Raw, TopK
+from lowcomm.compress.formats import (
+    BF16,
+    Codec,
+    ElementwiseCodec,
+    PowerSGD,
+    Quantize,
+    Raw,
+    Sign,
+    TopK,
+)
 from lowcomm.compress.lgreco import LGreCo, choose
 
 __all__ = [
@@ -37,6 +46,7 @@ __all__ = [
     "PowerSGD",
     "Quantize",
     "Raw",
+    "Sign",
     "TopK",
     "choose",
     "ddp_hook",

@@ -6,9 +6,10 @@ in :mod:`lowcomm.compress.lgreco`. This module sits above both, so that neither 
 
 Spec strings (:func:`parse_compression`): ``"bf16"``; ``"int8"``, ``"int4"``, ``"int2"`` with
 options ``block=B`` (or a bare number) and ``sr`` (stochastic rounding), e.g.
-``"int4:block=64:sr"``; ``"topk:0.01"``; ``"powersgd:4"`` with options ``rank=``, ``warm=0|1``,
-``seed=``; ``"fp32"`` (raw, through the compressed path: for tests); ``"lgreco:FAMILY"`` (see
-:mod:`lowcomm.compress.lgreco`); ``"none"`` for no compression.
+``"int4:block=64:sr"``; ``"sign"`` (one bit an element, option ``block=B``); ``"topk:0.01"``;
+``"powersgd:4"`` with options ``rank=``, ``warm=0|1``, ``seed=``; ``"fp32"`` (raw, through the
+compressed path: for tests); ``"lgreco:FAMILY"`` (see :mod:`lowcomm.compress.lgreco`); ``"none"``
+for no compression.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lowcomm.compress.formats import (
     PowerSGD,
     Quantize,
     Raw,
+    Sign,
     TopK,
     orthogonalize,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "PowerSGD",
     "Quantize",
     "Raw",
+    "Sign",
     "TopK",
     "check_compression",
     "orthogonalize",
@@ -51,7 +54,7 @@ __all__ = [
 ]
 
 _SPEC_HELP = (
-    "use 'bf16', 'int8', 'int4', 'int2' (options :block=B, :sr), 'topk:DENSITY' (e.g. "
+    "use 'bf16', 'int8', 'int4', 'int2' (options :block=B, :sr), 'sign', 'topk:DENSITY' (e.g. "
     "'topk:0.01'), 'powersgd:RANK' (e.g. 'powersgd:4'), 'lgreco:powersgd', 'lgreco:topk', "
     "'lgreco:int', or 'none'"
 )
@@ -86,6 +89,16 @@ def parse_codec(spec: str) -> Codec:
         if block < 1:
             raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'int4:block=128'")
         return Quantize(bits=int(name[3:]), block=block, stochastic=sr)
+    if name == "sign":
+        reject_unknown(spec, keyed, ("block",))
+        if len(positional) > 1 or (positional and not positional[0].isdigit()):
+            raise ValueError(f"compression {spec!r}: sign takes one option, e.g. 'sign:block=64'")
+        block = int_option(
+            spec, "block", keyed.get("block", positional[0] if positional else str(DEFAULT_BLOCK))
+        )
+        if block < 1:
+            raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'sign:block=128'")
+        return Sign(block=block)
     if name == "topk":
         reject_unknown(spec, keyed, ("density",))
         if len(positional) > 1:

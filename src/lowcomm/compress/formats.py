@@ -19,6 +19,12 @@ number of elements, ``⌈·⌉`` rounding up):
   q + q_max as unsigned b-bit fields packed 8/b to a byte, element i in bits
   ``b·(i mod 8/b)`` and up of byte ``i div (8/b)``: ``⌈n·b/8⌉ + 4·⌈n/B⌉`` bytes. Decoding is
   q·s_j; the error per element is at most s_j / 2 (nearest) or below s_j (stochastic).
+* :class:`Sign` (``"sign"``): the sign of each element scaled by its block's mean magnitude
+  (scaled signSGD; with error feedback, Karimireddy et al., ICML 2019,
+  https://arxiv.org/abs/1901.09847). Blocks as for :class:`Quantize`; block j has the scale
+  s_j = mean|x| over its elements, each element one bit (1: x ≥ 0). Layout: ⌈n/B⌉ fp32
+  scales, then the bits packed 8 to a byte, element i in bit ``i mod 8`` of byte ``i div 8``:
+  ``⌈n/8⌉ + 4·⌈n/B⌉`` bytes. Decoding is ±s_j.
 * :class:`TopK` (``"topk:D"``): the k = max(1, ⌈D·n⌉) elements of largest magnitude. Layout:
   k int32 indices (ascending), then their k fp32 values: ``8k`` bytes.
 * :class:`PowerSGD` (``"powersgd:R"``): a tensor reshaped to an (n₀ × m) matrix M
@@ -47,6 +53,7 @@ __all__ = [
     "PowerSGD",
     "Quantize",
     "Raw",
+    "Sign",
     "TopK",
     "orthogonalize",
     "pack_bits",
@@ -172,7 +179,7 @@ class BF16(ElementwiseCodec):
         return _as(payload, torch.bfloat16).float().view(shape)
 
 
-_PACKABLE_BITS = (2, 4, 8)
+_PACKABLE_BITS = (1, 2, 4, 8)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -269,6 +276,49 @@ class Quantize(ElementwiseCodec):
         q = torch.zeros(nb * self.block, dtype=torch.float32, device=payload.device)
         q[:n] = codes.float() - self.qmax
         return (q.view(nb, self.block) * scale.unsqueeze(1)).reshape(-1)[:n].view(shape)
+
+
+@dataclass(frozen=True)
+class Sign(ElementwiseCodec):
+    """One bit per element: its sign, scaled by the mean magnitude of its block of ``block``
+    elements (see the module docstring): ``⌈n/8⌉ + 4·⌈n/block⌉`` bytes. Spec ``"sign"``
+    (``:block=B``). Biased on its own; error feedback carries what it drops to the next
+    round."""
+
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"block must be a positive integer, got {self.block!r}; e.g. 128")
+
+    @property
+    def spec(self) -> str:
+        return "sign" if self.block == DEFAULT_BLOCK else f"sign:block={self.block}"
+
+    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        n = _numel(shape)
+        return -(-n // 8) + 4 * -(-n // self.block)
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        flat = x.detach().reshape(-1).float()
+        n = flat.numel()
+        nb = -(-n // self.block)
+        padded = torch.zeros(nb * self.block, dtype=torch.float32, device=flat.device)
+        padded[:n] = flat.abs()
+        counts = torch.full((nb,), float(self.block), device=flat.device)
+        counts[-1] = float(n - (nb - 1) * self.block)  # the last block may be short
+        scale = padded.view(nb, self.block).sum(dim=1) / counts
+        bits = (flat >= 0).to(torch.uint8)
+        return torch.cat([_bytes(scale), pack_bits(bits, 1)])
+
+    def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        n = _numel(shape)
+        nb = -(-n // self.block)
+        scale = _as(payload[: 4 * nb], torch.float32)
+        bits = unpack_bits(payload[4 * nb :], 1, n).float()
+        s = torch.zeros(nb * self.block, dtype=torch.float32, device=payload.device)
+        s[:n] = 2.0 * bits - 1.0
+        return (s.view(nb, self.block) * scale.unsqueeze(1)).reshape(-1)[:n].view(shape)
 
 
 @dataclass(frozen=True)
