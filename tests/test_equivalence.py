@@ -10,7 +10,7 @@ import torch
 
 from lowcomm.registry import outer_names
 from lowcomm.testing import run_workers
-from lowcomm.testing.reference import distributed_run, reference_run, toy_model
+from lowcomm.testing.reference import distributed_run, make_inner, reference_run, toy_model
 
 SMALL_BUCKETS = 0.0002  # ~52 floats: the toy model spans several buckets
 
@@ -85,7 +85,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "sync_every": 4,
         "inner": "adamw",
         "fragments": [[0, 3], [1, 2]],
-        "hyper": {"overlap": 2, "clip": 0.05},
+        "hyper": {
+            "overlap": 2,
+            "clip": 0.05,
+            "sync_warmup": 4,
+            "sync_warmup_compression": "sign:block=8",
+        },
     },
     "co2-fragments-full-overlap-warm-int8": {
         "algo": "co2",
@@ -477,6 +482,46 @@ def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
         if algo_name.startswith("co2") and not (algo_name.endswith("-warm") and cut <= 6):
             assert r["in_flight"]  # the checkpoint held an all-reduce that was in flight
+
+
+def _warm_overlap_worker(rank: int, world_size: int, codec: str | None) -> dict:
+    """The warm start at the optimizer's step and the one launched during backward (buckets
+    of 30 floats: the toy model's 4 tensors in 3 buckets), side by side."""
+    from lowcomm.outer import CO2
+    from lowcomm.testing.reference import _backward
+
+    out: dict = {}
+    for overlap in (False, True):
+        model = toy_model(2)
+        inner = make_inner("adamw", model.parameters())
+        algo = CO2(model, inner, sync_every=3, sync_warmup=6, sync_warmup_compression=codec)
+        if overlap:
+            algo.warm_start_during_backward(bucket_cap_mb=120 / 2**20)
+            out["buckets"] = len(algo._warm_buckets)
+        launched_in_backward = []
+        for step in range(1, 10):
+            before = algo.stats.collectives
+            _backward(model, rank, step, 2)
+            launched_in_backward.append(algo.stats.collectives - before)
+            inner.step()
+            inner.zero_grad()
+            algo.step()
+        algo.finish()
+        out[overlap] = [p.detach().clone() for p in model.parameters()]
+        out[f"launched_{overlap}"] = launched_in_backward
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", [None, "int4"])
+def test_warm_start_during_backward_takes_the_same_steps(codec: str | None) -> None:
+    for r in run_workers(_warm_overlap_worker, 2, codec):
+        assert r["buckets"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(r[False], r[True]))
+        # launched by backward, every bucket, in each of the 6 warm steps only
+        assert r["launched_True"][:6] == [r["launched_True"][0]] * 6
+        assert r["launched_True"][0] >= 3 and r["launched_True"][6:] == [0, 0, 0]
+        assert r["launched_False"] == [0] * 9
 
 
 def _subgroup_worker(rank: int, world_size: int) -> dict:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import Communicator, Handle, storage_nbytes
+from lowcomm.comm import Communicator, FlatBuckets, Handle, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
 from lowcomm.elastic.sync import ManagedCommunicator
@@ -80,7 +80,27 @@ class _Healed(Exception):  # noqa: N818 - a signal, not an error
 
 WARM_STREAM = 1 << 16
 """Stochastic-rounding stream of fragment i's warm-start compressor: WARM_STREAM + i (the
-fragments' own compressors use i)."""
+fragments' own compressors use i); of bucket i's when the warm start overlaps backward."""
+
+WARM_BUCKET_MB = 1.0
+"""Bucket size of a warm start that overlaps backward (:meth:`OuterAlgorithm.warm_start_during_
+backward`): DDP's first bucket's, so that the last layers' gradients go out early."""
+
+
+class _WarmBucket:
+    """Parameters whose gradients a warm start overlapping backward averages together: their
+    flat buffer, its compressor (or None: fp32), how many of them have their gradient, and the
+    mean in flight."""
+
+    def __init__(self, params: list[torch.Tensor], compressor: Compressor | None) -> None:
+        self.params = params
+        shapes = [p.shape for p in params]
+        nbytes = 4 * sum(p.numel() for p in params)
+        cap_mb = nbytes / 2**20 + 1  # one buffer: the bucket is one collective
+        self.buf = FlatBuckets(shapes, bucket_cap_mb=cap_mb, device=params[0].device)
+        self.compressor = compressor
+        self.ready = 0
+        self.handle: Handle | None = None
 
 
 class OuterAlgorithm(Guards):
@@ -172,7 +192,10 @@ class OuterAlgorithm(Guards):
             # by the job; replicas have no fixed group to compare over)
             self._unchecked = describe_tensors(named)
         self._warm_compressors: list[Compressor] = []
-        """The warm start's compressors, one per fragment (``sync_warmup_compression``)."""
+        """The warm start's compressors, one per fragment (``sync_warmup_compression``), or one
+        per bucket when it overlaps backward."""
+        self._warm_buckets: list[_WarmBucket] = []
+        self._warm_grad_hooks: list[RemovableHandle] = []
         warm_codec = parse_compression(self.config.sync_warmup_compression)
         if self.warmup > 0:
             self._warm_hook = self.inner.register_step_pre_hook(lambda *_: self._average_grads())
@@ -373,6 +396,68 @@ class OuterAlgorithm(Guards):
             self._warm_hook.remove()
             self._warm_hook = None
 
+    def warm_start_during_backward(self, bucket_cap_mb: float = WARM_BUCKET_MB) -> None:
+        """Launch the warm start's gradient means during backward, a bucket as soon as its
+        gradients are accumulated (buckets of ``bucket_cap_mb`` in reverse parameter order, the
+        order backward produces them, as DDP's), instead of all at the optimizer's step, which
+        then only waits: the link carries the first buckets while backward computes the rest.
+        The same means bit for bit (every codec encodes each tensor on its own), except that
+        stochastic rounding draws per bucket. Only for loops that run exactly one backward per
+        inner step and leave the gradients alone between it and ``optimizer.step()`` (no
+        gradient accumulation, no clipping); call before :meth:`load_state_dict`. A no-op
+        without a warm start."""
+        if self.warmup == 0 or self.local_step >= self.warmup or self._warm_buckets:
+            return
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; e.g. 1.0")
+        codec = parse_compression(self.config.sync_warmup_compression)
+        cap = bucket_cap_mb * 1024 * 1024
+        groups: list[list[torch.Tensor]] = [[]]
+        size = 0.0
+        for p in reversed(self.params):  # a tensor larger than the cap gets a bucket of its own
+            nbytes = p.numel() * 4
+            if groups[-1] and size + nbytes > cap:
+                groups.append([])
+                size = 0.0
+            groups[-1].append(p)
+            size += nbytes
+        for i, params in enumerate(groups):
+            comp = None
+            if codec is not None:
+                comp = Compressor(
+                    codec,
+                    [p.shape for p in params],
+                    rank=self.comm.rank,
+                    device=params[0].device,
+                    stream=WARM_STREAM + i,
+                )
+            bucket = _WarmBucket(params, comp)
+            self._warm_buckets.append(bucket)
+            for p in params:
+                hook = p.register_post_accumulate_grad_hook(
+                    lambda _p, b=bucket: self._warm_grad_ready(b)
+                )
+                self._warm_grad_hooks.append(hook)
+        self._warm_compressors = [b.compressor for b in self._warm_buckets if b.compressor]
+
+    def _warm_grad_ready(self, bucket: _WarmBucket) -> None:
+        """A parameter of ``bucket`` has its gradient: launch the bucket's mean once all have."""
+        if self.local_step >= self.warmup:
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params) and bucket.handle is None:
+            self._launch_warm(bucket)
+
+    def _launch_warm(self, bucket: _WarmBucket) -> None:
+        with torch.no_grad():
+            bucket.buf.copy_from(
+                [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            )
+            if bucket.compressor is not None:
+                bucket.handle = self.comm.compressed_mean_async(bucket.buf, bucket.compressor)
+            else:
+                bucket.handle = self.comm.all_reduce_mean_async(bucket.buf.buffers)
+
     def before_inner_step(self) -> None:
         """Inside the warm start (``sync_warmup``), average the gradients over the ranks (see
         :meth:`warm_start_by_caller`); a no-op after it."""
@@ -390,6 +475,10 @@ class OuterAlgorithm(Guards):
         if self._warm_hook is not None:
             self._warm_hook.remove()
             self._warm_hook = None
+        for hook in self._warm_grad_hooks:
+            hook.remove()
+        self._warm_grad_hooks = []
+        self._warm_buckets = []
         self._warm_compressors = []  # their residuals are no longer needed
 
     def _average_grads(self) -> None:
@@ -401,6 +490,9 @@ class OuterAlgorithm(Guards):
         to None) or raises (``nan_policy="raise"``)."""
         if self.local_step >= self.warmup:
             self._end_warmup()
+            return
+        if self._warm_buckets:
+            self._average_grads_launched()
             return
         with torch.no_grad(), record_function(f"{self._profile_tag}::warm_start"):
             grads = [
@@ -421,32 +513,66 @@ class OuterAlgorithm(Guards):
             for handle in handles:
                 handle.wait()
             if not all(all_finite(buf.views) for buf in bufs):
-                self.skipped_updates += 1
-                message = (
-                    f"{type(self).__name__}: the averaged gradient of warm-start step "
-                    f"{self.local_step + 1} holds NaN or Inf (rank {self.comm.rank})"
-                )
-                if self.nan_policy == "raise":
-                    raise NonFiniteError(
-                        f"{message}; lower the learning rate, check the data, or use "
-                        "nan_policy='skip' to drop such steps"
-                    )
-                if self.comm.rank == 0:  # the same event on every rank: told once
-                    log_repeated(
-                        self.skipped_updates,
-                        "%s: step skipped alike on every rank (%d skipped so far)",
-                        message,
-                        self.skipped_updates,
-                    )
-                for p in self.params:
-                    p.grad = None
-                for comp in self._warm_compressors:
-                    comp.drop_non_finite()  # a non-finite residual would poison every mean
+                self._skip_warm_step()
                 return
             for frag, buf, g in zip(self.fragments, bufs, grads):
                 buf.copy_to(g)
                 for p, gp in zip(frag.params, g):
                     p.grad = gp
+
+    def _average_grads_launched(self) -> None:
+        """The warm start overlapping backward, at the optimizer's step: launch what backward
+        did not (parameters without a gradient), wait for every bucket, set the means."""
+        with torch.no_grad(), record_function(f"{self._profile_tag}::warm_start"):
+            for bucket in self._warm_buckets:  # in the same order on every rank
+                if bucket.handle is None:
+                    self._launch_warm(bucket)
+            again = any(b.ready > len(b.params) for b in self._warm_buckets)
+            for bucket in self._warm_buckets:
+                assert bucket.handle is not None
+                bucket.handle.wait()
+                bucket.handle, bucket.ready = None, 0
+            if again:
+                raise ValueError(
+                    f"{type(self).__name__}.warm_start_during_backward(): gradients were "
+                    "accumulated again after their mean was launched (more than one backward "
+                    "in an inner step); leave the warm start at the optimizer's step for loops "
+                    "that accumulate gradients"
+                )
+            if not all(all_finite(b.buf.views) for b in self._warm_buckets):
+                self._skip_warm_step()
+                return
+            for bucket in self._warm_buckets:
+                for p, mean in zip(bucket.params, bucket.buf.views):
+                    if p.grad is None:
+                        p.grad = mean.clone()
+                    else:
+                        p.grad.copy_(mean)
+
+    def _skip_warm_step(self) -> None:
+        """A warm-start mean holds NaN or Inf: skip the step alike on every rank (gradients set
+        to None), or raise (``nan_policy="raise"``)."""
+        self.skipped_updates += 1
+        message = (
+            f"{type(self).__name__}: the averaged gradient of warm-start step "
+            f"{self.local_step + 1} holds NaN or Inf (rank {self.comm.rank})"
+        )
+        if self.nan_policy == "raise":
+            raise NonFiniteError(
+                f"{message}; lower the learning rate, check the data, or use "
+                "nan_policy='skip' to drop such steps"
+            )
+        if self.comm.rank == 0:  # the same event on every rank: told once
+            log_repeated(
+                self.skipped_updates,
+                "%s: step skipped alike on every rank (%d skipped so far)",
+                message,
+                self.skipped_updates,
+            )
+        for p in self.params:
+            p.grad = None
+        for comp in self._warm_compressors:
+            comp.drop_non_finite()  # a non-finite residual would poison every mean
 
     def _on_step(self, step: int, *, quorum: bool = True) -> None:
         # Launch before applying: with τ = 0 (or τ = H) both concern this step's fragment.

@@ -95,6 +95,11 @@ class Synchronisation:
             algo = cfg.algorithm_class()(
                 gpt, inner, **topology.outer_place(), **cfg.algorithm_kwargs()
             )
+            if not topology.replica_ddp and not cfg.documents:
+                # one backward a step, nothing between it and the optimizer's step: the warm
+                # start's means go out during backward (documents accumulate micro-batches;
+                # inside a node DDP sets the gradients only when backward ends)
+                algo.warm_start_during_backward()
             if state is not None:
                 algo.load_state_dict(state["algorithm"])
             sync.algo, sync.stats = algo, algo.stats
