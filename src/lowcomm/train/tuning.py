@@ -157,7 +157,8 @@ def tune_to_link(
             step_time_s=step_s,
             shapes=[tuple(p.shape) for p in gpt.parameters() if p.requires_grad],
             sync_every=cfg.sync_every,
-            current={k: kwargs.get(k) for k in TUNED_KEYS},
+            # a codec given as "none" is fp32, as the ladder names it (None)
+            current={k: None if kwargs.get(k) == "none" else kwargs.get(k) for k in TUNED_KEYS},
             given=given,
             warm_steps=cfg.sync_warmup_steps(),
             steps=cfg.steps,
