@@ -83,8 +83,9 @@ WARM_STREAM = 1 << 16
 fragments' own compressors use i); of bucket i's when the warm start overlaps backward."""
 
 WARM_BUCKET_MB = 1.0
-"""Bucket size of a warm start that overlaps backward (:meth:`OuterAlgorithm.warm_start_during_
-backward`): DDP's first bucket's, so that the last layers' gradients go out early."""
+"""Bucket size (MB) of a warm start that overlaps backward
+(:meth:`OuterAlgorithm.warm_start_during_backward`): DDP's first bucket's, so that the last
+layers' gradients go out early."""
 
 
 class _WarmBucket:
