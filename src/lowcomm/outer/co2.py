@@ -34,12 +34,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from lowcomm.compress.codecs import PowerSGD, parse_compression
 from lowcomm.hparams import (
@@ -283,15 +282,6 @@ class CO2(OuterAlgorithm):
     @property
     def _flat_state(self) -> bool:  # type: ignore[override]
         return self.config.num_fragments == 1
-
-    @classmethod
-    def _complete(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-        return cls._count_fragments(hyperparameters)
-
-    def _fragment_groups(
-        self, model_or_params: nn.Module | Iterable[torch.Tensor]
-    ) -> list[list[torch.Tensor]]:
-        return self._split(model_or_params, self.config.num_fragments, self.config.fragments)
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         return CO2State(self.config, anchor, self.outer_lr_factor)

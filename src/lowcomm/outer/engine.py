@@ -220,12 +220,8 @@ class OuterAlgorithm(Guards):
 
     @classmethod
     def _complete(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-        """Keyword arguments for ``Config`` (subclasses derive some from others)."""
-        return hyperparameters
-
-    @staticmethod
-    def _count_fragments(hyperparameters: dict[str, Any]) -> dict[str, Any]:
-        """``num_fragments`` from explicit ``fragments`` (refused when both disagree)."""
+        """Keyword arguments for ``Config`` (subclasses derive some from others): here
+        ``num_fragments`` from explicit ``fragments`` (refused when both disagree)."""
         fragments, given = (
             hyperparameters.get("fragments"),
             hyperparameters.pop("num_fragments", None),
@@ -244,18 +240,12 @@ class OuterAlgorithm(Guards):
     def _fragment_groups(
         self, model_or_params: nn.Module | Iterable[torch.Tensor]
     ) -> list[list[torch.Tensor]]:
-        """The fragments' parameters (default: the whole model, one fragment)."""
-        return [self.params]
-
-    def _split(
-        self,
-        model_or_params: nn.Module | Iterable[torch.Tensor],
-        num_fragments: int,
-        fragments: Sequence[Any] | None = None,
-    ) -> list[list[torch.Tensor]]:
-        """``num_fragments`` fragments strided by transformer block
-        (:func:`~lowcomm.params.split_by_blocks`), or the explicit ``fragments`` (modules or
-        parameter lists), checked to hold every trainable parameter once."""
+        """The fragments' parameters: the config's ``num_fragments`` strided by transformer
+        block (:func:`~lowcomm.params.split_by_blocks`), or its explicit ``fragments`` (modules
+        or parameter lists), checked to hold every trainable parameter once; by default the
+        whole model, one fragment."""
+        num_fragments = int(getattr(self.config, "num_fragments", 1))
+        fragments: Sequence[Any] | None = getattr(self.config, "fragments", None)
         if fragments is None:
             if num_fragments == 1:
                 return [self.params]

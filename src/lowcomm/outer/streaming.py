@@ -18,12 +18,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from lowcomm.hparams import HyperparameterError, check_number, hyper
 from lowcomm.outer.diloco import DiLoCo, OuterSGDConfig
@@ -89,15 +88,6 @@ class StreamingDiLoCo(DiLoCo):
     schedule = "fragments"
     _discards_partial_round = False
     _flat_state = False
-
-    @classmethod
-    def _complete(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-        return cls._count_fragments(hyperparameters)
-
-    def _fragment_groups(
-        self, model_or_params: nn.Module | Iterable[torch.Tensor]
-    ) -> list[list[torch.Tensor]]:
-        return self._split(model_or_params, self.config.num_fragments, self.config.fragments)
 
     def _merge(self, f: int) -> None:
         """θ_p ← (1 − mix)·Â_p + mix·θ_p (Â_p is now the fragment's anchor)."""
