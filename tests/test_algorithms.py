@@ -47,6 +47,8 @@ def _build(cls: type, **kw: Any) -> tuple:
         (lowcomm.CO2, {"sync_every": 6, "num_fragments": 4}, "e.g. sync_every=8"),
         (lowcomm.CO2, {"eager": True, "num_fragments": 2}, "combined with num_fragments > 1"),
         (lowcomm.StreamingDiLoCo, {"overlap": 4}, "overlap=4 must be < sync_every=4"),
+        (lowcomm.StreamingDiLoCo, {"overlap": 4}, "cocodc takes overlap=sync_every"),
+        (lowcomm.CoCoDC, {"overlap": 5}, r"overlap=5 must be <= sync_every=4 \(tau = sync_"),
         (lowcomm.StreamingDiLoCo, {"overlap": -1}, "overlap must be an integer >= 0"),
         (lowcomm.StreamingDiLoCo, {"mix": 1.5}, r"mix must be in \[0, 1\]"),
         (lowcomm.CoCoDC, {"lambda0": -0.1}, "lambda0 must be a finite number >= 0"),

@@ -67,6 +67,28 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fragments": [[0], [1, 2], [3]],
         "hyper": {"overlap": 3, "max_wait": 1, "lambda0": 1.0},
     },
+    # full overlap (τ = H): each fragment's sync lands as the same fragment launches again
+    "cocodc-full-overlap": {
+        "algo": "cocodc",
+        "sync_every": 4,
+        "inner": "adamw",
+        "fragments": [[0, 1], [2, 3]],
+        "hyper": {"overlap": 4},
+    },
+    "cocodc-full-overlap-int8-warm": {
+        "algo": "cocodc",
+        "sync_every": 6,
+        "steps": 25,  # 6 warm, then three rounds and a step: full-overlap syncs applied
+        "fragments": [[0], [1, 2], [3]],
+        "hyper": {
+            "overlap": 6,
+            "lambda0": 0.0,
+            "adaptive": False,
+            "compression": "int8",
+            "sync_warmup": 6,
+            "sync_warmup_compression": "int4",
+        },
+    },
     "co2-delayed-averaging": {
         "algo": "co2",
         "inner": "adamw",
@@ -118,6 +140,50 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "outer_lr": 0.7,
             "outer_momentum": 0.9,
         },
+    },
+    # CO2 with the delay-corrected merge (θ ← A + (θ − θ_s)): one fragment below and at full
+    # overlap, fragments with compression and a warm start, and fragments at full overlap
+    "co2-merge-overlap2": {
+        "algo": "co2",
+        "sync_every": 4,
+        "inner": "adamw",
+        "hyper": {"overlap": 2, "merge": "delay_corrected", "outer_momentum": 0.9},
+    },
+    "co2-merge-full-overlap": {"algo": "co2", "hyper": {"merge": "delay_corrected", "clip": 0.05}},
+    "co2-fragments-merge-int4-warm": {
+        "algo": "co2",
+        "sync_every": 4,
+        "inner": "adamw",
+        "fragments": [[0, 3], [1, 2]],
+        "hyper": {
+            "overlap": 2,
+            "merge": "delay_corrected",
+            "compression": "int4",
+            "sync_warmup": 4,
+            "sync_warmup_compression": "int2",
+        },
+    },
+    "co2-fragments-merge-full-overlap": {
+        "algo": "co2",
+        "sync_every": 4,
+        "inner": "adamw",
+        "fragments": [[0, 1], [2, 3]],
+        "hyper": {
+            "merge": "delay_corrected",
+            "gap_penalty": "none",
+            "clip": None,
+            "nesterov": True,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+        },
+    },
+    # ... whose degenerate form (no penalty or clip, Nesterov) is CoCoDC's merge with λ₀ 0
+    "cocodc-full-overlap-degenerate": {
+        "algo": "cocodc",
+        "sync_every": 4,
+        "inner": "adamw",
+        "fragments": [[0, 1], [2, 3]],
+        "hyper": {"overlap": 4, "lambda0": 0.0, "adaptive": False},
     },
     "streaming-overlap1": {
         "algo": "streaming",
@@ -205,10 +271,13 @@ def four_ranks() -> dict[str, list[dict]]:
 
 
 def _ranks_agree_every_round(name: str) -> bool:
-    """Streaming DiLoCo's unsynced fragments, eager CO2's anchors and NoLoCo's are per rank."""
+    """Streaming DiLoCo's unsynced fragments, eager CO2's anchors, NoLoCo's and θ after a
+    delay-corrected merge are per rank."""
     sc = SCENARIOS[name]
     per_rank = sc["algo"] in ("streaming", "cocodc", "noloco") or len(sc.get("fragments", [])) > 1
-    return not per_rank and not sc.get("hyper", {}).get("eager")
+    hyper = sc.get("hyper", {})
+    # (the delay-corrected merge keeps each rank's own progress since the launch)
+    return not per_rank and not hyper.get("eager") and hyper.get("merge") != "delay_corrected"
 
 
 def _assert_ranks_identical(results: list[dict], *, every_round: bool) -> None:
@@ -381,6 +450,26 @@ def test_co2_fragments_without_penalty_or_clip_are_streaming_diloco(two_ranks: d
 
 
 @pytest.mark.timeout(300)
+def test_co2_fragments_with_the_merge_are_cocodc_without_compensation(two_ranks: dict) -> None:
+    # the same schedule at full overlap, the same outer step (Nesterov SGD on Δ̄ per fragment)
+    # and the same merge θ ← Â + (θ − θ_s): only the code differs
+    co2 = two_ranks["co2-fragments-merge-full-overlap"]
+    cocodc = two_ranks["cocodc-full-overlap-degenerate"]
+    for a, b in zip(co2, cocodc):
+        for mine, theirs in zip(a["rounds"] + [a["final"]], b["rounds"] + [b["final"]]):
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(x, y) for x, y in zip(co2[0]["final"], co2[0]["rounds"][0]))
+    # and the merge changes CO2: the same settings with the reset end elsewhere
+    reset = reference_run(
+        {
+            **_scenario("co2-fragments-merge-full-overlap", 2),
+            "hyper": {**SCENARIOS["co2-fragments-merge-full-overlap"]["hyper"], "merge": "reset"},
+        }
+    )
+    assert any(not torch.allclose(x, y) for x, y in zip(co2[0]["final"], reset.final[0]))
+
+
+@pytest.mark.timeout(300)
 def test_blocking_algorithms_wait_in_the_same_round(two_ranks: dict) -> None:
     for r in two_ranks["diloco"]:
         for event, _hid, step in r["events"]:
@@ -416,6 +505,14 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
             params = list(model.parameters())
             kw = {"fragments": [params[:2], params[2:]]}
             return model, inner, ALGORITHMS["co2"](model, inner, sync_every=4, **kw)
+        if algo_name == "co2-fragments-merge":  # full overlap, snapshots of both fragments
+            params = list(model.parameters())
+            kw = {"fragments": [params[:2], params[2:]], "merge": "delay_corrected"}
+            return model, inner, ALGORITHMS["co2"](model, inner, sync_every=4, **kw)
+        if algo_name == "cocodc-full-overlap":  # both fragments in flight, a round each
+            params = list(model.parameters())
+            kw = {"fragments": [params[:2], params[2:]], "overlap": 4}
+            return model, inner, ALGORITHMS["cocodc"](model, inner, sync_every=4, **kw)
         if algo_name in ("streaming", "cocodc"):
             params = list(model.parameters())
             kw: dict = {"fragments": [params[:2], params[2:]], "overlap": 1}
@@ -466,6 +563,8 @@ STATE_DICT_CUTS = [
     ("localsgd", 5),
     ("streaming", 5),
     ("cocodc", 5),
+    ("cocodc-full-overlap", 5),
+    ("co2-fragments-merge", 6),
     ("noloco", 4),
     ("noloco-overlap", 5),
 ]

@@ -98,6 +98,8 @@ _METAVARS = {
     "backend": "{auto,gloo,nccl}",
     "clip_mode": "{value,norm}",
     "lr_schedule": "{cosine,constant}",
+    "optimizer": "{adamw,muon}",
+    "merge": "{reset,delay_corrected}",
     "clip": "PHI|none",
     "gap_penalty": "{gap_aware,none,LAMBDA}",
     "nan_policy": "{skip,raise}",

@@ -1,5 +1,7 @@
-"""Per-step communication-efficient optimizers, used instead of DDP's gradient all-reduce."""
+"""Optimizers: per-step communication-efficient ones used instead of DDP's gradient all-reduce
+(DeMo), and inner optimizers for the outer algorithms (Muon with AdamW)."""
 
 from lowcomm.optim.demo import DeMo
+from lowcomm.optim.muon import MuonAdamW, muon_parameters
 
-__all__ = ["DeMo"]
+__all__ = ["DeMo", "MuonAdamW", "muon_parameters"]

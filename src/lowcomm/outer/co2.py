@@ -23,8 +23,16 @@ staggers the model as Streaming DiLoCo does (Douillard et al. 2025,
 https://arxiv.org/abs/2501.18512): P fragments, transformer blocks strided across them, a sync
 point every H/P steps syncing fragment (k − 1) mod P with the steps above, each fragment with its
 own outer state. With τ = H/P the link carries a fragment per H/P steps, the same bytes per round
-as one fragment a round, each fragment H/P steps stale instead of H. Paper symbols: H
-``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``, φ ``clip``, Λ
+as one fragment a round, each fragment H/P steps stale instead of H.
+
+``merge="delay_corrected"`` (the delay-corrected merge of LOSCAR-SGD, Maziane et al. 2026,
+https://arxiv.org/abs/2605.20866) replaces step 3's reset θ ← A by θ ← A + (θ − θ_s), θ_s the
+fragment's parameters when its all-reduce was launched: below full overlap the reset drops the
+τ steps taken since the launch (they are in no Δ), the merge keeps them. At τ = H a sync point
+then applies before it launches (the launch sends the progress since the last one, nothing is
+carried twice), and a sync point with nothing launched leaves θ alone. Only the merge differs:
+with α 1, β 0, no clip or penalty the mean of the ranks' θ does not move at a merge. Paper
+symbols: H ``sync_every`` (the paper's τ), α ``outer_lr``, β ``outer_momentum``, φ ``clip``, Λ
 ``gap_penalty``.
 
 Example::
@@ -53,7 +61,7 @@ from lowcomm.hparams import (
 )
 from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
 from lowcomm.outer.fragment import OuterState, Sync
-from lowcomm.outer.functional import co2_outer_update_
+from lowcomm.outer.functional import co2_outer_update_, delay_compensation_
 from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
@@ -66,9 +74,10 @@ from lowcomm.outer.hparams import (
 )
 from lowcomm.params import load_tensors
 
-__all__ = ["CLIP_MODES", "CO2", "CO2Config", "CO2State"]
+__all__ = ["CLIP_MODES", "CO2", "MERGES", "CO2Config", "CO2State"]
 
 CLIP_MODES = ("value", "norm")
+MERGES = ("reset", "delay_corrected")
 
 
 _check_divisor = check_number(
@@ -136,6 +145,13 @@ class CO2Config(ShardableConfig):
     )
     num_fragments: int = num_fragments()
     fragments: Sequence[Any] | None = fragments()
+    merge: str = hyper(
+        "reset",
+        doc="at a sync point: reset (θ ← A; below full overlap the τ steps since the launch "
+        "are dropped) or delay_corrected (θ ← A + (θ − θ_s), θ_s the parameters at the "
+        "launch: that progress is kept; one more copy of the parameters)",
+        check=check_choice(MERGES),
+    )
     own_weight: float | None = hyper(
         None,
         doc="eager: the weight w of this rank's own fresh Δᵢ, replaced by the average a round "
@@ -175,6 +191,20 @@ class CO2Config(ShardableConfig):
                 "needs overlap = sync_every: the eager update uses the delta launched at the "
                 "same step as the average it completes",
                 shown="True",
+            )
+        if self.merge == "delay_corrected" and self.eager:
+            raise HyperparameterError(
+                "merge",
+                "'delay_corrected' cannot be combined with eager=True (eager updates keep this "
+                "rank's own progress through the outer step instead); use merge='reset'",
+                shown="'delay_corrected'",
+            )
+        if self.merge == "delay_corrected" and self.shard_outer_state:
+            raise HyperparameterError(
+                "merge",
+                "'delay_corrected' cannot be combined with shard_outer_state=True yet; use "
+                "merge='reset', or shard_outer_state=False",
+                shown="'delay_corrected'",
             )
         if self.own_weight is not None and not self.eager:
             raise HyperparameterError(
@@ -276,8 +306,31 @@ class CO2(OuterAlgorithm):
     schedule = "one-round-stale"
     _apply_unlaunched = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # θ_s of each fragment at its launch (the delay-corrected merge)
+        self._snapshots = (
+            [f.anchor.like() for f in self.fragments] if self._keeps_progress() else []
+        )
+
     def _overlap(self) -> int:
         return self.sync_every if self.config.overlap is None else int(self.config.overlap)
+
+    def _keeps_progress(self) -> bool:
+        return self.config.merge == "delay_corrected"
+
+    def _before_launch(self, f: int) -> None:
+        if self._snapshots:
+            self._snapshots[f].copy_from(self.fragments[f].params)
+
+    def _merge(self, f: int) -> None:
+        """θ_p ← A_p (reset), or θ_p ← A_p + (θ_p − θ_s) (delay-corrected merge: the progress
+        made since the launch is kept on top of the new anchor)."""
+        if not self._snapshots:
+            super()._merge(f)
+            return
+        frag = self.fragments[f]
+        delay_compensation_(frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=0.0)
 
     @property
     def _flat_state(self) -> bool:  # type: ignore[override]
@@ -325,11 +378,17 @@ class CO2(OuterAlgorithm):
             self.comm.all_reduce_mean(self.anchor.buffers)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"eager": self.config.eager}
+        state: dict[str, Any] = {"eager": self.config.eager, "merge": self.config.merge}
+        if self._snapshots:
+            state["snapshots"] = [[v.clone() for v in s.views] for s in self._snapshots]
+        return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if bool(state.get("eager", False)) != self.config.eager:
-            raise ValueError(
-                f"state_dict was saved with eager={state.get('eager')!r} but this CO2 has "
-                f"eager={self.config.eager!r}; resume with the same settings"
-            )
+        for key, default in (("eager", False), ("merge", "reset")):
+            if state.get(key, default) != getattr(self.config, key):
+                raise ValueError(
+                    f"state_dict was saved with {key}={state.get(key, default)!r} but this CO2 "
+                    f"has {key}={getattr(self.config, key)!r}; resume with the same settings"
+                )
+        for i, snap in enumerate(self._snapshots):
+            load_tensors({"s": state["snapshots"][i]}, "s", snap.views)

@@ -17,7 +17,16 @@ On top of :class:`~lowcomm.StreamingDiLoCo`'s schedule:
   round-robin.
 
 With ``lambda0=0`` and ``adaptive=False`` it is Streaming DiLoCo whose merge keeps the overlap's
-progress: θ_p ← Â_p + (θ_now − θ_s).
+progress: θ_p ← Â_p + (θ_now − θ_s), the delay-corrected merge of LOSCAR-SGD (Maziane et al.
+2026, https://arxiv.org/abs/2605.20866): with an outer SGD step of lr 1 and no momentum Â_p is
+ȳ_p, the mean of the ranks' snapshots, and θᵢ ← θᵢ + (ȳ − θ_s,ᵢ) leaves the mean of the ranks'
+parameters where it was (the average model on the synchronous trajectory; a test pins it).
+
+**Full overlap.** Because the merge keeps the progress since the launch, ``overlap`` may equal
+``sync_every``: every fragment's all-reduce runs for a whole round (the link carries the same
+bytes per round as at τ = H/P, with P times as long for each fragment), and a sync point applies
+its fragment's sync before launching the same fragment again, so that the launch measures
+Δ_p = Â_p − θ_p from the merged parameters: exactly the progress not yet sent.
 
 Example::
 
@@ -43,7 +52,10 @@ __all__ = ["CoCoDC", "CoCoDCConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class CoCoDCConfig(FragmentsConfig):
-    """CoCoDC's hyperparameters (no ``mix``: the delay compensation merges)."""
+    """CoCoDC's hyperparameters (no ``mix``: the delay compensation merges; ``overlap`` up to
+    ``sync_every``, full overlap)."""
+
+    full_overlap: ClassVar[bool] = True
 
     lambda0: float = hyper(
         0.2,
@@ -69,6 +81,7 @@ class CoCoDC(StreamingDiLoCo):
     name = "cocodc"
     Config: ClassVar[type[OuterConfig]] = CoCoDCConfig
     config: CoCoDCConfig
+    _merge_keeps_progress = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,7 +91,7 @@ class CoCoDC(StreamingDiLoCo):
     def _choose_fragment(self, k: int) -> int:
         busy = set(self._in_flight.values())
         free = [f for f in range(self.num_fragments) if f not in busy]
-        assert free, "overlap < sync_every leaves at least one fragment free"
+        assert free, "a sync point applies (τ = H) or launches a free fragment (τ < H)"
         waits = {f: k - self.last_launch[f] for f in free}
         starving = [f for f in free if waits[f] >= self.config.max_wait * self.num_fragments]
         if starving:

@@ -121,6 +121,9 @@ class OuterAlgorithm(Guards):
     _flat_state: ClassVar[bool] = True
     # a sync point whose launch would fall before step 1 still merges (CO2: θ ← A₀ at round 0)
     _apply_unlaunched: ClassVar[bool] = False
+    # the merge keeps the progress made since the launch (θ ← Â + (θ − θ_s)): at τ = H a
+    # fragment's sync is applied before the same fragment launches again, at the same step
+    _merge_keeps_progress: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -279,8 +282,19 @@ class OuterAlgorithm(Guards):
         base = float(group.get("initial_lr") or self._peak_lr)
         return lr / base if base > 0 else 1.0
 
+    def _keeps_progress(self) -> bool:
+        """Whether the merge keeps the progress made since the launch (θ ← Â + (θ − θ_s))."""
+        return self._merge_keeps_progress
+
+    @property
+    def _apply_first(self) -> bool:
+        """At τ = H, whether a sync point applies before it launches: with a merge that keeps
+        the progress since the launch (the launch then measures Δ from the merged θ); else
+        (CO2) it launches first, the reset θ ← A carrying that progress in the next Δ."""
+        return self._keeps_progress() and self.overlap >= self.sync_every
+
     def _new_fragment(self, params: list[torch.Tensor], index: int) -> AnyFragment:
-        depth = 2 if self.overlap >= self.sync_every else 1
+        depth = 2 if self.overlap >= self.sync_every and not self._apply_first else 1
         if self.shard_outer_state:
             return ShardedFragment(
                 params,
@@ -566,16 +580,24 @@ class OuterAlgorithm(Guards):
             comp.drop_non_finite()  # a non-finite residual would poison every mean
 
     def _on_step(self, step: int, *, quorum: bool = True) -> None:
-        # Launch before applying: with τ = 0 (or τ = H) both concern this step's fragment.
+        # Launch before applying: with τ = 0 (or τ = H) both concern this step's fragment;
+        # at τ = H a merge that keeps the progress since launch applies first (_apply_first).
+        if self._apply_first:
+            self._apply_due(step)
         if (step + self.overlap) % self.interval == 0:
             if quorum and self._quorum():
                 raise _Healed  # this step's schedule is the donor's now: start it again
             self._launch((step + self.overlap) // self.interval)
+        if not self._apply_first:
+            self._apply_due(step)
+
+    def _apply_due(self, step: int) -> None:
+        """Apply the sync point that falls at ``step``, if any."""
         if step % self.interval == 0:
             k = step // self.interval
             if k in self._in_flight:
                 self._apply(k)
-            elif self._apply_unlaunched:
+            elif self._apply_unlaunched and not self._keeps_progress():
                 # the first sync points of an overlapped schedule launched before step 1
                 with record_function(f"{self._profile_tag}::outer"):
                     frag = self.fragments[self._choose_fragment(k)]

@@ -49,17 +49,24 @@ class FragmentsConfig(OuterSGDConfig):
         "inner steps a fragment's all-reduce runs before it is applied (below sync_every)"
     )
 
+    full_overlap: ClassVar[bool] = False
+    """Whether τ = H is allowed: the merge keeps the progress since the launch (CoCoDC), so a
+    fragment's sync may be applied at the step the same fragment launches again."""
+
     def check(self) -> None:
         super().check()
         h, tau = self.sync_every, self.overlap
         check_fragments(h, self.num_fragments)
-        if tau >= h:
-            raise HyperparameterError(
-                "overlap",
-                f"must be < sync_every={h}: a fragment's all-reduce must land before the same "
-                "fragment is launched again",
-                shown=str(tau),
-            )
+        if tau > h or (tau == h and not self.full_overlap):
+            if self.full_overlap:
+                why = f"must be <= sync_every={h} (tau = sync_every: full overlap)"
+            else:
+                why = (
+                    f"must be < sync_every={h}: a fragment's all-reduce must land before the "
+                    "same fragment is launched again (cocodc takes overlap=sync_every: its merge "
+                    "keeps the progress made while a fragment is in flight)"
+                )
+            raise HyperparameterError("overlap", why, shown=str(tau))
 
 
 @dataclass(frozen=True, kw_only=True)

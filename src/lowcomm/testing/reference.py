@@ -383,7 +383,9 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
     )
 
     # CO2 with fragments: one outer state per fragment, synced in turn as Streaming DiLoCo
-    co2_frags = algo == "co2" and len(frags) > 1
+    # (and CO2 with the delay-corrected merge, one fragment or more: θ ← A + (θ − θ_s))
+    co2_merge = algo == "co2" and hyper.get("merge") == "delay_corrected"
+    co2_frags = algo == "co2" and (len(frags) > 1 or co2_merge)
     frag_co2 = [
         _CO2State(
             m=[torch.zeros_like(anchor[j]) for j in idx],
@@ -392,6 +394,25 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         )
         for idx in frags
     ]
+
+    def co2_sync_point(phase: int) -> None:
+        """CO2 with fragments at inner step ``phase``: the sync point's outer step and merge."""
+        if phase % interval:
+            return
+        k = phase // interval
+        f = (k - 1) % len(frags)
+        if k in stream_pending:
+            launched_f, avg = stream_pending.pop(k)
+            assert launched_f == f
+            co2_apply(avg, [anchor[j] for j in frags[f]], frag_co2[f])
+        elif co2_merge:
+            return  # nothing launched: nothing to merge, θ stays
+        for w, th in enumerate(thetas):
+            for pos, j in enumerate(frags[f]):
+                if co2_merge:  # θ ← A + (θ − θ_s)
+                    th[j].copy_(anchor[j] - (snapshots[f][w][pos] - th[j].float()))
+                else:  # θ_f ← A_f (unlaunched sync points: A_f unchanged)
+                    th[j].copy_(anchor[j])
 
     eager_a = [[a.clone() for a in anchor] for _ in range(n)]
     eager_st = [
@@ -518,6 +539,10 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         if algo in ("streaming", "cocodc"):
             with torch.no_grad():
                 tau = hyper["overlap"]
+                # at τ = H (CoCoDC) the fragment's sync lands before it launches again
+                due = phase % interval == 0 and phase - tau >= 1
+                if due and tau >= h:
+                    stream_sync(phase // interval)
                 if (phase + tau) % interval == 0:
                     k = (phase + tau) // interval
                     f = cocodc_choose(k) if algo == "cocodc" else (k - 1) % len(frags)
@@ -525,25 +550,25 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                         [th[j].detach().float().clone() for j in frags[f]] for th in thetas
                     ]
                     stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
-                if phase % interval == 0 and phase - tau >= 1:
+                if due and tau < h:
                     stream_sync(phase // interval)
         if co2_frags:
             with torch.no_grad():
                 tau = h if hyper.get("overlap") is None else hyper["overlap"]
+                # with the merge at τ = H, the sync point applies before it launches
+                apply_first = co2_merge and tau >= h
+                if apply_first:
+                    co2_sync_point(phase)
                 if (phase + tau) % interval == 0:
                     k = (phase + tau) // interval
                     f = (k - 1) % len(frags)
+                    if co2_merge:
+                        snapshots[f] = [
+                            [th[j].detach().float().clone() for j in frags[f]] for th in thetas
+                        ]
                     stream_pending[k] = (f, pseudo_mean(frags[f], f)[0])
-                if phase % interval == 0:
-                    k = phase // interval
-                    f = (k - 1) % len(frags)
-                    if k in stream_pending:
-                        launched_f, avg = stream_pending.pop(k)
-                        assert launched_f == f
-                        co2_apply(avg, [anchor[j] for j in frags[f]], frag_co2[f])
-                    for th in thetas:  # θ_f ← A_f (unlaunched sync points: A_f unchanged)
-                        for j in frags[f]:
-                            th[j].copy_(anchor[j])
+                if not apply_first:
+                    co2_sync_point(phase)
             if phase % h == 0:
                 out.rounds.append([[p.detach().clone() for p in th] for th in thetas])
             continue

@@ -101,6 +101,7 @@ DEFAULT_WORKERS = 2
 _BACKENDS = ("auto", "gloo", "nccl")
 _COST_MODELS = ("fit", "analytic")
 _LR_SCHEDULES = ("cosine", "constant")
+OPTIMIZERS = ("adamw", "muon")
 # A ValueError from an algorithm class that is not ours may start with the keyword it is
 # about ("outer_lr must be ..."); ours raise HyperparameterError, which carries it.
 _LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
@@ -202,8 +203,12 @@ class TrainConfig:
     """Dropout probability (0 disables it)."""
 
     # --- inner optimizer (AdamW) -----------------------------------------------------------
+    optimizer: str = "adamw"
+    """Inner optimizer: "adamw", or "muon" (torch.optim.Muon on the blocks' weight matrices,
+    its update scaled to AdamW's RMS so it takes the same lr and weight decay; AdamW on
+    embeddings, biases and norm gains: lowcomm.optim.MuonAdamW)."""
     lr: float = 2e-3
-    """Inner AdamW learning rate (after warm-up)."""
+    """Inner learning rate (after warm-up)."""
     warmup: int = 30
     """Inner steps of linear learning-rate warm-up from 0."""
     lr_schedule: str = "cosine"
@@ -321,6 +326,7 @@ class TrainConfig:
             )
         check_float("lr", self.lr, low=0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, low=0.0)
+        self._check_optimizer()
         if self.lr_schedule not in _LR_SCHEDULES:
             raise ConfigError(
                 "lr_schedule",
@@ -350,6 +356,25 @@ class TrainConfig:
                 )
         self._check_paths()
         self._check_outer()
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.optimizer == "adamw":
+            return
+        if self.algo == "demo":
+            raise ConfigError(
+                "optimizer",
+                "muon cannot be combined with --algo demo (DeMo is the optimizer); use adamw",
+            )
+        if self.node_sharding == "zero":
+            raise ConfigError(
+                "optimizer",
+                "muon cannot be combined with node_sharding zero (ZeroRedundancyOptimizer "
+                "shards one torch optimizer); use adamw, or node_sharding none",
+            )
 
     def _check_documents(self) -> None:
         from lowcomm.balance import METHODS, parse_assignments

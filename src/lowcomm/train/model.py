@@ -44,8 +44,9 @@ def _param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
 
 def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The job's optimizer over ``model`` (weight decay on matrices and embeddings only): the
-    inner AdamW, or with ``algo`` demo :class:`~lowcomm.optim.DeMo` over every process (on
-    ``cfg.link``'s emulated link when set), which replaces DDP's gradient all-reduce."""
+    inner AdamW, or :class:`~lowcomm.optim.MuonAdamW` (``optimizer`` muon), or with ``algo``
+    demo :class:`~lowcomm.optim.DeMo` over every process (on ``cfg.link``'s emulated link when
+    set), which replaces DDP's gradient all-reduce."""
     if cfg.algo == "demo":
         from lowcomm.link import EmulatedLink
         from lowcomm.optim import DeMo
@@ -54,6 +55,10 @@ def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         return DeMo(
             _param_groups(model, cfg), lr=cfg.lr, process_group=comm, **cfg.algorithm_kwargs()
         )
+    if cfg.optimizer == "muon":
+        from lowcomm.optim import MuonAdamW
+
+        return MuonAdamW.for_model(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.95))
 
 
