@@ -25,6 +25,9 @@ def test_algo_fields_parse_codecs_settings_and_literals():
         "clip": "none",
     }
     assert algo_fields("diloco/sync-every=24") == {"algo": "diloco", "sync_every": 24}
+    # booleans as TOML and the job's config spell them, too
+    got = algo_fields("cocodc/adaptive=false/nesterov=true")
+    assert got == {"algo": "cocodc", "adaptive": False, "nesterov": True}
     with pytest.raises(ValueError, match="not KEY=VALUE"):
         algo_fields("co2/outer_lr")
 

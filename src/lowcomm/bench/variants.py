@@ -17,7 +17,8 @@ __all__ = ["algo_fields"]
 
 def algo_fields(algo: str) -> dict[str, Any]:
     """``"co2/outer_lr=0.3/eager=True"`` -> ``{"algo": "co2", "outer_lr": 0.3, "eager": True}``
-    (values as Python literals where they parse, else strings); ``+CODEC`` sets compression.
+    (values as Python literals where they parse, ``true``/``false`` as TOML spells them, else
+    strings); ``+CODEC`` sets compression.
 
     Raises:
         ValueError: a setting that is not ``KEY=VALUE``.
@@ -34,9 +35,14 @@ def algo_fields(algo: str) -> dict[str, Any]:
                 f"algos: {algo!r} has a setting {item!r} that is not KEY=VALUE; e.g. "
                 "co2/outer_lr=0.3/outer_momentum=0.0"
             )
-        try:
-            value: Any = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            value = text.strip()
+        text = text.strip()
+        value: Any
+        if text in ("true", "false"):
+            value = text == "true"
+        else:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text
         out[key.strip().replace("-", "_")] = value
     return out
