@@ -213,10 +213,10 @@ def test_a_warm_start_that_would_cost_more_than_its_budget_is_shortened() -> Non
     slow = _choose("10mbit", **kw)
     assert slow.settings["sync_warmup"] == 72
     assert slow.settings["sync_warmup_compression"] == "int2"
-    # 100mbit: int2 adds ~29 ms a step; 5% of 960 x 75 ms buys 120 steps of it (whole rounds)
+    # 100mbit: int2 adds ~29 ms a step; 3% of 960 x 75 ms buys 72 steps of it (whole rounds)
     middle = _choose("100mbit", **kw)
     extra = middle.warm_step_s - 0.075
-    assert middle.settings["sync_warmup"] == int(0.05 * 960 * 0.075 / extra) // 12 * 12 == 120
+    assert middle.settings["sync_warmup"] == int(0.03 * 960 * 0.075 / extra) // 12 * 12 == 72
     # 1gbit: the job's quarter of the steps costs less than the budget; a given length stays
     assert "sync_warmup" not in _choose("1gbit", **kw).settings
     assert "sync_warmup" not in _choose("10mbit", given={"sync_warmup"}, **kw).settings
