@@ -185,6 +185,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fragments": [[0, 1], [2, 3]],
         "hyper": {"overlap": 4, "lambda0": 0.0, "adaptive": False},
     },
+    # delayed Nesterov (Liu et al. 2024): the momentum moves every 2nd outer step of a fragment
+    "streaming-delayed-nesterov": {
+        "algo": "streaming",
+        "sync_every": 4,
+        "steps": 21,
+        "inner": "adamw",
+        "fragments": [[0, 3], [1, 2]],
+        "hyper": {"overlap": 1, "nesterov_every": 2, "outer_lr": 1.4},
+    },
     "streaming-overlap1": {
         "algo": "streaming",
         "sync_every": 4,

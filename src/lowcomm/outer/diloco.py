@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lowcomm.hparams import HyperparameterError, check_bool, hyper
+from lowcomm.hparams import HyperparameterError, check_bool, check_positive_int, hyper
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterOptimizerFactory, OuterState
 from lowcomm.outer.hparams import (
@@ -50,6 +50,14 @@ class OuterSGDConfig(CompressionConfig):
     outer_lr_schedule: str = outer_lr_schedule()
     outer_momentum: float = outer_momentum(0.9)
     nesterov: bool = hyper(True, doc="Nesterov outer momentum", check=check_bool)
+    nesterov_every: int = hyper(
+        1,
+        doc="delayed Nesterov (Liu et al. 2024): the momentum takes the mean of the last N "
+        "pseudo-gradients every N outer steps, each applied at once with outer_lr/N between "
+        "(lowcomm.optim.DelayedNesterov); 1: Nesterov SGD",
+        symbol="N",
+        check=check_positive_int(4),
+    )
     outer_optimizer: OuterOptimizerFactory | None = hyper(
         None,
         doc="a factory params -> torch.optim.Optimizer over the anchor tensors; overrides "
@@ -66,12 +74,31 @@ class OuterSGDConfig(CompressionConfig):
                 "needs outer_momentum > 0; set outer_momentum (e.g. 0.9) or nesterov=False",
                 shown="True",
             )
+        if self.nesterov_every > 1 and not self.nesterov:
+            raise HyperparameterError(
+                "nesterov_every",
+                "delays Nesterov momentum: needs nesterov=True and outer_momentum > 0",
+                shown=str(self.nesterov_every),
+            )
+        if self.nesterov_every > 1 and self.outer_optimizer is not None:
+            raise HyperparameterError(
+                "nesterov_every",
+                "is for the built-in outer optimizer; with outer_optimizer given, build "
+                "lowcomm.optim.DelayedNesterov in it",
+                shown=str(self.nesterov_every),
+            )
 
     def outer_factory(self) -> OuterOptimizerFactory:
-        """``outer_optimizer``, or SGD with ``outer_lr``, ``outer_momentum``, ``nesterov``."""
+        """``outer_optimizer``, or SGD with ``outer_lr``, ``outer_momentum``, ``nesterov`` (with
+        ``nesterov_every`` > 1: :class:`~lowcomm.optim.DelayedNesterov`)."""
         lr, momentum = float(self.outer_lr), float(self.outer_momentum)
-        sgd = partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=self.nesterov)
-        return sgd if self.outer_optimizer is None else self.outer_optimizer
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
+        if self.nesterov_every > 1:
+            from lowcomm.optim.delayed_nesterov import DelayedNesterov
+
+            return partial(DelayedNesterov, lr=lr, momentum=momentum, delay=self.nesterov_every)
+        return partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=self.nesterov)
 
 
 @dataclass(frozen=True, kw_only=True)

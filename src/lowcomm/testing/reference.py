@@ -38,6 +38,7 @@ from lowcomm.compress.codecs import (
 )
 from lowcomm.compress.feedback import worker_generator
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
+from lowcomm.optim.delayed_nesterov import DelayedNesterov
 from lowcomm.outer import ALGORITHMS
 from lowcomm.outer.engine import WARM_STREAM
 from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW, noloco_groups
@@ -276,26 +277,19 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         group = inners[0].param_groups[0]
         return float(hyper["outer_lr"]) * (group["lr"] / group.get("initial_lr", group["lr"]))
 
-    outer = None
-    if algo == "diloco":
-        outer = torch.optim.SGD(
-            anchor,
-            lr=hyper["outer_lr"],
-            momentum=hyper["outer_momentum"],
-            nesterov=hyper["nesterov"],
-        )
+    def outer_sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """DiLoCo's outer optimizer: Nesterov SGD, or delayed Nesterov (``nesterov_every``)."""
+        kw = {"lr": hyper["outer_lr"], "momentum": hyper["outer_momentum"]}
+        if hyper.get("nesterov_every", 1) > 1:
+            return DelayedNesterov(params, delay=hyper["nesterov_every"], **kw)
+        return torch.optim.SGD(params, nesterov=hyper["nesterov"], **kw)
+
+    outer = outer_sgd(anchor) if algo == "diloco" else None
     slow_m: list[torch.Tensor] | None = None
     frags: list[list[int]] = scenario.get("fragments", [list(range(len(anchor)))])
     interval = h // len(frags)
     stream_outer = [
-        torch.optim.SGD(
-            [anchor[j] for j in idx],
-            lr=hyper["outer_lr"],
-            momentum=hyper["outer_momentum"],
-            nesterov=hyper["nesterov"],
-        )
-        for idx in frags
-        if algo in ("streaming", "cocodc")
+        outer_sgd([anchor[j] for j in idx]) for idx in frags if algo in ("streaming", "cocodc")
     ]
     stream_pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
     spec = hyper.get("compression")
