@@ -81,7 +81,6 @@ class CoCoDC(StreamingDiLoCo):
     name = "cocodc"
     Config: ClassVar[type[OuterConfig]] = CoCoDCConfig
     config: CoCoDCConfig
-    _merge_keeps_progress = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -112,6 +111,9 @@ class CoCoDC(StreamingDiLoCo):
             f = max(free, key=lambda g: (float(scores[g]), -g))
         self.last_launch[f] = k
         return f
+
+    def _keeps_progress(self) -> bool:
+        return True  # the compensation merge keeps the overlap's progress
 
     def _before_launch(self, f: int) -> None:
         self._snapshots[f].copy_from(self.fragments[f].params)

@@ -121,9 +121,6 @@ class OuterAlgorithm(Guards):
     _flat_state: ClassVar[bool] = True
     # a sync point whose launch would fall before step 1 still merges (CO2: θ ← A₀ at round 0)
     _apply_unlaunched: ClassVar[bool] = False
-    # the merge keeps the progress made since the launch (θ ← Â + (θ − θ_s)): at τ = H a
-    # fragment's sync is applied before the same fragment launches again, at the same step
-    _merge_keeps_progress: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -283,8 +280,9 @@ class OuterAlgorithm(Guards):
         return lr / base if base > 0 else 1.0
 
     def _keeps_progress(self) -> bool:
-        """Whether the merge keeps the progress made since the launch (θ ← Â + (θ − θ_s))."""
-        return self._merge_keeps_progress
+        """Whether the merge keeps the progress made since the launch (θ ← Â + (θ − θ_s)): then
+        at τ = H a fragment's sync is applied before the same fragment launches again."""
+        return False
 
     @property
     def _apply_first(self) -> bool:
