@@ -100,6 +100,8 @@ _METAVARS = {
     "lr_schedule": "{cosine,constant}",
     "optimizer": "{adamw,muon}",
     "merge": "{reset,delay_corrected}",
+    "local_steps": "{fixed,dynamic}",
+    "speeds": "S1,S2,...",
     "clip": "PHI|none",
     "gap_penalty": "{gap_aware,none,LAMBDA}",
     "nan_policy": "{skip,raise}",

@@ -192,6 +192,14 @@ class CO2Config(ShardableConfig):
                 "same step as the average it completes",
                 shown="True",
             )
+        if self.eager and self.local_steps == "dynamic":
+            raise HyperparameterError(
+                "local_steps",
+                "'dynamic' cannot be combined with eager=True (an eager update counts this "
+                "rank's fresh pseudo-gradient and every other rank's stale one at 1/N each, "
+                "with no weight for the steps each took); use eager=False or 'fixed'",
+                shown="'dynamic'",
+            )
         if self.merge == "delay_corrected" and self.eager:
             raise HyperparameterError(
                 "merge",

@@ -61,6 +61,7 @@ from lowcomm.outer.fragment import (
 from lowcomm.outer.functional import pseudo_gradient_norm
 from lowcomm.outer.guards import Guards, log_repeated
 from lowcomm.outer.hparams import OuterConfig
+from lowcomm.outer.pace import Pace
 from lowcomm.params import check_partition, collect_params, load_tensors, split_by_blocks
 
 if TYPE_CHECKING:
@@ -186,6 +187,10 @@ class OuterAlgorithm(Guards):
         self.num_fragments = len(self.fragments)
         self.interval = self.sync_every // self.num_fragments
         """Inner steps between sync points: H / P."""
+        self.pace: Pace | None = None
+        """The dynamic local steps (``local_steps="dynamic"``: :mod:`lowcomm.outer.pace`)."""
+        if self.config.local_steps == "dynamic":
+            self.pace = Pace(self.comm, self.sync_every, self.num_fragments)
         # The model as built, compared across ranks at the first step (values hashed now).
         self._unchecked: Description | None = None
         if self.config.check_consistency and self.ft is None:
@@ -363,9 +368,54 @@ class OuterAlgorithm(Guards):
 
     def step(self) -> None:
         """Call once after every inner ``optimizer.step()``, on every rank the same number of
-        times (a collective that never completes names that as its likely cause)."""
+        times (a collective that never completes names that as its likely cause). With
+        ``local_steps="dynamic"``, once per position of the schedule instead: after the inner
+        step when :meth:`takes_step` said to take one, else right away."""
         with explain_lost_collectives(type(self).__name__, "step()", lambda: self.local_step):
-            self._step()
+            try:
+                self._step()
+            finally:
+                if self.pace is not None:
+                    self.pace.end()
+
+    def takes_step(self) -> bool:
+        """Whether this rank takes an inner step before its next :meth:`step` call: always with
+        ``local_steps="fixed"``; with ``"dynamic"``, at H_j of each round's H positions
+        (:mod:`lowcomm.outer.pace`). A loop with dynamic local steps asks before every step::
+
+            if algo.takes_step():
+                loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+            algo.step()
+        """
+        phase = self.local_step + 1 - self.warmup
+        return self.pace is None or phase <= 0 or self.pace.steps_here(phase)
+
+    def steps_done(self, *, including_next: bool = False) -> float:
+        """Inner steps per rank taken so far (``including_next``: once the next position's are
+        taken too): the step count with fixed local steps; with dynamic ones every rank's steps
+        since the start over N — what a learning-rate schedule that follows the tokens reads,
+        equal to the step count, exactly, when every rank steps at every position."""
+        at = self.local_step + int(including_next)
+        phase = at - self.warmup
+        if self.pace is None or phase <= 0:
+            return float(at)
+        work = self.pace.work_through(phase) if including_next else sum(self.pace.taken)
+        return (self.warmup * self.world_size + work) / self.world_size
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps this rank took (with dynamic local steps, fewer than :meth:`step` calls
+        on a slower rank)."""
+        if self.pace is None:
+            return self.local_step
+        return min(self.local_step, self.warmup) + self.pace.taken[self.comm.rank]
+
+    @property
+    def at_round_boundary(self) -> bool:
+        """Whether the last :meth:`step` ended a round (or fell inside the warm start)."""
+        return (self.local_step - self.warmup) % self.sync_every == 0 or (
+            self.local_step <= self.warmup
+        )
 
     def _step(self) -> None:
         if self.ft is not None and not self.ft.joined and self.ft.join():
@@ -375,6 +425,9 @@ class OuterAlgorithm(Guards):
             self._check_consistency()
         self.local_step += 1
         phase = self.local_step - self.warmup  # the schedule starts after the warm start
+        if self.pace is not None and phase > 0:
+            self.pace.begin(self.pace.steps_here(phase))
+            self.pace.advance(phase)
         with torch.no_grad():
             if phase <= 0:
                 self._warm_step()
@@ -617,7 +670,12 @@ class OuterAlgorithm(Guards):
             self._pg_norm = pseudo_gradient_norm(frag.anchor.views, frag.params)
             rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
             label = f"fragment {f}" if self.num_fragments > 1 else f"round {rnd}"
-            sync = frag.launch(label, self.local_step)
+            scale = 1.0
+            if self.pace is not None:
+                scale = self.pace.weight(f)
+                if (k * self.interval) % self.sync_every == 0:  # applied at a round boundary
+                    self.pace.measure(k)  # (before the sync: first on the link)
+            sync = frag.launch(label, self.local_step, scale=scale)
             # the second phase (PowerSGD's Q, a sharded update) goes out halfway to the apply
             if self.overlap > 0 and sync.handle.needs_advance:
                 self._to_advance.append((self.local_step + max(1, self.overlap // 2), sync))
@@ -645,6 +703,8 @@ class OuterAlgorithm(Guards):
             else:
                 frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
         self.sync_points += 1
+        if self.pace is not None:
+            self.pace.applied(k, self.local_step - self.warmup)
         if self.ft is not None:
             self.ft.contributing = True
 
@@ -680,6 +740,10 @@ class OuterAlgorithm(Guards):
                 "torchft's Manager): leave it off",
             ),
             (self.schedule == "gossip", "gossip groups (NoLoCo's pairs need a fixed group)"),
+            (
+                self.pace is not None,
+                "local_steps='dynamic' (its plans assume a fixed group of ranks): use 'fixed'",
+            ),
             (
                 self.overlap >= self.interval,
                 f"overlap {self.overlap} >= sync_every / "
@@ -832,6 +896,12 @@ class OuterAlgorithm(Guards):
         """
         if self._hook is not None:
             raise ValueError(f"{type(self).__name__} is already active as a context manager")
+        if self.pace is not None:
+            raise ValueError(
+                f"{type(self).__name__} with local_steps='dynamic' cannot run as a context "
+                "manager (a rank passes over some positions without an optimizer step): call "
+                "takes_step() before, and step() after, every position"
+            )
         self._hook = self.inner.register_step_post_hook(lambda *_: self.step())
         return self
 
@@ -875,6 +945,8 @@ class OuterAlgorithm(Guards):
             for i, frag in enumerate(self.fragments):
                 state[f"fragment_{i}"] = frag.state_dict()
         state.update(self._extra_state())
+        if self.pace is not None:
+            state["pace"] = self.pace.state_dict()
         if self._warm_compressors:
             state["warm_compression"] = [c.state_dict() for c in self._warm_compressors]
         return state
@@ -888,6 +960,8 @@ class OuterAlgorithm(Guards):
                 state = {key: mine, **state}  # older one-fragment state_dicts lack them
             if key == "sync_warmup" and mine == 0:
                 state = {key: mine, **state}  # and state_dicts from before the warm start
+            if key == "local_steps" and mine == "fixed":
+                state = {key: mine, **state}  # and from before dynamic local steps
             if key not in state:
                 raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
             if state[key] != mine:
@@ -905,6 +979,8 @@ class OuterAlgorithm(Guards):
                 f"({self.config.sync_warmup_compression!r}); resume with the same settings"
             )
         self._load_extra_state(state)
+        if self.pace is not None:
+            self.pace.load_state_dict(state["pace"])
         if self._flat_state:
             self.fragment.load_state_dict(state)
         for i, frag in enumerate(self.fragments if not self._flat_state else []):
@@ -948,6 +1024,7 @@ class OuterAlgorithm(Guards):
             "num_fragments": self.num_fragments,
             "overlap": self.overlap,
             "sync_warmup": self.warmup,
+            "local_steps": self.config.local_steps,
         }
 
     def _extra_state(self) -> dict[str, Any]:

@@ -205,13 +205,17 @@ class Fragment:
         """This rank's own contribution to ``sync`` (``keep_own``)."""
         return self._own[sync.slot].views
 
-    def launch(self, label: str, step: int) -> Sync:
+    def launch(self, label: str, step: int, *, scale: float = 1.0) -> Sync:
+        """Launch this rank's pseudo-gradient (or parameters) times ``scale`` (the weight of
+        dynamic local steps: :mod:`lowcomm.outer.pace`)."""
         slot, self._next = self._next, (self._next + 1) % len(self._sends)
         send = self._sends[slot]
         if self.send_params:
             send.copy_from(self.params)
         else:
             pseudo_gradient_(send.views, self.anchor.views, self.params)
+        if scale != 1.0:
+            torch._foreach_mul_(send.views, scale)
         own_ok = self.engine.check_own(send.views)
         own = self._own[slot] if self._own else None
         if self.compressor is not None:
@@ -340,11 +344,13 @@ class ShardedFragment:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def launch(self, label: str, step: int) -> Sync:
+    def launch(self, label: str, step: int, *, scale: float = 1.0) -> Sync:
         # the snapshot, reduced chunks and flag are shared: the sync before must have advanced
         for earlier in self.pending:
             earlier.handle.advance()
         self.snapshot.copy_from(self.params)
+        if scale != 1.0:  # the weighted mean of θ: A minus it is the weighted mean of Δ
+            torch._foreach_mul_(self.snapshot.views, scale)
         own_ok = self.engine.check_own(self.snapshot.views)
         self._flag.fill_(0.0 if own_ok else 1.0)
         self._reduce = self.comm.reduce_scatter_mean_async(self.snapshot.buffers, self.reduced)

@@ -25,6 +25,7 @@ from lowcomm.hparams import (
 )
 
 __all__ = [
+    "LOCAL_STEPS",
     "OUTER_LR_SCHEDULES",
     "CompressionConfig",
     "OuterConfig",
@@ -37,6 +38,10 @@ __all__ = [
     "outer_momentum",
     "overlap",
 ]
+
+
+LOCAL_STEPS = ("fixed", "dynamic")
+"""``local_steps``: H inner steps per round on every rank, or steps by measured speed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +84,14 @@ class OuterConfig(Hyperparameters):
         "such as int8 or bf16 (unset: fp32, DDP's exact mean)",
         check=check_compression,
         job_type="str | None",
+    )
+
+    local_steps: str = hyper(
+        "fixed",
+        doc="inner steps per round: fixed (H on every rank) or dynamic (each rank takes steps "
+        "in proportion to its measured speed, the fastest H, so that rounds end together; "
+        "pseudo-gradients weighted by the steps each rank took: lowcomm.outer.pace)",
+        check=check_choice(LOCAL_STEPS),
     )
 
     def check(self) -> None:

@@ -82,6 +82,13 @@ class NoLoCoConfig(OuterConfig):
                 "next one is launched",
                 shown=str(self.overlap),
             )
+        if self.local_steps == "dynamic":
+            raise HyperparameterError(
+                "local_steps",
+                "'dynamic' cannot be used with NoLoCo: its gossip groups average parameters "
+                "pair by pair, with no weight for the steps each rank took; use 'fixed'",
+                shown="'dynamic'",
+            )
 
 
 class NoLoCoState:

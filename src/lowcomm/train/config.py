@@ -191,6 +191,12 @@ class TrainConfig:
     """Wait for collectives by polling instead of sleeping, so that a waiting worker keeps its
     share of a CPU shared by several workers (emulates one device per worker on an
     oversubscribed host; for measurements)."""
+    speeds: Any = None
+    """Emulate workers of unequal speed: one relative speed per worker, comma-separated
+    (1,1,1,0.5: the last at half speed) or a TOML list. A worker slower than the fastest
+    stretches each of its inner steps by computing (a busy loop) for (fastest / its speed - 1)
+    times the step's own measured time, so that it keeps its share of the CPU as a slower
+    device would; for measurements. Unset: every worker as it is."""
 
     # --- model -----------------------------------------------------------------------------
     n_layer: int = 4
@@ -317,6 +323,7 @@ class TrainConfig:
         check_int("keep_checkpoints", self.keep_checkpoints, low=1)
         check_int("max_restarts", self.max_restarts, low=0)
         self._check_fault_tolerance()
+        self._check_speeds()
         check_float("collective_timeout", self.collective_timeout, low=0.0, low_open=True)
         if self.n_embd % self.n_head:
             raise ConfigError(
@@ -356,6 +363,45 @@ class TrainConfig:
                 )
         self._check_paths()
         self._check_outer()
+
+    def _check_speeds(self) -> None:
+        if self.speeds is None:
+            return
+        values = self.speeds
+        if isinstance(values, str):
+            values = [v.strip() for v in values.split(",")]
+        try:
+            speeds = [float(v) for v in values]
+        except (TypeError, ValueError):
+            raise ConfigError(
+                "speeds",
+                f"must be positive numbers, one per worker, such as 1,1,1,0.5; got {self.speeds!r}",
+            ) from None
+        if not speeds or not all(math.isfinite(v) and v > 0 for v in speeds):
+            raise ConfigError(
+                "speeds", f"must be finite numbers > 0, one per worker; got {self.speeds!r}"
+            )
+        if self.workers is not None and len(speeds) != self.workers:
+            raise ConfigError(
+                "speeds",
+                f"gives {len(speeds)} speed(s) for {self.workers} worker processes; give one "
+                "per worker",
+            )
+        self.speeds = ",".join(f"{v:g}" for v in speeds)
+
+    def stretch(self, rank: int, world: int) -> float:
+        """How many times its own compute each inner step of ``rank`` takes (``speeds``):
+        the fastest worker's speed over this one's; 1.0 without ``speeds``."""
+        if self.speeds is None:
+            return 1.0
+        speeds = [float(v) for v in str(self.speeds).split(",")]
+        if len(speeds) != world:
+            raise ConfigError(
+                "speeds",
+                f"gives {len(speeds)} speed(s) but the job has {world} worker processes; give "
+                "one per worker",
+            )
+        return max(speeds) / speeds[rank]
 
     def _check_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -687,6 +733,19 @@ class TrainConfig:
                 "the inner learning rate, which would reach 0 at the last step; use e.g. "
                 "min_lr_ratio 0.1 or lr_schedule constant",
             )
+        if kwargs.get("local_steps") == "dynamic":
+            refusals = (
+                (
+                    self.documents,
+                    "documents (their steps hold unequal tokens; --balance "
+                    "evens out the work instead)",
+                ),
+                (self.nodes > 1, "node groups (the processes of a node step together)"),
+                (self.fault_tolerance, "fault_tolerance (its plans assume a fixed group)"),
+            )
+            for refused, why in refusals:
+                if refused:
+                    raise ConfigError("local_steps", f"'dynamic' cannot be combined with {why}")
         fragments = kwargs.get("num_fragments")
         if fragments is not None and fragments > self.n_layer:
             raise ConfigError(

@@ -105,6 +105,13 @@ class Instruments:
                 device,
                 append=state is not None,
             )
+            out.progress.steps_done = sync.steps_done
+            algo = sync.algo
+            if algo is not None and algo.pace is not None:
+                pace = algo.pace
+                out.progress.pace = lambda: pace.report(algo.local_step - algo.warmup)[
+                    "steps_per_round"
+                ]
             if cfg.tensorboard is not None:
                 out.tensorboard = out._tensorboard(cfg, sync, start, resumed=state is not None)
         out.fault = topology.fault(sync.algo)
@@ -149,8 +156,9 @@ class Instruments:
 
     # --- every step ---------------------------------------------------------------------------
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, *, flush: bool) -> None:
-        """Record step ``step`` (rank 0: every ``log_every`` steps and when ``flush``)."""
+    def step(self, step: int, loss: torch.Tensor | None, lr: float, *, flush: bool) -> None:
+        """Record step ``step`` (rank 0: every ``log_every`` steps and when ``flush``;
+        ``loss`` ``None``: this rank passed the position, dynamic local steps)."""
         if self.progress is not None:
             self.progress.step(step, loss, lr, flush=flush)
         if self.tensorboard is not None:

@@ -101,9 +101,12 @@ __all__ = ["FAULT_ENV", "check_same_job", "train"]
 logger = logging.getLogger(__name__)
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
+def _lr_at(step: float, cfg: TrainConfig) -> float:
     """Inner learning rate for 1-based step ``step``: linear warm-up over ``warmup`` steps, then
-    constant or a cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    constant or a cosine decay to ``min_lr_ratio * lr`` at the last step (with dynamic local
+    steps ``step`` is the steps per worker done, a fraction: the schedule follows the tokens;
+    past the last step it stays at the floor)."""
+    step = min(step, cfg.steps)
     if step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup
     if cfg.lr_schedule == "constant" or cfg.steps <= cfg.warmup:
@@ -195,6 +198,8 @@ class _Job:
     records: Instruments
     t_start: float
     val_start: float
+    end_step: int
+    """The step the run ended after (``steps``; later with dynamic local steps)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         assert cfg.out is not None and cfg.name is not None, "call TrainConfig.with_paths() first"
@@ -284,18 +289,25 @@ class _Job:
         if records.progress is not None and state is not None:
             self.val_start = records.progress.val_start
         eval_interval = cfg.eval_interval
+        algo = sync.algo if sync.algo is not None and sync.algo.pace is not None else None
+        stretch = cfg.stretch(rank, self.topology.world)
         step = self.start
-        while step < cfg.steps:
+        while not self.finished(step):
             step += 1
-            lr = _lr_at(step, cfg)
+            lr = _lr_at(step if algo is None else algo.steps_done(including_next=True), cfg)
             for group in inner.param_groups:
                 group["lr"] = lr
                 group["initial_lr"] = cfg.lr  # the peak, as torch's LR schedulers name it
-            loss = data.loss(sync.model, step)
-            records.trained(step, loss)
-            sync.backward_done()
-            inner.step()
-            inner.zero_grad(set_to_none=True)
+            loss = None
+            if algo is None or algo.takes_step():  # (dynamic local steps pass some positions)
+                t0 = time.perf_counter()
+                loss = data.loss(sync.model, step)
+                records.trained(step, loss)
+                sync.backward_done()
+                inner.step()
+                inner.zero_grad(set_to_none=True)
+                if stretch > 1.0:
+                    _compute_for((stretch - 1.0) * (time.perf_counter() - t0))
             now, record = sync.after_step(step)
             records.synced(record)
             if now != step:  # healed: the records continue at the donor's step
@@ -304,11 +316,22 @@ class _Job:
                 continue
             data.step_done(step)
             records.inject(step, rank, self.gpt)
-            records.step(step, loss, lr, flush=step % eval_interval == 0 or step == cfg.steps)
-            if step % eval_interval == 0 and step < cfg.steps:
+            last = self.finished(step)
+            records.step(step, loss, lr, flush=step % eval_interval == 0 or last)
+            if step % eval_interval == 0 and not last:
                 self.evaluate(step)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 self.save(step)
+        self.end_step = step
+
+    def finished(self, step: int) -> bool:
+        """Whether the job ends after ``step``: at ``steps``; with dynamic local steps at the
+        first round boundary where the workers together have taken ``steps`` each (the tokens
+        of the job with every worker at every step)."""
+        algo = self.sync.algo
+        if algo is None or algo.pace is None:
+            return step >= self.cfg.steps
+        return algo.steps_done() >= self.cfg.steps and algo.at_round_boundary
 
     def evaluate(self, step: int) -> float:
         """Validation loss of the consensus model (module docstring); rank 0 records it."""
@@ -362,9 +385,10 @@ class _Job:
         topology = self.topology
         assert topology is not None
         world = topology.world
+        end = self.end_step
         sync.finish()
         records.synced_at_end()
-        val_end = self.evaluate(cfg.steps)
+        val_end = self.evaluate(end)
         wall_s = time.perf_counter() - self.t_start
         records.close()
         if self.ceiling is not None:
@@ -394,7 +418,7 @@ class _Job:
             {
                 "rank": 0,
                 "note": CHECKPOINT_NOTE,
-                "step": cfg.steps,
+                "step": end,
                 "config": cfg.to_dict(),
                 "world_size": world,
                 "model": model_state,
@@ -405,7 +429,7 @@ class _Job:
         summary = run_summary(
             cfg,
             world=world,
-            tokens=cfg.steps * topology.tokens_per_step,
+            tokens=round(sync.steps_done(end) * topology.tokens_per_step),
             wall_s=wall_s,
             train_s=train_s,
             eval_s=eval_s,
@@ -417,6 +441,7 @@ class _Job:
             if self.ceiling is None
             else self.ceiling.summary(topology.tokens_per_step),
         )
+        summary["steps_run"] = end
         summary["resumed_at"] = list(progress.resumed_at)
         if topology.elastic is not None:
             assert sync.algo is not None
@@ -425,7 +450,7 @@ class _Job:
         summary["link_tuning"] = self.tuning
         summary["nonfinite"] = divergence(
             gathered,
-            steps=cfg.steps,
+            steps=end,
             tail=cfg.log_every,
             val_start=self.val_start,
             val_end=val_end,
@@ -442,6 +467,15 @@ class _Job:
             title=f"{cfg.name}: {cfg.algo}, {topology.describe()}",
         )
         return summary
+
+
+def _compute_for(seconds: float) -> None:
+    """Keep this worker's CPU busy for ``seconds`` (``speeds``: a slower device's longer step,
+    spent computing as the device would, not sleeping, so a CPU shared by several workers is
+    shared as it is during their real steps)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _params_checksum(model: nn.Module) -> str:

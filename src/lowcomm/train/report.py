@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -143,6 +144,12 @@ class Progress:
         self.lost_s = 0.0
         """Time lost to failures: the work redone after a restart and the restart itself."""
         self._loss_sum = torch.zeros((), device=device)
+        self._losses = 0  # the steps whose loss is in the sum (dynamic local steps pass some)
+        self.steps_done: Callable[[int], float] = float
+        """Inner steps per worker done after a step (the tokens are counted from it): the
+        step itself, or with dynamic local steps every worker's steps over their number."""
+        self.pace: Callable[[], list[int] | None] = lambda: None
+        """Every worker's inner steps in the current round (dynamic local steps)."""
         self._last_step = 0  # the step of the last record
         self._first_step = 0  # the step this run started after (a resumed run's checkpoint)
         self._segment = (time.perf_counter(), 0.0)  # when this run's steps began, eval_s then
@@ -164,6 +171,7 @@ class Progress:
         """What a resumed run needs to continue the records exactly (checkpoint ``progress``)."""
         return {
             "loss_sum": self._loss_sum.detach().cpu().clone(),
+            "losses": self._losses,
             "last_step": self._last_step,
             "elapsed_s": time.perf_counter() - self.t_start,
             "eval_s": self.eval_s,
@@ -180,6 +188,7 @@ class Progress:
         earlier, so times continue)."""
         self._loss_sum.copy_(state["loss_sum"])
         self._last_step = int(state["last_step"])
+        self._losses = int(state.get("losses", step - self._last_step))
         self.eval_s = float(state["eval_s"])
         self.loss, self.val = float(state["loss"]), float(state["val"])
         self.val_start = float(state["val_start"])
@@ -198,35 +207,48 @@ class Progress:
         since the last record was its own, before the heal, and is dropped; the next record
         covers the steps after ``step``."""
         self._loss_sum.zero_()
+        self._losses = 0
         self._last_step = step
         self.writer.write({"kind": "healed", "step": step, "time": time.time()})
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()
 
+    def _tokens(self, step: int) -> int:
+        return round(self.steps_done(step) * self.tokens_per_step)
+
     def _tokens_per_s(self, step: int) -> float:
         train_s = time.perf_counter() - self.t_start - self.eval_s
-        return step * self.tokens_per_step / max(train_s, 1e-9)
+        return self._tokens(step) / max(train_s, 1e-9)
 
     def _postfix(self, step: int) -> dict[str, str]:
         hidden = self.stats.hidden_fraction
-        return {
+        out = {
             "loss": f"{self.loss:.3f}",
             "val": f"{self.val:.3f}",
             "tok/s": f"{self._tokens_per_s(step):,.0f}",
             # rank 0's own counters (the summary gives the mean over the workers)
             "hidden r0": "-" if hidden is None else f"{hidden:.0%}",
         }
+        plan = self.pace()
+        if plan is not None:
+            out["steps/round"] = "/".join(str(n) for n in plan)
+        return out
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, *, flush: bool = False) -> None:
-        """Add step ``step``'s loss; record the mean since the last record every ``log_every``
-        steps, or now when ``flush``."""
-        self._loss_sum.add_(loss.detach())
+    def step(self, step: int, loss: torch.Tensor | None, lr: float, *, flush: bool = False) -> None:
+        """Add step ``step``'s loss (``None``: rank 0 passed this position, dynamic local
+        steps); record the mean since the last record every ``log_every`` steps, or now when
+        ``flush``."""
+        if loss is not None:
+            self._loss_sum.add_(loss.detach())
+            self._losses += 1
         if not flush and step % self.cfg.log_every:
             return
         n = step - self._last_step
-        self.loss = float(self._loss_sum) / n  # the one device sync per record
+        # the one device sync per record
+        self.loss = float(self._loss_sum) / self._losses if self._losses else float("nan")
         self._loss_sum.zero_()
+        self._losses = 0
         self._last_step = step
         if not self._eta_told:
             self._eta_told = True
@@ -238,7 +260,7 @@ class Progress:
                 "steps": n,
                 "loss": self.loss,
                 "lr": lr,
-                "tokens": step * self.tokens_per_step,
+                "tokens": self._tokens(step),
                 "elapsed_s": time.perf_counter() - self.t_start,
             }
         )
@@ -276,7 +298,7 @@ class Progress:
                 "kind": "eval",
                 "step": step,
                 "val_loss": val_loss,
-                "tokens": step * self.tokens_per_step,
+                "tokens": self._tokens(step),
                 "elapsed_s": now - self.t_start,
                 "train_s": train_s,
                 "rounds": rounds,
@@ -395,7 +417,42 @@ def run_summary(
         "layout": _layout_summary(cfg, world, workers, mean),
         "comm_mean": mean,
         "comm_per_worker": workers,
+        "work": _work_summary(cfg, workers, kwargs, warm),
     }
+
+
+def _work_summary(
+    cfg: TrainConfig, workers: list[dict[str, Any]], kwargs: dict[str, Any], warm: int
+) -> dict[str, Any] | None:
+    """What each worker did (outer algorithms): its inner steps, tokens, mean steps per round
+    after the warm start and time blocked in collectives (a straggler's wait shows on the
+    others), the ``speeds`` emulated and whether rounds were dynamic."""
+    if not workers or workers[0].get("inner_steps") is None:
+        return None
+    steps = [int(w["inner_steps"]) for w in workers]
+    return {
+        "local_steps": kwargs.get("local_steps", "fixed"),
+        "speeds": cfg.speeds,
+        "inner_steps": steps,
+        "tokens": [n * cfg.batch_size * cfg.block_size for n in steps],
+        "steps_per_round": [
+            (n - warm) / w["rounds"] if w.get("rounds") else None for n, w in zip(steps, workers)
+        ],
+        "blocked_s": [w.get("blocked_s") for w in workers],
+    }
+
+
+def _work_rows(work: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Rows for workers of unequal speed (``speeds``) or dynamic local steps."""
+    if work is None or (work["speeds"] is None and work["local_steps"] == "fixed"):
+        return []
+    per_round = "/".join("-" if n is None else f"{n:.1f}" for n in work["steps_per_round"])
+    blocked = "/".join(f"{b or 0.0:.2f}" for b in work["blocked_s"])
+    rows = [("steps / round", f"{per_round} per worker ({work['local_steps']} local steps)")]
+    if work["speeds"] is not None:
+        rows.append(("speeds", f"{work['speeds']} (emulated)"))
+    rows.append(("blocked", f"{blocked} s per worker"))
+    return rows
 
 
 def _compression_label(cfg: TrainConfig, compressible: bool, kwargs: dict[str, Any]) -> str | None:
@@ -662,6 +719,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         ("compression", compression),
         *_tuning_rows(summary.get("link_tuning")),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
+        *_work_rows(summary.get("work")),
         *_resume_rows(summary),
         ("tokens/s", "-" if tps is None else f"{tps:,.0f}"),
         *_ceiling_rows(summary.get("ceiling")),

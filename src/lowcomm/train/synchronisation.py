@@ -202,9 +202,21 @@ class Synchronisation:
         if self.demo is not None:
             self.demo.finish()
 
+    def steps_done(self, step: int) -> float:
+        """Inner steps per worker done after ``step`` (with dynamic local steps, all workers'
+        steps over their number: what the tokens trained are counted from)."""
+        if self.algo is None or self.algo.pace is None:
+            return float(step)
+        return self.algo.steps_done()
+
     def per_rank(self) -> dict[str, Any]:
         """This rank's counters for ``summary.json``."""
+        pace = None
+        if self.algo is not None and self.algo.pace is not None:
+            pace = self.algo.pace.report(self.algo.local_step - self.algo.warmup)
         return {
+            "inner_steps": self.algo.inner_steps if self.algo is not None else None,
+            "pace": pace,
             "rounds": self.rounds,
             "skipped_updates": int(getattr(self.algo, "skipped_updates", 0)),
             **self.stats.as_dict(),
