@@ -14,7 +14,7 @@ import torch
 
 from lowcomm import CO2, DiLoCo, NoLoCo
 from lowcomm.hparams import HyperparameterError
-from lowcomm.outer.pace import plan_steps, steps_through
+from lowcomm.outer.pace import plan_steps, steps_through, trim_plan
 from lowcomm.testing import run_workers
 from lowcomm.testing.jobs import TINY_JOB, tiny_job_args
 from lowcomm.testing.pace import pace_reference_diloco, pace_runs
@@ -31,11 +31,12 @@ ALGOS: dict[str, dict[str, Any]] = {
     "co2-full": {"sync_every": H},  # τ = H, the paper's schedule
     "streaming": {"sync_every": H, "by_layer": True, "overlap": 1},
     "localsgd": {"sync_every": H},
+    "diloco-warm": {"sync_every": H, "sync_warmup": 2 * H},  # the warm start: 2 rounds
 }
 
 
 def _scenario(algo: str, local_steps: str, costs: list[float], **extra: Any) -> dict[str, Any]:
-    name = "co2" if algo == "co2-full" else algo
+    name = algo.split("-")[0]
     return {
         "algo": name,
         "hyper": ALGOS[algo],
@@ -52,6 +53,8 @@ for _algo in ALGOS:
     SCENARIOS[f"{_algo}/dynamic-equal"] = _scenario(_algo, "dynamic", EQUAL)
 SCENARIOS["diloco/slow"] = _scenario("diloco", "dynamic", SLOW)
 SCENARIOS["diloco/slow-fixed"] = _scenario("diloco", "fixed", SLOW)
+SCENARIOS["diloco-warm/slow"] = _scenario("diloco-warm", "dynamic", SLOW)
+SCENARIOS["diloco-warm/slow-cut"] = _scenario("diloco-warm", "dynamic", SLOW, cut=H + 3)
 SCENARIOS["co2/slow"] = _scenario("co2", "dynamic", SLOW)
 # cut mid-round; cut with the round's sync (and its measurement) in flight
 SCENARIOS["co2/slow-cut-mid"] = _scenario("co2", "dynamic", SLOW, cut=2 * H + 3)
@@ -87,6 +90,14 @@ def test_a_rank_steps_h_times_a_round_spread_over_it(h: int) -> None:
     assert not spacing or max(spacing) - min(spacing) <= 1  # evenly
 
 
+def test_the_last_round_is_cut_to_the_steps_left_in_proportion() -> None:
+    assert trim_plan([12, 12, 6], 100) == [12, 12, 6]  # fits: unchanged
+    assert trim_plan([12, 12, 6], 10) == [4, 4, 2]
+    assert trim_plan([12, 12, 6], 11) == [5, 4, 2]  # a leftover step to the first of equals
+    assert sum(trim_plan([7, 5, 3, 1], 9)) == 9
+    assert trim_plan([4, 4], 0) == [0, 0]
+
+
 def test_the_plan_gives_the_fastest_rank_h_and_the_others_steps_by_speed() -> None:
     assert plan_steps([1.0, 1.0, 2.0, 4.0], 12) == [12, 12, 6, 3]
     assert plan_steps([0.5, 0.6], 12) == [12, 10]
@@ -112,20 +123,24 @@ def test_equal_speeds_are_todays_algorithm_bit_for_bit(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("algo", ["diloco", "diloco-warm"])
 def test_weighted_average_matches_the_single_process_reference(
-    runs: dict[str, list[dict[str, Any]]],
+    runs: dict[str, list[dict[str, Any]]], algo: str
 ) -> None:
-    slow = runs["diloco/slow"]
-    ref = pace_reference_diloco(SCENARIOS["diloco/slow"], WORLD)
+    """DiLoCo with a half-speed rank, without and with a warm start of two rounds (where the
+    rank that passes a position contributes nothing to that step's mean gradient)."""
+    slow = runs[f"{algo}/slow"]
+    ref = pace_reference_diloco(SCENARIOS[f"{algo}/slow"], WORLD)
     # round 1 takes H everywhere; then the half-speed rank takes H/2
     assert [r["taken"] for r in slow] == ref["taken"] == [4 * H, 4 * H, H + 3 * H // 2]
     assert slow[0]["report"]["steps_per_round"] == [H, H, H // 2]
-    assert slow[0]["report"]["step_s"] == SLOW
+    times = slow[0]["report"]["step_s"]
+    assert times == [t * times[0] for t in SLOW]  # (the emulated clock: in proportion)
     for rank in range(WORLD):
         for got, want in zip(slow[rank]["params"], ref["params"]):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # the weights matter: the unweighted mean of the same steps lands elsewhere
-    unweighted = dict(SCENARIOS["diloco/slow"], unweighted=True)
+    unweighted = dict(SCENARIOS[f"{algo}/slow"], unweighted=True)
     other = pace_reference_diloco(unweighted, WORLD)["params"]
     assert max(float((a - b).abs().max()) for a, b in zip(other, ref["params"])) > 1e-4
     # and the fixed-H job (the slow rank waited) took other steps
@@ -139,6 +154,7 @@ def test_weighted_average_matches_the_single_process_reference(
 @pytest.mark.parametrize(
     ("whole", "cut"),
     [
+        ("diloco-warm/slow", "diloco-warm/slow-cut"),
         ("co2/slow", "co2/slow-cut-mid"),
         ("co2/slow", "co2/slow-cut-in-flight"),
         ("co2-full/slow", "co2-full/slow-cut"),
@@ -197,7 +213,8 @@ def test_job_with_a_half_speed_worker_and_dynamic_local_steps(
     assert slow < fast  # the half-speed worker took fewer steps: the rounds ended together
     batch = TINY_JOB["batch_size"] * TINY_JOB["block_size"]
     assert work["tokens"] == [fast * batch, slow * batch]
-    assert summary["tokens"] == (fast + slow) * batch >= 16 * 2 * batch
+    # the last round was cut to what the job had left: exactly the equal-speed job's tokens
+    assert summary["tokens"] == (fast + slow) * batch == 16 * 2 * batch
     assert summary["steps_run"] > 16 and summary["steps_run"] % TINY_JOB["sync_every"] == 0
     assert summary["replicas_identical"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -387,20 +387,26 @@ class OuterAlgorithm(Guards):
                 loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
             algo.step()
         """
-        phase = self.local_step + 1 - self.warmup
-        return self.pace is None or phase <= 0 or self.pace.steps_here(phase)
+        return self.pace is None or self.pace.steps_here(self.local_step + 1)
 
     def steps_done(self, *, including_next: bool = False) -> float:
         """Inner steps per rank taken so far (``including_next``: once the next position's are
         taken too): the step count with fixed local steps; with dynamic ones every rank's steps
         since the start over N — what a learning-rate schedule that follows the tokens reads,
         equal to the step count, exactly, when every rank steps at every position."""
-        at = self.local_step + int(including_next)
-        phase = at - self.warmup
-        if self.pace is None or phase <= 0:
-            return float(at)
-        work = self.pace.work_through(phase) if including_next else sum(self.pace.taken)
-        return (self.warmup * self.world_size + work) / self.world_size
+        if self.pace is None:
+            return float(self.local_step + int(including_next))
+        pace = self.pace
+        work = pace.work_through(self.local_step + 1) if including_next else sum(pace.taken)
+        return work / self.world_size
+
+    def set_total_steps(self, steps: int) -> None:
+        """With dynamic local steps, the job's length: ``steps`` inner steps per rank at equal
+        speeds, i.e. steps × N taken by all ranks together; the plan of the round that reaches
+        it is cut to what is left (each rank in proportion), so that the job ends at a round
+        boundary with exactly that many tokens. A no-op with fixed local steps."""
+        if self.pace is not None:
+            self.pace.budget = int(steps) * self.world_size
 
     @property
     def inner_steps(self) -> int:
@@ -408,26 +414,25 @@ class OuterAlgorithm(Guards):
         on a slower rank)."""
         if self.pace is None:
             return self.local_step
-        return min(self.local_step, self.warmup) + self.pace.taken[self.comm.rank]
+        return self.pace.taken[self.comm.rank]
 
     @property
     def at_round_boundary(self) -> bool:
-        """Whether the last :meth:`step` ended a round (or fell inside the warm start)."""
-        return (self.local_step - self.warmup) % self.sync_every == 0 or (
-            self.local_step <= self.warmup
-        )
+        """Whether the last :meth:`step` ended a round (of the warm start or after it)."""
+        return self.local_step % self.sync_every == 0
 
     def _step(self) -> None:
         if self.ft is not None and not self.ft.joined and self.ft.join():
             self._continue_healed()
             return
+        if self.pace is not None:
+            # (first: a rank that passes a warm-start position takes its optimizer step here,
+            # where the others took theirs before step(); the consistency check comes after)
+            self._pace_position(self.pace, self.local_step + 1)
         if self._unchecked is not None:
             self._check_consistency()
         self.local_step += 1
         phase = self.local_step - self.warmup  # the schedule starts after the warm start
-        if self.pace is not None and phase > 0:
-            self.pace.begin(self.pace.steps_here(phase))
-            self.pace.advance(phase)
         with torch.no_grad():
             if phase <= 0:
                 self._warm_step()
@@ -441,6 +446,18 @@ class OuterAlgorithm(Guards):
                 return
         if phase % self.sync_every == 0:
             self.rounds += 1
+
+    def _pace_position(self, pace: Pace, q: int) -> None:
+        """Dynamic local steps at position ``q``: time this rank's inner step (if it took one),
+        count every rank's; inside the warm start a rank that passed the position takes the
+        optimizer step with the others' mean (its pre-hook averages), like DDP's ranks."""
+        here = pace.steps_here(q)
+        pace.begin(here)
+        if q <= self.warmup and not here:
+            self.inner.step()
+            self.inner.zero_grad(set_to_none=True)
+            pace.waited = 0.0  # (waited inside step(): not in the next step's time)
+        pace.advance(q)
 
     def warm_start_by_caller(self) -> None:
         """For loops whose ``optimizer.step()`` may not run on every rank (a ``GradScaler``
@@ -504,11 +521,19 @@ class OuterAlgorithm(Guards):
         if bucket.ready == len(bucket.params) and bucket.handle is None:
             self._launch_warm(bucket)
 
+    def _warm_factor(self) -> float:
+        """This rank's factor in the warm-start mean of the current step (dynamic local steps:
+        0 where it passed the position; else 1)."""
+        return 1.0 if self.pace is None else self.pace.warm_factor(self.local_step + 1)
+
     def _launch_warm(self, bucket: _WarmBucket) -> None:
         with torch.no_grad():
             bucket.buf.copy_from(
                 [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
             )
+            factor = self._warm_factor()
+            if factor != 1.0:
+                torch._foreach_mul_(bucket.buf.views, factor)
             if bucket.compressor is not None:
                 bucket.handle = self.comm.compressed_mean_async(bucket.buf, bucket.compressor)
             else:
@@ -524,7 +549,11 @@ class OuterAlgorithm(Guards):
         """After a warm-start step: the anchor follows θ (the same on every rank)."""
         for frag in self.fragments:
             frag.anchor_from_params()
+        if self.pace is not None and self.local_step % self.sync_every == 0:
+            self.pace.measure_now(self.local_step)
         if self.local_step >= self.warmup:
+            if self.pace is not None:
+                self.pace.schedule_starts()
             self._end_warmup()
 
     def _end_warmup(self) -> None:
@@ -559,15 +588,20 @@ class OuterAlgorithm(Guards):
             # Every fragment's mean is launched before any is waited on: one link round trip a
             # step, not one per fragment (the same collectives in the same order on every rank).
             handles = []
+            factor = self._warm_factor()
             for i, (buf, g) in enumerate(zip(bufs, grads)):
                 buf.copy_from(g)
+                if factor != 1.0:
+                    torch._foreach_mul_(buf.views, factor)
                 if self._warm_compressors:
                     # the mean of every rank's decoded g + e; e keeps what the codec dropped
                     handles.append(self.comm.compressed_mean_async(buf, self._warm_compressors[i]))
                 else:
                     handles.append(self.comm.all_reduce_mean_async(buf.buffers))
+            t0 = self._clock()
             for handle in handles:
                 handle.wait()
+            self._waited_since(t0)
             if not all(all_finite(buf.views) for buf in bufs):
                 self._skip_warm_step()
                 return
@@ -584,10 +618,12 @@ class OuterAlgorithm(Guards):
                 if bucket.handle is None:
                     self._launch_warm(bucket)
             again = any(b.ready > len(b.params) for b in self._warm_buckets)
+            t0 = self._clock()
             for bucket in self._warm_buckets:
                 assert bucket.handle is not None
                 bucket.handle.wait()
                 bucket.handle, bucket.ready = None, 0
+            self._waited_since(t0)
             if again:
                 raise ValueError(
                     f"{type(self).__name__}.warm_start_during_backward(): gradients were "
@@ -604,6 +640,15 @@ class OuterAlgorithm(Guards):
                         p.grad = mean.clone()
                     else:
                         p.grad.copy_(mean)
+
+    def _waited_since(self, t0: float) -> None:
+        """Dynamic local steps: the time since ``t0`` was spent waiting for a warm-start mean,
+        not computing."""
+        if self.pace is not None:
+            self.pace.waited += self.pace.clock() - t0
+
+    def _clock(self) -> float:
+        return self.pace.clock() if self.pace is not None else 0.0
 
     def _skip_warm_step(self) -> None:
         """A warm-start mean holds NaN or Inf: skip the step alike on every rank (gradients set
@@ -704,7 +749,7 @@ class OuterAlgorithm(Guards):
                 frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
         self.sync_points += 1
         if self.pace is not None:
-            self.pace.applied(k, self.local_step - self.warmup)
+            self.pace.applied(k, self.local_step)
         if self.ft is not None:
             self.ft.contributing = True
 

@@ -24,7 +24,14 @@ of hivemind's ``Optimizer``, inside the synchronous engine and its overlap.
   the tokens each rank contributed when every rank's batch holds as many tokens. With equal
   speeds every factor is exactly 1 and nothing changes, bit for bit.
 
-The warm start (``sync_warmup``) is not affected: every rank takes each of its steps.
+* **The warm start** (``sync_warmup``: gradients averaged every step) follows the same plans:
+  at a position a rank passes over it contributes no gradient (its factor is 0, the others'
+  N/m for the m ranks that stepped), takes the optimizer step with the mean like every rank
+  (the engine calls it; the models stay identical), and the step times are exchanged with a
+  blocking all-reduce at each of the warm start's round boundaries, excluding the time spent
+  waiting for the means.
+
+Rounds are counted over the whole job, warm start included (K is a multiple of H).
 """
 
 from __future__ import annotations
@@ -37,13 +44,28 @@ import torch
 
 from lowcomm.comm import Communicator
 
-__all__ = ["Pace", "plan_steps", "steps_through"]
+__all__ = ["Pace", "plan_steps", "steps_through", "trim_plan"]
 
 
 def steps_through(p: int, h: int, sync_every: int) -> int:
     """Inner steps a rank taking ``h`` of a round's ``sync_every`` positions has taken at
     positions 1 … ``p``."""
     return p * h // sync_every
+
+
+def trim_plan(plan: list[int], remaining: int) -> list[int]:
+    """``plan`` cut to ``remaining`` steps in all (the last round of a job with a length in
+    tokens): each rank's share in proportion, the leftover steps to the largest remainders
+    (the lowest rank first among equals); unchanged when it fits."""
+    total = sum(plan)
+    if total <= remaining:
+        return list(plan)
+    remaining = max(0, remaining)
+    cut = [n * remaining // total for n in plan]
+    order = sorted(range(len(plan)), key=lambda j: (-(plan[j] * remaining % total), j))
+    for j in order[: remaining - sum(cut)]:
+        cut[j] += 1
+    return cut
 
 
 def plan_steps(times: list[float], sync_every: int) -> list[int]:
@@ -71,39 +93,51 @@ class Pace:
         self.rank = comm.rank
         self.sync_every = sync_every
         self.plans: dict[int, list[int]] = {}
-        """Round (1-based, counted from the end of the warm start) → every rank's steps in it;
-        rounds not listed take H everywhere."""
+        """Round (1-based, over the whole job) → every rank's steps in it; rounds not listed
+        take H everywhere."""
         self.taken = [0] * self.world
-        """Inner steps each rank took after the warm start."""
+        """Inner steps each rank took."""
         self._at_launch = [[0] * self.world for _ in range(num_fragments)]
         self.compute_s = 0.0
         """This rank's seconds of inner steps since its last measurement was sent."""
         self.timed = 0
+        self.waited = 0.0
+        """Seconds this rank waited for the warm start's means since the last position (not
+        its compute)."""
         self.clock: Callable[[], float] = time.perf_counter
         """What step times are read from (a test may replace it)."""
         self._t_end: float | None = None
         self._measuring: dict[int, tuple[Any, torch.Tensor] | list[float]] = {}
         self.last_times: list[float] = [0.0] * self.world
         """Every rank's seconds per inner step as last measured (0: not yet)."""
+        self.budget: int | None = None
+        """Inner steps all ranks together take in the job, if it is known: the last round's
+        plan is cut to what is left of it (:meth:`OuterAlgorithm.set_total_steps`)."""
 
     # -- the plan -----------------------------------------------------------------------------
 
     def plan(self, rnd: int) -> list[int]:
         return self.plans.get(rnd, [self.sync_every] * self.world)
 
-    def _position(self, phase: int) -> tuple[int, int]:
-        rnd = (phase - 1) // self.sync_every + 1
-        return rnd, phase - (rnd - 1) * self.sync_every
+    def _position(self, q: int) -> tuple[int, int]:
+        rnd = (q - 1) // self.sync_every + 1
+        return rnd, q - (rnd - 1) * self.sync_every
 
-    def steps_at(self, phase: int) -> list[bool]:
-        """Whether each rank takes an inner step at ``phase`` (1-based, after the warm start)."""
-        rnd, p = self._position(phase)
+    def steps_at(self, q: int) -> list[bool]:
+        """Whether each rank takes an inner step at position ``q`` (1-based, of the job)."""
+        rnd, p = self._position(q)
         h = self.sync_every
         return [steps_through(p, n, h) > steps_through(p - 1, n, h) for n in self.plan(rnd)]
 
-    def steps_here(self, phase: int) -> bool:
-        """Whether this rank takes an inner step at ``phase``."""
-        return self.steps_at(phase)[self.rank]
+    def steps_here(self, q: int) -> bool:
+        """Whether this rank takes an inner step at position ``q``."""
+        return self.steps_at(q)[self.rank]
+
+    def warm_factor(self, q: int) -> float:
+        """This rank's factor for its gradient in the warm start's mean at position ``q``:
+        N/m if it stepped (m ranks did), else 0 (exactly 1.0 when every rank stepped)."""
+        at = self.steps_at(q)
+        return (self.world * int(at[self.rank])) / max(1, sum(at))
 
     # -- every position -----------------------------------------------------------------------
 
@@ -111,22 +145,28 @@ class Pace:
         """At the start of ``step()``: the inner step just taken (if this rank took one) is
         timed from the end of the last ``step()``."""
         if stepped and self._t_end is not None:
-            self.compute_s += self.clock() - self._t_end
+            self.compute_s += self.clock() - self._t_end - self.waited
             self.timed += 1
+        self.waited = 0.0
 
     def end(self) -> None:
         """At the end of ``step()``."""
         self._t_end = self.clock()
 
-    def advance(self, phase: int) -> None:
-        """Every rank's steps at ``phase`` are counted."""
-        for j, stepped in enumerate(self.steps_at(phase)):
+    def advance(self, q: int) -> None:
+        """Every rank's steps at position ``q`` are counted."""
+        for j, stepped in enumerate(self.steps_at(q)):
             self.taken[j] += int(stepped)
 
-    def work_through(self, phase: int) -> int:
-        """Inner steps all ranks together will have taken after the warm start, ``phase``'s
-        included (``phase`` is the next position, not yet counted)."""
-        return sum(self.taken) + sum(self.steps_at(phase))
+    def work_through(self, q: int) -> int:
+        """Inner steps all ranks together will have taken once position ``q`` (the next, not
+        yet counted) is done."""
+        return sum(self.taken) + sum(self.steps_at(q))
+
+    def schedule_starts(self) -> None:
+        """The warm start ended: every fragment's first pseudo-gradient counts the steps from
+        here."""
+        self._at_launch = [list(self.taken) for _ in self._at_launch]
 
     # -- a launch and its apply ---------------------------------------------------------------
 
@@ -140,12 +180,22 @@ class Pace:
             return 1.0
         return (self.world * since[self.rank]) / total
 
-    def measure(self, k: int) -> None:
-        """Send this rank's seconds per inner step with sync point ``k``."""
+    def _send(self) -> tuple[Any, torch.Tensor]:
         times = torch.zeros(self.world, dtype=torch.float64)
         times[self.rank] = self.compute_s / self.timed if self.timed else 0.0
         self.compute_s, self.timed = 0.0, 0
-        self._measuring[k] = (self.comm.all_reduce_sum_async(times), times)
+        return self.comm.all_reduce_sum_async(times), times
+
+    def measure(self, k: int) -> None:
+        """Send this rank's seconds per inner step with sync point ``k``."""
+        self._measuring[k] = self._send()
+
+    def measure_now(self, q: int) -> None:
+        """At the warm start's round boundary ``q``: exchange the step times (blocking) and
+        plan the next round."""
+        work, times = self._send()
+        work.wait()
+        self._plan_after(q, [float(t) for t in times.tolist()])
 
     def _times(self, k: int) -> list[float] | None:
         got = self._measuring.pop(k, None)
@@ -155,22 +205,27 @@ class Pace:
         work.wait()
         return [float(t) for t in times.tolist()]
 
-    def applied(self, k: int, phase: int) -> None:
-        """Sync point ``k`` was applied at ``phase``: with its measurement, plan the next
+    def applied(self, k: int, q: int) -> None:
+        """Sync point ``k`` was applied at position ``q``: with its measurement, plan the next
         round."""
         times = self._times(k)
-        if times is None:
-            return
+        if times is not None:
+            self._plan_after(q, times)
+
+    def _plan_after(self, q: int, times: list[float]) -> None:
         self.last_times = times
-        rnd = self._position(phase)[0] + (1 if phase % self.sync_every == 0 else 0)
+        rnd = self._position(q)[0] + (1 if q % self.sync_every == 0 else 0)
         self.plans = {r: p for r, p in self.plans.items() if r >= rnd - 2}
-        self.plans[rnd] = plan_steps(times, self.sync_every)
+        plan = plan_steps(times, self.sync_every)
+        if self.budget is not None:
+            plan = trim_plan(plan, self.budget - sum(self.taken))
+        self.plans[rnd] = plan
 
     # -- records and state --------------------------------------------------------------------
 
-    def report(self, phase: int) -> dict[str, Any]:
+    def report(self, q: int) -> dict[str, Any]:
         """Every rank's steps in the current round and in total, and its last measured time."""
-        rnd = max(1, self._position(max(1, phase))[0])
+        rnd = self._position(max(1, q))[0]
         return {
             "steps_per_round": self.plan(rnd),
             "inner_steps": list(self.taken),

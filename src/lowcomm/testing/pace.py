@@ -13,7 +13,7 @@ import torch
 
 from lowcomm.outer.pace import plan_steps, steps_through
 from lowcomm.registry import REGISTRY
-from lowcomm.testing.reference import inner_step, make_inner, toy_model
+from lowcomm.testing.reference import inner_step, make_inner, toy_batch, toy_model
 
 __all__ = ["pace_reference_diloco", "pace_runs"]
 
@@ -56,7 +56,7 @@ def _run(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
             inner_step(model, inner, rank, taken, sc.get("seed", 0))
         algo.step()
     algo.finish()
-    report = algo.pace.report(algo.local_step - algo.warmup) if algo.pace is not None else None
+    report = algo.pace.report(algo.local_step) if algo.pace is not None else None
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "taken": taken,
@@ -73,24 +73,41 @@ def pace_runs(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> li
 def pace_reference_diloco(sc: dict[str, Any], world: int) -> dict[str, Any]:
     """DiLoCo with dynamic local steps, all ranks in one process, written from the definition:
     round 1 takes H steps on every rank, every later round the plan of the measured costs
-    (rank j steps at position p iff ⌊p·h/H⌋ > ⌊(p−1)·h/H⌋), and the outer Nesterov step is
-    taken with Σ_j (n_j / Σ n) Δ_j (``sc["unweighted"]``: with their plain mean, to show that
-    the weights matter)."""
+    (rank j steps at position p iff ⌊p·h/H⌋ > ⌊(p−1)·h/H⌋); in the warm start (``sync_warmup``
+    K) every rank takes each step with the mean gradient of the ranks that stepped; after it
+    the outer Nesterov step is taken with Σ_j (n_j / Σ n) Δ_j (``sc["unweighted"]``: with
+    their plain mean, to show that the weights matter)."""
     hyper = sc.get("hyper", {})
-    h = int(hyper["sync_every"])
+    h, warm = int(hyper["sync_every"]), int(hyper.get("sync_warmup", 0))
     lr, momentum = hyper.get("outer_lr", 0.7), hyper.get("outer_momentum", 0.9)
     seed = sc.get("seed", 0)
     models = [toy_model(seed) for _ in range(world)]
     inners = [make_inner(sc.get("inner", "sgd"), m.parameters()) for m in models]
+    taken = [0] * world
+    for rnd in range(1, warm // h + 1):
+        plan = [h] * world if rnd == 1 else plan_steps(list(sc["costs"]), h)
+        for p in range(1, h + 1):
+            stepped = [n for n in range(world) if _steps(p, plan[n], h)]
+            grads = []
+            for n in stepped:
+                taken[n] += 1
+                x, y = toy_batch(n, taken[n], seed)
+                torch.nn.functional.mse_loss(models[n](x), y).backward()
+                grads.append([q.grad.clone() for q in models[n].parameters()])  # type: ignore[union-attr]
+                models[n].zero_grad()
+            mean = [torch.stack(gs).sum(0) / len(stepped) for gs in zip(*grads)]
+            for m, inner in zip(models, inners):
+                for q, g in zip(m.parameters(), mean):
+                    q.grad = g.clone()
+                inner.step()
+                inner.zero_grad()
     anchor = [p.detach().clone() for p in models[0].parameters()]
     outer = torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=True)
-    taken = [0] * world
-    rounds = sc["positions"] // h
-    for rnd in range(1, rounds + 1):
+    for rnd in range(warm // h + 1, sc["positions"] // h + 1):
         plan = [h] * world if rnd == 1 else plan_steps(list(sc["costs"]), h)
         counts = [0] * world
         for p, n in itertools.product(range(1, h + 1), range(world)):
-            if steps_through(p, plan[n], h) > steps_through(p - 1, plan[n], h):
+            if _steps(p, plan[n], h):
                 taken[n] += 1
                 counts[n] += 1
                 inner_step(models[n], inners[n], n, taken[n], seed)
@@ -107,3 +124,7 @@ def pace_reference_diloco(sc: dict[str, Any], world: int) -> dict[str, Any]:
                 for q, a in zip(m.parameters(), anchor):
                     q.copy_(a)
     return {"params": anchor, "taken": taken}
+
+
+def _steps(p: int, n: int, h: int) -> bool:
+    return steps_through(p, n, h) > steps_through(p - 1, n, h)

@@ -109,9 +109,7 @@ class Instruments:
             algo = sync.algo
             if algo is not None and algo.pace is not None:
                 pace = algo.pace
-                out.progress.pace = lambda: pace.report(algo.local_step - algo.warmup)[
-                    "steps_per_round"
-                ]
+                out.progress.pace = lambda: pace.report(algo.local_step)["steps_per_round"]
             if cfg.tensorboard is not None:
                 out.tensorboard = out._tensorboard(cfg, sync, start, resumed=state is not None)
         out.fault = topology.fault(sync.algo)

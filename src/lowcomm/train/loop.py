@@ -291,6 +291,8 @@ class _Job:
         eval_interval = cfg.eval_interval
         algo = sync.algo if sync.algo is not None and sync.algo.pace is not None else None
         stretch = cfg.stretch(rank, self.topology.world)
+        if algo is not None:
+            algo.set_total_steps(cfg.steps)  # the last round ends at the job's tokens
         step = self.start
         while not self.finished(step):
             step += 1

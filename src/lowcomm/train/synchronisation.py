@@ -213,7 +213,7 @@ class Synchronisation:
         """This rank's counters for ``summary.json``."""
         pace = None
         if self.algo is not None and self.algo.pace is not None:
-            pace = self.algo.pace.report(self.algo.local_step - self.algo.warmup)
+            pace = self.algo.pace.report(self.algo.local_step)
         return {
             "inner_steps": self.algo.inner_steps if self.algo is not None else None,
             "pace": pace,

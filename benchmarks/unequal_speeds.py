@@ -1,0 +1,147 @@
+"""Workers of unequal speed: today's fixed rounds against dynamic local steps, side by side in one
+run on this machine.
+
+For each algorithm (CO2 and DiLoCo with the job's defaults) and each set of speeds (one worker of
+four at half speed; two speeds, 1 and 0.5, drawn at random per worker), three ``lowcomm train``
+jobs of 4 workers: every worker at full speed (the reference), the speeds emulated with fixed
+rounds of H steps (the slowest sets every round's pace), and the same speeds with
+``--local-steps dynamic``. A slower worker is emulated by ``--speeds``: each of its inner steps
+is followed by computing (a busy loop) for (1/speed - 1) times the step's own time, and every
+job waits for its collectives by polling (``--busy-wait``), so that four workers on this
+machine's two cores keep their shares of it as four devices would.
+
+The goal: the dynamic job's tokens/s at least 90% of what the workers' speeds allow (the
+equal-speed job's tokens/s x sum(speeds) / 4, from the same run), and its final validation loss
+(at the tokens of the equal-speed job, or up to one round more) within 2% of the equal-speed
+job's.
+
+Reproduce (about 30 minutes on 2 cores; ``--steps`` shortens it)::
+
+    python benchmarks/unequal_speeds.py [--steps 480] [--seed 0]
+
+It prints markdown and writes ``benchmarks/unequal_speeds.md``; run folders go to
+``benchmarks/results/speeds/`` (not committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "speeds"
+WORKERS = 4
+
+
+def speed_sets(seed: int) -> dict[str, list[float]]:
+    """The speeds measured: one worker at half speed; 1 or 0.5 drawn per worker (seeded; a
+    draw of four equal speeds is drawn again)."""
+    rng = random.Random(seed)
+    drawn = [1.0] * WORKERS
+    while len(set(drawn)) == 1:
+        drawn = [rng.choice([1.0, 0.5]) for _ in range(WORKERS)]
+    return {"one at half speed": [1.0, 1.0, 1.0, 0.5], "drawn at random": drawn}
+
+
+def run_job(name: str, algo: str, steps: int, seed: int, extra: list[str]) -> dict[str, Any]:
+    out = OUT / name
+    cmd = [
+        sys.executable, "-m", "lowcomm", "train", "--algo", algo, "--workers", str(WORKERS),
+        "--steps", str(steps), "--seed", str(seed), "--busy-wait", "--quiet", "--overwrite",
+        "--out", str(out), *extra,
+    ]  # fmt: skip
+    print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out / "summary.json", encoding="utf-8") as f:
+        summary: dict[str, Any] = json.load(f)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=480)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--algos", default="co2,diloco")
+    args = parser.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = []
+    results: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "runs": {}}
+    for algo in args.algos.split(","):
+        equal = run_job(f"{algo}-equal", algo, args.steps, args.seed, [])
+        results["runs"][f"{algo}-equal"] = equal
+        for label, speeds in speed_sets(args.seed).items():
+            flag = ["--speeds", ",".join(f"{s:g}" for s in speeds)]
+            tag = "half" if label.startswith("one") else "random"
+            fixed = run_job(f"{algo}-{tag}-fixed", algo, args.steps, args.seed, flag)
+            dynamic = run_job(
+                f"{algo}-{tag}-dynamic",
+                algo,
+                args.steps,
+                args.seed,
+                [*flag, "--local-steps", "dynamic"],
+            )
+            results["runs"][f"{algo}-{tag}-fixed"] = fixed
+            results["runs"][f"{algo}-{tag}-dynamic"] = dynamic
+            allowed = equal["tokens_per_s"] * sum(speeds) / WORKERS
+            for mode, s in (("fixed", fixed), ("dynamic", dynamic)):
+                work = s["work"]
+                rows.append(
+                    {
+                        "algo": algo,
+                        "speeds": ",".join(f"{v:g}" for v in speeds),
+                        "rounds": mode,
+                        "tokens_per_s": s["tokens_per_s"],
+                        "of_allowed": s["tokens_per_s"] / allowed,
+                        "tokens": s["tokens"],
+                        "val": s["val_loss_final"],
+                        "val_vs_equal": s["val_loss_final"] / equal["val_loss_final"] - 1,
+                        "steps_per_round": work["steps_per_round"],
+                        "blocked_s": work["blocked_s"],
+                    }
+                )
+        rows.append(
+            {
+                "algo": algo,
+                "speeds": "1,1,1,1",
+                "rounds": "fixed",
+                "tokens_per_s": equal["tokens_per_s"],
+                "of_allowed": 1.0,
+                "tokens": equal["tokens"],
+                "val": equal["val_loss_final"],
+                "val_vs_equal": 0.0,
+                "steps_per_round": equal["work"]["steps_per_round"],
+                "blocked_s": equal["work"]["blocked_s"],
+            }
+        )
+    results["rows"] = rows
+    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    lines = [
+        f"4 workers, {args.steps} steps each at equal speeds (the dynamic jobs run until the "
+        f"workers together took as many tokens), seed {args.seed}, `--busy-wait`, this "
+        "machine (2 cores); `python benchmarks/unequal_speeds.py`",
+        "",
+        "| algo | speeds | rounds | tokens/s | of what the speeds allow | val loss | vs equal "
+        "speeds | steps / round per worker | blocked s per worker |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_round = "/".join("-" if n is None else f"{n:.1f}" for n in r["steps_per_round"])
+        blocked = "/".join(f"{b:.0f}" for b in r["blocked_s"])
+        lines.append(
+            f"| {r['algo']} | {r['speeds']} | {r['rounds']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['of_allowed']:.1%} | {r['val']:.3f} | {r['val_vs_equal']:+.1%} | "
+            f"{per_round} | {blocked} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (HERE / "unequal_speeds.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
