@@ -48,18 +48,30 @@ def speed_sets(seed: int) -> dict[str, list[float]]:
     return {"one at half speed": [1.0, 1.0, 1.0, 0.5], "drawn at random": drawn}
 
 
-def run_job(name: str, algo: str, steps: int, seed: int, extra: list[str]) -> dict[str, Any]:
+def run_job(
+    name: str, algo: str, steps: int, seed: int, extra: list[str], *, run: bool = True
+) -> dict[str, Any]:
+    """``lowcomm train`` of 4 workers into ``results/speeds/NAME`` and its summary (``run``
+    False: the summary of the run already there)."""
     out = OUT / name
     cmd = [
         sys.executable, "-m", "lowcomm", "train", "--algo", algo, "--workers", str(WORKERS),
         "--steps", str(steps), "--seed", str(seed), "--busy-wait", "--quiet", "--overwrite",
         "--out", str(out), *extra,
     ]  # fmt: skip
-    print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if run:
+        print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out / "summary.json", encoding="utf-8") as f:
         summary: dict[str, Any] = json.load(f)
     return summary
+
+
+def _per_round(summary: dict[str, Any]) -> list[float]:
+    """Each worker's mean inner steps per round over the whole job (warm start included)."""
+    positions = summary.get("steps_run") or summary["steps"]
+    h = summary["sync_every"]
+    return [n * h / positions for n in summary["work"]["inner_steps"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,23 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--algos", default="co2,diloco")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild the table from the run folders"
+    )
     args = parser.parse_args(argv)
+    run = not args.report_only
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     results: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "runs": {}}
     for algo in args.algos.split(","):
-        equal = run_job(f"{algo}-equal", algo, args.steps, args.seed, [])
+        equal = run_job(f"{algo}-equal", algo, args.steps, args.seed, [], run=run)
         results["runs"][f"{algo}-equal"] = equal
         for label, speeds in speed_sets(args.seed).items():
             flag = ["--speeds", ",".join(f"{s:g}" for s in speeds)]
             tag = "half" if label.startswith("one") else "random"
-            fixed = run_job(f"{algo}-{tag}-fixed", algo, args.steps, args.seed, flag)
+            fixed = run_job(f"{algo}-{tag}-fixed", algo, args.steps, args.seed, flag, run=run)
             dynamic = run_job(
                 f"{algo}-{tag}-dynamic",
                 algo,
                 args.steps,
                 args.seed,
                 [*flag, "--local-steps", "dynamic"],
+                run=run,
             )
             results["runs"][f"{algo}-{tag}-fixed"] = fixed
             results["runs"][f"{algo}-{tag}-dynamic"] = dynamic
@@ -100,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens": s["tokens"],
                         "val": s["val_loss_final"],
                         "val_vs_equal": s["val_loss_final"] / equal["val_loss_final"] - 1,
-                        "steps_per_round": work["steps_per_round"],
+                        "steps_per_round": _per_round(s),
                         "blocked_s": work["blocked_s"],
                     }
                 )
@@ -114,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens": equal["tokens"],
                 "val": equal["val_loss_final"],
                 "val_vs_equal": 0.0,
-                "steps_per_round": equal["work"]["steps_per_round"],
+                "steps_per_round": _per_round(equal),
                 "blocked_s": equal["work"]["blocked_s"],
             }
         )

@@ -32,6 +32,9 @@ ALGOS: dict[str, dict[str, Any]] = {
     "streaming": {"sync_every": H, "by_layer": True, "overlap": 1},
     "localsgd": {"sync_every": H},
     "diloco-warm": {"sync_every": H, "sync_warmup": 2 * H},  # the warm start: 2 rounds
+    "diloco-sharded": {"sync_every": H, "shard_outer_state": True},
+    "slowmo": {"sync_every": H},
+    "cocodc": {"sync_every": H, "by_layer": True, "overlap": 2},
 }
 
 
@@ -53,6 +56,7 @@ for _algo in ALGOS:
     SCENARIOS[f"{_algo}/dynamic-equal"] = _scenario(_algo, "dynamic", EQUAL)
 SCENARIOS["diloco/slow"] = _scenario("diloco", "dynamic", SLOW)
 SCENARIOS["diloco/slow-fixed"] = _scenario("diloco", "fixed", SLOW)
+SCENARIOS["diloco-sharded/slow"] = _scenario("diloco-sharded", "dynamic", SLOW)
 SCENARIOS["diloco-warm/slow"] = _scenario("diloco-warm", "dynamic", SLOW)
 SCENARIOS["diloco-warm/slow-cut"] = _scenario("diloco-warm", "dynamic", SLOW, cut=H + 3)
 SCENARIOS["co2/slow"] = _scenario("co2", "dynamic", SLOW)
@@ -123,12 +127,13 @@ def test_equal_speeds_are_todays_algorithm_bit_for_bit(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("algo", ["diloco", "diloco-warm"])
+@pytest.mark.parametrize("algo", ["diloco", "diloco-warm", "diloco-sharded"])
 def test_weighted_average_matches_the_single_process_reference(
     runs: dict[str, list[dict[str, Any]]], algo: str
 ) -> None:
     """DiLoCo with a half-speed rank, without and with a warm start of two rounds (where the
-    rank that passes a position contributes nothing to that step's mean gradient)."""
+    rank that passes a position contributes nothing to that step's mean gradient), and with
+    its outer state sharded (the weighted mean of θ reduce-scattered)."""
     slow = runs[f"{algo}/slow"]
     ref = pace_reference_diloco(SCENARIOS[f"{algo}/slow"], WORLD)
     # round 1 takes H everywhere; then the half-speed rank takes H/2
@@ -242,3 +247,16 @@ def test_speeds_are_checked() -> None:
     assert TrainConfig(workers=2).stretch(1, 2) == 1.0
     with pytest.raises(ConfigError, match="documents"):
         TrainConfig(algo="diloco", workers=2, local_steps="dynamic", documents=True)
+
+
+def test_bench_entries_take_speeds_in_brackets() -> None:
+    """``lowcomm bench --algos 'co2/speeds=[1,1,1,0.5]/local_steps=dynamic,co2'``: the commas
+    inside brackets do not split the list, and the entry's speeds reach the job."""
+    from lowcomm.bench.cli import _csv
+    from lowcomm.bench.variants import algo_fields
+
+    first, second = _csv("co2/speeds=[1,1,1,0.5]/local_steps=dynamic,co2")
+    assert second == "co2"
+    fields = algo_fields(first)
+    assert fields == {"algo": "co2", "speeds": [1, 1, 1, 0.5], "local_steps": "dynamic"}
+    assert TrainConfig(workers=4, **fields).speeds == "1,1,1,0.5"

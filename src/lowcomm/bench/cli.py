@@ -19,8 +19,19 @@ from typing import Any
 __all__ = ["add_subcommand"]
 
 
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets: ``co2/speeds=[1,0.5],ddp`` is two."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
+
+
 def _csv(text: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
+    items = [t.strip() for t in _split_top(text) if t.strip()]
     if text.strip().lower() == "none":
         return []
     if not items:

@@ -326,6 +326,10 @@ def _row(cell: Cell, cfg: Any, summary: dict[str, Any], extra: dict[str, Any]) -
         "payload_bytes_per_worker_step": mean["payload_bytes_per_step"],
         "wire_bytes_per_worker_step": mean["wire_bytes_per_step"],
         "blocked_s_per_worker": mean["blocked_s"],
+        # the worker that waited most (a straggler's wait shows on the others)
+        "blocked_s_most": max(
+            (w["blocked_s"] for w in summary["comm_per_worker"]), default=mean["blocked_s"]
+        ),
         "hidden_fraction": mean["hidden_fraction"],
         "val_loss_initial": summary["val_loss_initial"],
         "val_loss_final": summary["val_loss_final"],

@@ -19,6 +19,10 @@ CoCoDC        P (chosen)   τ < H    outer optimizer per fragment  delay compens
 NoLoCo        1 (sends θ)  0, < H   heavy ball to a group's mean  θ ← φ (per rank)
 ============  ===========  =======  ============================  =========================
 
+With ``local_steps="dynamic"`` the positions stay and each rank steps at as many of a round's
+H as its measured speed allows, the average weighted by the steps taken
+(:mod:`lowcomm.outer.pace`; the loop asks :meth:`OuterAlgorithm.takes_step`).
+
 Subclasses set their ``Config`` dataclass (the constructor's keywords) and override a few
 hooks (``_outer_state``, ``_merge``, ``_choose_fragment``, ``_outer_input``, ``mean_async``
 (the collective: NoLoCo's group exchange), …). The guards every

@@ -310,13 +310,14 @@ class Progress:
         elif step > 0:
             p = self._postfix(step)
             logger.info(
-                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s (rank 0)",
+                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s (rank 0)%s",
                 step,
                 self.cfg.steps,
                 p["loss"],
                 p["val"],
                 p["tok/s"],
                 p["hidden r0"],
+                f"  steps/round {p['steps/round']}" if "steps/round" in p else "",
             )
 
     def close(self) -> None:
@@ -417,15 +418,15 @@ def run_summary(
         "layout": _layout_summary(cfg, world, workers, mean),
         "comm_mean": mean,
         "comm_per_worker": workers,
-        "work": _work_summary(cfg, workers, kwargs, warm),
+        "work": _work_summary(cfg, workers, kwargs),
     }
 
 
 def _work_summary(
-    cfg: TrainConfig, workers: list[dict[str, Any]], kwargs: dict[str, Any], warm: int
+    cfg: TrainConfig, workers: list[dict[str, Any]], kwargs: dict[str, Any]
 ) -> dict[str, Any] | None:
     """What each worker did (outer algorithms): its inner steps, tokens, mean steps per round
-    after the warm start and time blocked in collectives (a straggler's wait shows on the
+    (the warm start's included) and time blocked in collectives (a straggler's wait shows on the
     others), the ``speeds`` emulated and whether rounds were dynamic."""
     if not workers or workers[0].get("inner_steps") is None:
         return None
@@ -435,8 +436,10 @@ def _work_summary(
         "speeds": cfg.speeds,
         "inner_steps": steps,
         "tokens": [n * cfg.batch_size * cfg.block_size for n in steps],
+        # over the whole job, warm start included (positions: step() calls, H per round)
         "steps_per_round": [
-            (n - warm) / w["rounds"] if w.get("rounds") else None for n, w in zip(steps, workers)
+            n * cfg.sync_every / w["positions"] if w.get("positions") else None
+            for n, w in zip(steps, workers)
         ],
         "blocked_s": [w.get("blocked_s") for w in workers],
     }

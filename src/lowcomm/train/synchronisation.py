@@ -216,6 +216,7 @@ class Synchronisation:
             pace = self.algo.pace.report(self.algo.local_step)
         return {
             "inner_steps": self.algo.inner_steps if self.algo is not None else None,
+            "positions": self.algo.local_step if self.algo is not None else None,
             "pace": pace,
             "rounds": self.rounds,
             "skipped_updates": int(getattr(self.algo, "skipped_updates", 0)),
