@@ -127,7 +127,8 @@ def format_markdown(results: dict[str, Any]) -> str:
                 fmt(r["tokens_per_s"], ",.0f"),
                 fmt(r["ratio_to_ceiling"], ".1%"),
                 fmt(r["hidden_fraction"], ".1%"),
-                f"{fmt(r['blocked_s_per_worker'], '.1f')} / {fmt(r.get('blocked_s_most'), '.1f')}",
+                f"{fmt(r.get('blocked_s_per_worker'), '.1f')} / "
+                f"{fmt(r.get('blocked_s_most'), '.1f')}",
                 _mb(r["payload_bytes_per_worker_step"]),
                 _mb(r["wire_bytes_per_worker_step"]),
                 fmt(r["val_loss_final"], ".3f"),

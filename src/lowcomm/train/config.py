@@ -191,7 +191,7 @@ class TrainConfig:
     """Wait for collectives by polling instead of sleeping, so that a waiting worker keeps its
     share of a CPU shared by several workers (emulates one device per worker on an
     oversubscribed host; for measurements)."""
-    speeds: Any = None
+    speeds: str | list[float] | None = None
     """Emulate workers of unequal speed: one relative speed per worker, comma-separated
     (1,1,1,0.5: the last at half speed) or a TOML list. A worker slower than the fastest
     stretches each of its inner steps by computing (a busy loop) for (fastest / its speed - 1)
@@ -367,7 +367,7 @@ class TrainConfig:
     def _check_speeds(self) -> None:
         if self.speeds is None:
             return
-        values = self.speeds
+        values: Any = self.speeds
         if isinstance(values, str):
             values = [v.strip() for v in values.split(",")]
         try:
