@@ -33,6 +33,8 @@ from lowcomm.plan.cost import (
     ring_allreduce_time,
     tiered_allreduce_time,
 )
+from lowcomm.plan.memory import stage_layers, stage_parameters
+from lowcomm.plan.spec import parse_layout
 from lowcomm.plan.validate import validate_frontier, validate_megatron
 
 BF16 = PRECISIONS["bf16"]
@@ -156,7 +158,9 @@ def test_feasibility_rules() -> None:
     assert broken(tp=1, pp=1, dp=32) == []
     assert any("heads" in r for r in broken(tp=16, pp=1, dp=2))  # 24 % 16, and > a node
     assert any("inside a node" in r for r in broken(tp=16, pp=1, dp=2))
-    assert any("layers" in r for r in broken(tp=2, pp=16, dp=1))
+    assert any("exceeds the layers" in r for r in broken(tp=1, pp=32, dp=1))
+    assert broken(tp=2, pp=16, dp=1) == []  # 24 layers on 16 stages: uneven, allowed
+    assert any("interleaved stages are even" in r for r in broken(tp=2, pp=16, dp=1, interleave=2))
     assert any("ZeRO-2 with PP" in r for r in broken(tp=1, pp=2, dp=16, zero=2))
     assert broken(tp=1, pp=2, dp=16, zero=1) == []
     assert any("global batch" in r for r in broken(tp=1, pp=1, dp=32, micro_batch=5))
@@ -207,15 +211,42 @@ def test_outer_algorithm_hides_the_slow_tier_with_enough_h() -> None:
     assert hidden.time.iteration_s == pytest.approx(free.time.iteration_s)
 
 
-def test_megatron_table_within_15_percent_and_frontier_ranks() -> None:
+# The validation tables as the README shows them (`lowcomm plan --validate megatron|frontier`):
+# ratio of predicted to published throughput (3 decimals), and for Frontier the rank of the
+# authors' layout among the feasible candidates, their count and the planner's best layout.
+README_MEGATRON = {
+    "gpt-1.7b": 0.957,
+    "gpt-3.6b": 0.971,
+    "gpt-7.5b": 0.965,
+    "gpt-18b": 0.991,
+    "gpt-39b": 0.927,
+    "gpt-76b": 0.988,
+    "gpt-145b": 0.938,
+    "gpt-310b": 0.947,
+    "gpt-530b": 0.923,
+    "gpt-1t": 0.874,
+}
+README_FRONTIER = {
+    "frontier-22b": (1.145, 124, 437, "TP1 PP1 DP16 Z3 mb1 none"),
+    "frontier-175b": (1.112, 39, 197, "TP4 PP16 DP2 Z1 mb1 none SP"),
+    "frontier-1t": (1.039, 37, 89, "TP1 PP1 DP1024 Z3 mb1 full"),
+}
+
+
+def test_megatron_and_frontier_tables_are_what_the_readme_shows() -> None:
     rows = validate_megatron()
-    assert len(rows) == 10
-    assert all(abs(r["ratio"] - 1) <= 0.15 for r in rows), [r["ratio"] for r in rows]
-    assert all(r["feasible"] for r in rows)  # every published layout fits in 80 GB
+    assert [r["model"] for r in rows] == list(README_MEGATRON)
+    for r in rows:
+        assert r["ratio"] == pytest.approx(README_MEGATRON[r["model"]], abs=5e-4), r
+        assert abs(r["ratio"] - 1) <= 0.15, r  # the claim: every row within 15%
+        assert r["feasible"], r  # every published layout fits in 80 GB
     front = validate_frontier()
-    assert [r["model"] for r in front] == ["frontier-22b", "frontier-175b", "frontier-1t"]
+    assert [r["model"] for r in front] == list(README_FRONTIER)
     for r in front:
-        assert r["rank"] is not None and 1 <= r["rank"] <= r["candidates"]
+        ratio, rank, feasible, best = README_FRONTIER[r["model"]]
+        assert r["ratio"] == pytest.approx(ratio, abs=5e-4), r
+        assert abs(r["ratio"] - 1) <= 0.15, r
+        assert (r["rank"], r["candidates"], r["best_layout"]) == (rank, feasible, best), r
         assert math.isfinite(r["predicted_percent"]) and 0 < r["predicted_percent"] < 100
 
 
@@ -287,5 +318,116 @@ def test_memory_model_against_real_peak_memory() -> None:
         MemoryCase("zero3", 2, "selective", "math"),
     ]
     rows = measure_peak_memory(cases, world=2, shape=shape)
+    assert len(rows) == len(cases)
     for row in rows:
         assert 0.95 <= row["ratio"] <= 1.05, row
+
+
+# --- a given layout (--layout) and interleaved pipelines ---------------------------------------
+
+
+def test_layout_spec_parses_every_field() -> None:
+    spec = "tp=8,pp=16,dp=64,vpp=8,zero=1,mb=1,recompute=selective,sp,order=tp-pp-dp,outer=co2,h=32"
+    assert parse_layout(spec) == {
+        "tp": 8,
+        "pp": 16,
+        "dp": 64,
+        "interleave": 8,
+        "zero": 1,
+        "micro_batch": 1,
+        "recompute": "selective",
+        "sequence_parallel": True,
+        "order": "tp-pp-dp",
+        "outer": "co2",
+        "sync_every": 32,
+    }
+    assert parse_layout("sp=0, outer=none") == {"sequence_parallel": False, "outer": None}
+    for bad, message in [
+        ("tp=8,ep=2", "unknown key 'ep'"),
+        ("zero=4", "zero must be 0, 1, 2 or 3"),
+        ("tp=eight", "tp must be an integer"),
+        ("recompute=some", "recompute must be one of"),
+        ("mb", "mb needs a value"),
+        ("vpp=2,interleave=4", "given twice"),
+        ("order=pp-tp", "order must be one of"),
+        ("", "empty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_layout(bad)
+
+
+def test_plan_with_fixed_fields_searches_only_the_rest() -> None:
+    cluster = cluster_preset("dgx-a100", 4)
+    result = plan(GPT, BF16, cluster, 512, fixed={"tp": 2, "pp": 2}, interleave=(1, 2))
+    assert result.candidates
+    assert all((c.layout.tp, c.layout.pp, c.layout.dp) == (2, 2, 8) for c in result.candidates)
+    assert {c.layout.interleave for c in result.candidates} == {1, 2}  # 24 layers = 2 x 2 x 6
+    full = plan(GPT, BF16, cluster, 512, interleave=(1, 2))
+    assert len(full.candidates) > len(result.candidates)
+    assert rank_of(full, result.candidates[0].layout) is not None
+    with_outer = plan(GPT, BF16, cluster, 512, fixed={"tp": 8, "outer": None})
+    assert all(c.layout.outer is None for c in with_outer.candidates)
+
+
+def test_a_layout_that_breaks_rules_is_told_every_rule() -> None:
+    cluster = cluster_preset("dgx-a100", 4)  # 32 GPUs
+    result = plan(
+        GPT, BF16, cluster, 512, fixed={"tp": 2, "pp": 5, "dp": 3, "zero": 2, "micro_batch": 1}
+    )
+    assert not result.candidates and result.infeasible
+    reasons = " | ".join(result.infeasible[0].reasons)
+    assert "layers" not in reasons  # 24 layers on 5 stages: uneven, allowed
+    assert "TP x PP x DP = 30 does not use the cluster's 32 devices" in reasons
+    assert "ZeRO-2 with PP > 1" in reasons
+    assert "global batch (512) not divisible by DP x micro-batch (3 x 1)" in reasons
+
+
+def test_the_interleaved_schedule_needs_micro_batches_a_multiple_of_pp() -> None:
+    cluster = cluster_preset("dgx-a100", 4)
+    ok = Layout(tp=1, pp=4, dp=8, interleave=2, micro_batch=2)  # 512 / (8 x 2) = 32 = 8 x 4
+    assert check_layout(GPT, cluster, ok, 512) == []
+    odd = Layout(tp=1, pp=4, dp=8, interleave=2, micro_batch=2)  # 96 / 16 = 6 micro-batches
+    assert any("not a multiple of PP (4)" in r for r in check_layout(GPT, cluster, odd, 96))
+    assert check_layout(GPT, cluster, replace(odd, interleave=1), 96) == []
+
+
+def test_cli_plan_layout_gives_its_breakdown_or_its_broken_rules(capsys) -> None:  # type: ignore[no-untyped-def]
+    base = ["plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100", "--nodes", "4",
+            "--global-batch", "512"]  # fmt: skip
+    assert main([*base, "--layout", "tp=1,pp=1,dp=32,zero=0,mb=16,recompute=full"]) == 0
+    text = capsys.readouterr().out
+    assert "Best that keeps it: TP1 PP1 DP32 Z0 mb16 full (rank " in text
+    assert "| pipeline bubble |" in text and "| activations |" in text
+    assert main([*base, "--layout", "tp=2,pp=5,vpp=2"]) == 1
+    text = capsys.readouterr().out
+    assert "No feasible layout keeps it" in text
+    assert "layers (24) not divisible by PP x interleave (10)" in text
+    assert "TP x PP x DP = 30 does not use the cluster's 32 devices" in text
+
+
+def test_uneven_stages_put_the_lighter_ones_at_the_ends() -> None:
+    llama = replace(GPT, layers=126)
+    lay = Layout(tp=8, pp=16, dp=1)
+    # 126 = 14 x 8 + 2 x 7: the last and the first take 7
+    assert [stage_layers(llama, lay, s) for s in ("first", "most", "last")] == [7, 8, 7]
+    five = Layout(tp=1, pp=5, dp=1)  # 24 = 4 x 5 + 4: one light stage, the last
+    assert [stage_layers(GPT, five, s) for s in ("first", "most", "last")] == [5, 5, 4]
+    even = Layout(tp=1, pp=4, dp=1)
+    assert [stage_layers(GPT, even, s) for s in ("first", "most", "last")] == [6, 6, 6]
+    assert stage_parameters(GPT, five, "last") == pytest.approx(
+        4 * GPT.layer_parameters() + GPT.head_parameters() + GPT.vocab * GPT.hidden
+    )
+
+
+def test_uneven_stages_time_the_stage_with_the_most_work() -> None:
+    cluster = cluster_preset("dgx-a100", 1)  # 8 GPUs
+    gpt = replace(GPT, vocab=8192)  # small logits: a full stage binds, not the last
+    lay = Layout(tp=1, pp=5, dp=1, micro_batch=1)  # 24 layers: 5, 5, 5, 5, 4
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    f, logits = gpt.layer_forward_flops(1), gpt.logits_forward_flops(1)
+    assert 5 * f > 4 * f + logits
+    t = iteration_time(gpt, BF16, replace(cluster, tiers=cluster.tiers), lay, 40)
+    assert t.compute_s / 40 == pytest.approx(3 * 5 * f / rate)
+    big = iteration_time(GPT, BF16, cluster, lay, 40)  # logits of 51,200: the last binds
+    f, logits = GPT.layer_forward_flops(1), GPT.logits_forward_flops(1)
+    assert big.compute_s / 40 == pytest.approx(3 * (4 * f + logits) / rate)

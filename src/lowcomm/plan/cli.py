@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from lowcomm.plan.presets import CLUSTERS, MODELS, cluster_preset, model_preset
-from lowcomm.plan.spec import PRECISIONS, RECOMPUTE, Cluster, ModelSpec, Tier
+from lowcomm.plan.spec import PRECISIONS, RECOMPUTE, Cluster, ModelSpec, Tier, parse_layout
 
 __all__ = ["add_subcommand"]
 
@@ -168,22 +168,30 @@ def _run_plan(args: argparse.Namespace, prog: str) -> int:
     usable = _float(getattr(args, "usable", "0.9"), "--usable")
     if usable > 1:
         raise ValueError(f"--usable is a fraction of the device memory in (0, 1], got {usable}")
-    result = plan(
-        model,
-        PRECISIONS[precision_name],
-        cluster,
-        batch,
-        usable=usable,
-        max_micro_batch=_int(getattr(args, "max_micro_batch", "16"), "--max-micro-batch"),
-        recompute=recompute,
-        flash_attention=not getattr(args, "no_flash", False),
-        outer=outer,
-        sync_every=(
+    fixed = parse_layout(args.layout) if getattr(args, "layout", None) else None
+    interleave = tuple(
+        _int(v, "--interleave") for v in str(getattr(args, "interleave", "1")).split(",")
+    )
+    options: dict[str, Any] = {
+        "usable": usable,
+        "max_micro_batch": _int(getattr(args, "max_micro_batch", "16"), "--max-micro-batch"),
+        "recompute": recompute,
+        "flash_attention": not getattr(args, "no_flash", False),
+        "outer": outer,
+        "sync_every": (
             _int(args.sync_every, "--sync-every") if getattr(args, "sync_every", None) else None
         ),
-    )
+        "interleave": interleave,
+    }
+    result = plan(model, PRECISIONS[precision_name], cluster, batch, fixed=fixed, **options)
     top = _int(getattr(args, "top", "10"), "--top")
-    print(report.format_candidates(result, top))
+    if fixed:
+        if "interleave" in fixed:  # the rank among layouts with as many virtual stages
+            options["interleave"] = tuple(sorted({*interleave, int(fixed["interleave"])}))  # type: ignore[call-overload]
+        full = plan(model, PRECISIONS[precision_name], cluster, batch, **options)
+        print(report.format_layout(result, full, args.layout, top))
+    else:
+        print(report.format_candidates(result, top))
     written = []
     if getattr(args, "json", None):
         written.append(report.write_json(report.result_json(result), args.json))
@@ -221,6 +229,11 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
      "outer algorithms offered where DP crosses a slow tier (default diloco,co2; none)"),
     ("--sync-every", "H", "H of the outer algorithms (default: the smallest power of two that "
      "keeps the iteration within 5%% of never synchronising across that tier)"),
+    ("--layout", "SPEC",
+     "evaluate this layout (any subset of tp=,pp=,dp=,vpp=,zero=,mb=,recompute=,sp,order=,"
+     "outer=,h=; the rest searched): its whole breakdown and rank, or every rule it breaks"),
+    ("--interleave", "LIST",
+     "virtual pipeline stages per device searched (default 1; e.g. 1,2,4,8)"),
     ("--max-micro-batch", "B", "largest micro-batch searched (default 16)"),
     ("--usable", "F", "fraction of device memory the model may fill (default 0.9)"),
     ("--top", "K", "candidates shown (default 10)"),

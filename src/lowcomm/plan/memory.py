@@ -54,7 +54,13 @@ from dataclasses import asdict, dataclass, replace
 
 from lowcomm.plan.spec import Layout, ModelSpec, Precision
 
-__all__ = ["MemoryBreakdown", "activation_bytes_per_layer", "memory", "stage_parameters"]
+__all__ = [
+    "MemoryBreakdown",
+    "activation_bytes_per_layer",
+    "memory",
+    "stage_layers",
+    "stage_parameters",
+]
 
 OUTER_STATE_BYTES = 12
 """fp32 anchor, outer momentum and send buffer per parameter of an outer algorithm."""
@@ -99,10 +105,31 @@ class MemoryBreakdown:
         return out
 
 
+def stage_layers(model: ModelSpec, layout: Layout, stage: str) -> float:
+    """Transformer layers on one device of ``stage``: "first", "last", "only", or "most"
+    (the fullest stage). L / p when p divides L (v interleaved chunks of L / (p v) each);
+    otherwise (uneven stages, v = 1) q = ⌊L / p⌋ and r = L mod p: r stages take q + 1 layers
+    and the lighter ones sit at the ends, the last stage first (it also computes the logits),
+    then the first (it also embeds): the last q, the first q when at least two stages are
+    light, every other stage q + 1 — Megatron's uneven split of, e.g., 126 layers on 16
+    stages (7, 8 × 14, 7)."""
+    p = layout.pp
+    if stage == "only" or p == 1:
+        return float(model.layers)
+    q, r = divmod(model.layers, p)
+    if r == 0:
+        return model.layers / p
+    if stage == "last":
+        return float(q)
+    if stage == "first":
+        return float(q if p - r >= 2 else q + 1)
+    return float(q + 1)
+
+
 def stage_parameters(model: ModelSpec, layout: Layout, stage: str) -> float:
     """Parameters one device of ``stage`` ("first", "last" or "only") holds under TP."""
-    t, p = layout.tp, layout.pp
-    layers = model.layers / p * model.layer_parameters() / t
+    t = layout.tp
+    layers = stage_layers(model, layout, stage) * model.layer_parameters() / t
     emb = model.embedding_parameters() / t
     head = model.head_parameters() / t
     if stage == "only":
@@ -148,8 +175,14 @@ def _head_bytes(model: ModelSpec, precision: Precision, layout: Layout, micro_ba
 
 def in_flight(layout: Layout, micro_batches: int) -> float:
     """Micro-batches whose activations the first stage holds at once (1F1B)."""
+    return held_at(layout, micro_batches, 0)
+
+
+def held_at(layout: Layout, micro_batches: int, k: int) -> float:
+    """Micro-batches whose activations stage ``k`` (0: the first) holds at once under 1F1B:
+    min(p − k, m), × (1 + (p − 1)/(p v)) with v interleaved stages."""
     p, v = layout.pp, layout.interleave
-    held = float(min(p, micro_batches))
+    held = float(min(p - k, micro_batches))
     if v > 1:
         held *= 1 + (p - 1) / (p * v)
     return held
@@ -206,7 +239,12 @@ def _stage_memory(
             working = min(phi, gathered) * w
     outer = phi * OUTER_STATE_BYTES if layout.outer else 0.0
     b = layout.micro_batch
-    layers = model.layers / layout.pp
+    layers = stage_layers(model, layout, stage)
+    if stage == "first" and layout.pp > 1:
+        # with uneven stages a full stage right after a light first one may hold more: the
+        # second holds one micro-batch fewer (1F1B) of its layers
+        second = stage_layers(model, layout, "most") * max(0.0, held_at(layout, micro_batches, 1))
+        layers = max(layers, second / max(in_flight(layout, micro_batches), 1e-9))
     per_layer = activation_bytes_per_layer(model, precision, layout, b, stored=True)
     rebuilt = 0.0
     if layout.recompute == "full":

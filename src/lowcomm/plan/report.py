@@ -7,11 +7,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lowcomm.plan.search import PlanResult
+from lowcomm.plan.search import Candidate, PlanResult, rank_of
 from lowcomm.train.metrics import write_text
 
 __all__ = [
     "format_candidates",
+    "format_layout",
     "format_frontier",
     "format_megatron",
     "format_memory",
@@ -50,6 +51,64 @@ def format_candidates(result: PlanResult, top: int = 10) -> str:
     lines += ["", f"{len(result.candidates)} feasible layouts; rejected: {rejected or 'none'}"]
     lines.append("Predictions of the model (lowcomm.plan), not measurements.")
     return "\n".join(lines)
+
+
+def format_layout(result: PlanResult, full: PlanResult | None, given: str, top: int = 10) -> str:
+    """``lowcomm plan --layout``: the layouts that keep the given fields, best first, the best
+    one's whole breakdown and its rank in the unrestricted search (``full``); or, when none is
+    feasible, every rule each matching layout breaks."""
+    lines = [format_candidates(result, top), "", f"Layout asked for: {given}"]
+    if result.candidates:
+        best = result.candidates[0]
+        rank = rank_of(full, best.layout) if full is not None else None
+        where = (
+            f"rank {rank} of {len(full.candidates)} feasible layouts of the full search"
+            if full is not None and rank is not None
+            else "not among the full search's layouts"
+        )
+        lines += [f"Best that keeps it: {best.layout.label()} ({where})", ""]
+        lines += _breakdown(best)
+        return "\n".join(lines)
+    lines += ["No feasible layout keeps it; each that does breaks these rules:", ""]
+    seen: set[tuple[str, ...]] = set()
+    for cand in result.infeasible:
+        if cand.reasons in seen:
+            continue
+        seen.add(cand.reasons)
+        lines.append(f"- {cand.layout.label()}: " + "; ".join(cand.reasons))
+        if len(seen) == top:
+            break
+    if not result.infeasible:
+        rejected = ", ".join(f"{k}: {v}" for k, v in sorted(result.rejected.items()))
+        lines.append(f"- (no layout could be built: {rejected or 'none'})")
+    return "\n".join(lines)
+
+
+def _breakdown(cand: Candidate) -> list[str]:
+    """One candidate's memory and time, part by part."""
+    t, mem = cand.time, cand.memory
+    gb = 1e9
+    return [
+        "| part | predicted |",
+        "|---|---|",
+        f"| tokens/s | {t.tokens_per_s:,.0f} |",
+        f"| TFLOP/s per device (% of peak, MFU) | {t.tflops_per_device:.1f} "
+        f"({t.percent_of_peak:.1f}%, {100 * t.mfu:.1f}%) |",
+        f"| iteration | {t.iteration_s:.4g} s |",
+        f"| compute | {t.compute_s:.4g} s |",
+        f"| elementwise | {t.elementwise_s:.4g} s |",
+        f"| tensor parallel | {t.tp_s:.4g} s |",
+        f"| pipeline sends | {t.pp_s:.4g} s |",
+        f"| pipeline bubble | {t.bubble_s:.4g} s |",
+        f"| data parallel (exposed) | {t.dp_s:.4g} s |",
+        f"| outer algorithm (exposed) | {t.outer_s:.4g} s |",
+        f"| optimizer step | {t.optimizer_s:.4g} s |",
+        f"| memory ({mem.stage} stage, at {mem.phase}) | {mem.total / gb:.1f} GB |",
+        f"| weights / gradients / optimizer | {mem.weights / gb:.1f} / "
+        f"{mem.gradients / gb:.1f} / {mem.optimizer / gb:.1f} GB |",
+        f"| working / outer state | {mem.working / gb:.1f} / {mem.outer / gb:.1f} GB |",
+        f"| activations | {mem.activations / gb:.1f} GB |",
+    ]
 
 
 def result_json(result: PlanResult, top: int | None = None) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """The search: every layout of a model on a cluster, the feasibility rules, and the ranking.
 
 Rules (the Frontier study's and Megatron's, :func:`check_layout`): TP × PP × DP uses every device;
-attention heads divisible by TP and TP within a node; layers divisible by PP (by PP × v when
-interleaved); ZeRO at most 1 with PP > 1 (stage 2/3 would reshard gradients or parameters every
-micro-batch); the global batch divisible by DP × micro-batch; sequence parallelism only with TP > 1;
-the peak memory (:func:`~lowcomm.plan.memory.memory`) within ``usable`` of the device's. An outer
+attention heads divisible by TP and TP within a node; at most one pipeline stage per layer
+(stages uneven where PP does not divide the layers, :func:`~lowcomm.plan.memory.stage_layers`);
+with v interleaved stages the layers divisible by PP × v and the micro-batches by PP; ZeRO at
+most 1 with PP > 1 (stage 2/3 would reshard gradients or parameters every micro-batch); the
+global batch divisible by DP × micro-batch; sequence parallelism only with TP > 1; the peak
+memory (:func:`~lowcomm.plan.memory.memory`) within ``usable`` of the device's. An outer
 algorithm is offered where the data-parallel group crosses a tier marked slow
 (:attr:`~lowcomm.plan.spec.Tier.slow`), with the smallest H (a power of two up to
 ``max_sync_every``) that keeps the iteration within ``outer_tolerance`` of never synchronising
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lowcomm.plan.memory import MemoryBreakdown, memory
 from lowcomm.plan.spec import RECOMPUTE, Cluster, Layout, ModelSpec, Precision, Recompute
@@ -78,6 +81,9 @@ class PlanResult:
     candidates: tuple[Candidate, ...]
     rejected: dict[str, int]
     """Count of rejected layouts per first reason."""
+    infeasible: tuple[Candidate, ...] = ()
+    """With ``fixed`` fields (``lowcomm plan --layout``): the layouts that match them but
+    break a rule, with every rule each breaks."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -103,9 +109,12 @@ def check_layout(
         reasons.append(f"key/value heads ({model.kv}) and TP ({t}) do not divide one another")
     if t > cluster.devices_per_node or cluster.devices_per_node % t:
         reasons.append(f"TP ({t}) does not fit inside a node of {cluster.devices_per_node} devices")
-    if model.layers % (p * layout.interleave):
+    if p > model.layers:
+        reasons.append(f"PP ({p}) exceeds the layers ({model.layers})")
+    elif layout.interleave > 1 and model.layers % (p * layout.interleave):
         reasons.append(
-            f"layers ({model.layers}) not divisible by PP x interleave ({p * layout.interleave})"
+            f"layers ({model.layers}) not divisible by PP x interleave ({p * layout.interleave}): "
+            "interleaved stages are even"
         )
     if p > 1 and layout.zero > 1:
         reasons.append(f"ZeRO-{layout.zero} with PP > 1 (use ZeRO <= 1 with pipelining)")
@@ -116,6 +125,12 @@ def check_layout(
         )
     if layout.zero and layout.dp == 1:
         reasons.append("ZeRO needs DP > 1")
+    micro = global_batch // max(1, layout.dp * layout.micro_batch)
+    if layout.interleave > 1 and micro % p:
+        reasons.append(
+            f"micro-batches per pipeline ({micro}) not a multiple of PP ({p}), which the "
+            "interleaved schedule needs"
+        )
     if layout.outer and outer_split(cluster, layout)[0] is None:
         reasons.append(f"{layout.outer} needs the data-parallel group to cross a slow tier")
     return reasons
@@ -203,9 +218,15 @@ def plan(
     max_sync_every: int = 512,
     outer_tolerance: float = 0.05,
     zero_stages: Sequence[int] = (0, 1, 2, 3),
+    interleave: Sequence[int] = (1,),
+    fixed: Mapping[str, object] | None = None,
 ) -> PlanResult:
     """Every feasible layout of ``model`` on ``cluster`` for ``global_batch`` sequences per
-    iteration, best predicted throughput first."""
+    iteration, best predicted throughput first. ``interleave``: the virtual pipeline stages
+    per device searched (those that divide the layers of a stage). ``fixed``: :class:`Layout`
+    fields every layout keeps (:func:`~lowcomm.plan.spec.parse_layout`; ``outer`` None:
+    no outer algorithm), searched over the rest; the layouts that match but break a rule are
+    kept in :attr:`PlanResult.infeasible` with every rule they break."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global batch must be an integer >= 1, got {global_batch!r}")
     if not 0 < usable <= 1:
@@ -219,41 +240,69 @@ def plan(
                 f"{', '.join(allowed)}"
             )
     n = cluster.devices
+    fix = dict(fixed or {})
+    if "outer" in fix:
+        outer = () if fix["outer"] is None else (str(fix["outer"]),)
+        if "sync_every" in fix:
+            sync_every = int(fix["sync_every"])  # type: ignore[call-overload]
+
+    def pick(name: str, options: Sequence[object]) -> list[Any]:
+        return [fix[name]] if name in fix else list(options)
+
     out: list[Candidate] = []
+    infeasible: list[Candidate] = []
     rejected: dict[str, int] = {}
     default_order: dict[Layout, float] = {}  # iteration time of each tp-dp-pp layout
-    for t, p in itertools.product(_divisors(cluster.devices_per_node), _divisors(model.layers)):
-        if n % (t * p):
+    tps = pick("tp", _divisors(cluster.devices_per_node))
+    # every pipeline degree the devices allow, up to one layer a stage (uneven stages where it
+    # does not divide the layers: memory.stage_layers)
+    pps = [q for q in _divisors(n) if q <= model.layers]
+    for t, p in itertools.product(tps, pick("pp", pps)):
+        if "dp" in fix:
+            d = int(fix["dp"])  # type: ignore[call-overload]
+        elif n % (t * p) and not {"tp", "pp"} <= fix.keys():
             continue
-        d = n // (t * p)
-        if global_batch % d:
+        else:  # (TP and PP given: evaluated even where they do not divide the devices)
+            d = max(1, n // (t * p))
+        if global_batch % d and "dp" not in fix and not {"tp", "pp"} <= fix.keys():
             key = "global batch not divisible by DP"
             rejected[key] = rejected.get(key, 0) + 1
             continue
-        zeros = [z for z in zero_stages if (z == 0 or d > 1) and (p == 1 or z <= 1)]
-        orders = ["tp-dp-pp", "tp-pp-dp"] if p > 1 and d > 1 else ["tp-dp-pp"]
-        sps = [False, True] if t > 1 else [False]
-        for z, b, rc, sp, order in itertools.product(
-            zeros, _micro_batches(global_batch // d, max_micro_batch), recompute, sps, orders
+        zeros = pick("zero", [z for z in zero_stages if (z == 0 or d > 1) and (p == 1 or z <= 1)])
+        orders = pick("order", ["tp-dp-pp", "tp-pp-dp"] if p > 1 and d > 1 else ["tp-dp-pp"])
+        sps = pick("sequence_parallel", [False, True] if t > 1 else [False])
+        mbs = pick("micro_batch", _micro_batches(max(1, global_batch // d), max_micro_batch))
+        stages = [v for v in interleave if v == 1 or (p > 1 and model.layers % (p * v) == 0)]
+        for z, b, rc, sp, order, v in itertools.product(
+            zeros, mbs, pick("recompute", recompute), sps, orders, pick("interleave", stages)
         ):
-            if rc == "selective" and flash_attention:
+            if rc == "selective" and flash_attention and "recompute" not in fix:
                 continue  # flash attention already keeps only what selective recompute keeps
-            layout = Layout(
-                tp=t,
-                pp=p,
-                dp=d,
-                zero=z,
-                micro_batch=b,
-                recompute=rc,
-                sequence_parallel=sp,
-                flash_attention=flash_attention,
-                order=order,
-            )
-            variants = [layout]
+            try:
+                layout = Layout(
+                    tp=t,
+                    pp=p,
+                    dp=d,
+                    zero=z,
+                    micro_batch=b,
+                    recompute=rc,
+                    sequence_parallel=sp,
+                    flash_attention=flash_attention,
+                    interleave=v,
+                    order=order,
+                )
+            except ValueError as e:  # a combination no layout has (fixed by the caller)
+                key = str(e).removeprefix("layout.")
+                rejected[key] = rejected.get(key, 0) + 1
+                continue
+            variants = [] if "outer" in fix and fix["outer"] is not None else [layout]
             top, inner = outer_split(cluster, layout) if d > 1 else (None, 1)
             offer = bool(outer) and top is not None and (z == 0 or inner > 1)
-            need = memory(model, precision, layout, global_batch // (d * b)).total
-            if need > usable * cluster.device_memory_bytes:
+            if "outer" in fix and fix["outer"] is not None and not offer:
+                variants = [replace(layout, outer=outer[0], sync_every=sync_every or 1)]
+                offer = False
+            need = memory(model, precision, layout, max(1, global_batch // (d * b))).total
+            if need > usable * cluster.device_memory_bytes and not fix:
                 # an outer algorithm only adds state, so none of the variants fits either
                 key = "does not fit in memory"
                 rejected[key] = rejected.get(key, 0) + 1 + (len(outer) if offer else 0)
@@ -289,6 +338,8 @@ def plan(
                 else:
                     key = _reason_kind(cand.reasons[0])
                     rejected[key] = rejected.get(key, 0) + 1
+                    if fix:
+                        infeasible.append(cand)
     out.sort(key=lambda c: (-c.time.tokens_per_s, c.memory.total))
     return PlanResult(
         model=model,
@@ -297,6 +348,7 @@ def plan(
         global_batch=global_batch,
         candidates=tuple(out),
         rejected=rejected,
+        infeasible=tuple(infeasible),
     )
 
 
@@ -304,7 +356,17 @@ def rank_of(result: PlanResult, layout: Layout) -> int | None:
     """1-based rank of the candidate with ``layout``'s TP, PP, DP, ZeRO, micro-batch,
     recompute, sequence parallelism and order (the best of its outer variants); None if
     infeasible or not searched."""
-    keys = ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "sequence_parallel", "order")
+    keys = (
+        "tp",
+        "pp",
+        "dp",
+        "zero",
+        "micro_batch",
+        "recompute",
+        "sequence_parallel",
+        "interleave",
+        "order",
+    )
 
     def same(a: Layout) -> bool:
         return all(getattr(a, k) == getattr(layout, k) for k in keys) and a.outer == layout.outer

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "LAYOUT_KEYS",
     "Cluster",
     "Layout",
+    "parse_layout",
     "ModelSpec",
     "Precision",
     "Recompute",
@@ -332,3 +334,79 @@ class Layout:
         if self.outer:
             text += f" {self.outer} H={self.sync_every}"
         return text
+
+
+LAYOUT_KEYS: dict[str, str] = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp": "dp",
+    "vpp": "interleave",
+    "interleave": "interleave",
+    "zero": "zero",
+    "mb": "micro_batch",
+    "micro_batch": "micro_batch",
+    "recompute": "recompute",
+    "sp": "sequence_parallel",
+    "sequence_parallel": "sequence_parallel",
+    "order": "order",
+    "outer": "outer",
+    "h": "sync_every",
+    "sync_every": "sync_every",
+}
+"""``--layout`` keys and the :class:`Layout` field each sets (``vpp`` and ``interleave`` are
+one, as are ``mb`` and ``micro_batch``, ``sp`` and ``sequence_parallel``, ``h`` and
+``sync_every``)."""
+
+_INT_FIELDS = ("tp", "pp", "dp", "interleave", "zero", "micro_batch", "sync_every")
+
+
+def parse_layout(text: str) -> dict[str, object]:
+    """``"tp=8,pp=16,dp=64,vpp=8,zero=1,mb=1,recompute=selective,sp"`` → the :class:`Layout`
+    fields it fixes (any subset; ``sp`` alone is ``sp=1``, ``outer=none`` is synchronous data
+    parallelism). Raises ``ValueError`` naming the key and what it takes."""
+    fixed: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().lower().replace("-", "_")
+        if key not in LAYOUT_KEYS:
+            raise ValueError(
+                f"--layout: unknown key {key!r}; use any of {', '.join(sorted(LAYOUT_KEYS))} "
+                "(e.g. tp=8,pp=16,dp=64,vpp=8,zero=1,mb=1,recompute=selective,sp)"
+            )
+        name = LAYOUT_KEYS[key]
+        if name in fixed:
+            raise ValueError(f"--layout: {key} is given twice")
+        value = value.strip()
+        if name == "sequence_parallel":
+            if value.lower() not in ("", "1", "true", "yes", "0", "false", "no"):
+                raise ValueError(f"--layout: sp takes no value, 1/true or 0/false, got {value!r}")
+            fixed[name] = value.lower() in ("", "1", "true", "yes")
+        elif not eq or not value:
+            raise ValueError(f"--layout: {key} needs a value ({key}=...)")
+        elif name in _INT_FIELDS:
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"--layout: {key} must be an integer, got {value!r}") from None
+            low = 0 if name == "zero" else 1
+            if number < low or (name == "zero" and number > 3):
+                bound = "0, 1, 2 or 3" if name == "zero" else f"an integer >= {low}"
+                raise ValueError(f"--layout: {key} must be {bound}, got {value!r}")
+            fixed[name] = number
+        elif name == "recompute":
+            if value not in RECOMPUTE:
+                raise ValueError(
+                    f"--layout: recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}"
+                )
+            fixed[name] = value
+        elif name == "order":
+            if value not in ORDERS:
+                raise ValueError(
+                    f"--layout: order must be one of {', '.join(ORDERS)}, got {value!r}"
+                )
+            fixed[name] = value
+        else:  # outer
+            fixed[name] = None if value.lower() == "none" else value
+    if not fixed:
+        raise ValueError("--layout is empty; e.g. --layout tp=8,pp=16,dp=64")
+    return fixed

@@ -45,7 +45,7 @@ from typing import Any
 
 from lowcomm.plan.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
 from lowcomm.plan.cost import tiered_allreduce_time as _tiered
-from lowcomm.plan.memory import activation_bytes_per_layer, stage_parameters
+from lowcomm.plan.memory import activation_bytes_per_layer, stage_layers, stage_parameters
 from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision
 
 __all__ = [
@@ -171,30 +171,40 @@ def iteration_time(
     m = global_batch // (d * b)
     flops_rate = cluster.peak_flops * cluster.gemm_efficiency
     e = precision.activation_bytes
-    layers = model.layers / p
 
-    # compute of one micro-batch on the last stage (its layers and the logits)
-    fwd_layer = model.layer_forward_flops(b) / t
-    fwd = (layers * fwd_layer + model.logits_forward_flops(b) / t) / flops_rate
-    recompute = 0.0
-    if layout.recompute == "full":
-        recompute = layers * fwd_layer / flops_rate
-    elif layout.recompute == "selective" and not layout.flash_attention:
-        recompute = layers * model.attention_core_flops(b) / t / flops_rate
-    compute = 3 * fwd + recompute
-    passes = 3 + (1 if layout.recompute != "none" else 0)
-    kept = activation_bytes_per_layer(model, precision, layout, b, stored=False)
-    head = 3 * 4.0 * model.seq * b * model.vocab / t
-    elementwise = passes * 2 * (layers * kept + head) / cluster.memory_bandwidth_Bps
+    def stage(layers: float, logits: bool) -> tuple[float, float, float, float]:
+        """Forward, compute, elementwise and TP time of one micro-batch on a stage of
+        ``layers`` layers (``logits``: and the head)."""
+        fwd_layer = model.layer_forward_flops(b) / t
+        head_flops = model.logits_forward_flops(b) / t if logits else 0.0
+        fwd = (layers * fwd_layer + head_flops) / flops_rate
+        recompute = 0.0
+        if layout.recompute == "full":
+            recompute = layers * fwd_layer / flops_rate
+        elif layout.recompute == "selective" and not layout.flash_attention:
+            recompute = layers * model.attention_core_flops(b) / t / flops_rate
+        passes = 3 + (1 if layout.recompute != "none" else 0)
+        kept = activation_bytes_per_layer(model, precision, layout, b, stored=False)
+        head = 3 * 4.0 * model.seq * b * model.vocab / t if logits else 0.0
+        elementwise = passes * 2 * (layers * kept + head) / cluster.memory_bandwidth_Bps
+        tp = 0.0
+        if t > 1:
+            tier = cluster.tiers[0]
+            count = 4 + (2 if layout.recompute == "full" else 0)
+            one = _tiered(
+                e * model.seq * b * model.hidden,
+                [TierLevel(t, tier.bandwidth_bps, tier.latency_s)],
+            )
+            tp = layers * count * one
+        return fwd, 3 * fwd + recompute, elementwise, tp
 
-    tp_time = 0.0
-    if t > 1:
-        tier = cluster.tiers[0]
-        count = 4 + (2 if layout.recompute == "full" else 0)
-        one = _tiered(
-            e * model.seq * b * model.hidden, [TierLevel(t, tier.bandwidth_bps, tier.latency_s)]
-        )
-        tp_time = layers * count * one
+    # the stage with the most work sets the pace: the last (its layers and the logits), or with
+    # uneven stages a full one (stage_layers)
+    fwd, compute, elementwise, tp_time = stage(stage_layers(model, layout, "last"), True)
+    if p > 1 and model.layers % p:
+        most = stage(stage_layers(model, layout, "most"), False)
+        if sum(most[1:]) > compute + elementwise + tp_time:
+            fwd, compute, elementwise, tp_time = most
 
     pp_time = 0.0
     pp_stride = t * d if layout.order == "tp-dp-pp" else t
