@@ -19,8 +19,9 @@ Reproduce (about 30 minutes on 2 cores; ``--steps`` shortens it)::
 
     python benchmarks/unequal_speeds.py [--steps 480] [--seed 0]
 
-It prints markdown and writes ``benchmarks/unequal_speeds.md``; run folders go to
-``benchmarks/results/speeds/`` (not committed).
+It prints markdown and writes ``benchmarks/unequal_speeds.md`` (``unequal_speeds_seedN.md`` for
+another seed); run folders go to ``benchmarks/results/speeds/`` (``speeds-seedN``; not
+committed).
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ WORKERS = 4
 
 def speed_sets(seed: int) -> dict[str, list[float]]:
     """The speeds measured: one worker at half speed; 1 or 0.5 drawn per worker (seeded; a
-    draw of four equal speeds is drawn again)."""
+    draw of four equal speeds, or of the first set, is drawn again)."""
     rng = random.Random(seed)
+    half = [1.0, 1.0, 1.0, 0.5]
     drawn = [1.0] * WORKERS
-    while len(set(drawn)) == 1:
+    while len(set(drawn)) == 1 or drawn == half:
         drawn = [rng.choice([1.0, 0.5]) for _ in range(WORKERS)]
-    return {"one at half speed": [1.0, 1.0, 1.0, 0.5], "drawn at random": drawn}
+    return {"one at half speed": half, "drawn at random": drawn}
+
+
+def _out(seed: int) -> Path:
+    """Run folders of ``seed`` (seed 0: results/speeds, else results/speeds-seedN)."""
+    return OUT if seed == 0 else OUT.with_name(f"speeds-seed{seed}")
 
 
 def run_job(
@@ -53,7 +60,7 @@ def run_job(
 ) -> dict[str, Any]:
     """``lowcomm train`` of 4 workers into ``results/speeds/NAME`` and its summary (``run``
     False: the summary of the run already there)."""
-    out = OUT / name
+    out = _out(seed) / name
     cmd = [
         sys.executable, "-m", "lowcomm", "train", "--algo", algo, "--workers", str(WORKERS),
         "--steps", str(steps), "--seed", str(seed), "--busy-wait", "--quiet", "--overwrite",
@@ -74,6 +81,39 @@ def _per_round(summary: dict[str, Any]) -> list[float]:
     return [n * h / positions for n in summary["work"]["inner_steps"]]
 
 
+def over_seeds(seeds: list[int]) -> str:
+    """A markdown table of the dynamic and fixed rows of every seed's ``results.json``, side by
+    side, with their mean (the speeds drawn at random differ per seed)."""
+    runs = {seed: json.loads((_out(seed) / "results.json").read_text()) for seed in seeds}
+    groups: dict[tuple[str, str, str], dict[int, dict[str, Any]]] = {}
+    for seed, results in runs.items():
+        for r in results["rows"]:
+            if r["speeds"] == "1,1,1,1":
+                continue
+            kind = "one at half speed" if r["speeds"] == "1,1,1,0.5" else "drawn at random"
+            groups.setdefault((r["algo"], kind, r["rounds"]), {})[seed] = r
+    head = " | ".join(f"seed {s}" for s in seeds)
+    lines = [
+        f"| algo | speeds | rounds | of what the speeds allow: {head} | mean | val vs equal "
+        f"speeds: {head} | mean |",
+        "|---|---|---|" + "---|" * (2 * len(seeds) + 2),
+    ]
+    for (algo, kind, rounds), by_seed in groups.items():
+        rows = [by_seed[s] for s in seeds if s in by_seed]
+        allowed = [f"{r['of_allowed']:.1%}" for r in rows]
+        val = [f"{r['val_vs_equal']:+.1%}" for r in rows]
+        mean_a = sum(r["of_allowed"] for r in rows) / len(rows)
+        mean_v = sum(r["val_vs_equal"] for r in rows) / len(rows)
+        lines.append(
+            f"| {algo} | {kind} | {rounds} | {' | '.join(allowed)} | {mean_a:.1%} | "
+            f"{' | '.join(val)} | {mean_v:+.1%} |"
+        )
+    drawn = ", ".join(
+        f"seed {s}: " + ",".join(f"{v:g}" for v in speed_sets(s)["drawn at random"]) for s in seeds
+    )
+    return "\n".join(lines) + f"\n\nSpeeds drawn at random: {drawn}.\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=480)
@@ -82,9 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="rebuild the table from the run folders"
     )
+    parser.add_argument(
+        "--over-seeds",
+        metavar="S,S",
+        help="print the table of these seeds' runs side by side (after running each)",
+    )
     args = parser.parse_args(argv)
+    if args.over_seeds:
+        text = over_seeds([int(v) for v in args.over_seeds.split(",")])
+        print(text)
+        (HERE / "unequal_speeds_seeds.md").write_text(text)
+        return 0
     run = not args.report_only
-    OUT.mkdir(parents=True, exist_ok=True)
+    _out(args.seed).mkdir(parents=True, exist_ok=True)
     rows = []
     results: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "runs": {}}
     for algo in args.algos.split(","):
@@ -136,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     results["rows"] = rows
-    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (_out(args.seed) / "results.json").write_text(json.dumps(results, indent=1, default=str))
     lines = [
         f"4 workers, {args.steps} steps each at equal speeds (the dynamic jobs run until the "
         f"workers together took as many tokens), seed {args.seed}, `--busy-wait`, this "
@@ -156,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    (HERE / "unequal_speeds.md").write_text(text)
+    suffix = "" if args.seed == 0 else f"_seed{args.seed}"
+    (HERE / f"unequal_speeds{suffix}.md").write_text(text)
     return 0
 
 

@@ -260,3 +260,20 @@ def test_bench_entries_take_speeds_in_brackets() -> None:
     fields = algo_fields(first)
     assert fields == {"algo": "co2", "speeds": [1, 1, 1, 0.5], "local_steps": "dynamic"}
     assert TrainConfig(workers=4, **fields).speeds == "1,1,1,0.5"
+
+
+@pytest.mark.timeout(300)
+def test_job_with_dynamic_steps_resumes_from_a_checkpoint(train_job: Any, tmp_path: Any) -> None:
+    """A dynamic job's checkpoint carries the plans and the steps every worker took: a run
+    resumed from it ends at the same tokens (the step times, hence later plans, are measured
+    again, so the numbers are not compared bit for bit: that is the engine's test above)."""
+    args = [*tiny_job_args(steps=16), "--algo", "co2", "--speeds", "1,0.5"]
+    args += ["--local-steps", "dynamic", "--checkpoint-every", "8"]
+    first = train_job(*args, out=tmp_path / "first")
+    checkpoint = tmp_path / "first" / "checkpoints" / "step-000008"
+    assert checkpoint.is_dir()
+    resumed = train_job(*args, "--resume", str(checkpoint), out=tmp_path / "second")
+    batch = TINY_JOB["batch_size"] * TINY_JOB["block_size"]
+    assert first["tokens"] == resumed["tokens"] == 16 * 2 * batch
+    assert resumed["resumed_at"] == [8]
+    assert resumed["work"]["inner_steps"][1] < resumed["work"]["inner_steps"][0]
