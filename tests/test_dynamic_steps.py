@@ -171,7 +171,9 @@ def test_resume_mid_round_with_unequal_steps_is_exact(
 ) -> None:
     for rank in range(WORLD):
         a, b = runs[whole][rank], runs[cut][rank]
-        assert a["taken"] == b["taken"] and a["taken"] < 4 * H if rank == 2 else True
+        assert a["taken"] == b["taken"]
+        if rank == 2:
+            assert a["taken"] < 4 * H  # the half-speed rank passed some positions
         assert _same(a["params"], b["params"]), (cut, rank)
         assert a["steps_done"] == b["steps_done"]
 
