@@ -239,18 +239,18 @@ def _stage_memory(
             working = min(phi, gathered) * w
     outer = phi * OUTER_STATE_BYTES if layout.outer else 0.0
     b = layout.micro_batch
-    layers = stage_layers(model, layout, stage)
-    if stage == "first" and layout.pp > 1:
-        # with uneven stages a full stage right after a light first one may hold more: the
-        # second holds one micro-batch fewer (1F1B) of its layers
-        second = stage_layers(model, layout, "most") * max(0.0, held_at(layout, micro_batches, 1))
-        layers = max(layers, second / max(in_flight(layout, micro_batches), 1e-9))
     per_layer = activation_bytes_per_layer(model, precision, layout, b, stored=True)
     rebuilt = 0.0
     if layout.recompute == "full":
         rebuilt = activation_bytes_per_layer(model, precision, layout, b, stored=False)
     held = 1.0 if stage == "last" else in_flight(layout, micro_batches)
-    act = layers * held * per_layer
+    layer_batches = stage_layers(model, layout, stage) * held
+    if stage == "first" and layout.pp > 1:
+        # with uneven stages a full stage right after a light first one may hold more: the
+        # second holds one micro-batch fewer (1F1B) of its layers
+        most = stage_layers(model, layout, "most") * held_at(layout, micro_batches, 1)
+        layer_batches = max(layer_batches, most)
+    act = layer_batches * per_layer
     extra = rebuilt
     if stage in ("last", "only"):
         extra = max(extra, _head_bytes(model, precision, layout, b))

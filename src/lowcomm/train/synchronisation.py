@@ -211,13 +211,9 @@ class Synchronisation:
 
     def per_rank(self) -> dict[str, Any]:
         """This rank's counters for ``summary.json``."""
-        pace = None
-        if self.algo is not None and self.algo.pace is not None:
-            pace = self.algo.pace.report(self.algo.local_step)
         return {
             "inner_steps": self.algo.inner_steps if self.algo is not None else None,
             "positions": self.algo.local_step if self.algo is not None else None,
-            "pace": pace,
             "rounds": self.rounds,
             "skipped_updates": int(getattr(self.algo, "skipped_updates", 0)),
             **self.stats.as_dict(),
