@@ -9,10 +9,12 @@ regions, over the internet), lowcomm's outer algorithms replace the synchronous 
 * :mod:`~lowcomm.plan.spec`: :class:`ModelSpec`, :class:`Precision`, :class:`Cluster` of
   :class:`Tier` s, :class:`Layout`;
 * :mod:`~lowcomm.plan.memory` and :mod:`~lowcomm.plan.timing`: peak memory and iteration time of
-  a layout, by part (the formulas are in their docstrings);
+  a layout, by part (the formulas are in their docstrings); :mod:`~lowcomm.plan.gemm`: a GEMM's
+  time from its shape;
 * :mod:`~lowcomm.plan.search`: the feasibility rules, the search and the ranking (:func:`plan`);
-* :mod:`~lowcomm.plan.presets`: models (Megatron-LM 2021 Table 1, Frontier, Llama) and clusters
-  (DGX A100/H100, Frontier, two regions over 10 Gbit/s);
+* :mod:`~lowcomm.plan.presets`: models (Megatron-LM 2021 Table 1, Frontier, Megatron-Core's
+  H100 table, BLOOM, Llama) and clusters (DGX A100/H100, Frontier, two regions over 10 Gbit/s),
+  with each device's calibrated GEMM efficiency;
 * :mod:`~lowcomm.plan.validate` and :mod:`~lowcomm.plan.measure`: the checks against published
   tables and against memory measured on this machine.
 

@@ -1,7 +1,7 @@
 """``lowcomm plan``'s command line: a model, a cluster and a global batch -> ranked layouts.
 
-``--validate megatron|frontier|memory`` prints a validation table instead (memory measures on
-this machine).
+``--validate megatron|frontier|published|memory`` prints a validation table instead (memory
+measures on this machine).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from lowcomm.plan.spec import PRECISIONS, RECOMPUTE, Cluster, ModelSpec, Tier, p
 
 __all__ = ["add_subcommand"]
 
-VALIDATIONS = ("megatron", "frontier", "memory")
+VALIDATIONS = ("megatron", "frontier", "published", "memory")
 
 
 def _int(text: str, flag: str, low: int = 1) -> int:
@@ -46,6 +46,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
         if given:
             dims_given: dict[str, Any] = {k: _int(v, f"--{k}") for k, v in given.items()}
             model = replace(model, **dims_given)
+        if getattr(args, "kernels", None):
+            model = replace(model, kernels=args.kernels)
         return model
     missing = [f"--{k}" for k in dims if k not in given]
     if missing:
@@ -63,6 +65,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
             gated=True, tied_embeddings=False, learned_positions=False, bias=False, dropout=False
         )
     extra.update({k: _int(v, f"--{k}") for k, v in given.items()})
+    if getattr(args, "kernels", None):
+        extra["kernels"] = args.kernels
     return ModelSpec(**extra)
 
 
@@ -135,6 +139,9 @@ def _run_validate(args: argparse.Namespace, prog: str) -> int:
     elif which == "frontier":
         rows = validate.validate_frontier()
         text = report.format_frontier(rows)
+    elif which == "published":
+        rows = validate.validate_published()
+        text = report.format_published(rows)
     else:
         world = _int(args.world, "--world", low=2) if getattr(args, "world", None) else 2
         rows = validate.validate_memory(world=world)
@@ -170,7 +177,7 @@ def _run_plan(args: argparse.Namespace, prog: str) -> int:
         raise ValueError(f"--usable is a fraction of the device memory in (0, 1], got {usable}")
     fixed = parse_layout(args.layout) if getattr(args, "layout", None) else None
     interleave = tuple(
-        _int(v, "--interleave") for v in str(getattr(args, "interleave", "1")).split(",")
+        _int(v, "--interleave") for v in str(getattr(args, "interleave", "1,2,4,8")).split(",")
     )
     options: dict[str, Any] = {
         "usable": usable,
@@ -188,7 +195,11 @@ def _run_plan(args: argparse.Namespace, prog: str) -> int:
     if fixed:
         if "interleave" in fixed:  # the rank among layouts with as many virtual stages
             options["interleave"] = tuple(sorted({*interleave, int(fixed["interleave"])}))  # type: ignore[call-overload]
-        full = plan(model, PRECISIONS[precision_name], cluster, batch, **options)
+        # overlaps describe the framework, not a choice: the rank is among layouts that share them
+        framework = {k: v for k, v in fixed.items() if k in ("tp_overlap", "dp_overlap")}
+        full = plan(
+            model, PRECISIONS[precision_name], cluster, batch, fixed=framework or None, **options
+        )
         print(report.format_layout(result, full, args.layout, top))
     else:
         print(report.format_candidates(result, top))
@@ -212,6 +223,9 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
     ("--ffn-hidden", "F", "MLP width (default 4 x hidden)"),
     ("--kv-heads", "K", "key/value heads (grouped-query attention)"),
     ("--llama", None, "Llama-style: SwiGLU MLP, RMSNorm, no biases, rotary, untied head"),
+    ("--kernels", "{fused,eager}",
+     "what SwiGLU and RMSNorm keep for backward: fused kernels (Megatron, Transformer Engine; "
+     "default) or plain PyTorch autograd (more activation memory)"),
     ("--cluster", "PRESET", f"cluster preset: {', '.join(CLUSTERS)}"),
     ("--nodes", "N", "nodes of the cluster preset (default 1)"),
     ("--tier", "NAME:MEMBERS:GBITS[:LATENCY_US[:slow]]",
@@ -219,7 +233,9 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
      "'slow' marks a tier the outer algorithms may replace the all-reduce across"),
     ("--device-memory-gb", "GB", "memory per device (explicit cluster, or overrides a preset)"),
     ("--peak-tflops", "T", "peak dense TFLOP/s per device at the training precision"),
-    ("--gemm-efficiency", "E", "fraction of peak the GEMMs sustain (preset's, or 0.6)"),
+    ("--gemm-efficiency", "E",
+     "fraction of peak large GEMMs sustain in training; smaller and thin ones get less "
+     "(preset's: A100 0.669, H100 0.523, MI250X 0.458; explicit cluster 0.6)"),
     ("--memory-bandwidth-gbs", "GBS", "device memory bandwidth in GB/s (preset's, or 2000)"),
     ("--global-batch", "B", "sequences per iteration"),
     ("--precision", "{bf16,fp32}", "bf16 mixed precision with Adam (default) or fp32"),
@@ -231,9 +247,10 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
      "keeps the iteration within 5%% of never synchronising across that tier)"),
     ("--layout", "SPEC",
      "evaluate this layout (any subset of tp=,pp=,dp=,vpp=,zero=,mb=,recompute=,sp,order=,"
-     "outer=,h=; the rest searched): its whole breakdown and rank, or every rule it breaks"),
+     "outer=,h=, and tpo / dpo for TP / DP communication overlapped as Megatron-Core does; "
+     "the rest searched): its whole breakdown and rank, or every rule it breaks"),
     ("--interleave", "LIST",
-     "virtual pipeline stages per device searched (default 1; e.g. 1,2,4,8)"),
+     "virtual pipeline stages per device searched (default 1,2,4,8; 1: plain 1F1B)"),
     ("--max-micro-batch", "B", "largest micro-batch searched (default 16)"),
     ("--usable", "F", "fraction of device memory the model may fill (default 0.9)"),
     ("--top", "K", "candidates shown (default 10)"),
@@ -241,7 +258,8 @@ _FLAGS: tuple[tuple[str, str | None, str], ...] = (
     ("--plot", "PATH", "plot predicted tokens/s against memory per device (PNG)"),
     ("--validate", "{" + ",".join(VALIDATIONS) + "}",
      "print a validation table: megatron (Narayanan et al. 2021 Table 1), frontier (Dash et "
-     "al. 2023), memory (measured here on gloo processes, about two minutes)"),
+     "al. 2023), published (Megatron-Core on H100, Llama 3 405B, BLOOM-176B), memory "
+     "(measured here on gloo processes, about three minutes)"),
     ("--world", "N", "--validate memory: processes (default 2)"),
 )  # fmt: skip
 

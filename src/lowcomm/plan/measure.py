@@ -1,7 +1,10 @@
 """Real peak memory of small GPTs under DDP and ZeRO-1/2/3, to check the memory model against.
 
-N processes on a gloo group (127.0.0.1) each build lowcomm's GPT (no dropout, fp32) from the
-same seed and wrap it as
+N processes on a gloo group (127.0.0.1) each build lowcomm's GPT (no dropout, fp32), or a
+Llama-style model (:mod:`lowcomm.models.llama`: RMSNorm, rotary positions, grouped-query
+attention with half as many key/value heads, SwiGLU, untied output layer; ``llama`` runs its
+norms and SwiGLU as plain PyTorch autograd does, ``llama-fused`` as fused kernels keep them),
+from the same seed and wrap it as
 
 * ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True, init_sync=False)`` + AdamW
   (ZeRO-0; the ranks' parameters are equal by seed, so the initial broadcast, whose flat copy
@@ -42,9 +45,10 @@ from typing import Any
 from lowcomm.plan.memory import memory
 from lowcomm.plan.spec import PRECISIONS, Layout, ModelSpec
 
-__all__ = ["MEASURE_MODES", "MemoryCase", "measure_peak_memory", "predict_case"]
+__all__ = ["ARCHS", "MEASURE_MODES", "MemoryCase", "measure_peak_memory", "predict_case"]
 
 MEASURE_MODES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+ARCHS = ("gpt", "llama", "llama-fused")
 STEPS = 6
 """Training steps per case; the peak is the largest over the steps after the first two (the
 optimizer state exists and DDP has rebuilt its buckets)."""
@@ -62,8 +66,12 @@ class MemoryCase:
     attention: str = "flash"
     """flash (PyTorch's flash kernel: keeps its output and log-sum-exp) or math (keeps the
     s × s softmax)."""
+    arch: str = "gpt"
+    """gpt, llama (eager SwiGLU and RMSNorm) or llama-fused."""
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.mode not in MEASURE_MODES:
             raise ValueError(f"mode must be one of {', '.join(MEASURE_MODES)}, got {self.mode!r}")
         if self.recompute not in ("none", "selective", "full"):
@@ -77,17 +85,51 @@ class MemoryCase:
             )
 
 
-def spec_of(shape: dict[str, int]) -> ModelSpec:
-    """The :class:`ModelSpec` of lowcomm's GPT with ``shape`` (layers, hidden, heads, vocab,
-    seq): GELU MLP, biases, tied embeddings, learned positions, no dropout."""
+def spec_of(shape: dict[str, int], arch: str = "gpt") -> ModelSpec:
+    """The :class:`ModelSpec` of the measured model with ``shape`` (layers, hidden, heads,
+    vocab, seq). gpt: lowcomm's GPT (GELU MLP, biases, tied embeddings, learned positions, no
+    dropout); llama / llama-fused: :class:`~lowcomm.models.llama.Llama` with half as many
+    key/value heads and its default SwiGLU width."""
+    if arch == "gpt":
+        return ModelSpec(
+            name="lowcomm-gpt",
+            layers=shape["layers"],
+            hidden=shape["hidden"],
+            heads=shape["heads"],
+            vocab=shape["vocab"],
+            seq=shape["seq"],
+            dropout=False,
+        )
+    config = _llama_config(shape, arch)
     return ModelSpec(
-        name="lowcomm-gpt",
-        layers=shape["layers"],
-        hidden=shape["hidden"],
-        heads=shape["heads"],
-        vocab=shape["vocab"],
-        seq=shape["seq"],
+        name=arch,
+        layers=config.n_layer,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        vocab=config.vocab_size,
+        seq=config.block_size,
+        ffn_hidden=config.ffn,
+        kv_heads=config.kv_heads,
+        gated=True,
+        tied_embeddings=False,
+        learned_positions=False,
+        bias=False,
         dropout=False,
+        kernels=config.kernels,
+    )
+
+
+def _llama_config(shape: dict[str, int], arch: str) -> Any:
+    from lowcomm.models.llama import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape["vocab"],
+        block_size=shape["seq"],
+        n_layer=shape["layers"],
+        n_head=shape["heads"],
+        n_kv_head=max(1, shape["heads"] // 2),
+        n_embd=shape["hidden"],
+        kernels="fused" if arch == "llama-fused" else "eager",
     )
 
 
@@ -100,7 +142,7 @@ def predict_case(case: MemoryCase, shape: dict[str, int], world: int) -> float:
         recompute=case.recompute,  # type: ignore[arg-type]
         flash_attention=case.attention == "flash",
     )
-    return memory(spec_of(shape), PRECISIONS["fp32"], layout, 1).total
+    return memory(spec_of(shape, case.arch), PRECISIONS["fp32"], layout, 1).total
 
 
 def _step_peaks(prof: Any, steps: Sequence[str]) -> list[int]:
@@ -151,27 +193,36 @@ def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
             super().__init__()
             self.block = block
 
-        def forward(self, x: torch.Tensor, packed: Any = None) -> torch.Tensor:
-            out = checkpoint(self.block, x, packed, use_reentrant=False)
+        def forward(self, *args: Any) -> torch.Tensor:
+            out = checkpoint(self.block, *args, use_reentrant=False)
             assert isinstance(out, torch.Tensor)
             return out
 
+    def build() -> torch.nn.Module:
+        if case.arch != "gpt":
+            from lowcomm.models.llama import Llama
+
+            return Llama(_llama_config(shape, case.arch))
+        config = GPTConfig(
+            n_layer=shape["layers"],
+            n_embd=shape["hidden"],
+            n_head=shape["heads"],
+            vocab_size=shape["vocab"],
+            block_size=shape["seq"],
+            dropout=0.0,
+        )
+        return GPT(config)
+
     torch.manual_seed(0)
-    config = GPTConfig(
-        n_layer=shape["layers"],
-        n_embd=shape["hidden"],
-        n_head=shape["heads"],
-        vocab_size=shape["vocab"],
-        block_size=shape["seq"],
-        dropout=0.0,
-    )
     x = torch.randint(0, shape["vocab"], (case.micro_batch, shape["seq"]))
     y = torch.randint(0, shape["vocab"], (case.micro_batch, shape["seq"]))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = GPT(config)
+        model = build()
+        blocks = model.blocks
+        assert isinstance(blocks, torch.nn.ModuleList)
         if case.recompute == "full":
-            for i, block in enumerate(model.blocks):
-                model.blocks[i] = Checkpointed(block)
+            for i, block in enumerate(blocks):
+                blocks[i] = Checkpointed(block)
         net: torch.nn.Module = model
         if case.mode in ("ddp", "zero1"):
             # the ranks built identical models (same seed): no initial broadcast, whose flat
@@ -185,7 +236,7 @@ def _measure_one(case: MemoryCase, shape: dict[str, int], world: int) -> int:
 
             mesh = init_device_mesh("cpu", (world,))
             reshard = case.mode == "zero3"
-            for block in [*model.blocks, model]:
+            for block in [*blocks, model]:
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
                 block.set_custom_reduce_scatter(_all_reduce_scatter())
                 block.set_custom_all_gather(_chunk_all_gather())
@@ -332,9 +383,10 @@ DEFAULT_SHAPE = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 8192, "seq": 2
 
 
 def default_cases() -> list[MemoryCase]:
-    """Every mode at micro-batch 1, 2 and 4 with flash attention, without and with full
-    recompute, and at micro-batch 2 with math attention, without and with selective
-    recompute."""
+    """The GPT in every mode at micro-batch 1, 2 and 4 with flash attention, without and with
+    full recompute, and at micro-batch 2 with math attention, without and with selective
+    recompute; the Llama-style model, eager and fused, at micro-batch 2 under DDP, ZeRO-1 and
+    ZeRO-3 and with full recompute."""
     cases = [
         MemoryCase(mode, b, rc)
         for mode in MEASURE_MODES
@@ -343,6 +395,11 @@ def default_cases() -> list[MemoryCase]:
     ]
     cases += [
         MemoryCase(mode, 2, rc, "math") for mode in MEASURE_MODES for rc in ("none", "selective")
+    ]
+    cases += [
+        MemoryCase(mode, 2, rc, arch=arch)
+        for arch in ("llama", "llama-fused")
+        for mode, rc in (("ddp", "none"), ("zero1", "none"), ("zero3", "none"), ("ddp", "full"))
     ]
     return cases
 

@@ -22,12 +22,20 @@ flight, the last holds the logits), with Φ its parameters and d the data-parall
   TP t, s b h the tokens × width: layer-norm inputs ``2 e sbh``, the inputs of the QKV and of the
   MLP ``2 e sbh`` and the dropout masks of the attention and MLP outputs ``2 sbh`` are replicated
   over the TP group (split by sequence parallelism); Q, K, V ``3 e sbh / t`` (fewer with grouped
-  KV heads), the output projection's input ``e sbh / t``, the MLP's ``2 e s b f / t`` (gated:
-  ``4 e s b f / t``). The attention core adds the softmax ``e a s² b / t`` (+ its dropout mask and
-  output ``(1 + e) a s² b / t``); with flash attention it keeps only its output and log-sum-exp
-  instead, ``e sbh / t + 4 a s b / t``; selective recompute drops the core. Megatron's GPT (e = 2,
-  dropout, no flash): ``sbh (10 + 24/t + 5 a s / (h t))``; with sequence parallelism and
-  selective recompute ``34 sbh / t``. Full recompute keeps each layer's input, ``e sbh`` (/t with
+  KV heads), the output projection's input ``e sbh / t``, the MLP's ``2 e s b f / t`` (GELU's
+  input and the second linear's: the same fused or not). A SwiGLU MLP keeps, as autograd runs it
+  (``kernels="eager"``), the gate's pre-activation, its SiLU, the up projection and their
+  product, ``4 e s b f / t``; a fused SwiGLU (Megatron-LM's ``bias_swiglu``) keeps its two inputs
+  and the down projection its product, ``3 e s b f / t``. An eager RMSNorm (PyTorch's
+  ``nn.RMSNorm``) also keeps its normalised input for the scale's gradient, ``e sbh`` more per
+  norm; a fused one, like LayerNorm, its input and per-token statistics (left out: ``4 s b``
+  bytes each). Measured on this machine with a Llama-style model
+  (:mod:`lowcomm.models.llama`, ``lowcomm plan --validate memory``). The attention core adds
+  the softmax ``e a s² b / t`` (+ its dropout mask and output ``(1 + e) a s² b / t``); with
+  flash attention it keeps only its output and log-sum-exp instead, ``e sbh / t + 4 a s b / t``;
+  selective recompute drops the core. Megatron's GPT (e = 2, dropout, no flash):
+  ``sbh (10 + 24/t + 5 a s / (h t))``; with sequence parallelism and selective recompute
+  ``34 sbh / t``. Full recompute keeps each layer's input, ``e sbh`` (/t with
   SP), and rebuilds one layer at a time in backward.
 * **In flight** (1F1B): the first stage holds ``min(p, m)`` micro-batches of its ``L / p``
   layers (× ``1 + (p − 1) / (p v)`` with v interleaved stages), the last stage one.
@@ -107,12 +115,15 @@ class MemoryBreakdown:
 
 def stage_layers(model: ModelSpec, layout: Layout, stage: str) -> float:
     """Transformer layers on one device of ``stage``: "first", "last", "only", or "most"
-    (the fullest stage). L / p when p divides L (v interleaved chunks of L / (p v) each);
-    otherwise (uneven stages, v = 1) q = ⌊L / p⌋ and r = L mod p: r stages take q + 1 layers
+    (the fullest stage). L / p when p divides L; otherwise (uneven stages) q = ⌊L / p⌋ and
+    r = L mod p: r stages take q + 1 layers
     and the lighter ones sit at the ends, the last stage first (it also computes the logits),
     then the first (it also embeds): the last q, the first q when at least two stages are
     light, every other stage q + 1 — Megatron's uneven split of, e.g., 126 layers on 16
-    stages (7, 8 × 14, 7)."""
+    stages (7, 8 × 14, 7). With v interleaved (virtual) stages a device's layers are split
+    into v chunks of as equal size as they allow; on a light end stage the spare chunk holds
+    the embedding or the head alone (Llama 3 405B: 126 layers, 16 stages, the first and last
+    chunks the embedding and the output layer)."""
     p = layout.pp
     if stage == "only" or p == 1:
         return float(model.layers)
@@ -153,10 +164,12 @@ def activation_bytes_per_layer(
     if stored and layout.recompute == "full":
         return e * sbh / rep
     mask = 1.0 if model.dropout else 0.0
-    replicated = (4 * e + 2 * mask) * sbh / rep  # two norm inputs, QKV and MLP inputs, masks
+    norms = _eager_norms(model)
+    # two norm inputs, QKV and MLP inputs (eager RMSNorm: also the normalised inputs), masks
+    replicated = ((4 + 2 * norms) * e + 2 * mask) * sbh / rep
     kv = s * b * model.kv_dim
     split = e * (sbh + 2 * kv) + e * sbh  # Q, K, V; output projection input
-    split += (4 if model.gated else 2) * e * s * b * model.ffn
+    split += _mlp_saved(model) * e * s * b * model.ffn
     if layout.flash_attention:
         core = e * sbh + 4.0 * a * s * b
     elif stored and layout.recompute == "selective":
@@ -166,10 +179,22 @@ def activation_bytes_per_layer(
     return replicated + (split + core) / t
 
 
+def _mlp_saved(model: ModelSpec) -> int:
+    """Tensors of s × b × f elements the MLP keeps for backward (module docstring)."""
+    if not model.gated:
+        return 2
+    return 4 if model.kernels == "eager" else 3
+
+
+def _eager_norms(model: ModelSpec) -> int:
+    """1 when every RMSNorm also keeps its normalised input (plain PyTorch), else 0."""
+    return 1 if not model.bias and model.kernels == "eager" else 0
+
+
 def _head_bytes(model: ModelSpec, precision: Precision, layout: Layout, micro_batch: int) -> float:
     s, b, h = model.seq, micro_batch, model.hidden
     rep = layout.tp if layout.sequence_parallel else 1
-    norm = 2 * precision.activation_bytes * s * b * h / rep
+    norm = (2 + _eager_norms(model)) * precision.activation_bytes * s * b * h / rep
     return norm + 3 * 4.0 * s * b * model.vocab / layout.tp
 
 

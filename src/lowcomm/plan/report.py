@@ -15,6 +15,7 @@ __all__ = [
     "format_layout",
     "format_frontier",
     "format_megatron",
+    "format_published",
     "format_memory",
     "plot_candidates",
     "result_json",
@@ -222,15 +223,42 @@ def format_frontier(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_published(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| source | model | devices | batch | layout (published fields + the planner's best "
+        "for the rest) | predicted TFLOP/s/device | published | ratio | memory GB | rank / "
+        "feasible | planner's best |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rank = "-" if r["rank"] is None else r["rank"]
+        source = r["table"] + (" (calibrated)" if r["calibrated"] else " (held out)")
+        memory = f"{r['memory_gb']:.1f}" + ("" if r["fits"] else " (over)")
+        lines.append(
+            f"| {source} | {r['model']} | {r['devices']} | {r['global_batch']} | "
+            f"{r['layout']} | {r['predicted_tflops']:.1f} ({r['counted']}) | "
+            f"{r['published_tflops']:.1f} | {r['ratio']:.3f} | {memory} | "
+            f"{rank} / {r['candidates']} | {r['best_layout']} |"
+        )
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    held = [abs(r["ratio"] - 1) for r in rows if not r["calibrated"]]
+    lines.append(
+        f"\nLargest deviation: {100 * worst:.1f}%"
+        + (f"; on held-out runs {100 * max(held):.1f}%." if held else ".")
+    )
+    return "\n".join(lines)
+
+
 def format_memory(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| mode | attention | recompute | micro-batch | ranks | measured MB | predicted MB | "
-        "ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | mode | attention | recompute | micro-batch | ranks | measured MB | "
+        "predicted MB | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['attention']} | {r['recompute']} | {r['micro_batch']} | "
+            f"| {r.get('arch', 'gpt')} | {r['mode']} | {r['attention']} | {r['recompute']} | "
+            f"{r['micro_batch']} | "
             f"{r['world']} | "
             f"{r['measured_bytes'] / 1e6:.1f} | {r['predicted_bytes'] / 1e6:.1f} | "
             f"{r['ratio']:.3f} |"

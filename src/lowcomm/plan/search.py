@@ -3,7 +3,8 @@
 Rules (the Frontier study's and Megatron's, :func:`check_layout`): TP × PP × DP uses every device;
 attention heads divisible by TP and TP within a node; at most one pipeline stage per layer
 (stages uneven where PP does not divide the layers, :func:`~lowcomm.plan.memory.stage_layers`);
-with v interleaved stages the layers divisible by PP × v and the micro-batches by PP; ZeRO at
+with v interleaved (virtual) stages at least v layers on the fullest stage and the
+micro-batches a multiple of PP; ZeRO at
 most 1 with PP > 1 (stage 2/3 would reshard gradients or parameters every micro-batch); the
 global batch divisible by DP × micro-batch; sequence parallelism only with TP > 1; the peak
 memory (:func:`~lowcomm.plan.memory.memory`) within ``usable`` of the device's. An outer
@@ -59,6 +60,8 @@ class Candidate:
             "micro_batch": lay.micro_batch,
             "recompute": lay.recompute,
             "sequence_parallel": lay.sequence_parallel,
+            "tp_overlap": lay.tp_overlap,
+            "dp_overlap": lay.dp_overlap,
             "flash_attention": lay.flash_attention,
             "interleave": lay.interleave,
             "order": lay.order,
@@ -111,10 +114,10 @@ def check_layout(
         reasons.append(f"TP ({t}) does not fit inside a node of {cluster.devices_per_node} devices")
     if p > model.layers:
         reasons.append(f"PP ({p}) exceeds the layers ({model.layers})")
-    elif layout.interleave > 1 and model.layers % (p * layout.interleave):
+    elif layout.interleave > 1 and -(-model.layers // p) < layout.interleave:
         reasons.append(
-            f"layers ({model.layers}) not divisible by PP x interleave ({p * layout.interleave}): "
-            "interleaved stages are even"
+            f"interleave ({layout.interleave}) exceeds the layers of the fullest stage "
+            f"({-(-model.layers // p)}): every virtual stage needs a layer"
         )
     if p > 1 and layout.zero > 1:
         reasons.append(f"ZeRO-{layout.zero} with PP > 1 (use ZeRO <= 1 with pipelining)")
@@ -271,8 +274,11 @@ def plan(
         zeros = pick("zero", [z for z in zero_stages if (z == 0 or d > 1) and (p == 1 or z <= 1)])
         orders = pick("order", ["tp-dp-pp", "tp-pp-dp"] if p > 1 and d > 1 else ["tp-dp-pp"])
         sps = pick("sequence_parallel", [False, True] if t > 1 else [False])
+        # overlaps are what a framework does, not a choice of layout: kept as given
+        tpo = bool(fix.get("tp_overlap", False))
+        dpo = bool(fix.get("dp_overlap", False))
         mbs = pick("micro_batch", _micro_batches(max(1, global_batch // d), max_micro_batch))
-        stages = [v for v in interleave if v == 1 or (p > 1 and model.layers % (p * v) == 0)]
+        stages = [v for v in interleave if v == 1 or (p > 1 and -(-model.layers // p) >= v)]
         for z, b, rc, sp, order, v in itertools.product(
             zeros, mbs, pick("recompute", recompute), sps, orders, pick("interleave", stages)
         ):
@@ -287,6 +293,8 @@ def plan(
                     micro_batch=b,
                     recompute=rc,
                     sequence_parallel=sp,
+                    tp_overlap=tpo,
+                    dp_overlap=dpo,
                     flash_attention=flash_attention,
                     interleave=v,
                     order=order,
@@ -364,6 +372,8 @@ def rank_of(result: PlanResult, layout: Layout) -> int | None:
         "micro_batch",
         "recompute",
         "sequence_parallel",
+        "tp_overlap",
+        "dp_overlap",
         "interleave",
         "order",
     )

@@ -79,6 +79,12 @@ class ModelSpec:
     dropout: bool = True
     """Dropout after the embeddings, attention probabilities, attention and MLP outputs
     (Megatron's GPT configurations): its masks (1 byte per element) are activations too."""
+    kernels: Literal["fused", "eager"] = "fused"
+    """How the elementwise parts run, which sets what they keep for backward: "fused" (Megatron-LM,
+    Transformer Engine: a fused SwiGLU keeps its two inputs, a fused RMSNorm its input) or
+    "eager" (plain PyTorch autograd, e.g. ``F.silu(w1(x)) * w3(x)`` and ``nn.RMSNorm``: SwiGLU
+    also keeps the SiLU and the product, RMSNorm its normalised input). GELU and LayerNorm keep
+    the same either way (:func:`~lowcomm.plan.memory.activation_bytes_per_layer`)."""
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -86,6 +92,8 @@ class ModelSpec:
         for key in ("ffn_hidden", "kv_heads"):
             if getattr(self, key) is not None:
                 _positive_int("model", key, getattr(self, key))
+        if self.kernels not in ("fused", "eager"):
+            raise ValueError(f"model.kernels must be 'fused' or 'eager', got {self.kernels!r}")
         if self.hidden % self.heads:
             raise ValueError(
                 f"model.hidden ({self.hidden}) must be divisible by model.heads ({self.heads})"
@@ -236,8 +244,12 @@ class Cluster:
     peak_flops: float
     """Peak dense FLOP/s of one device at the training precision."""
     gemm_efficiency: float
-    """Fraction of the peak the matrix multiplications sustain (one figure per device type,
-    stated with the preset; not fitted per configuration)."""
+    """e: fraction of the peak that large matrix multiplications sustain; smaller ones and
+    those with a short reduction dimension get less (:mod:`lowcomm.plan.gemm`)."""
+    gemm_overhead_s: float = 6.0e-6
+    """t₀: fixed cost of one GEMM call (:mod:`lowcomm.plan.gemm`; fitted on H100)."""
+    gemm_k_half: float = 102.0
+    """k₀: per-tile overhead of a GEMM in elements of its reduction dimension (fitted on H100)."""
     memory_bandwidth_Bps: float
     """Device memory bandwidth, bytes/s: the elementwise work (norms, activations, softmax,
     dropout) is charged at it."""
@@ -248,6 +260,8 @@ class Cluster:
         _positive("cluster", "device_memory_bytes", self.device_memory_bytes)
         _positive("cluster", "peak_flops", self.peak_flops)
         _positive("cluster", "memory_bandwidth_Bps", self.memory_bandwidth_Bps)
+        _positive("cluster", "gemm_overhead_s", self.gemm_overhead_s, zero=True)
+        _positive("cluster", "gemm_k_half", self.gemm_k_half, zero=True)
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(
                 f"cluster.gemm_efficiency must be in (0, 1], got {self.gemm_efficiency!r}"
@@ -286,6 +300,12 @@ class Layout:
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (norms and dropout split over the TP group)."""
+    tp_overlap: bool = False
+    """TP communication overlapped with the GEMMs it feeds and drains (Megatron-Core's
+    ``--tp-comm-overlap``, Transformer Engine's userbuffers; needs sequence parallelism)."""
+    dp_overlap: bool = False
+    """With pipelining, the data-parallel gradient reduction overlapped with each stage's last
+    backward (Megatron-Core's ``--overlap-grad-reduce``); without pipelining it always is."""
     flash_attention: bool = True
     interleave: int = 1
     """Virtual pipeline stages per device (Megatron's interleaved 1F1B schedule)."""
@@ -314,6 +334,11 @@ class Layout:
             raise ValueError(f"layout.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("layout.sequence_parallel needs tp > 1 (it splits over the TP group)")
+        if self.tp_overlap and not self.sequence_parallel:
+            raise ValueError(
+                "layout.tp_overlap needs sequence_parallel (the overlapped all-gather and "
+                "reduce-scatter are sequence parallelism's)"
+            )
         if self.interleave > 1 and self.pp == 1:
             raise ValueError("layout.interleave > 1 needs pp > 1 (virtual pipeline stages)")
 
@@ -327,6 +352,10 @@ class Layout:
         text += f" {self.recompute}"
         if self.sequence_parallel:
             text += " SP"
+        if self.tp_overlap:
+            text += " TPO"
+        if self.dp_overlap:
+            text += " DPO"
         if self.interleave > 1:
             text += f" v{self.interleave}"
         if self.order != "tp-dp-pp":
@@ -348,14 +377,18 @@ LAYOUT_KEYS: dict[str, str] = {
     "recompute": "recompute",
     "sp": "sequence_parallel",
     "sequence_parallel": "sequence_parallel",
+    "tpo": "tp_overlap",
+    "tp_overlap": "tp_overlap",
+    "dpo": "dp_overlap",
+    "dp_overlap": "dp_overlap",
     "order": "order",
     "outer": "outer",
     "h": "sync_every",
     "sync_every": "sync_every",
 }
 """``--layout`` keys and the :class:`Layout` field each sets (``vpp`` and ``interleave`` are
-one, as are ``mb`` and ``micro_batch``, ``sp`` and ``sequence_parallel``, ``h`` and
-``sync_every``)."""
+one, as are ``mb`` and ``micro_batch``, ``sp`` and ``sequence_parallel``, ``tpo`` and
+``tp_overlap``, ``dpo`` and ``dp_overlap``, ``h`` and ``sync_every``)."""
 
 _INT_FIELDS = ("tp", "pp", "dp", "interleave", "zero", "micro_batch", "sync_every")
 
@@ -377,9 +410,11 @@ def parse_layout(text: str) -> dict[str, object]:
         if name in fixed:
             raise ValueError(f"--layout: {key} is given twice")
         value = value.strip()
-        if name == "sequence_parallel":
+        if name in ("sequence_parallel", "tp_overlap", "dp_overlap"):
             if value.lower() not in ("", "1", "true", "yes", "0", "false", "no"):
-                raise ValueError(f"--layout: sp takes no value, 1/true or 0/false, got {value!r}")
+                raise ValueError(
+                    f"--layout: {key} takes no value, 1/true or 0/false, got {value!r}"
+                )
             fixed[name] = value.lower() in ("", "1", "true", "yes")
         elif not eq or not value:
             raise ValueError(f"--layout: {key} needs a value ({key}=...)")

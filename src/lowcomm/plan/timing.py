@@ -3,16 +3,18 @@
 With m = global batch / (d · b) micro-batches per pipeline, on the stage with the most work
 (the last: its layers and the logits), per micro-batch:
 
-* **Compute**: forward FLOPs / (peak × GEMM efficiency), backward twice that, plus the
-  recomputed forward (all layers with full recompute, the attention core with selective);
-  FLOPs as in :class:`~lowcomm.plan.spec.ModelSpec`, split over TP.
+* **Compute**: every GEMM of the forward and the backward (:func:`layer_gemms`: the
+  projections and the MLP with their input and weight gradients, the attention core per head)
+  at its own shape's speed (:mod:`lowcomm.plan.gemm`), plus the recomputed forward (all layers
+  with full recompute, the attention core with selective).
 * **Elementwise**: norms, activation functions, softmax, dropout and residuals are bound by
   memory bandwidth: every activation byte a layer keeps (:func:`~lowcomm.plan.memory.
   activation_bytes_per_layer`) is written and read once per pass (forward, backward twice, the
   recompute pass once more), at the device's memory bandwidth.
 * **TP**: four all-reduces of ``e s b h`` bytes per layer (two in forward, two in backward; six
   with full recompute), ring over the TP group inside a node; sequence parallelism replaces
-  each by a reduce-scatter and an all-gather of the same bytes. Not overlapped.
+  each by a reduce-scatter and an all-gather of the same bytes. Exposed, unless the layout
+  overlaps them with the GEMMs (``tp_overlap``): then only what exceeds the stage's GEMM time.
 * **PP**: per micro-batch and virtual stage one activation forward and one gradient backward,
   ``e s b h / t`` bytes each (Megatron's scatter/gather), point-to-point over the slowest link
   between consecutive stages (devices that cross a node boundary share its NIC).
@@ -23,7 +25,9 @@ A micro-batch's slot is their sum; the pipeline takes ``(m + (p − 1) / v) · s
 * **Data parallel**, priced over the tiers the group spans (:func:`~lowcomm.plan.cost.
   tiered_allreduce_time`): ZeRO 0/1 one all-reduce (or reduce-scatter + all-gather) of the
   gradients per iteration, hidden behind the last micro-batch's backward without pipelining (as
-  DDP's buckets do) and exposed after a pipeline flush; ZeRO-2 a reduce-scatter per micro-batch
+  DDP's buckets do) and exposed after a pipeline flush, unless the layout overlaps it there too
+  (``dp_overlap``: Megatron-Core's ``--overlap-grad-reduce``, buckets reduced during the stage's
+  last backward); ZeRO-2 a reduce-scatter per micro-batch
   behind its backward and one all-gather; ZeRO-3 two all-gathers and a reduce-scatter per
   micro-batch behind its compute.
 * **Outer algorithm** across the slowest tier the data-parallel group crosses: the synchronous
@@ -45,6 +49,7 @@ from typing import Any
 
 from lowcomm.plan.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
 from lowcomm.plan.cost import tiered_allreduce_time as _tiered
+from lowcomm.plan.gemm import Gemm, gemm_time
 from lowcomm.plan.memory import activation_bytes_per_layer, stage_layers, stage_parameters
 from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision
 
@@ -53,6 +58,7 @@ __all__ = [
     "dp_stride",
     "group_levels",
     "iteration_time",
+    "layer_gemms",
     "outer_split",
     "p2p_link",
 ]
@@ -158,6 +164,45 @@ class _GroupNetwork:
         raise ValueError("lowcomm plan prices all-reduce based outer algorithms only")
 
 
+def _linear(tokens: float, k_in: float, n_out: float) -> tuple[Gemm, list[Gemm]]:
+    """A linear layer's forward GEMM and its two backward ones (input and weight gradients)."""
+    return Gemm(tokens, n_out, k_in), [Gemm(tokens, k_in, n_out), Gemm(k_in, n_out, tokens)]
+
+
+def layer_gemms(
+    model: ModelSpec, tp: int, micro_batch: int, *, flash: bool
+) -> tuple[list[Gemm], list[Gemm], list[Gemm], list[Gemm], list[Gemm]]:
+    """The GEMMs of one micro-batch on one TP rank: (a layer's forward, its backward, its
+    attention core's forward, the logits' forward, their backward).
+
+    Per layer the QKV projection (k = h, n = (h + 2 · kv width) / t), the output projection
+    (k = h / t), the MLP's up projection (gate and up together when gated: n = 2f / t) and down
+    projection (k = f / t), each over s · b tokens; backward two GEMMs per linear, the input's
+    gradient (k = the output width) and the weight's (k = the tokens). The attention core, per
+    head on the rank (b · a / t of them): scores Q Kᵀ (k = head size) and their product with V
+    (k = s); backward dP = dO Vᵀ (k = head size), dV, dQ and dK (k = s). Flash attention's
+    causal kernel skips the tiles above the diagonal (half the work) and recomputes the scores
+    in backward (Dao 2023, FlashAttention-2)."""
+    s, h, f = model.seq, model.hidden, model.ffn
+    tokens = float(s * micro_batch)
+    fwd: list[Gemm] = []
+    bwd: list[Gemm] = []
+    mlp_up = (2 if model.gated else 1) * f / tp
+    for k_in, n_out in ((h, (h + 2 * model.kv_dim) / tp), (h / tp, h), (h, mlp_up), (f / tp, h)):
+        forward, backward = _linear(tokens, k_in, n_out)
+        fwd.append(forward)
+        bwd += backward
+    head_size = h / model.heads
+    batch = micro_batch * model.heads / tp * (0.5 if flash else 1.0)
+    scores = Gemm(s, s, head_size, batch)
+    core = [scores, Gemm(s, head_size, s, batch)]
+    core_bwd = [Gemm(s, s, head_size, batch)] + [Gemm(s, head_size, s, batch)] * 3
+    if flash:
+        core_bwd.append(scores)
+    head_fwd, head_bwd = _linear(tokens, h, model.vocab / tp)
+    return fwd + core, bwd + core_bwd, core, [head_fwd], head_bwd
+
+
 def iteration_time(
     model: ModelSpec,
     precision: Precision,
@@ -169,20 +214,34 @@ def iteration_time(
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.interleave
     b = layout.micro_batch
     m = global_batch // (d * b)
-    flops_rate = cluster.peak_flops * cluster.gemm_efficiency
     e = precision.activation_bytes
 
+    def run(gemms: list[Gemm]) -> float:
+        return sum(
+            gemm_time(
+                g,
+                cluster.peak_flops,
+                cluster.gemm_efficiency,
+                overhead_s=cluster.gemm_overhead_s,
+                k_half=cluster.gemm_k_half,
+            )
+            for g in gemms
+        )
+
+    fwd_l, bwd_l, core_l, fwd_h, bwd_h = (
+        run(gs) for gs in layer_gemms(model, t, b, flash=layout.flash_attention)
+    )
+
     def stage(layers: float, logits: bool) -> tuple[float, float, float, float]:
-        """Forward, compute, elementwise and TP time of one micro-batch on a stage of
+        """Backward, compute, elementwise and TP time of one micro-batch on a stage of
         ``layers`` layers (``logits``: and the head)."""
-        fwd_layer = model.layer_forward_flops(b) / t
-        head_flops = model.logits_forward_flops(b) / t if logits else 0.0
-        fwd = (layers * fwd_layer + head_flops) / flops_rate
+        fwd = layers * fwd_l + (fwd_h if logits else 0.0)
+        bwd = layers * bwd_l + (bwd_h if logits else 0.0)
         recompute = 0.0
         if layout.recompute == "full":
-            recompute = layers * fwd_layer / flops_rate
+            recompute = layers * fwd_l
         elif layout.recompute == "selective" and not layout.flash_attention:
-            recompute = layers * model.attention_core_flops(b) / t / flops_rate
+            recompute = layers * core_l
         passes = 3 + (1 if layout.recompute != "none" else 0)
         kept = activation_bytes_per_layer(model, precision, layout, b, stored=False)
         head = 3 * 4.0 * model.seq * b * model.vocab / t if logits else 0.0
@@ -196,15 +255,18 @@ def iteration_time(
                 [TierLevel(t, tier.bandwidth_bps, tier.latency_s)],
             )
             tp = layers * count * one
-        return fwd, 3 * fwd + recompute, elementwise, tp
+        compute = fwd + bwd + recompute
+        if layout.tp_overlap:
+            tp = max(0.0, tp - compute)  # hidden behind the GEMMs, as far as they last
+        return bwd, compute, elementwise, tp
 
     # the stage with the most work sets the pace: the last (its layers and the logits), or with
     # uneven stages a full one (stage_layers)
-    fwd, compute, elementwise, tp_time = stage(stage_layers(model, layout, "last"), True)
+    bwd, compute, elementwise, tp_time = stage(stage_layers(model, layout, "last"), True)
     if p > 1 and model.layers % p:
         most = stage(stage_layers(model, layout, "most"), False)
         if sum(most[1:]) > compute + elementwise + tp_time:
-            fwd, compute, elementwise, tp_time = most
+            bwd, compute, elementwise, tp_time = most
 
     pp_time = 0.0
     pp_stride = t * d if layout.order == "tp-dp-pp" else t
@@ -234,10 +296,11 @@ def iteration_time(
             for i, lv in enumerate(levels)
         ]
     allreduce = _tiered(phi * precision.grad_bytes, levels)
-    backward_last = 2 * fwd
+    backward_last = bwd
     if layout.zero <= 1:
         dp_comm = allreduce
-        dp_exposed = max(0.0, allreduce - backward_last) if p == 1 else allreduce
+        overlapped = p == 1 or layout.dp_overlap
+        dp_exposed = max(0.0, allreduce - backward_last) if overlapped else allreduce
     elif layout.zero == 2:
         scatter = allreduce / 2
         gather = _tiered(phi * precision.weight_bytes, levels) / 2
