@@ -218,17 +218,17 @@ def test_outer_algorithm_hides_the_slow_tier_with_enough_h() -> None:
 # The validation tables as the README shows them (`lowcomm plan --validate megatron|frontier`):
 # ratio of predicted to published throughput (3 decimals), and for Frontier the rank of the
 # authors' layout among the feasible candidates, their count and the planner's best layout.
-README_MEGATRON = {
-    "gpt-1.7b": 0.982,
-    "gpt-3.6b": 1.005,
-    "gpt-7.5b": 1.009,
-    "gpt-18b": 1.039,
-    "gpt-39b": 0.978,
-    "gpt-76b": 1.046,
-    "gpt-145b": 1.000,
-    "gpt-310b": 1.011,
-    "gpt-530b": 0.992,
-    "gpt-1t": 0.945,
+README_MEGATRON = {  # ratio, rank of the published layout, feasible layouts (2021 toolbox)
+    "gpt-1.7b": (0.982, 89, 665),
+    "gpt-3.6b": (1.005, 189, 715),
+    "gpt-7.5b": (1.009, 150, 734),
+    "gpt-18b": (1.039, 184, 560),
+    "gpt-39b": (0.978, 209, 480),
+    "gpt-76b": (1.046, 33, 183),
+    "gpt-145b": (1.000, 46, 412),
+    "gpt-310b": (1.011, 11, 187),
+    "gpt-530b": (0.992, 4, 87),
+    "gpt-1t": (0.945, 3, 16),
 }
 README_FRONTIER = {
     "frontier-22b": (1.042, 141, 437, "TP1 PP1 DP16 Z3 mb1 none"),
@@ -257,7 +257,9 @@ def test_megatron_and_frontier_tables_are_what_the_readme_shows() -> None:
     rows = validate_megatron()
     assert [r["model"] for r in rows] == list(README_MEGATRON)
     for r in rows:
-        assert r["ratio"] == pytest.approx(README_MEGATRON[r["model"]], abs=5e-4), r
+        ratio, rank, feasible = README_MEGATRON[r["model"]]
+        assert r["ratio"] == pytest.approx(ratio, abs=5e-4), r
+        assert (r["rank"], r["candidates"]) == (rank, feasible), r
         assert abs(r["ratio"] - 1) <= 0.15, r  # the claim: every row within 15%
         assert r["feasible"], r  # every published layout fits in 80 GB
     front = validate_frontier()
@@ -464,6 +466,23 @@ def test_cli_plan_layout_gives_its_breakdown_or_its_broken_rules(capsys) -> None
     assert "No feasible layout keeps it" in text
     assert "interleave (6) exceeds the layers of the fullest stage (5)" in text
     assert "TP x PP x DP = 30 does not use the cluster's 32 devices" in text
+
+
+def test_cli_plan_layout_with_every_field(capsys) -> None:  # type: ignore[no-untyped-def]
+    # two regions of 2 DGX H100 nodes: an outer algorithm across the WAN
+    base = ["plan", "--model", "llama3-8b", "--cluster", "two-regions", "--nodes", "4",
+            "--global-batch", "256"]  # fmt: skip
+    spec = "tp=4,pp=2,dp=4,vpp=2,zero=1,mb=2,recompute=full,sp,tpo,dpo,order=tp-pp-dp,outer=co2,h=8"
+    assert main([*base, "--layout", spec]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "Best that keeps it: TP4 PP2 DP4 Z1 mb2 full SP TPO DPO v2 tp-pp-dp co2 H=8 (rank " in text
+    )
+    assert "| pipeline bubble |" in text
+    # the same with a rule broken: TPO without SP
+    assert main([*base, "--layout", spec.replace(",sp,", ",sp=0,")]) == 1
+    text = capsys.readouterr().out
+    assert "tp_overlap needs sequence_parallel" in text
 
 
 def test_uneven_stages_put_the_lighter_ones_at_the_ends() -> None:

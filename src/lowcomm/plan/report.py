@@ -190,14 +190,15 @@ def plot_candidates(result: PlanResult, path: str, top: int = 10) -> str:
 def format_megatron(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| model | layout | GPUs | batch | predicted TFLOP/s/GPU | published | ratio | "
-        "predicted memory GB |",
-        "|---|---|---|---|---|---|---|---|",
+        "predicted memory GB | rank / feasible | planner's best |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        rank = "-" if r["rank"] is None else r["rank"]
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['gpus']} | {r['global_batch']} | "
             f"{r['predicted_tflops']:.1f} | {r['published_tflops']:.0f} | {r['ratio']:.3f} | "
-            f"{r['memory_gb']:.1f} |"
+            f"{r['memory_gb']:.1f} | {rank} / {r['candidates']} | {r['best_layout']} |"
         )
     worst = max(abs(r["ratio"] - 1) for r in rows)
     lines.append(f"\nLargest deviation: {100 * worst:.1f}% (Narayanan et al. 2021, Table 1).")
