@@ -83,8 +83,40 @@ def test_lpt_within_its_bound_of_the_optimum(lengths, world):
     opt = _optimum([COST.doc(s) for s in lengths], world)
     assert p.makespan <= (4 / 3 - 1 / (3 * world)) * opt + 1e-12
     assert p.makespan >= p.lower_bound - 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=7), st.integers(2, 3))
+def test_karmarkar_karp_within_its_bound_of_the_optimum(lengths, world):
+    # largest differencing: 7/6 of the optimum for two ranks (Fischetti & Martello 1987),
+    # 4/3 - 1/(3m) for m (Michiels et al. 2007)
     kk = plan(lengths, world, strategy="cost", cost=COST, method="kk")
-    assert kk.makespan >= opt - 1e-12 and kk.method == "kk"
+    assert kk.method == "kk"  # no cap: never the fallback
+    opt = _optimum([COST.doc(s) for s in lengths], world)
+    bound = 7 / 6 if world == 2 else 4 / 3 - 1 / (3 * world)
+    assert kk.makespan <= bound * opt + 1e-12
+
+
+def test_karmarkar_karp_beats_lpt_where_differencing_wins_and_falls_back_over_the_cap(caplog):
+    # {8, 7, 6, 5, 4} on 2 ranks with linear costs: LPT 17 | 13 (8+5+4 | 7+6), KK's
+    # differencing 16 | 14 (8+6 ... : 8-7, 6-5, 4-1, 3-1 leaves a difference of 2)
+    linear = CostModel(a=1.0, b=0.0)
+    lengths = [8, 7, 6, 5, 4]
+    lpt = plan(lengths, 2, strategy="cost", cost=linear)
+    kk = plan(lengths, 2, strategy="cost", cost=linear, method="kk")
+    assert (lpt.method, kk.method) == ("lpt", "kk")
+    assert lpt.makespan == 17 and kk.makespan == 16
+    # a cap that KK's plan breaks: one long document against many short ones of quadratic
+    # cost, KK gives one rank all 40 short ones (40 tokens, over the smallest cap the planner
+    # accepts: 25 + 10); LPT, which packs under the cap, places them instead, and says so
+    quad = CostModel(a=1e-3, b=1.0)
+    lengths = [10] + [1] * 40
+    free = plan(lengths, 2, strategy="cost", cost=quad, method="kk")
+    assert free.method == "kk" and sorted(free.tokens) == [10, 40]
+    with caplog.at_level("INFO", logger="lowcomm.balance.planner"):
+        capped = plan(lengths, 2, strategy="cost", cost=quad, method="kk", token_cap=35)
+    assert capped.method == "lpt" and max(capped.tokens) <= 35
+    assert "over the cap" in caplog.text
 
 
 def test_cost_balancing_beats_token_balancing_on_quadratic_costs():

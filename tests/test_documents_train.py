@@ -46,6 +46,55 @@ def test_ddp_documents_in_turn_record_the_balance_per_assignment(
     assert summary["val_loss_final"] < summary["val_loss_initial"]
 
 
+def _long_and_short_documents(folder: Any) -> None:
+    """One document in five of 300 bytes, the others of 18-22: a step whose ranks hold a
+    128-token window of a long one and a handful of short ones is worth splitting."""
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+    folder.mkdir()
+    for i in range(300):
+        n = 300 if i % 5 == 0 else rng.randint(18, 22)
+        text = " ".join(rng.choice(words) for _ in range(n))[:n]
+        (folder / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
+
+
+@pytest.mark.timeout(240)
+def test_split_documents_train_what_whole_documents_train(train_job: Any, tmp_path: Any) -> None:
+    import torch
+
+    data = tmp_path / "docs"
+    _long_and_short_documents(data)
+    argv = ["--algo", "ddp", "--documents", "--data", str(data), "--cost-model", "analytic",
+            *tiny_job_args(block_size=128, batch_size=1, steps=6, eval_every=3, warmup=0,
+                           dropout=0.0)]  # fmt: skip
+    weights = {}
+    for balance in ("cost+split", "cost"):
+        out = tmp_path / balance
+        train_job(*argv, "--balance", balance, out=out)
+        with open(out / "balance.json", encoding="utf-8") as f:
+            units = json.load(f)["units"]
+        split = [u for u in units if any(d[0] > 1 for d in u["splits"])]
+        if balance == "cost+split":
+            # the job did split: a document over both ranks, inside the one node
+            assert len(split) >= 2, units
+            assert all(d[1] == "local" for u in split for d in u["splits"] if d[0] > 1)
+            assert all(sorted(u["tokens"]) != [128, 128] for u in split)
+        else:
+            assert not split
+        assert all(sum(u["tokens"]) == 256 for u in units)
+        state = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+        weights[balance] = {k: v.float() for k, v in state.items()}
+    # the same documents, the same summed gradient: ring attention over the split pieces
+    # computes what one rank computes for the whole document (Adam moves every weight by about
+    # the learning rate, 1e-3, in the first steps: a wrong split gradient shows at that size)
+    worst = max(
+        (weights["cost+split"][k] - weights["cost"][k]).abs().max().item() for k in weights["cost"]
+    )
+    assert worst < 2e-5
+
+
 @pytest.mark.timeout(240)
 def test_documents_resume_mid_round_is_exact(tmp_path: Any, monkeypatch: Any) -> None:
     argv = ["--algo", "co2", *DOCS, "--cost-model", "analytic", "--checkpoint-every", "3"]

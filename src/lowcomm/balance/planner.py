@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ __all__ = [
     "spread_over_steps",
     "split_pays",
 ]
+
+logger = logging.getLogger(__name__)
 
 STRATEGIES = ("random", "sequential", "length", "tokens", "cost")
 """Values of ``strategy`` (``lowcomm train --balance``)."""
@@ -347,8 +350,15 @@ def _unsplit(
     weight = costs if strategy == "cost" else [float(s) for s in lengths]
     if method == "kk":
         runs = _kk(range(n), weight, [0.0] * world)
-        if token_cap is None or all(sum(lengths[i] for i in r) <= token_cap for r in runs):
+        over = [sum(lengths[i] for i in r) for r in runs]
+        if token_cap is None or max(over, default=0) <= token_cap:
             return runs, "kk"
+        logger.info(
+            "Karmarkar-Karp's plan puts %d tokens on one rank, over the cap of %d: "
+            "placed by LPT instead (Plan.method 'lpt')",
+            max(over),
+            token_cap,
+        )
     return _lpt(range(n), weight, lengths, [0.0] * world, [0] * world, token_cap), "lpt"
 
 

@@ -224,6 +224,7 @@ class DocumentJob:
             self.plans[work.unit] = {
                 "assignment": work.assignment,
                 "ratio": work.plan.ratio,
+                "method": work.plan.method,
                 "splits": [(d.k, d.tier, d.refused) for d in work.plan.splits],
                 "t_start": time.perf_counter(),
             }
@@ -337,6 +338,7 @@ def summarise(
                 "idle_fraction": sum(wait) / (len(t) * worst) if worst > 0 else 0.0,
                 "wall_s": info.get("t_end", math.nan) - info.get("t_start", math.nan),
                 "plan_ratio": info.get("ratio"),
+                "plan_method": info.get("method"),
                 "splits": info.get("splits", []),
                 "cost_model_error": statistics.fmean(errors) if errors else None,
                 "cost_model_error_tracked": tracked,
