@@ -52,7 +52,20 @@ def _long_and_short_documents(folder: Any) -> None:
     import random
 
     rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
     folder.mkdir()
     for i in range(300):
         n = 300 if i % 5 == 0 else rng.randint(18, 22)
