@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from lowcomm.balance import (
     CostModel,
     LinkTier,
+    OnlineRefit,
     SplitPolicy,
     analytic_cost_model,
+    features,
     fit_cost_model,
     load_documents,
     measure_cost_model,
@@ -251,6 +253,46 @@ def test_fit_recovers_a_known_cost_model():
     assert fit.rms_rel_error < 0.03
     with pytest.raises(ValueError, match="at least 4"):
         fit_cost_model(samples[:3])
+
+
+def test_online_refit_follows_the_device_and_forgets_old_units():
+    # start-up timings of one device; training then runs on a device 30% slower per token with
+    # a larger per-document cost: the refit follows it, unit by unit
+    startup_model = CostModel(a=2e-5, b=3e-8, d=5e-4, c0=2e-3)
+    device = CostModel(a=2.6e-5, b=3e-8, d=2e-3, c0=2e-3)
+    startup = [(s, startup_model.batch(s)) for s in timing_shapes(2048)]
+    refit = OnlineRefit(startup, window=4)
+    gen = torch.Generator().manual_seed(0)
+
+    def unit() -> list[tuple[list[float], float]]:  # 4 ranks, each a few micro-batches
+        rows = []
+        for _ in range(4):
+            mbs = [
+                [int(x) for x in torch.randint(16, 2048, (int(torch.randint(1, 6, (1,))),))]
+                for _ in range(3)
+            ]
+            row = [sum(col) for col in zip(*(features(mb) for mb in mbs), strict=True)]
+            rows.append((row, sum(device.batch(mb) for mb in mbs)))
+        return rows
+
+    model = refit.fit(startup_model)
+    assert model.a == pytest.approx(startup_model.a, rel=1e-6)  # only the start-up rows yet
+    held_out = unit()
+    before = [abs(OnlineRefit.predict(model, f) - t) / t for f, t in held_out]
+    for _ in range(6):
+        refit.add_unit(unit())
+        model = refit.fit(model)
+    assert len(refit.units) == 4 and refit.refits == 7  # the window keeps the last 4 units
+    after = [abs(OnlineRefit.predict(model, f) - t) / t for f, t in held_out]
+    assert min(before) > 0.09 and max(after) < 0.02, after
+    # the rows of a split piece: its share of the document's work, times the split factor
+    assert features([100], split_k=2, split_factor=1.5) == [1.0, 1.0, 75.0, 7500.0]
+    # state round trip: the same rows, the same fit
+    again = OnlineRefit(window=4)
+    again.load_state_dict(json.loads(json.dumps(refit.state_dict())))
+    assert again.fit(model) == refit.fit(model)
+    with pytest.raises(ValueError, match="window"):
+        OnlineRefit(window=0)
 
 
 def test_measured_cost_model_on_the_real_model_is_a_valid_fit():

@@ -41,6 +41,12 @@ def test_ddp_documents_in_turn_record_the_balance_per_assignment(
         assert 0.0 <= u["idle_fraction"] < 1.0
     fit = balance["cost_model"]
     assert fit["rms_rel_error"] >= 0 and len(fit["samples"]) >= 4
+    # refitted online after every unit, the same model and the same plan on both ranks
+    assert balance["refits"] == 6
+    assert all(u["plans_identical"] and u["cost_models_identical"] for u in units)
+    after = [u["cost_model_after"] for u in units]
+    assert all(m is not None and m["a"] + m["b"] > 0 for m in after)
+    assert all(u["cost_model_rms_error"] >= 0 for u in units)
     assert summary["balance"]["units"] == 4  # the first of each assignment is start-up
     assert summary["balance"]["cost_model_error"] is not None
     assert summary["val_loss_final"] < summary["val_loss_initial"]

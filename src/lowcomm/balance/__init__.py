@@ -24,7 +24,9 @@ measures it.
 from lowcomm.balance.cost import (
     CostFit,
     CostModel,
+    OnlineRefit,
     analytic_cost_model,
+    features,
     fit_cost_model,
     measure_cost_model,
     timing_shapes,
@@ -63,6 +65,8 @@ __all__ = [
     "METHODS",
     "STRATEGIES",
     "CostFit",
+    "OnlineRefit",
+    "features",
     "CostModel",
     "DocumentCorpus",
     "DocumentSampler",

@@ -24,7 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CostFit", "CostModel", "analytic_cost_model", "fit_cost_model", "measure_cost_model"]
+__all__ = [
+    "CostFit",
+    "CostModel",
+    "OnlineRefit",
+    "analytic_cost_model",
+    "features",
+    "fit_cost_model",
+    "measure_cost_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +129,73 @@ def _features(lengths: Sequence[int]) -> list[float]:
     return [1.0, float(len(lengths)), float(sum(lengths)), float(sum(s * s for s in lengths))]
 
 
+def features(lengths: Sequence[int], *, split_k: int = 1, split_factor: float = 1.0) -> list[float]:
+    """What one micro-batch costs in units of ``[c0, d, a, b]``: ``[1, documents, tokens,
+    tokens²]`` (documents packed back to back: no padding); for a rank's part of a document
+    split over ``split_k`` ranks, ``[1, 1, f*s/k, f*s**2/k]`` with ``f`` the split factor. The
+    features of several micro-batches add up, so a rank's step or round is one row."""
+    if split_k > 1:
+        (s,) = lengths
+        return [1.0, 1.0, split_factor * s / split_k, split_factor * s * s / split_k]
+    return _features(lengths)
+
+
+def _solve(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None
+) -> tuple[float, float, float, float]:
+    """Non-negative least squares of ``x @ [c0, d, a, b] = y`` weighted by 1/y (times
+    ``weight``): a coefficient the fit makes negative is dropped (held at 0) and the rest
+    refitted. Solved in Python floats, summing with :func:`math.fsum` (correctly rounded, so
+    independent of order) and eliminating in a fixed order: the same rows give the same bits
+    in every process, whatever the BLAS, its threads or the memory's alignment — the ranks of a
+    job plan from it without a broadcast."""
+    rows = x.tolist()
+    ys = y.tolist()
+    ws = [1.0 / t for t in ys] if weight is None else [w / t for w, t in zip(weight.tolist(), ys)]
+    active = [0, 1, 2, 3]  # c0, d, a, b
+    coef = [0.0, 0.0, 0.0, 0.0]
+    while active:
+        sol = _weighted_lstsq([[r[j] for j in active] for r in rows], ys, ws)
+        if sol is not None and all(v >= 0 for v in sol):
+            coef = [0.0, 0.0, 0.0, 0.0]
+            for j, v in zip(active, sol, strict=True):
+                coef[j] = v
+            break
+        if sol is None:  # singular: drop the column with the least weight
+            active.pop(0)
+            continue
+        active.remove(active[min(range(len(sol)), key=lambda k: sol[k])])
+    c0, d, a, b = coef
+    if a == 0 and b == 0:
+        a = float((y / x[:, 2]).median())  # degenerate timings: per-token cost alone
+    return c0, d, a, b
+
+
+def _weighted_lstsq(
+    rows: list[list[float]], ys: list[float], ws: list[float]
+) -> list[float] | None:
+    """argmin ``sum (w (r . c - y))**2`` by the normal equations on columns scaled to a largest
+    value of 1 (Gaussian elimination with partial pivoting); None when singular."""
+    n = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    z = [[r[j] / scale[j] for j in range(n)] for r in rows]
+    m = [
+        [math.fsum(w * w * zr[i] * zr[j] for zr, w in zip(z, ws)) for j in range(n)]
+        + [math.fsum(w * w * zr[i] * t for zr, w, t in zip(z, ws, ys))]
+        for i in range(n)
+    ]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
+
+
 def fit_cost_model(samples: Sequence[tuple[Sequence[int], float]]) -> CostFit:
     """Least-squares fit of ``c0 + sum(d + a*s + b*s**2)`` to timed micro-batches, weighted by
     1/time (so the relative error is what is minimised). A coefficient the fit makes negative
@@ -138,19 +213,7 @@ def fit_cost_model(samples: Sequence[tuple[Sequence[int], float]]) -> CostFit:
         raise ValueError("fit_cost_model: every time must be positive and finite.")
     x = torch.tensor([_features(ls) for ls, _ in samples], dtype=torch.float64)
     y = torch.tensor([t for _, t in samples], dtype=torch.float64)
-    w = 1.0 / y
-    active = [0, 1, 2, 3]  # c0, d, a, b
-    coef = torch.zeros(4, dtype=torch.float64)
-    while active:
-        sol = torch.linalg.lstsq(x[:, active] * w[:, None], (y * w)[:, None]).solution[:, 0]
-        if bool((sol >= 0).all()):
-            coef.zero_()
-            coef[active] = sol
-            break
-        active.remove(active[int(torch.argmin(sol))])
-    c0, d, a, b = (float(c) for c in coef)
-    if a == 0 and b == 0:
-        a = float((y / x[:, 2]).median())  # degenerate timings: per-token cost alone
+    c0, d, a, b = _solve(x, y)
     model = CostModel(a=a, b=b, d=d, c0=c0)
     pred = torch.tensor([model.batch(ls) for ls, _ in samples], dtype=torch.float64)
     rel = (pred - y) / y
@@ -160,6 +223,68 @@ def fit_cost_model(samples: Sequence[tuple[Sequence[int], float]]) -> CostFit:
         rms_rel_error=float(rel.pow(2).mean().sqrt()),
         max_rel_error=float(rel.abs().max()),
     )
+
+
+class OnlineRefit:
+    """Refits a :class:`CostModel` from what the ranks measure while they train.
+
+    Every plan unit each rank contributes one row: the summed :func:`features` of the
+    micro-batches it computed and its measured compute time. The rows are exchanged so that
+    every rank holds all of them in the same order (the job all-reduces a ``world x 5`` table),
+    and every rank fits the same model from the same rows: the plans stay identical without a
+    broadcast. The fit is :func:`fit_cost_model`'s non-negative least squares on the start-up
+    timings and the rows of the last ``window`` units; the split factor is kept. The start-up
+    timings, weighing together as much as one unit's rows, pin the coefficients the training
+    rows cannot tell apart (every rank of a unit computes about the same tokens); the training
+    rows, ``window`` × ranks of them, carry the device as it runs: its speed under load, what
+    the start-up shapes did not cover."""
+
+    def __init__(
+        self, startup: Sequence[tuple[Sequence[int], float]] = (), *, window: int = 8
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"OnlineRefit window={window!r} must be an integer >= 1 (units).")
+        self.window = window
+        self.startup = [(features(ls), float(t)) for ls, t in startup]
+        self.units: list[list[tuple[list[float], float]]] = []
+        self.refits = 0
+
+    def add_unit(self, rows: Sequence[tuple[Sequence[float], float]]) -> None:
+        """One unit's rows (one per rank, in rank order); the oldest unit beyond ``window``
+        is forgotten. Rows without compute time (a rank with nothing to do) are left out."""
+        self.units.append([(list(map(float, f)), float(t)) for f, t in rows if t > 0])
+        del self.units[: -self.window]
+
+    def rows(self) -> list[tuple[list[float], float]]:
+        return self.startup + [row for unit in self.units for row in unit]
+
+    def fit(self, current: CostModel) -> CostModel:
+        """The model the rows give (``current`` when there are fewer than 4)."""
+        rows = self.rows()
+        if len(rows) < 4:
+            return current
+        x = torch.tensor([f for f, _ in rows], dtype=torch.float64)
+        y = torch.tensor([t for _, t in rows], dtype=torch.float64)
+        weight = torch.ones(len(rows), dtype=torch.float64)
+        if self.units and self.startup:
+            # the start-up timings weigh as much as one unit of training rows together
+            weight[: len(self.startup)] = len(self.units[-1]) / len(self.startup)
+        c0, d, a, b = _solve(x, y, weight)
+        self.refits += 1
+        return CostModel(a=a, b=b, d=d, c0=c0, split_factor=current.split_factor)
+
+    @staticmethod
+    def predict(model: CostModel, row: Sequence[float]) -> float:
+        """``model``'s time for a row of :func:`features`."""
+        return model.c0 * row[0] + model.d * row[1] + model.a * row[2] + model.b * row[3]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"startup": self.startup, "units": self.units, "refits": self.refits}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.startup = [(list(f), float(t)) for f, t in state["startup"]]
+        self.units = [[(list(f), float(t)) for f, t in unit] for unit in state["units"]]
+        self.refits = int(state["refits"])
 
 
 def timing_shapes(block_size: int, *, points: int = 6) -> list[list[int]]:

@@ -187,6 +187,10 @@ class TrainConfig:
     cost_model: str = "fit"
     """With documents: the cost model the planner balances: fit (time this model's forward and
     backward at several lengths on every rank at start-up) or analytic (FLOP counts)."""
+    cost_refit: int = 8
+    """With documents and the fitted cost model: refit it online after every plan unit from
+    the compute times every rank measured in the last this-many units (with the start-up
+    timings), the same fit on every rank; 0: fit once at start-up."""
     busy_wait: bool = False
     """Wait for collectives by polling instead of sleeping, so that a waiting worker keeps its
     share of a CPU shared by several workers (emulates one device per worker on an
@@ -442,6 +446,7 @@ class TrainConfig:
                 raise ConfigError(
                     key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}"
                 )
+        check_int("cost_refit", self.cost_refit, low=0)
         if not self.documents:
             if self.token_cap is not None:
                 raise ConfigError("token_cap", "applies to documents mode only: add --documents")

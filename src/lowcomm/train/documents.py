@@ -10,6 +10,11 @@ An outer algorithm's ranks meet once a round, and the plan balances the round. A
 assignments (``--balance random,cost``) is taken in turn per step or round, so that they are
 measured side by side on the same machine at the same time.
 
+With the timed cost model the fit is refitted online (``cost_refit`` units, :class:`~lowcomm.
+balance.OnlineRefit`): at the end of every plan unit the ranks all-reduce a table of every
+rank's summed micro-batch features and compute time, and every rank fits the same model from
+the same rows (the start-up timings and the last units), which plans the next unit.
+
 Each rank records per step its compute time, the cost model's prediction and its tokens;
 :meth:`DocumentJob.report` turns every rank's records into ``balance.json``: per plan unit
 (step or round) each rank's compute time ``t_r``, the straggler wait ``max_j t_j - t_r``, the
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import statistics
@@ -41,9 +47,11 @@ from lowcomm.balance import (
     DocumentCorpus,
     DocumentStream,
     LinkTier,
+    OnlineRefit,
     RingAttention,
     SplitPolicy,
     analytic_cost_model,
+    features,
     measure_cost_model,
     parse_assignments,
     zigzag_positions,
@@ -174,6 +182,19 @@ class DocumentJob:
         )
         if state is not None:
             self.stream.load_state_dict(state["stream"])
+        # the online refit (timed cost models only: an analytic one stays what it is)
+        self.refit: OnlineRefit | None = None
+        if cfg.cost_model == "fit" and cfg.cost_refit > 0:
+            self.refit = OnlineRefit(
+                self.fit.samples if self.fit is not None else (), window=cfg.cost_refit
+            )
+            if state is not None and state.get("refit") is not None:
+                self.refit.load_state_dict(state["refit"])
+        self._unit_row = [0.0, 0.0, 0.0, 0.0]
+        self._unit_s = 0.0
+        self.last_error: float | None = None
+        """RMS over the ranks of the cost model's relative error on the last unit (before it
+        was refitted with it: a held-out error)."""
         self.records: list[dict[str, Any]] = []
         self.plans: dict[int, dict[str, Any]] = {}
         self._last_loss = torch.zeros((), device=device)
@@ -220,7 +241,13 @@ class DocumentJob:
         """Forward and backward of this rank's documents for one step (gradients averaged
         over ranks for DDP); returns this rank's mean token loss, for the records."""
         work = self.stream.next_step()
+        digest = cost_digest = None
         if work.first_of_unit:
+            # every rank's copy of the plan, to check in the report that they are one plan
+            whole = [[(p.doc, p.ranks, p.index) for p in pieces] for pieces in work.plan.assignment]
+            digest = hashlib.blake2b(repr(whole).encode(), digest_size=8).hexdigest()
+            coefs = repr(sorted(self.cost.as_dict().items()))
+            cost_digest = hashlib.blake2b(coefs.encode(), digest_size=8).hexdigest()
             self.plans[work.unit] = {
                 "assignment": work.assignment,
                 "ratio": work.plan.ratio,
@@ -242,6 +269,10 @@ class DocumentJob:
                 (loss * scale).backward()
                 total += loss.detach()
         compute = time.perf_counter() - t0
+        for mb in work.micro_batches:
+            row = features(mb.lengths, split_k=mb.split_k, split_factor=self.cost.split_factor)
+            self._unit_row = [u + f for u, f in zip(self._unit_row, row, strict=True)]
+        self._unit_s += compute
         wait = 0.0
         if ddp:
             t1 = time.perf_counter()
@@ -258,6 +289,8 @@ class DocumentJob:
                 "predicted_s": work.predicted_s,
                 "tokens": work.tokens,
                 "barrier_s": wait,
+                "plan_digest": digest,
+                "cost_digest": cost_digest,
             }
         )
         if work.tokens:
@@ -265,13 +298,42 @@ class DocumentJob:
         return self._last_loss
 
     def unit_done(self, unit_end: bool) -> None:
-        """Call after the step's synchronisation: stamps the end of a plan unit."""
-        if unit_end and self.plans:
+        """Call after the step's synchronisation (every rank at the same step): stamps the end
+        of a plan unit, and at its end refits the cost model with what every rank measured."""
+        if not unit_end:
+            return
+        if self.plans:
             last = max(self.plans)
             self.plans[last].setdefault("t_end", time.perf_counter())
+        if self.refit is None:
+            return
+        rows = self._exchange(self._unit_row, self._unit_s)
+        self._unit_row, self._unit_s = [0.0, 0.0, 0.0, 0.0], 0.0
+        errors = [(OnlineRefit.predict(self.cost, f) - t) / t for f, t in rows if t > 0]
+        self.last_error = math.sqrt(statistics.fmean(e * e for e in errors)) if errors else None
+        self.refit.add_unit(rows)
+        self.cost = self.refit.fit(self.cost)
+        self.stream.cost = self.cost  # the next unit is planned (on every rank) with it
+        if self.plans:
+            self.plans[max(self.plans)]["refit"] = {
+                "error": self.last_error,
+                "cost_model": self.cost.as_dict(),
+            }
+
+    def _exchange(self, row: list[float], seconds: float) -> list[tuple[list[float], float]]:
+        """Every rank's row and compute time of the unit, in rank order, on every rank."""
+        table = torch.zeros((self.world, 5), dtype=torch.float64, device=self.device)
+        table[self.rank] = torch.tensor([*row, seconds], dtype=torch.float64)
+        dist.all_reduce(table)
+        out = table.cpu().tolist()
+        return [(r[:4], r[4]) for r in out]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict(), "cost_model": self.cost.as_dict()}
+        return {
+            "stream": self.stream.state_dict(),
+            "cost_model": self.cost.as_dict(),
+            "refit": self.refit.state_dict() if self.refit is not None else None,
+        }
 
     # --- the report ---------------------------------------------------------------------------
 
@@ -288,6 +350,7 @@ class DocumentJob:
             fit=self.fit,
             strategy=self.cfg.balance,
             unit_steps=self.unit_steps,
+            refits=self.refit.refits if self.refit is not None else 0,
         )
 
 
@@ -299,17 +362,23 @@ def summarise(
     fit: CostFit | None,
     strategy: str,
     unit_steps: int,
+    refits: int = 0,
 ) -> dict[str, Any]:
     """Per plan unit, and per assignment over its units: compute time per rank, straggler
     wait, idle fraction, wall time, tokens per second, the cost model's error (see the module
     docstring). The first unit of each assignment is left out of the aggregates (start-up)."""
     keys = ("compute_s", "predicted_s", "tokens", "barrier_s")
     units: dict[int, dict[str, list[float]]] = {}
+    digests: dict[int, set[str]] = {}  # every rank's copy of the plan, and of the cost model
+    models: dict[int, set[str]] = {}
     for r, records in enumerate(per_rank):
         for rec in records:
             u = units.setdefault(rec["unit"], {k: [0.0] * len(per_rank) for k in keys})
             for k in keys:
                 u[k][r] += rec[k]
+            if rec.get("plan_digest") is not None:
+                digests.setdefault(rec["unit"], set()).add(rec["plan_digest"])
+                models.setdefault(rec["unit"], set()).add(rec["cost_digest"])
     rows: list[dict[str, Any]] = []
     scale = None  # measured / predicted over the previous unit: the device's speed, tracked
     for unit in sorted(units):
@@ -320,6 +389,7 @@ def summarise(
         errors = [
             abs(p - m) / m for p, m in zip(u["predicted_s"], t, strict=True) if m > 0 and p == p
         ]
+        rms = math.sqrt(statistics.fmean(e * e for e in errors)) if errors else None
         tracked = None
         if scale is not None:
             pairs = zip(u["predicted_s"], t, strict=True)
@@ -341,7 +411,11 @@ def summarise(
                 "plan_method": info.get("method"),
                 "splits": info.get("splits", []),
                 "cost_model_error": statistics.fmean(errors) if errors else None,
+                "cost_model_rms_error": rms,
                 "cost_model_error_tracked": tracked,
+                "cost_model_after": info.get("refit", {}).get("cost_model"),
+                "plans_identical": len(digests.get(unit, ())) == 1,
+                "cost_models_identical": len(models.get(unit, ())) == 1,
             }
         )
     names = list(dict.fromkeys(r["assignment"] for r in rows))
@@ -353,6 +427,7 @@ def summarise(
         "strategy": strategy,
         "unit_steps": unit_steps,
         "cost_model": {**(fit.as_dict() if fit is not None else {}), **cost.as_dict()},
+        "refits": refits,
         "summary": _aggregate(rows[_WARMUP_UNITS * len(names) :]),
         "assignments": per_assignment,
         "units": rows,
@@ -377,6 +452,7 @@ def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": tokens / wall if tokens is not None and wall else None,
         "plan_ratio": mean([r["plan_ratio"] for r in rows]),
         "cost_model_error": mean([r["cost_model_error"] for r in rows]),
+        "cost_model_rms_error": mean([r["cost_model_rms_error"] for r in rows]),
         "cost_model_error_tracked": mean([r["cost_model_error_tracked"] for r in rows]),
         "documents_split": sum(1 for k, _, _ in splits if k > 1),
         "not_split": sum(1 for k, _, _ in splits if k == 1),

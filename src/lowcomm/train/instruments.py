@@ -110,6 +110,9 @@ class Instruments:
             if algo is not None and algo.pace is not None:
                 pace = algo.pace
                 out.progress.pace = lambda: pace.report(algo.local_step)["steps_per_round"]
+            docs = data.docs
+            if docs is not None and docs.refit is not None:
+                out.progress.cost_error = lambda: docs.last_error
             if cfg.tensorboard is not None:
                 out.tensorboard = out._tensorboard(cfg, sync, start, resumed=state is not None)
         out.fault = topology.fault(sync.algo)

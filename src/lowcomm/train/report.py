@@ -150,6 +150,9 @@ class Progress:
         step itself, or with dynamic local steps every worker's steps over their number."""
         self.pace: Callable[[], list[int] | None] = lambda: None
         """Every worker's inner steps in the current round (dynamic local steps)."""
+        self.cost_error: Callable[[], float | None] = lambda: None
+        """Documents with the online refit: the cost model's RMS relative error over the
+        ranks on the last plan unit, before it was refitted with it."""
         self._last_step = 0  # the step of the last record
         self._first_step = 0  # the step this run started after (a resumed run's checkpoint)
         self._segment = (time.perf_counter(), 0.0)  # when this run's steps began, eval_s then
@@ -233,6 +236,9 @@ class Progress:
         plan = self.pace()
         if plan is not None:
             out["steps/round"] = "/".join(str(n) for n in plan)
+        error = self.cost_error()
+        if error is not None:
+            out["cost err"] = f"{error:.0%}"
         return out
 
     def step(self, step: int, loss: torch.Tensor | None, lr: float, *, flush: bool = False) -> None:
@@ -310,7 +316,7 @@ class Progress:
         elif step > 0:
             p = self._postfix(step)
             logger.info(
-                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s (rank 0)%s",
+                "step %d/%d  loss %s  val %s  tok/s %s  hidden %s (rank 0)%s%s",
                 step,
                 self.cfg.steps,
                 p["loss"],
@@ -318,6 +324,7 @@ class Progress:
                 p["tok/s"],
                 p["hidden r0"],
                 f"  steps/round {p['steps/round']}" if "steps/round" in p else "",
+                f"  cost model error {p['cost err']}" if "cost err" in p else "",
             )
 
     def close(self) -> None:
