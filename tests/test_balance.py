@@ -268,7 +268,12 @@ def test_online_refit_follows_the_device_and_forgets_old_units():
         rows = []
         for _ in range(4):
             mbs = [
-                [int(x) for x in torch.randint(16, 2048, (int(torch.randint(1, 6, (1,))),))]
+                [
+                    int(x)
+                    for x in torch.randint(
+                        16, 2048, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen
+                    )
+                ]
                 for _ in range(3)
             ]
             row = [sum(col) for col in zip(*(features(mb) for mb in mbs), strict=True)]
