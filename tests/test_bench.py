@@ -235,6 +235,23 @@ def test_balance_jobs_interleave_assignments_and_lay_out_the_splitting_section(t
         assert cfg.documents and cfg.world_size == 4
     with pytest.raises(ValueError, match="unknown assignment"):
         BalanceSpec(assignments=["fastest"])
+    with pytest.raises(ValueError, match="give one"):
+        BalanceSpec(corpus="lognormal", data="mine.jsonl")
+
+
+def test_lognormal_corpus_follows_its_stated_distribution():
+    from lowcomm.balance import lognormal_texts
+
+    texts = lognormal_texts(seed=3)
+    lengths = sorted(len(t) for t in texts)
+    assert len(texts) == 2000 and lengths[0] >= 18 and lengths[-1] == 8192
+    assert 260 <= lengths[1000] <= 345  # the median, 300 (its sampling spread is ~ 4%)
+    # sigma 1.2: the quartiles at 300 exp(+-0.674 x 1.2) = 134 and 673
+    assert 115 <= lengths[500] <= 155 and 580 <= lengths[1500] <= 780
+    assert lognormal_texts(seed=3) == texts and lognormal_texts(seed=4) != texts
+    words = " ".join(texts).split()
+    top = max(set(words[:20000]), key=words[:20000].count)
+    assert words[:20000].count(top) > 0.05 * 20000  # Zipf: the commonest word is frequent
 
 
 @pytest.mark.parametrize(
@@ -266,9 +283,14 @@ def test_tiny_balance_bench_end_to_end(tmp_path):
         n_layer=1,
         n_embd=16,
         splitting=False,
+        corpus="lognormal",
         out=str(tmp_path / "bal"),
     )
     results = run_balance(spec, command="test")
+    job = json.loads(
+        (tmp_path / "bal" / "jobs" / "assignment-ddp-1-node" / "config.json").read_text()
+    )
+    assert job["data"] == str(tmp_path / "bal" / "lognormal.jsonl")
     rows = results["rows"]
     assert [r["assignment"] for r in rows] == ["random", "cost-balanced"]
     for r in rows:

@@ -36,6 +36,7 @@ from lowcomm.balance.documents import (
     DocumentCorpus,
     DocumentSampler,
     load_documents,
+    lognormal_texts,
 )
 from lowcomm.balance.planner import (
     METHODS,
@@ -82,6 +83,7 @@ __all__ = [
     "analytic_cost_model",
     "fit_cost_model",
     "load_documents",
+    "lognormal_texts",
     "measure_cost_model",
     "min_split_length",
     "parse_assignments",

@@ -29,6 +29,7 @@ __all__ = [
     "DocumentCorpus",
     "DocumentSampler",
     "load_documents",
+    "lognormal_texts",
     "stdlib_texts",
 ]
 
@@ -75,6 +76,42 @@ def stdlib_texts() -> list[str]:
             "Python lacks: pass --data with a folder of documents."
         )
     return [f.read_text("utf-8", errors="replace") for f in files]
+
+
+def lognormal_texts(
+    count: int = 2000,
+    *,
+    median: int = 300,
+    sigma: float = 1.2,
+    cap: int = 8192,
+    vocabulary: int = 5000,
+    zipf: float = 1.1,
+    seed: int = 0,
+) -> list[str]:
+    """A long-tailed corpus from a stated distribution, not from any real text: ``count``
+    documents whose lengths in bytes are ``round(median * exp(sigma * z))`` for a standard
+    normal ``z`` (log-normal: half the documents shorter than ``median``, about 1 in 300 at
+    ``sigma`` 1.2 reaching ``cap``), clipped to ``[MIN_DOC_TOKENS + 2, cap]``; each is
+    space-separated words drawn from a Zipf law of exponent ``zipf`` over ``vocabulary``
+    made-up lower-case words of 2-9 letters (so that the model has something to learn),
+    cut to its length. Deterministic for ``seed``."""
+    if count < 10:
+        raise ValueError(f"count={count}: documents mode needs at least 10 documents")
+    gen = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    sizes = torch.randint(2, 10, (vocabulary,), generator=gen).tolist()
+    words = [
+        "".join(letters[i] for i in torch.randint(26, (n,), generator=gen).tolist()) for n in sizes
+    ]
+    ranks = torch.arange(1, vocabulary + 1, dtype=torch.float64)
+    weights = ranks.pow(-zipf)
+    z = torch.randn(count, generator=gen, dtype=torch.float64)
+    lengths = (median * torch.exp(sigma * z)).round().clamp(MIN_DOC_TOKENS + 2, cap)
+    texts = []
+    for n in lengths.long().tolist():
+        drawn = torch.multinomial(weights, n // 3 + 2, replacement=True, generator=gen).tolist()
+        texts.append(" ".join(words[i] for i in drawn)[:n].ljust(n, "."))
+    return texts
 
 
 def _texts(path: str | None) -> tuple[list[str], str]:

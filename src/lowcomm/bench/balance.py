@@ -1,9 +1,11 @@
 """``lowcomm bench --balance``: length-aware balancing measured on real multi-process jobs.
 
 Every job is ``lowcomm train --documents`` on the same long-tailed corpus (the standard
-library's source unless ``--data``), the same seed and the same tokens per step; only the
-assignment of documents to ranks differs. Each job's ``balance.json`` gives per plan unit (a
-step for DDP, a round for CO2) every rank's compute time, the straggler wait
+library's source unless ``--data``, or ``--corpus lognormal``: 2,000 generated documents of
+log-normal length, :func:`~lowcomm.balance.documents.lognormal_texts`), the same seed and the
+same tokens per step; only the assignment of documents to ranks differs. Each job's
+``balance.json`` gives per plan unit (a step for DDP, a round for CO2) every rank's compute
+time, the straggler wait
 ``max_j t_j - t_r``, the idle fraction and the cost model's prediction; its ``summary.json``
 the tokens per second. Two sections:
 
@@ -75,6 +77,10 @@ class BalanceSpec:
     n_embd: int = 64
     seed: int = 0
     data: str | None = None
+    corpus: str = "stdlib"
+    """The assignment section's documents without ``data``: ``stdlib`` (the standard library's
+    source) or ``lognormal`` (:func:`~lowcomm.balance.documents.lognormal_texts`, written to
+    ``out``)."""
     busy_wait: bool | None = None
     """Poll collectives (default: when there are more workers than CPU cores)."""
     splitting: bool = True
@@ -89,6 +95,10 @@ class BalanceSpec:
             )
         if self.workers < 2:
             raise ValueError(f"--workers {self.workers}: balancing needs at least 2 workers")
+        if self.corpus not in ("stdlib", "lognormal"):
+            raise ValueError(f"--corpus {self.corpus!r}: choose stdlib or lognormal")
+        if self.corpus != "stdlib" and self.data is not None:
+            raise ValueError("--corpus and --data both choose the documents: give one")
         if self.splitting and self.workers % 2:
             raise ValueError(
                 f"--workers {self.workers}: the splitting section runs 2 nodes; use an even "
@@ -100,6 +110,13 @@ class BalanceSpec:
         if self.busy_wait is not None:
             return self.busy_wait
         return self.workers > (os.cpu_count() or 1)
+
+    @property
+    def assignment_data(self) -> str | None:
+        """The assignment section's ``--data``."""
+        if self.corpus == "lognormal":
+            return os.path.join(self.out, LOGNORMAL_CORPUS)
+        return self.data
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job: its section, name and ``TrainConfig`` values."""
@@ -116,7 +133,7 @@ class BalanceSpec:
             "eval_batches": 2,
             "busy_wait": self.polls,
             "balance_paired": True,
-            "data": self.data,
+            "data": self.assignment_data,
             "overwrite": True,
             "quiet": True,
         }
@@ -160,6 +177,22 @@ class BalanceSpec:
 
 DOMINANT_CORPUS = "dominant.jsonl"
 """The splitting section's corpus, written to ``--out``."""
+LOGNORMAL_CORPUS = "lognormal.jsonl"
+"""The assignment section's generated corpus (``--corpus lognormal``), written to ``--out``."""
+
+
+def write_lognormal_corpus(path: str, *, seed: int = 0) -> dict[str, int]:
+    """:func:`~lowcomm.balance.documents.lognormal_texts` as JSON lines; returns the count, the
+    median and the largest length."""
+    from lowcomm.balance.documents import lognormal_texts
+
+    texts = lognormal_texts(seed=seed)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    lengths = sorted(len(t) for t in texts)
+    return {"documents": len(texts), "median": lengths[len(lengths) // 2], "max": lengths[-1]}
 
 
 def write_dominant_corpus(path: str, *, long_tokens: int, long_every: int) -> dict[str, int]:
@@ -268,6 +301,8 @@ def run_balance(
     from lowcomm.train.launcher import launch
 
     os.makedirs(spec.out, exist_ok=True)
+    if spec.corpus == "lognormal":
+        write_lognormal_corpus(os.path.join(spec.out, LOGNORMAL_CORPUS), seed=spec.seed)
     if spec.splitting and spec.data is None:
         write_dominant_corpus(
             os.path.join(spec.out, DOMINANT_CORPUS),

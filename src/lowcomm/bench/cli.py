@@ -160,6 +160,13 @@ def add_subcommand(subparsers: Any) -> None:
         help="--balance: run the splitting section (default on)",
     )
     p.add_argument(
+        "--corpus",
+        choices=("stdlib", "lognormal"),
+        help="--balance: the assignment section's documents without --data: the standard "
+        "library's source (default) or 2,000 generated ones of log-normal length (median 300 "
+        "bytes, sigma 1.2, up to 8,192; lowcomm.balance.lognormal_texts)",
+    )
+    p.add_argument(
         "--busy-wait",
         dest="busy_wait",
         action=argparse.BooleanOptionalAction,
@@ -319,7 +326,7 @@ def _run_convergence(args: argparse.Namespace) -> int:
 
 _BALANCE_KEYS = {"algos", "workers", "cycles", "sync_every", "seed", "data", "out", "assignments"}
 _BALANCE_KEYS |= {"block_size", "batch_size", "split_block_size", "splitting", "busy_wait"}
-_BALANCE_KEYS |= {"n_layer", "n_embd", "n_head"}
+_BALANCE_KEYS |= {"n_layer", "n_embd", "n_head", "corpus"}
 _SWITCHES = ("quick", "convergence", "balance", "cost_model", "long", "reuse", "overwrite", "chaos")
 _CHAOS_KEYS = {"algos", "workers", "steps", "targeted_steps", "mtbf", "faults", "seed", "out"}
 _CHAOS_KEYS |= {"data"}
