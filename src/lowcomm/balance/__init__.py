@@ -51,6 +51,7 @@ from lowcomm.balance.planner import (
     split_pays,
     spread_over_steps,
 )
+from lowcomm.balance.remap import Remap, attention_owners, remapped_loss, token_bounds
 from lowcomm.balance.ring import RingAttention, zigzag_positions, zigzag_sizes, zigzag_take
 from lowcomm.balance.stream import (
     ASSIGNMENTS,
@@ -67,6 +68,10 @@ __all__ = [
     "STRATEGIES",
     "CostFit",
     "OnlineRefit",
+    "Remap",
+    "attention_owners",
+    "remapped_loss",
+    "token_bounds",
     "features",
     "CostModel",
     "DocumentCorpus",
