@@ -226,7 +226,8 @@ def test_balance_jobs_interleave_assignments_and_lay_out_the_splitting_section(t
     ]
     ddp, co2 = jobs[0]["cfg"], jobs[1]["cfg"]
     assert ddp["balance"].split(",") == list(ASSIGNMENTS.values())
-    assert ddp["steps"] == 3 * 6 and co2["steps"] == 2 * 6 * 4
+    assert ddp["steps"] == 3 * 7 and co2["steps"] == 2 * 6 * 4
+    assert "remap" not in co2["balance"].split(",")  # it balances steps, not rounds
     layouts = [(j["cfg"].get("nodes", 1), j["cfg"]["link"]) for j in jobs[2:]]
     assert layouts == [(1, None), (2, "100mbit"), (4, "100mbit")]
     assert all(j["cfg"]["data"] == corpus for j in jobs[2:]) and ddp["data"] is None

@@ -115,6 +115,35 @@ def test_split_documents_train_what_whole_documents_train(train_job: Any, tmp_pa
 
 
 @pytest.mark.timeout(240)
+def test_remapped_documents_train_what_whole_documents_train(train_job: Any, tmp_path: Any) -> None:
+    import torch
+
+    data = tmp_path / "docs"
+    _long_and_short_documents(data)
+    argv = ["--algo", "ddp", "--documents", "--data", str(data), "--cost-model", "analytic",
+            *tiny_job_args(block_size=128, batch_size=1, steps=6, eval_every=3, warmup=0,
+                           dropout=0.0)]  # fmt: skip
+    weights = {}
+    for balance in ("remap", "cost"):
+        out = tmp_path / balance
+        train_job(*argv, "--balance", balance, out=out)
+        with open(out / "balance.json", encoding="utf-8") as f:
+            units = json.load(f)["units"]
+        assert all(u["assignment"] == balance and u["plans_identical"] for u in units)
+        if balance == "remap":
+            # the linear layers' tokens split equally, whatever the documents
+            assert all(sorted(u["tokens"]) == [128, 128] for u in units)
+            assert all(u["plan_method"] == "remap" for u in units)
+        state = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+        weights[balance] = {k: v.float() for k, v in state.items()}
+    worst = max(
+        (weights["remap"][k] - weights["cost"][k]).abs().max().item() for k in weights["cost"]
+    )
+    # fp32 sums in another order (3e-5 here); a wrong remapping is off by the learning rate
+    assert worst < 1e-4
+
+
+@pytest.mark.timeout(240)
 def test_documents_resume_mid_round_is_exact(tmp_path: Any, monkeypatch: Any) -> None:
     argv = ["--algo", "co2", *DOCS, "--cost-model", "analytic", "--checkpoint-every", "3"]
     ref = str(tmp_path / "ref")
@@ -133,6 +162,15 @@ def test_documents_resume_mid_round_is_exact(tmp_path: Any, monkeypatch: Any) ->
     [
         ({"balance": "tokens"}, "documents mode only"),
         ({"documents": True, "balance": "tokens,split"}, "'split' is not one of"),
+        ({"documents": True, "balance": "remap", "algo": "co2"}, "remap balances every step"),
+        (
+            {"documents": True, "balance": "remap", "algo": "ddp", "nodes": 2, "workers": 4},
+            "inside one node only",
+        ),
+        (
+            {"documents": True, "balance": "remap", "algo": "ddp", "dropout": 0.1},
+            "remap needs dropout 0",
+        ),
         ({"documents": True, "token_cap": 100}, "raise it to 1088"),
         ({"documents": True, "ceiling_steps": 4}, "not documents"),
         ({"documents": True, "balance": "fastest"}, "is not one of"),

@@ -31,9 +31,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lowcomm.balance.cost import CostModel
+from lowcomm.balance.planner import Piece, Plan
 from lowcomm.models.gpt import GPT, Block
 
-__all__ = ["Remap", "attention_owners", "exchange_bytes", "remapped_loss", "token_bounds"]
+__all__ = [
+    "Remap",
+    "attention_owners",
+    "exchange_bytes",
+    "remap_plan",
+    "remapped_loss",
+    "token_bounds",
+]
 
 
 def token_bounds(total: int, world: int) -> list[tuple[int, int]]:
@@ -109,6 +118,10 @@ class Remap:
         r = self.rank if rank is None else rank
         return [n for n, o in zip(self.lengths, self.owners, strict=True) if o == r]
 
+    def bounds(self) -> tuple[int, int]:
+        """This rank's run ``[start, end)`` of the token stream."""
+        return token_bounds(self.total, self.world)[self.rank]
+
     def positions(self) -> torch.Tensor:
         """Each of this rank's token-layout tokens' position in its document."""
         pos = torch.cat([torch.arange(n) for n in self.lengths])
@@ -158,6 +171,39 @@ class Remap:
             len(send_index), device=y.device
         )
         return got[place]
+
+
+def remap_plan(
+    lengths: Sequence[int], world: int, rank: int, cost: CostModel | None
+) -> tuple[Plan, Remap]:
+    """The ``remap`` assignment of one step's documents: the exchange plan and, for the
+    records, a :class:`~lowcomm.balance.planner.Plan` whose assignment is the attention layout
+    (each rank's whole documents) and whose loads are the cost model's time per rank: its run
+    of tokens' linear work (``c0 + a * tokens``) plus its documents' attention
+    (``d + b * s**2`` each)."""
+    lengths = [int(n) for n in lengths]
+    owners = attention_owners(lengths, world)
+    remap = Remap(tuple(lengths), tuple(owners), world, rank)
+    bounds = token_bounds(sum(lengths), world)
+    runs = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
+    if cost is None:
+        loads = [float(b - a) for a, b in bounds]
+    else:
+        loads = [
+            cost.c0 + cost.a * (b - a) + sum(cost.d + cost.b * lengths[i] ** 2 for i in runs[r])
+            for r, (a, b) in enumerate(bounds)
+        ]
+    whole = [cost.doc(n) if cost is not None else float(n) for n in lengths]
+    lower = max(max(whole, default=0.0), sum(whole) / world)
+    out = Plan(
+        assignment=[[Piece(i) for i in run] for run in runs],
+        loads=loads,
+        tokens=[b - a for a, b in bounds],
+        lower_bound=lower,
+        strategy="remap",
+        method="remap",
+    )
+    return out, remap
 
 
 def _attention(

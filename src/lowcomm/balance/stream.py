@@ -37,10 +37,18 @@ from lowcomm.balance.planner import (
     plan,
     spread_over_steps,
 )
+from lowcomm.balance.remap import Remap, remap_plan
 from lowcomm.balance.ring import RingAttention, zigzag_positions, zigzag_sizes, zigzag_take
 from lowcomm.models.gpt import Packed
 
-__all__ = ["ASSIGNMENTS", "DocumentStream", "MicroBatch", "StepWork", "parse_assignments"]
+__all__ = [
+    "ASSIGNMENTS",
+    "DocumentStream",
+    "MicroBatch",
+    "RemapWork",
+    "StepWork",
+    "parse_assignments",
+]
 
 
 @dataclass
@@ -71,11 +79,26 @@ class StepWork:
     plan: Plan
     """The unit's plan (the same on every rank)."""
     first_of_unit: bool = False
+    remap: RemapWork | None = None
+    """With ``remap``: this rank's run of the step's tokens and the exchange plan (then
+    ``micro_batches`` is empty)."""
 
 
-ASSIGNMENTS = (*STRATEGIES, "cost+split")
-"""What a plan unit's documents are assigned by: a planner strategy, or ``cost+split``
-(cost-balanced, splitting documents by the ``split`` policy)."""
+@dataclass
+class RemapWork:
+    """One step of the ``remap`` assignment (:mod:`lowcomm.balance.remap`): this rank's run of
+    the step's token stream, its targets, and the exchanges of every layer's attention."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    remap: Remap
+
+
+ASSIGNMENTS = (*STRATEGIES, "cost+split", "remap")
+"""What a plan unit's documents are assigned by: a planner strategy, ``cost+split``
+(cost-balanced, splitting documents by the ``split`` policy), or ``remap`` (Zeppelin's
+remapping: the linear layers on equal runs of tokens, attention on whole documents balanced by
+s², :mod:`lowcomm.balance.remap`; one step per unit, one node)."""
 
 
 def parse_assignments(spec: str | Sequence[str]) -> list[str]:
@@ -148,6 +171,7 @@ class DocumentStream:
         self._steps: list[list[Piece]] = []
         self._pieces: list[tuple[int, int, int]] = []
         self._plan: Plan | None = None
+        self._remap: Remap | None = None
         self._pending: tuple[torch.Tensor, Any] | None = None
         self._start_gather()
 
@@ -190,6 +214,14 @@ class DocumentStream:
             cap = self.token_cap * self.steps_per_unit
         self.assignment = self.assignments[self.unit % len(self.assignments)]
         splitting = self.assignment == "cost+split"
+        if self.assignment == "remap":
+            if self.steps_per_unit != 1:
+                raise ValueError("remap plans one step per unit (DDP), not a round")
+            self._plan, self._remap = remap_plan(lengths, self.world, self.rank, self.cost)
+            self._steps = [[]]
+            self._step_in_unit = 0
+            return
+        self._remap = None
         self._plan = plan(
             lengths,
             self.world,
@@ -216,6 +248,8 @@ class DocumentStream:
         pieces = self._steps[self._step_in_unit]
         self._step_in_unit += 1
         assert self._plan is not None
+        if self._remap is not None:
+            return self._remap_step(first)
         mbs = self._micro_batches(pieces)
         tokens = sum(int(mb.x.shape[1]) for mb in mbs)
         return StepWork(
@@ -226,6 +260,27 @@ class DocumentStream:
             assignment=self.assignment,
             plan=self._plan,
             first_of_unit=first,
+        )
+
+    def _remap_step(self, first: bool) -> StepWork:
+        """The ``remap`` step: the whole token stream of the unit's pieces, in their gathered
+        order; this rank's run of it."""
+        assert self._remap is not None and self._plan is not None
+        parts = [self.sampler.piece(d, s, n) for d, s, n in self._pieces]
+        xs = torch.cat([px for px, _ in parts])
+        ys = torch.cat([py for _, py in parts])
+        start, end = self._remap.bounds()
+        return StepWork(
+            micro_batches=[],
+            tokens=end - start,
+            predicted_s=self._plan.loads[self.rank],
+            unit=self.unit,
+            assignment=self.assignment,
+            plan=self._plan,
+            first_of_unit=first,
+            remap=RemapWork(
+                x=xs[start:end].to(self.device), y=ys[start:end].to(self.device), remap=self._remap
+            ),
         )
 
     def _predict(self, mbs: list[MicroBatch]) -> float:

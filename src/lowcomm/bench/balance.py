@@ -9,11 +9,13 @@ time, the straggler wait
 ``max_j t_j - t_r``, the idle fraction and the cost model's prediction; its ``summary.json``
 the tokens per second. Two sections:
 
-- **assignment**: random, sequential, group-by-length, token-balanced, cost-balanced and
-  cost-balanced + splitting, with DDP (balanced per step) and with CO2 (per round);
+- **assignment**: random, sequential, group-by-length, token-balanced, cost-balanced,
+  cost-balanced + splitting and remapping (DDP only: it balances steps), with DDP (balanced per
+  step) and with CO2 (per round);
 - **splitting**: a corpus where one document can dominate a step (the standard library's long
   source files among many 256-byte pieces of the others; ``--split-block-size`` tokens, one
-  sequence per worker per step): cost-balanced with and without splitting on one node, splitting
+  sequence per worker per step): on one node random (no balancing), cost-balanced, with
+  splitting and remapping; splitting
   on 2 nodes x 2 joined by a slow emulated link (split inside a node only), and on 4 nodes x 1
   (every split would cross the slow link: refused).
 
@@ -43,6 +45,7 @@ ASSIGNMENTS: dict[str, str] = {
     "token-balanced": "tokens",
     "cost-balanced": "cost",
     "cost-balanced + split": "cost+split",
+    "remap": "remap",
 }
 """The assignment section's rows: name -> ``lowcomm train --balance`` entry."""
 NAMES = {entry: name for name, entry in ASSIGNMENTS.items()}
@@ -142,11 +145,13 @@ class BalanceSpec:
         for algo in self.algos:
             per_unit = 1 if algo in ("ddp", "none") else self.sync_every
             cycles = self.cycles if per_unit == 1 else self.round_cycles
+            # remapping balances steps: an outer algorithm, which plans rounds, goes without it
+            mine = [e for e in entries if per_unit == 1 or e != "remap"]
             values = {
                 **base,
                 "algo": algo,
-                "balance": ",".join(entries),
-                "steps": cycles * len(entries) * per_unit,
+                "balance": ",".join(mine),
+                "steps": cycles * len(mine) * per_unit,
                 "block_size": self.block_size,
                 "batch_size": self.batch_size,
             }
@@ -164,6 +169,11 @@ class BalanceSpec:
             w = self.workers
             for nodes, link in ((1, None), (2, self.split_link), (w, self.split_link)):
                 values = {**split, "link": link}
+                if nodes == 1:
+                    # on one node, also against no balancing and against remapping
+                    values.update(
+                        balance="random,cost,cost+split,remap", steps=4 * self.split_cycles
+                    )
                 layout = "1 node"
                 if nodes > 1:
                     values.pop("workers")

@@ -170,8 +170,10 @@ class TrainConfig:
     balance: str = "cost"
     """With documents: how documents are assigned to ranks: sequential (each keeps what it
     drew), random, length (group by length), tokens (equal tokens), cost (equal predicted
-    compute time) or cost+split (also split a document whose cost exceeds the fair share over
-    several ranks, where the link makes it pay). Outer algorithms balance a whole round, ddp
+    compute time), cost+split (also split a document whose cost exceeds the fair share over
+    several ranks, where the link makes it pay) or remap (the linear layers on equal runs of
+    tokens, attention on whole documents balanced by s², activations exchanged every layer;
+    DDP on one node, no dropout). Outer algorithms balance a whole round, ddp
     every step. A comma-separated list is taken in turn per step or round (to compare them
     side by side: training does not depend on it)."""
     balance_paired: bool = False
@@ -465,6 +467,21 @@ class TrainConfig:
             )
         if self.block_size < 16:
             raise ConfigError("block_size", "must be at least 16 with documents")
+        if "remap" in parse_assignments(self.balance):
+            if self.algo not in ("ddp", "none"):
+                raise ConfigError(
+                    "balance",
+                    "remap balances every step (DDP, or none): an outer algorithm plans "
+                    "whole rounds; use cost or cost+split",
+                )
+            if self.nodes > 1:
+                raise ConfigError(
+                    "balance",
+                    "remap exchanges every layer's activations, inside one node only: with "
+                    "nodes > 1 use cost+split (which splits inside a node)",
+                )
+            if self.dropout:
+                raise ConfigError("balance", "remap needs dropout 0 (set dropout = 0)")
         need = self.batch_size * self.block_size + self.block_size
         if self.token_cap is not None:
             check_int("token_cap", self.token_cap, low=1)

@@ -54,6 +54,7 @@ from lowcomm.balance import (
     features,
     measure_cost_model,
     parse_assignments,
+    remapped_loss,
     zigzag_positions,
     zigzag_sizes,
     zigzag_take,
@@ -159,6 +160,8 @@ class DocumentJob:
         self.assignments = parse_assignments(cfg.balance)
         split = _split_policy(cfg) if "cost+split" in self.assignments else None
         self.ring_group = dist.new_group() if split is not None else None
+        # the remapping's all-to-alls get a group that carries nothing else
+        self.remap_group = dist.new_group() if "remap" in self.assignments else None
         restored = state is not None and state.get("cost_model") is not None
         if split is not None and cfg.cost_model == "fit" and not restored and self.world > 1:
             factor = self._split_factor(gpt, cfg.block_size)
@@ -268,9 +271,29 @@ class DocumentJob:
                 _, loss = model(mb.x, mb.y, packed=mb.packed, reduction="sum")
                 (loss * scale).backward()
                 total += loss.detach()
+            if work.remap is not None:
+                gpt = model.module if ddp else model
+                loss = remapped_loss(
+                    gpt,  # type: ignore[arg-type]
+                    work.remap.x,
+                    work.remap.y,
+                    work.remap.remap,
+                    group=self.remap_group,
+                )
+                (loss * scale).backward()
+                total += loss.detach()
         compute = time.perf_counter() - t0
-        for mb in work.micro_batches:
-            row = features(mb.lengths, split_k=mb.split_k, split_factor=self.cost.split_factor)
+        rows = [
+            features(mb.lengths, split_k=mb.split_k, split_factor=self.cost.split_factor)
+            for mb in work.micro_batches
+        ]
+        if work.remap is not None:
+            # its run's tokens through the linear layers, its documents' attention
+            mine = work.remap.remap.attention_lengths()
+            rows.append(
+                [1.0, float(len(mine)), float(work.tokens), float(sum(n * n for n in mine))]
+            )
+        for row in rows:
             self._unit_row = [u + f for u, f in zip(self._unit_row, row, strict=True)]
         self._unit_s += compute
         wait = 0.0
