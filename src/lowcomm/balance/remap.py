@@ -10,7 +10,7 @@ so that ``Σ s²`` is balanced (:func:`attention_owners`, LPT on ``s²``). Betwe
 all-to-all (``all_to_all_single``) sends every token's queries, keys and values from the rank
 that holds it in the token layout to the one that holds its document in the attention layout,
 and the attention output back; backward runs the same exchanges in reverse (the collective is
-differentiable: :func:`torch.distributed.nn.functional.all_to_all_single`).
+differentiable: its backward sends the gradients back the way the rows came).
 
 :class:`Remap` is the exchange plan for one step, the same on every rank (it depends only on the
 step's document lengths and owners, which every rank has from the planner's all-gather);
@@ -24,8 +24,10 @@ that in backward, per layer, so it belongs inside a node, never across a slow li
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,49 +130,70 @@ class Remap:
         start, end = token_bounds(self.total, self.world)[self.rank]
         return pos[start:end]
 
-    def _plan(self) -> tuple[list[int], list[int], list[int]]:
-        """(indices into this rank's token run to send, grouped by destination rank; how many
-        go to each rank; how many come from each rank). Both layouts keep the tokens in their
-        global order (the token runs are contiguous, a rank's documents are taken in order),
-        so what arrives, source after source, is already in attention-layout order."""
+    @functools.cached_property
+    def _exchange(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """(indices into this rank's token run to send, grouped by destination rank; where
+        each sent row goes back; how many go to each rank; how many come from each rank).
+        Both layouts keep the tokens in their global order (the token runs are contiguous, a
+        rank's documents are taken in order), so what arrives, source after source, is
+        already in attention-layout order. Computed once per step."""
+        owner_of = torch.repeat_interleave(
+            torch.tensor(self.owners, dtype=torch.long), torch.tensor(self.lengths)
+        )
         bounds = token_bounds(self.total, self.world)
         start, end = bounds[self.rank]
-        owner_of: list[int] = []
-        for n, o in zip(self.lengths, self.owners, strict=True):
-            owner_of += [o] * n
-        send_index: list[int] = []
-        send_counts = [0] * self.world
-        for dst in range(self.world):
-            mine = [t - start for t in range(start, end) if owner_of[t] == dst]
-            send_index += mine
-            send_counts[dst] = len(mine)
-        recv_counts = [0] * self.world
-        for src, (a, b) in enumerate(bounds):
-            recv_counts[src] = sum(1 for t in range(a, b) if owner_of[t] == self.rank)
-        return send_index, send_counts, recv_counts
+        mine = owner_of[start:end]
+        send_index = torch.argsort(mine, stable=True)
+        place = torch.empty_like(send_index)
+        place[send_index] = torch.arange(len(send_index))
+        send_counts = torch.bincount(mine, minlength=self.world).tolist()
+        recv_counts = [int((owner_of[a:b] == self.rank).sum()) for a, b in bounds]
+        return send_index, place, send_counts, recv_counts
 
     def to_attention(self, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """This rank's token-layout rows of ``x`` (tokens first) -> its attention-layout rows
         (differentiable)."""
-        from torch.distributed.nn.functional import all_to_all_single
-
-        send_index, send_counts, recv_counts = self._plan()
-        sent = x[torch.tensor(send_index, dtype=torch.long, device=x.device)]
-        out = sent.new_empty((sum(recv_counts), *x.shape[1:]))
-        return all_to_all_single(out, sent.contiguous(), recv_counts, send_counts, group=group)
+        send_index, _, send_counts, recv_counts = self._exchange
+        sent = x[send_index.to(x.device)]
+        return _all_to_all(sent, recv_counts, send_counts, group)
 
     def to_tokens(self, y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """The inverse of :meth:`to_attention`: attention-layout rows -> token-layout rows."""
-        from torch.distributed.nn.functional import all_to_all_single
+        _, place, send_counts, recv_counts = self._exchange
+        got = _all_to_all(y, send_counts, recv_counts, group)
+        return got[place.to(y.device)]
 
-        send_index, send_counts, recv_counts = self._plan()
-        out = y.new_empty((sum(send_counts), *y.shape[1:]))
-        got = all_to_all_single(out, y.contiguous(), send_counts, recv_counts, group=group)
-        place = torch.empty(len(send_index), dtype=torch.long, device=y.device)
-        place[torch.tensor(send_index, dtype=torch.long, device=y.device)] = torch.arange(
-            len(send_index), device=y.device
-        )
-        return got[place]
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` whose backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    out = _AllToAll.apply(x, out_splits, in_splits, group)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 def remap_plan(
