@@ -98,3 +98,24 @@ def test_layouts_balance_tokens_and_attention_work() -> None:
         Remap((3, 4), (0,), 2, 0)
     with pytest.raises(ValueError, match="ranks of a world of 2"):
         Remap((3, 4), (0, 2), 2, 0)
+
+
+def test_remapping_is_taken_only_where_it_beats_the_cost_plan() -> None:
+    from lowcomm.balance import CostModel, plan
+    from lowcomm.balance.remap import remap_pays, remap_plan
+
+    # the tokens each rank sends or receives, by hand: documents of 6 and 2 tokens on 2 ranks,
+    # runs [0, 4) and [4, 8); the 6-token one is rank 0's, so tokens 4 and 5 travel
+    small = Remap((6, 2), tuple(attention_owners([6, 2], 2)), 2, 0)
+    assert small.owners == (0, 1) and [small.moved_tokens(r) for r in (0, 1)] == [2, 2]
+    # one long document among many short ones, on linear-dominated costs: no whole-document
+    # plan does better than the long one's linear work on one rank; remapped, its tokens are
+    # spread over all four and only its (cheap) attention stays on one
+    lengths = [1000] + [10] * 100
+    cost = CostModel(a=1e-6, b=1e-10, d=1e-6, c0=1e-5)
+    remapped, remap = remap_plan(lengths, 4, 0, cost)
+    base = plan(lengths, 4, strategy="cost", cost=cost)
+    assert max(remapped.loads) < 0.9 * base.makespan
+    assert remap_pays(remapped, base, remap, None)  # not measured: remap
+    assert remap_pays(remapped, base, remap, 1e-9)  # a fast exchange
+    assert not remap_pays(remapped, base, remap, 1e-5)  # a slow one: the cost plan instead

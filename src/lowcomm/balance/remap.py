@@ -41,6 +41,7 @@ __all__ = [
     "Remap",
     "attention_owners",
     "exchange_bytes",
+    "remap_pays",
     "remap_plan",
     "remapped_loss",
     "token_bounds",
@@ -119,6 +120,23 @@ class Remap:
         """Lengths of the documents ``rank`` (default: this one) attends over, in order."""
         r = self.rank if rank is None else rank
         return [n for n, o in zip(self.lengths, self.owners, strict=True) if o == r]
+
+    def moved_tokens(self, rank: int) -> int:
+        """Tokens ``rank`` sends or receives in one exchange (the larger of the two): those of
+        its run whose document another rank attends over, or those of its documents another
+        rank's run holds."""
+        bounds = token_bounds(self.total, self.world)
+        start, end = bounds[rank]
+        sent = received = 0
+        pos = 0
+        for n, owner in zip(self.lengths, self.owners, strict=True):
+            inside = max(0, min(end, pos + n) - max(start, pos))
+            if owner != rank:
+                sent += inside
+            elif owner == rank:
+                received += n - inside
+            pos += n
+        return max(sent, received)
 
     def bounds(self) -> tuple[int, int]:
         """This rank's run ``[start, end)`` of the token stream."""
@@ -227,6 +245,19 @@ def remap_plan(
         method="remap",
     )
     return out, remap
+
+
+def remap_pays(
+    remapped: Plan, base: Plan, remap: Remap, exchange_s_per_token: float | None
+) -> bool:
+    """Whether the ``remap`` step beats the cost-balanced plan of the same documents: its
+    slowest rank's compute plus the exchanges (``exchange_s_per_token`` times the tokens the
+    busiest rank sends or receives; None: not measured, remap) against the cost plan's
+    makespan. Every rank decides alike (the same plans, the same measured rate)."""
+    if exchange_s_per_token is None:
+        return True
+    moved = max(remap.moved_tokens(r) for r in range(remap.world))
+    return max(remapped.loads) + exchange_s_per_token * moved < base.makespan
 
 
 def _attention(

@@ -37,7 +37,7 @@ from lowcomm.balance.planner import (
     plan,
     spread_over_steps,
 )
-from lowcomm.balance.remap import Remap, remap_plan
+from lowcomm.balance.remap import Remap, remap_pays, remap_plan
 from lowcomm.balance.ring import RingAttention, zigzag_positions, zigzag_sizes, zigzag_take
 from lowcomm.models.gpt import Packed
 
@@ -146,8 +146,12 @@ class DocumentStream:
         group: dist.ProcessGroup | None = None,
         ring_group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        exchange_s_per_token: float | None = None,
     ) -> None:
         self.assignments = parse_assignments(strategy)
+        self.exchange_s_per_token = exchange_s_per_token
+        """``remap``: the measured seconds per token its exchanges take in a step (every
+        layer, forward and backward); None: not measured, every step remapped."""
         self.paired = paired
         if "cost+split" in self.assignments and (split is None or ring_group is None):
             raise ValueError(
@@ -214,14 +218,30 @@ class DocumentStream:
             cap = self.token_cap * self.steps_per_unit
         self.assignment = self.assignments[self.unit % len(self.assignments)]
         splitting = self.assignment == "cost+split"
+        self._remap = None
         if self.assignment == "remap":
             if self.steps_per_unit != 1:
                 raise ValueError("remap plans one step per unit (DDP), not a round")
-            self._plan, self._remap = remap_plan(lengths, self.world, self.rank, self.cost)
-            self._steps = [[]]
+            remapped, remap = remap_plan(lengths, self.world, self.rank, self.cost)
+            base = plan(
+                lengths,
+                self.world,
+                strategy="cost" if self.cost is not None else "tokens",
+                cost=self.cost,
+                method=self.method,
+                token_cap=cap,
+                seed=self._unit_seed(self.unit),
+            )
+            if remap_pays(remapped, base, remap, self.exchange_s_per_token):
+                self._plan, self._remap = remapped, remap
+                self._steps = [[]]
+                self._step_in_unit = 0
+                return
+            # the exchange costs more than the balance gains: the cost plan, whole documents
+            self._plan = base
+            self._steps = [base.assignment[self.rank]]
             self._step_in_unit = 0
             return
-        self._remap = None
         self._plan = plan(
             lengths,
             self.world,

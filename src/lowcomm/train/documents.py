@@ -168,6 +168,9 @@ class DocumentJob:
             self.cost = dataclasses.replace(self.cost, split_factor=factor)
         self.unit_steps = 1 if cfg.algo in BASELINES else cfg.sync_every
         tokens = cfg.batch_size * cfg.block_size
+        exchange = None
+        if self.remap_group is not None and cfg.cost_model == "fit" and self.world > 1:
+            exchange = self._exchange_rate(tokens, cfg.n_embd, cfg.n_layer)
         self.stream = DocumentStream(
             corpus,
             cap=cfg.block_size,
@@ -182,6 +185,7 @@ class DocumentJob:
             split=split,
             ring_group=self.ring_group,
             device=device,
+            exchange_s_per_token=exchange,
         )
         if state is not None:
             self.stream.load_state_dict(state["stream"])
@@ -202,6 +206,29 @@ class DocumentJob:
         self.plans: dict[int, dict[str, Any]] = {}
         self._last_loss = torch.zeros((), device=device)
         self._dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+    def _exchange_rate(self, tokens: int, width: int, layers: int, repeats: int = 3) -> float:
+        """``remap``'s exchange, timed on this job's processes: one all-to-all of a step's
+        tokens at 4 x width (a layer's queries, keys, values and output), the median of
+        ``repeats``, times 2 x layers (forward and backward), per token; the mean over ranks,
+        so every rank decides with the same rate."""
+        from lowcomm.balance.remap import _all_to_all
+
+        rows = max(self.world, tokens - tokens % self.world)
+        x = torch.zeros((rows, 4 * width), device=self.device)
+        splits = [rows // self.world] * self.world
+        times = []
+        for _ in range(repeats + 1):
+            spin_barrier()
+            t0 = time.perf_counter()
+            _all_to_all(x, splits, splits, self.remap_group)
+            times.append(time.perf_counter() - t0)
+        rate = statistics.median(times[1:]) * 2 * layers / rows
+        mean = torch.tensor([rate], dtype=torch.float64)
+        dist.all_reduce(mean)
+        value = float(mean) / self.world
+        logger.debug("remap exchanges: %.3g s per token and step", value)
+        return value
 
     def _split_factor(self, gpt: nn.Module, length: int, repeats: int = 3) -> float:
         """Time one ``length``-token document split over pairs of ranks (0 and 1, 2 and 3, ...;
