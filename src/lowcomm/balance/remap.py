@@ -39,6 +39,7 @@ from lowcomm.models.gpt import GPT, Block
 
 __all__ = [
     "Remap",
+    "all_to_all",
     "attention_owners",
     "exchange_bytes",
     "remap_pays",
@@ -173,12 +174,12 @@ class Remap:
         (differentiable)."""
         send_index, _, send_counts, recv_counts = self._exchange
         sent = x[send_index.to(x.device)]
-        return _all_to_all(sent, recv_counts, send_counts, group)
+        return all_to_all(sent, recv_counts, send_counts, group)
 
     def to_tokens(self, y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """The inverse of :meth:`to_attention`: attention-layout rows -> token-layout rows."""
         _, place, send_counts, recv_counts = self._exchange
-        got = _all_to_all(y, send_counts, recv_counts, group)
+        got = all_to_all(y, send_counts, recv_counts, group)
         return got[place.to(y.device)]
 
 
@@ -206,9 +207,11 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def _all_to_all(
+def all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
+    """``all_to_all_single`` of ``x``'s rows (``in_splits`` to each rank, ``out_splits`` from
+    each), differentiable."""
     out = _AllToAll.apply(x, out_splits, in_splits, group)
     assert isinstance(out, torch.Tensor)
     return out

@@ -212,7 +212,7 @@ class DocumentJob:
         tokens at 4 x width (a layer's queries, keys, values and output), the median of
         ``repeats``, times 2 x layers (forward and backward), per token; the mean over ranks,
         so every rank decides with the same rate."""
-        from lowcomm.balance.remap import _all_to_all
+        from lowcomm.balance.remap import all_to_all
 
         rows = max(self.world, tokens - tokens % self.world)
         x = torch.zeros((rows, 4 * width), device=self.device)
@@ -221,7 +221,7 @@ class DocumentJob:
         for _ in range(repeats + 1):
             spin_barrier()
             t0 = time.perf_counter()
-            _all_to_all(x, splits, splits, self.remap_group)
+            all_to_all(x, splits, splits, self.remap_group)
             times.append(time.perf_counter() - t0)
         rate = statistics.median(times[1:]) * 2 * layers / rows
         mean = torch.tensor([rate], dtype=torch.float64)
