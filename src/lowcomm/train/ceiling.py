@@ -43,7 +43,9 @@ class Ceiling:
 
     def _step(self) -> None:
         x, y = get_batch(self.corpus.train, self.cfg.batch_size, self.cfg.block_size, self.gen)
-        _, loss = self.model(x.to(self.device), y.to(self.device))
+        bf16 = self.cfg.precision == "bf16"  # the job's arithmetic, for a fair ceiling
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            _, loss = self.model(x.to(self.device), y.to(self.device))
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -102,6 +102,7 @@ _BACKENDS = ("auto", "gloo", "nccl")
 _COST_MODELS = ("fit", "analytic")
 _LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("adamw", "muon")
+PRECISIONS = ("fp32", "bf16")
 # A ValueError from an algorithm class that is not ours may start with the keyword it is
 # about ("outer_lr must be ..."); ours raise HyperparameterError, which carries it.
 _LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
@@ -213,6 +214,12 @@ class TrainConfig:
     """Width of the residual stream."""
     dropout: float = 0.0
     """Dropout probability (0 disables it)."""
+
+    precision: str = "fp32"
+    """Arithmetic of the forward and backward: "fp32", or "bf16" (torch.autocast: matrix
+    multiplications and attention in bfloat16, reductions, norms and the loss in fp32; the
+    weights, their gradients, the inner optimizer's state and every outer algorithm's anchors
+    and pseudo-gradients stay fp32). Validation runs in fp32."""
 
     # --- inner optimizer (AdamW) -----------------------------------------------------------
     optimizer: str = "adamw"
@@ -410,6 +417,10 @@ class TrainConfig:
         return max(speeds) / speeds[rank]
 
     def _check_optimizer(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                "precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

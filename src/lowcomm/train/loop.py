@@ -64,6 +64,7 @@ failure records :mod:`lowcomm.train.failures`'s; the summary :mod:`lowcomm.train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -303,7 +304,8 @@ class _Job:
             loss = None
             if algo is None or algo.takes_step():  # (dynamic local steps pass some positions)
                 t0 = time.perf_counter()
-                loss = data.loss(sync.model, step)
+                with self.autocast():
+                    loss = data.loss(sync.model, step)
                 records.trained(step, loss)
                 sync.backward_done()
                 inner.step()
@@ -334,6 +336,13 @@ class _Job:
         if algo is None or algo.pace is None:
             return step >= self.cfg.steps
         return algo.steps_done() >= self.cfg.steps and algo.at_round_boundary
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward and backward's arithmetic (``precision``): bf16 autocast on the job's
+        device, or nothing for fp32."""
+        if self.cfg.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def evaluate(self, step: int) -> float:
         """Validation loss of the consensus model (module docstring); rank 0 records it."""
