@@ -79,8 +79,10 @@ def _long_and_short_documents(folder: Any) -> None:
         (folder / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
 
 
-@pytest.mark.timeout(240)
-def test_split_documents_train_what_whole_documents_train(train_job: Any, tmp_path: Any) -> None:
+@pytest.mark.timeout(300)
+def test_split_and_remapped_documents_train_what_whole_documents_train(
+    train_job: Any, tmp_path: Any
+) -> None:
     import torch
 
     data = tmp_path / "docs"
@@ -88,59 +90,37 @@ def test_split_documents_train_what_whole_documents_train(train_job: Any, tmp_pa
     argv = ["--algo", "ddp", "--documents", "--data", str(data), "--cost-model", "analytic",
             *tiny_job_args(block_size=128, batch_size=1, steps=6, eval_every=3, warmup=0,
                            dropout=0.0)]  # fmt: skip
-    weights = {}
-    for balance in ("cost+split", "cost"):
+    weights, units = {}, {}
+    for balance in ("cost", "cost+split", "remap"):
         out = tmp_path / balance
         train_job(*argv, "--balance", balance, out=out)
         with open(out / "balance.json", encoding="utf-8") as f:
-            units = json.load(f)["units"]
-        split = [u for u in units if any(d[0] > 1 for d in u["splits"])]
-        if balance == "cost+split":
-            # the job did split: a document over both ranks, inside the one node
-            assert len(split) >= 2, units
-            assert all(d[1] == "local" for u in split for d in u["splits"] if d[0] > 1)
-            assert all(sorted(u["tokens"]) != [128, 128] for u in split)
-        else:
-            assert not split
-        assert all(sum(u["tokens"]) == 256 for u in units)
+            units[balance] = json.load(f)["units"]
+        assert all(u["assignment"] == balance and u["plans_identical"] for u in units[balance])
+        assert all(sum(u["tokens"]) == 256 for u in units[balance])
         state = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
         weights[balance] = {k: v.float() for k, v in state.items()}
-    # the same documents, the same summed gradient: ring attention over the split pieces
-    # computes what one rank computes for the whole document (Adam moves every weight by about
-    # the learning rate, 1e-3, in the first steps: a wrong split gradient shows at that size)
-    worst = max(
-        (weights["cost+split"][k] - weights["cost"][k]).abs().max().item() for k in weights["cost"]
-    )
-    assert worst < 2e-5
 
+    def split(balance: str) -> list[dict[str, Any]]:
+        return [u for u in units[balance] if any(d[0] > 1 for d in u["splits"])]
 
-@pytest.mark.timeout(240)
-def test_remapped_documents_train_what_whole_documents_train(train_job: Any, tmp_path: Any) -> None:
-    import torch
+    def worst(balance: str) -> float:
+        pairs = ((weights[balance][k], weights["cost"][k]) for k in weights["cost"])
+        return max((a - b).abs().max().item() for a, b in pairs)
 
-    data = tmp_path / "docs"
-    _long_and_short_documents(data)
-    argv = ["--algo", "ddp", "--documents", "--data", str(data), "--cost-model", "analytic",
-            *tiny_job_args(block_size=128, batch_size=1, steps=6, eval_every=3, warmup=0,
-                           dropout=0.0)]  # fmt: skip
-    weights = {}
-    for balance in ("remap", "cost"):
-        out = tmp_path / balance
-        train_job(*argv, "--balance", balance, out=out)
-        with open(out / "balance.json", encoding="utf-8") as f:
-            units = json.load(f)["units"]
-        assert all(u["assignment"] == balance and u["plans_identical"] for u in units)
-        if balance == "remap":
-            # the linear layers' tokens split equally, whatever the documents
-            assert all(sorted(u["tokens"]) == [128, 128] for u in units)
-            assert all(u["plan_method"] == "remap" for u in units)
-        state = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
-        weights[balance] = {k: v.float() for k, v in state.items()}
-    worst = max(
-        (weights["remap"][k] - weights["cost"][k]).abs().max().item() for k in weights["cost"]
-    )
-    # fp32 sums in another order (3e-5 here); a wrong remapping is off by the learning rate
-    assert worst < 1e-4
+    # the job did split: a document over both ranks, inside the one node
+    assert not split("cost") and len(split("cost+split")) >= 2, units["cost+split"]
+    assert all(d[1] == "local" for u in split("cost+split") for d in u["splits"] if d[0] > 1)
+    assert all(sorted(u["tokens"]) != [128, 128] for u in split("cost+split"))
+    # remapped: the linear layers' tokens split equally, whatever the documents
+    assert all(sorted(u["tokens"]) == [128, 128] for u in units["remap"])
+    assert all(u["plan_method"] == "remap" for u in units["remap"])
+    # the same documents, the same summed gradient: ring attention over the split pieces, and
+    # the remapped attention, compute what one rank computes for the whole document (Adam
+    # moves every weight by about the learning rate, 1e-3, in the first steps: a wrong
+    # gradient shows at that size; the remapping sums fp32 in another order, 3e-5 here)
+    assert worst("cost+split") < 2e-5
+    assert worst("remap") < 1e-4
 
 
 @pytest.mark.timeout(240)

@@ -223,16 +223,18 @@ class DocumentStream:
             if self.steps_per_unit != 1:
                 raise ValueError("remap plans one step per unit (DDP), not a round")
             remapped, remap = remap_plan(lengths, self.world, self.rank, self.cost)
-            base = plan(
-                lengths,
-                self.world,
-                strategy="cost" if self.cost is not None else "tokens",
-                cost=self.cost,
-                method=self.method,
-                token_cap=cap,
-                seed=self._unit_seed(self.unit),
-            )
-            if remap_pays(remapped, base, remap, self.exchange_s_per_token):
+            base = None  # the cost plan, needed only to weigh a measured exchange against
+            if self.exchange_s_per_token is not None:
+                base = plan(
+                    lengths,
+                    self.world,
+                    strategy="cost" if self.cost is not None else "tokens",
+                    cost=self.cost,
+                    method=self.method,
+                    token_cap=cap,
+                    seed=self._unit_seed(self.unit),
+                )
+            if base is None or remap_pays(remapped, base, remap, self.exchange_s_per_token):
                 self._plan, self._remap = remapped, remap
                 self._steps = [[]]
                 self._step_in_unit = 0

@@ -59,6 +59,7 @@ from lowcomm.balance import (
     zigzag_sizes,
     zigzag_take,
 )
+from lowcomm.balance.stream import StepWork
 from lowcomm.comm import spin_barrier
 from lowcomm.link import EmulatedLink
 from lowcomm.models.gpt import Packed
@@ -310,19 +311,8 @@ class DocumentJob:
                 (loss * scale).backward()
                 total += loss.detach()
         compute = time.perf_counter() - t0
-        rows = [
-            features(mb.lengths, split_k=mb.split_k, split_factor=self.cost.split_factor)
-            for mb in work.micro_batches
-        ]
-        if work.remap is not None:
-            # its run's tokens through the linear layers, its documents' attention
-            mine = work.remap.remap.attention_lengths()
-            rows.append(
-                [1.0, float(len(mine)), float(work.tokens), float(sum(n * n for n in mine))]
-            )
-        for row in rows:
-            self._unit_row = [u + f for u, f in zip(self._unit_row, row, strict=True)]
-        self._unit_s += compute
+        if self.refit is not None:  # the unit's row for the online refit
+            self._add_row(work, compute)
         wait = 0.0
         if ddp:
             t1 = time.perf_counter()
@@ -346,6 +336,22 @@ class DocumentJob:
         if work.tokens:
             self._last_loss = total / work.tokens
         return self._last_loss
+
+    def _add_row(self, work: StepWork, compute: float) -> None:
+        """Add a step's summed micro-batch features and compute time to the unit's row."""
+        rows = [
+            features(mb.lengths, split_k=mb.split_k, split_factor=self.cost.split_factor)
+            for mb in work.micro_batches
+        ]
+        if work.remap is not None:
+            # its run's tokens through the linear layers, its documents' attention
+            mine = work.remap.remap.attention_lengths()
+            rows.append(
+                [1.0, float(len(mine)), float(work.tokens), float(sum(n * n for n in mine))]
+            )
+        for row in rows:
+            self._unit_row = [u + f for u, f in zip(self._unit_row, row, strict=True)]
+        self._unit_s += compute
 
     def unit_done(self, unit_end: bool) -> None:
         """Call after the step's synchronisation (every rank at the same step): stamps the end
