@@ -129,7 +129,10 @@ class LinkProfile:
         rate = self.bandwidth_bps
         unit = "Gbit/s" if rate >= 1e9 else "Mbit/s"
         value = rate / (1e9 if rate >= 1e9 else 1e6)
-        return f"{self.source} ({value:.3g} {unit}, {self.latency_s * 1e3:.3g} ms)"
+        shown = (
+            f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
+        )  # no exponent: 33600, not 3.36e+04
+        return f"{self.source} ({shown} {unit}, {self.latency_s * 1e3:.3g} ms)"
 
 
 @dataclasses.dataclass(frozen=True)
