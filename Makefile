@@ -14,9 +14,10 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 RUN_STAMP  := $(VENV)/.lowcomm-run
 DEV_STAMP  := $(VENV)/.lowcomm-dev
+DOCS_STAMP := $(VENV)/.lowcomm-docs
 DEMO_ARGS  ?=
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test docs docs-serve lint format clean
 
 setup: $(DEV_STAMP)
 
@@ -30,11 +31,23 @@ $(DEV_STAMP): $(RUN_STAMP)
 	$(PY) -m pip install -e ".[dev]"
 	touch $(DEV_STAMP)
 
+$(DOCS_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 demo: $(RUN_STAMP)
 	$(VENV)/bin/lowcomm train --algo co2 --workers 2 $(DEMO_ARGS)
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
+
+# The documentation site into site/; strict: a broken link or anchor, a page missing from the
+# navigation or an API reference that does not resolve fails the build.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
@@ -46,4 +59,4 @@ format: $(DEV_STAMP)
 	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache .mypy_cache

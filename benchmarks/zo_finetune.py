@@ -19,7 +19,7 @@ Reproduce (about 10 minutes on 2 cores)::
 
     python benchmarks/zo_finetune.py
 
-It prints markdown and writes ``benchmarks/zo_finetune.md`` and ``benchmarks/zo_finetune.png``;
+It prints markdown and writes ``benchmarks/zo_finetune.md`` and ``docs/zo-finetune.png``;
 run folders go to ``benchmarks/results/zo/`` (not committed).
 """
 
@@ -261,8 +261,8 @@ def main() -> None:
             f"| {name} | {r['val_loss_initial']:.4f} -> {r['val_loss_final']:.4f} | "
             f"{r['bytes_sent_per_worker_per_step']:,.0f} |"
         )
-    _plot(curves, HERE / "zo_finetune.png")
-    lines += ["", "![held-out loss](zo_finetune.png)", ""]
+    _plot(curves, HERE.parent / "docs" / "zo-finetune.png")
+    lines += ["", "![held-out loss](../docs/zo-finetune.png)", ""]
     text = "\n".join(lines)
     (HERE / "zo_finetune.md").write_text(text)
     print(text)

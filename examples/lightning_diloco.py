@@ -69,7 +69,7 @@ class CausalLM(pl.LightningModule):
 torch.manual_seed(0)  # the same model on every process
 module = CausalLM()
 every = 5 * args.sync_every  # checkpoints and validation at round boundaries
-# the settings `lowcomm train` tuned for this algorithm and length (README: convergence study)
+# the settings `lowcomm train` tuned for this algorithm and length (docs/studies/convergence.md)
 job = TrainConfig(algo=args.algo, steps=args.steps, sync_every=args.sync_every, n_layer=2)
 trainer = pl.Trainer(
     accelerator="auto",

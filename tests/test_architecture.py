@@ -1,4 +1,4 @@
-"""The README's Architecture section: its worked example is the real definition, and the engine
+"""The documentation's Architecture page: its worked example is the real definition, and the engine
 derives what it says it derives from an algorithm's dataclass."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _architecture_blocks() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page.split("## Adding an algorithm", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
 
 

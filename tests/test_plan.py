@@ -215,10 +215,10 @@ def test_outer_algorithm_hides_the_slow_tier_with_enough_h() -> None:
     assert hidden.time.iteration_s == pytest.approx(free.time.iteration_s)
 
 
-# The validation tables as the README shows them (`lowcomm plan --validate megatron|frontier`):
+# The validation tables as docs/planner.md shows them (`lowcomm plan --validate megatron|frontier`):
 # ratio of predicted to published throughput (3 decimals), and for Frontier the rank of the
 # authors' layout among the feasible candidates, their count and the planner's best layout.
-README_MEGATRON = {  # ratio, rank of the published layout, feasible layouts (2021 toolbox)
+DOCS_MEGATRON = {  # ratio, rank of the published layout, feasible layouts (2021 toolbox)
     "gpt-1.7b": (0.982, 89, 665),
     "gpt-3.6b": (1.005, 189, 715),
     "gpt-7.5b": (1.009, 150, 734),
@@ -230,14 +230,14 @@ README_MEGATRON = {  # ratio, rank of the published layout, feasible layouts (20
     "gpt-530b": (0.992, 4, 87),
     "gpt-1t": (0.945, 3, 16),
 }
-README_FRONTIER = {
+DOCS_FRONTIER = {
     "frontier-22b": (1.042, 141, 437, "TP1 PP1 DP16 Z3 mb1 none"),
     "frontier-175b": (1.015, 39, 197, "TP4 PP16 DP2 Z1 mb1 none SP"),
     "frontier-1t": (0.945, 39, 89, "TP1 PP1 DP1024 Z3 mb1 full"),
 }
 # --validate published: (model, devices) -> ratio, rank of the layout (None: over memory),
 # feasible layouts of the unrestricted search
-README_PUBLISHED = {
+DOCS_PUBLISHED = {
     ("mcore-1.7b", 48): (1.007, 2, 5787),
     ("mcore-7.1b", 96): (0.997, 2, 2847),
     ("mcore-16b", 192): (0.981, 4, 2518),
@@ -255,17 +255,17 @@ README_PUBLISHED = {
 
 def test_megatron_and_frontier_tables_are_what_the_readme_shows() -> None:
     rows = validate_megatron()
-    assert [r["model"] for r in rows] == list(README_MEGATRON)
+    assert [r["model"] for r in rows] == list(DOCS_MEGATRON)
     for r in rows:
-        ratio, rank, feasible = README_MEGATRON[r["model"]]
+        ratio, rank, feasible = DOCS_MEGATRON[r["model"]]
         assert r["ratio"] == pytest.approx(ratio, abs=5e-4), r
         assert (r["rank"], r["candidates"]) == (rank, feasible), r
         assert abs(r["ratio"] - 1) <= 0.15, r  # the claim: every row within 15%
         assert r["feasible"], r  # every published layout fits in 80 GB
     front = validate_frontier()
-    assert [r["model"] for r in front] == list(README_FRONTIER)
+    assert [r["model"] for r in front] == list(DOCS_FRONTIER)
     for r in front:
-        ratio, rank, feasible, best = README_FRONTIER[r["model"]]
+        ratio, rank, feasible, best = DOCS_FRONTIER[r["model"]]
         assert r["ratio"] == pytest.approx(ratio, abs=5e-4), r
         assert abs(r["ratio"] - 1) <= 0.15, r
         assert (r["rank"], r["candidates"], r["best_layout"]) == (rank, feasible, best), r
@@ -278,9 +278,9 @@ def _geomean(values: list[float]) -> float:
 
 def test_published_runs_are_what_the_readme_shows_and_calibration_is_one_scalar() -> None:
     rows = validate_published()
-    assert [(r["model"], r["devices"]) for r in rows] == list(README_PUBLISHED)
+    assert [(r["model"], r["devices"]) for r in rows] == list(DOCS_PUBLISHED)
     for r in rows:
-        ratio, rank, feasible = README_PUBLISHED[(r["model"], r["devices"])]
+        ratio, rank, feasible = DOCS_PUBLISHED[(r["model"], r["devices"])]
         assert r["ratio"] == pytest.approx(ratio, abs=5e-4), r
         assert abs(r["ratio"] - 1) <= 0.15, r  # the claim: every row within 15%
         assert (r["rank"], r["candidates"]) == (rank, feasible), r

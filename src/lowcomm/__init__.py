@@ -1,7 +1,7 @@
 """lowcomm: data-parallel training over slow links.
 
-Workers train locally and exchange model deltas rarely and in the background. See the README
-for the algorithms and the ``lowcomm train`` job.
+Workers train locally and exchange model deltas rarely and in the background. The documentation
+(``docs/``, built by ``make docs``) has the algorithms and the ``lowcomm train`` job.
 """
 
 from lowcomm import compress, zo

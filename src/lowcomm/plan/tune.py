@@ -6,8 +6,8 @@ own loop).
 A sync of S bytes over bandwidth β takes about 8·S·c/β plus latency (c the codec's ratio); a
 round takes H·t (t the inner step's compute). Overlap hides τ·t of it; the rest is waited. The
 choice walks a ladder of settings, each rung costing more per token than the one before (the
-README's convergence study: codecs with error feedback cost nothing measurable, each extra step
-of staleness more), and takes the first rung whose predicted step time is within
+study in ``docs/studies/slow-links.md``: codecs with error feedback cost nothing measurable,
+each extra step of staleness more), and takes the first rung whose predicted step time is within
 :data:`SLACK` of the compute alone (and, when the next rung only changes the codec, whose
 syncs fit in :data:`HEADROOM` of the compute they overlap); when none hides the syncs, the rung
 with the fastest predicted step (the earlier on a tie). A rung that would change a setting the

@@ -39,7 +39,7 @@ JOB_OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "cocodc": dict(_STREAMED),
 }
 """Where this job's defaults differ from the library's (which stay the papers'), per ``--algo``,
-chosen from the sweep in the README ("Convergence study"; the 960-step job on 2 and 4 workers,
+chosen from the sweep in ``docs/studies/convergence.md`` (the 960-step job on 2 and 4 workers,
 every job with the warm start of :func:`job_sync_warmup`):
 
 * DiLoCo, Streaming DiLoCo, CoCoDC: outer lr 0.5 with Nesterov momentum 0.9 (best of 0.35, 0.5
