@@ -73,8 +73,9 @@ training = TrainingArguments(
 )
 trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=val)
 if args.algo != "ddp":  # --algo ddp: the same script without lowcomm, for comparison
-    # the settings `lowcomm train` tuned for this algorithm and length (docs/studies/convergence.md):
-    # here, outer Nesterov lr 0.5, a warm start of a quarter of the steps, ...
+    # the settings `lowcomm train` tuned for this algorithm and length
+    # (docs/studies/convergence.md): here, outer Nesterov lr 0.5, a warm start of a quarter
+    # of the steps, ...
     job = TrainConfig(algo=args.algo, steps=args.steps, sync_every=args.sync_every, n_layer=2)
     lowcomm.integrations.hf.attach(trainer, args.algo, **job.algorithm_kwargs())  # the line
 trainer.train(resume_from_checkpoint=True if args.resume else None)
