@@ -596,7 +596,7 @@ def _warm_overlap_worker(rank: int, world_size: int, codec: str | None) -> dict:
     """The warm start at the optimizer's step and the one launched during backward (buckets
     of 30 floats: the toy model's 4 tensors in 3 buckets), side by side."""
     from lowcomm.outer import CO2
-    from lowcomm.testing.reference import _backward
+    from lowcomm.testing.toy import toy_backward
 
     out: dict = {}
     for overlap in (False, True):
@@ -609,7 +609,7 @@ def _warm_overlap_worker(rank: int, world_size: int, codec: str | None) -> dict:
         launched_in_backward = []
         for step in range(1, 10):
             before = algo.stats.collectives
-            _backward(model, rank, step, 2)
+            toy_backward(model, rank, step, 2)
             launched_in_backward.append(algo.stats.collectives - before)
             inner.step()
             inner.zero_grad()

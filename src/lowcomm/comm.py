@@ -18,6 +18,9 @@ Counters (:class:`CommStats`), per worker:
 * ``hidden_fraction``: ``1 - blocked / in_flight``, the share of communication time that was
   overlapped with compute.
 
+The buckets are :mod:`lowcomm.buckets`'s, the counters and the wire bytes of each collective
+:mod:`lowcomm.counters`' (all importable from here).
+
 Example::
 
     comm = Communicator()                      # WORLD
@@ -34,14 +37,24 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from lowcomm.buckets import DEFAULT_BUCKET_CAP_MB, FlatBuckets, storage_nbytes
+from lowcomm.counters import (
+    CommStats,
+    DDPCommMeter,
+    all_gather_wire_bytes,
+    exchange_wire_bytes,
+    reduce_scatter_wire_bytes,
+    ring_wire_bytes,
+)
+
 __all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
     "host_store",
     "CommStats",
     "Communicator",
@@ -85,163 +98,6 @@ def spin_barrier(group: dist.ProcessGroup | None = None) -> None:
     if _BUSY_WAIT:
         _spin([work])
     work.wait()
-
-
-DEFAULT_BUCKET_CAP_MB = 25.0
-
-
-def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring all-reduce of ``payload_bytes``: 2 (N - 1) / N x payload."""
-    if world_size <= 1:
-        return 0
-    return int(round(2 * (world_size - 1) * payload_bytes / world_size))
-
-
-def reduce_scatter_wire_bytes(payload_bytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring reduce-scatter of ``payload_bytes`` (the full input):
-    (N - 1) / N x payload, half a ring all-reduce."""
-    if world_size <= 1:
-        return 0
-    return payload_bytes * (world_size - 1) // world_size
-
-
-def all_gather_wire_bytes(payload_bytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring all-gather of ``payload_bytes`` each: (N - 1) x payload."""
-    if world_size <= 1:
-        return 0
-    return (world_size - 1) * payload_bytes
-
-
-def exchange_wire_bytes(payload_bytes: int, group_size: int) -> int:
-    """Bytes each member sends in a group exchange of ``payload_bytes`` each (every member
-    sends its tensor to every other member): (n - 1) x payload, whatever the world size."""
-    return max(0, group_size - 1) * payload_bytes
-
-
-@dataclass
-class CommStats:
-    """Per-worker communication counters. See the module docstring for the definitions."""
-
-    collectives: int = 0
-    payload_bytes: int = 0
-    wire_bytes: int = 0
-    blocked_s: float = 0.0
-    in_flight_s: float = 0.0
-
-    @property
-    def hidden_fraction(self) -> float | None:
-        """``1 - blocked / in_flight``; ``None`` before anything was communicated."""
-        if self.in_flight_s <= 0.0:
-            return None
-        return min(1.0, max(0.0, 1.0 - self.blocked_s / self.in_flight_s))
-
-    def as_dict(self) -> dict[str, float | int | None]:
-        out: dict[str, float | int | None] = asdict(self)
-        out["hidden_fraction"] = self.hidden_fraction
-        return out
-
-    def metrics(self) -> dict[str, float | int | None]:
-        """The counters under the names loggers show: ``bytes_sent`` and ``bytes_received``
-        (wire bytes: every collective lowcomm runs, ring all-reduce, all-gather,
-        reduce-scatter and group exchange, receives as much as it sends), ``payload_bytes``,
-        ``blocked_s``, ``in_flight_s`` and ``hidden_fraction``."""
-        return {
-            "bytes_sent": self.wire_bytes,
-            "bytes_received": self.wire_bytes,
-            "payload_bytes": self.payload_bytes,
-            "blocked_s": self.blocked_s,
-            "in_flight_s": self.in_flight_s,
-            "hidden_fraction": self.hidden_fraction,
-        }
-
-
-class FlatBuckets:
-    """Contiguous fp32 buffers holding a list of tensors, with one view per tensor.
-
-    Tensors are packed in order into buckets of at most ``bucket_cap_mb`` (a tensor larger than
-    the cap gets a bucket of its own). ``views[i]`` has the shape of tensor ``i`` and aliases its
-    bucket, so ``torch._foreach_*`` over ``views`` and one collective per ``buffers`` entry see
-    the same memory.
-    """
-
-    def __init__(
-        self,
-        shapes: Sequence[torch.Size],
-        *,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        pad_to: int = 1,
-    ) -> None:
-        if bucket_cap_mb <= 0:
-            raise ValueError(
-                f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; 25 is a good default"
-            )
-        self.shapes = [torch.Size(s) for s in shapes]
-        self.bucket_cap_mb = bucket_cap_mb
-        self.device = torch.device(device)
-        self.dtype = dtype
-        cap = max(1, int(bucket_cap_mb * 1024 * 1024) // torch.finfo(dtype).bits * 8)
-        # layout: list of (bucket index, offset, numel) per tensor
-        self.layout: list[tuple[int, int, int]] = []
-        sizes: list[int] = []
-        for shape in self.shapes:
-            n = shape.numel()
-            if not sizes or (sizes[-1] > 0 and sizes[-1] + n > cap):
-                sizes.append(0)
-            self.layout.append((len(sizes) - 1, sizes[-1], n))
-            sizes[-1] += n
-        self.pad_to = pad_to
-        # Each bucket rounded up to a multiple of pad_to (sharded state: N equal chunks); the
-        # padding lies after the views and stays 0.
-        self.buffers: list[torch.Tensor] = [
-            torch.zeros(-(-n // pad_to) * pad_to, device=self.device, dtype=dtype) for n in sizes
-        ]
-        self.views: list[torch.Tensor] = [
-            self.buffers[b].narrow(0, off, n).view(shape)
-            for (b, off, n), shape in zip(self.layout, self.shapes)
-        ]
-
-    @classmethod
-    def for_tensors(
-        cls, tensors: Sequence[torch.Tensor], *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    ) -> FlatBuckets:
-        device = tensors[0].device if tensors else torch.device("cpu")
-        return cls([t.shape for t in tensors], bucket_cap_mb=bucket_cap_mb, device=device)
-
-    def like(self) -> FlatBuckets:
-        """New zeroed buckets with the same layout."""
-        return FlatBuckets(
-            self.shapes,
-            bucket_cap_mb=self.bucket_cap_mb,
-            device=self.device,
-            dtype=self.dtype,
-            pad_to=self.pad_to,
-        )
-
-    @property
-    def numel(self) -> int:
-        return sum(b.numel() for b in self.buffers)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:
-        assert len(tensors) == len(self.views)
-        torch._foreach_copy_(self.views, [t.detach() for t in tensors])
-
-    def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
-        assert len(tensors) == len(self.views)
-        with torch.no_grad():
-            torch._foreach_copy_(list(tensors), self.views)
-
-    def groups(self) -> list[list[int]]:
-        """Indices of the tensors in each bucket, in order (one collective per group)."""
-        out: list[list[int]] = [[] for _ in self.buffers]
-        for i, (b, _, _) in enumerate(self.layout):
-            out[b].append(i)
-        return out
 
 
 class Handle:
@@ -549,79 +405,6 @@ class Communicator:
         h = Handle([DoneWork() for _ in buffers], buffers, 1, CommStats())
         h.wait()
         return h
-
-
-class _LinkSchedule(Protocol):
-    def schedule(self, now: float, wire_bytes: int) -> float: ...
-
-
-class DDPCommMeter:
-    """Counts the gradient all-reduces of a ``DistributedDataParallel`` model, for comparison.
-
-    Registers a communication hook that does what DDP's default hook does (divide by N, then
-    all-reduce SUM asynchronously) and records payload and ring wire bytes, and each bucket's
-    time in flight. DDP overlaps bucket all-reduces with the rest of backward; after the last
-    bucket is launched backward only waits, so the time blocked is measured as the time from the
-    last launch until ``backward()`` returns: call :meth:`backward_done` right after it. With
-    ``link`` (a :class:`lowcomm.link.LinkModel`) each bucket completes no earlier than the
-    emulated link could have carried it.
-    """
-
-    def __init__(self, *, link: _LinkSchedule | None = None) -> None:
-        self.stats = CommStats()
-        self.link = link
-        self._last_launch: float | None = None
-        self._world_size = 1
-        self._group: dist.ProcessGroup | None = None
-
-    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        self._group = ddp_model.process_group
-        self._world_size = dist.get_world_size(self._group)
-        ddp_model.register_comm_hook(self, DDPCommMeter._hook)
-
-    # No annotations: DDP's register_comm_hook compares them with the real types, and this
-    # module's postponed (string) annotations would not compare equal.
-    @staticmethod
-    def _hook(meter, bucket):
-        tensor = bucket.buffer()
-        n = meter._world_size
-        payload = tensor.numel() * tensor.element_size()
-        meter.stats.collectives += 1
-        meter.stats.payload_bytes += payload
-        meter.stats.wire_bytes += ring_wire_bytes(payload, n)
-        tensor.div_(n)
-        t_launch = time.perf_counter()
-        meter._last_launch = t_launch
-        done_at = None
-        if meter.link is not None:
-            done_at = meter.link.schedule(time.monotonic(), ring_wire_bytes(payload, n))
-        fut = dist.all_reduce(tensor, group=meter._group, async_op=True).get_future()
-
-        def _done(f: torch.futures.Future) -> torch.Tensor:
-            if done_at is not None and done_at > time.monotonic():
-                # emulated link: not complete before the link could have carried it
-                time.sleep(max(0.0, done_at - time.monotonic()))
-            meter.stats.in_flight_s += time.perf_counter() - t_launch
-            return f.value()[0]
-
-        return fut.then(_done)
-
-    def backward_done(self) -> None:
-        """Record the time blocked at the end of this step's backward."""
-        if self._last_launch is not None:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()  # NCCL: wait for the real end
-            self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
-            self._last_launch = None
-
-
-def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def host_store(host: str, port: int = 0, **kwargs: Any) -> dist.TCPStore:

@@ -23,7 +23,7 @@ from lowcomm.registry import REGISTRY
 from lowcomm.train.metrics import json_safe, write_text
 
 if TYPE_CHECKING:
-    from lowcomm.bench.convergence import ConvergenceSpec
+    from lowcomm.bench.convergence_spec import ConvergenceSpec
 
 __all__ = ["assemble", "format_markdown", "wall_time", "write_report"]
 

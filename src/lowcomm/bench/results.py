@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lowcomm.bench.matrix import BenchSpec
+    from lowcomm.bench.matrix_spec import BenchSpec
 
 __all__ = ["RESULTS_VERSION", "assemble_results", "interpolate_time_to_target"]
 

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,24 @@ from torch.profiler import record_function
 from lowcomm.comm import Communicator, DoneWork, Handle
 from lowcomm.compress.formats import ElementwiseCodec, PowerSGD, orthogonalize
 
-if TYPE_CHECKING:
-    from lowcomm.compress.feedback import Compressor
-
-__all__ = ["CompressedHandle"]
+__all__ = ["CompressedHandle", "ErrorFeedback"]
 
 Work = dist.Work | DoneWork
+
+
+class ErrorFeedback(Protocol):
+    """What a :class:`CompressedHandle` reports back to the rank's error-feedback state while it
+    finishes (a :class:`lowcomm.compress.feedback.Compressor`): the collectives know no
+    residuals, the compressor knows no wire."""
+
+    def record_contribution(self, i: int, m: torch.Tensor, contribution: torch.Tensor) -> None:
+        """e ← M − C(M) for tensor ``i``, C(M) this rank's decoded contribution."""
+
+    def set_warm_start(self, i: int, q_mean: torch.Tensor) -> None:
+        """PowerSGD: the mean Q of tensor ``i`` starts its next round."""
+
+    def release(self, handle: CompressedHandle) -> None:
+        """``handle`` is finished: no mean is in flight any more."""
 
 
 @dataclass
@@ -92,7 +104,7 @@ class CompressedHandle(Handle):
     def __init__(
         self,
         comm: Communicator,
-        compressor: Compressor,
+        compressor: ErrorFeedback,
         views: Sequence[torch.Tensor],
         gather: list[GatherGroup],
         low_rank: list[LowRankGroup],

@@ -59,8 +59,8 @@ from lowcomm.hparams import (
     check_positive_int,
     hyper,
 )
-from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
-from lowcomm.outer.fragment import OuterState, Sync
+from lowcomm.outer.engine import OuterAlgorithm
+from lowcomm.outer.fragment import AnyFragment, OuterState, Sync
 from lowcomm.outer.functional import co2_outer_update_, delay_compensation_
 from lowcomm.outer.hparams import (
     OuterConfig,

@@ -26,7 +26,10 @@ H as its measured speed allows, the average weighted by the steps taken
 Subclasses set their ``Config`` dataclass (the constructor's keywords) and override a few
 hooks (``_outer_state``, ``_merge``, ``_choose_fragment``, ``_outer_input``, ``mean_async``
 (the collective: NoLoCo's group exchange), …). The guards every
-algorithm has are :mod:`lowcomm.outer.guards`.
+algorithm has are :mod:`lowcomm.outer.guards`; the engine's other bases hold its warm start
+(:mod:`lowcomm.outer.warm`), elastic syncs (:mod:`lowcomm.outer.fault_tolerance`), the loop's
+side of dynamic local steps (:mod:`lowcomm.outer.pace`) and its state and reports
+(:mod:`lowcomm.outer.state`).
 """
 
 from __future__ import annotations
@@ -44,38 +47,27 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import Communicator, FlatBuckets, Handle, storage_nbytes
+from lowcomm.comm import Communicator, Handle
 from lowcomm.compress.codecs import parse_compression
-from lowcomm.compress.feedback import Compressor
 from lowcomm.elastic.sync import ManagedCommunicator
-from lowcomm.guard import (
-    Description,
-    NonFiniteError,
-    all_finite,
-    describe_tensors,
-    explain_lost_collectives,
-)
+from lowcomm.guard import Description, all_finite, describe_tensors, explain_lost_collectives
 from lowcomm.hparams import HyperparameterError, describe, signature
-from lowcomm.outer.fragment import (
-    Fragment,
-    OuterState,
-    ShardedFragment,
-    Sync,
-)
+from lowcomm.outer.fault_tolerance import FaultTolerant
+from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState, ShardedFragment, Sync
 from lowcomm.outer.functional import pseudo_gradient_norm
-from lowcomm.outer.guards import Guards, log_repeated
+from lowcomm.outer.guards import Guards
 from lowcomm.outer.hparams import OuterConfig
-from lowcomm.outer.pace import Pace
-from lowcomm.params import check_partition, collect_params, load_tensors, split_by_blocks
+from lowcomm.outer.pace import DynamicSteps, Pace
+from lowcomm.outer.state import EngineState
+from lowcomm.outer.warm import WARM_BUCKET_MB, WARM_STREAM, WarmStart
+from lowcomm.params import check_partition, collect_params, split_by_blocks
 
 if TYPE_CHECKING:
     from lowcomm.elastic.sync import FaultTolerance
 
-__all__ = ["OuterAlgorithm"]
+__all__ = ["WARM_BUCKET_MB", "WARM_STREAM", "AnyFragment", "OuterAlgorithm"]
 
 logger = logging.getLogger(__name__)
-
-AnyFragment = Fragment | ShardedFragment
 
 
 class _Healed(Exception):  # noqa: N818 - a signal, not an error
@@ -83,33 +75,7 @@ class _Healed(Exception):  # noqa: N818 - a signal, not an error
     the step continues from there (:meth:`OuterAlgorithm._continue_healed`)."""
 
 
-WARM_STREAM = 1 << 16
-"""Stochastic-rounding stream of fragment i's warm-start compressor: WARM_STREAM + i (the
-fragments' own compressors use i); of bucket i's when the warm start overlaps backward."""
-
-WARM_BUCKET_MB = 1.0
-"""Bucket size (MB) of a warm start that overlaps backward
-(:meth:`OuterAlgorithm.warm_start_during_backward`): DDP's first bucket's, so that the last
-layers' gradients go out early."""
-
-
-class _WarmBucket:
-    """Parameters whose gradients a warm start overlapping backward averages together: their
-    flat buffer, its compressor (or None: fp32), how many of them have their gradient, and the
-    mean in flight."""
-
-    def __init__(self, params: list[torch.Tensor], compressor: Compressor | None) -> None:
-        self.params = params
-        shapes = [p.shape for p in params]
-        nbytes = 4 * sum(p.numel() for p in params)
-        cap_mb = nbytes / 2**20 + 1  # one buffer: the bucket is one collective
-        self.buf = FlatBuckets(shapes, bucket_cap_mb=cap_mb, device=params[0].device)
-        self.compressor = compressor
-        self.ready = 0
-        self.handle: Handle | None = None
-
-
-class OuterAlgorithm(Guards):
+class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards):
     """The engine (see the module docstring); not used directly. Every algorithm takes an
     ``nn.Module`` or iterable of parameters, the inner optimizer whose ``step()`` drives the
     schedule, its ``Config``'s keywords, and ``process_group`` (``None``: WORLD; a subgroup runs
@@ -201,26 +167,7 @@ class OuterAlgorithm(Guards):
             # (with fault tolerance a joiner takes its donor's model and settings are checked
             # by the job; replicas have no fixed group to compare over)
             self._unchecked = describe_tensors(named)
-        self._warm_compressors: list[Compressor] = []
-        """The warm start's compressors, one per fragment (``sync_warmup_compression``), or one
-        per bucket when it overlaps backward."""
-        self._warm_buckets: list[_WarmBucket] = []
-        self._warm_grad_hooks: list[RemovableHandle] = []
-        warm_codec = parse_compression(self.config.sync_warmup_compression)
-        if self.warmup > 0:
-            self._warm_hook = self.inner.register_step_pre_hook(lambda *_: self._average_grads())
-            if warm_codec is not None:
-                for i, frag in enumerate(self.fragments):
-                    buf = frag.warm_buffer()
-                    self._warm_compressors.append(
-                        Compressor(
-                            warm_codec,
-                            buf.shapes,
-                            rank=self.comm.rank,
-                            device=buf.device,
-                            stream=WARM_STREAM + i,
-                        )
-                    )
+        self._init_warm_start()
         if self.ft is not None:
             self._check_fault_tolerance()
             self.ft.register("lowcomm", self._heal_state, self._load_heal_state)
@@ -382,44 +329,6 @@ class OuterAlgorithm(Guards):
                 if self.pace is not None:
                     self.pace.end()
 
-    def takes_step(self) -> bool:
-        """Whether this rank takes an inner step before its next :meth:`step` call: always with
-        ``local_steps="fixed"``; with ``"dynamic"``, at H_j of each round's H positions
-        (:mod:`lowcomm.outer.pace`). A loop with dynamic local steps asks before every step::
-
-            if algo.takes_step():
-                loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-            algo.step()
-        """
-        return self.pace is None or self.pace.steps_here(self.local_step + 1)
-
-    def steps_done(self, *, including_next: bool = False) -> float:
-        """Inner steps per rank taken so far (``including_next``: once the next position's are
-        taken too): the step count with fixed local steps; with dynamic ones every rank's steps
-        since the start over N — what a learning-rate schedule that follows the tokens reads,
-        equal to the step count, exactly, when every rank steps at every position."""
-        if self.pace is None:
-            return float(self.local_step + int(including_next))
-        pace = self.pace
-        work = pace.work_through(self.local_step + 1) if including_next else sum(pace.taken)
-        return work / self.world_size
-
-    def set_total_steps(self, steps: int) -> None:
-        """With dynamic local steps, the job's length: ``steps`` inner steps per rank at equal
-        speeds, i.e. steps × N taken by all ranks together; the plan of the round that reaches
-        it is cut to what is left (each rank in proportion), so that the job ends at a round
-        boundary with exactly that many tokens. A no-op with fixed local steps."""
-        if self.pace is not None:
-            self.pace.budget = int(steps) * self.world_size
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner steps this rank took (with dynamic local steps, fewer than :meth:`step` calls
-        on a slower rank)."""
-        if self.pace is None:
-            return self.local_step
-        return self.pace.taken[self.comm.rank]
-
     @property
     def at_round_boundary(self) -> bool:
         """Whether the last :meth:`step` ended a round (of the warm start or after it)."""
@@ -451,234 +360,6 @@ class OuterAlgorithm(Guards):
         if phase % self.sync_every == 0:
             self.rounds += 1
 
-    def _pace_position(self, pace: Pace, q: int) -> None:
-        """Dynamic local steps at position ``q``: time this rank's inner step (if it took one),
-        count every rank's; inside the warm start a rank that passed the position takes the
-        optimizer step with the others' mean (its pre-hook averages), like DDP's ranks."""
-        here = pace.steps_here(q)
-        pace.begin(here)
-        if q <= self.warmup and not here:
-            self.inner.step()
-            self.inner.zero_grad(set_to_none=True)
-            pace.waited = 0.0  # (waited inside step(): not in the next step's time)
-        pace.advance(q)
-
-    def warm_start_by_caller(self) -> None:
-        """For loops whose ``optimizer.step()`` may not run on every rank (a ``GradScaler``
-        skips it on a rank whose gradients overflowed): the warm start's gradient mean is no
-        longer taken in a step pre-hook of the inner optimizer, but by
-        :meth:`before_inner_step`, which the loop then calls before every inner step on every
-        rank. The trainer integrations do this."""
-        if self._warm_hook is not None:
-            self._warm_hook.remove()
-            self._warm_hook = None
-
-    def warm_start_during_backward(self, bucket_cap_mb: float = WARM_BUCKET_MB) -> None:
-        """Launch the warm start's gradient means during backward, a bucket as soon as its
-        gradients are accumulated (buckets of ``bucket_cap_mb`` in reverse parameter order, the
-        order backward produces them, as DDP's), instead of all at the optimizer's step, which
-        then only waits: the link carries the first buckets while backward computes the rest.
-        The same means bit for bit (every codec encodes each tensor on its own), except that
-        stochastic rounding draws per bucket. Only for loops that run exactly one backward per
-        inner step and leave the gradients alone between it and ``optimizer.step()`` (no
-        gradient accumulation, no clipping); call before :meth:`load_state_dict`. A no-op
-        without a warm start."""
-        if self.warmup == 0 or self.local_step >= self.warmup or self._warm_buckets:
-            return
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; e.g. 1.0")
-        codec = parse_compression(self.config.sync_warmup_compression)
-        cap = bucket_cap_mb * 1024 * 1024
-        groups: list[list[torch.Tensor]] = [[]]
-        size = 0.0
-        for p in reversed(self.params):  # a tensor larger than the cap gets a bucket of its own
-            nbytes = p.numel() * 4
-            if groups[-1] and size + nbytes > cap:
-                groups.append([])
-                size = 0.0
-            groups[-1].append(p)
-            size += nbytes
-        for i, params in enumerate(groups):
-            comp = None
-            if codec is not None:
-                comp = Compressor(
-                    codec,
-                    [p.shape for p in params],
-                    rank=self.comm.rank,
-                    device=params[0].device,
-                    stream=WARM_STREAM + i,
-                )
-            bucket = _WarmBucket(params, comp)
-            self._warm_buckets.append(bucket)
-            for p in params:
-                hook = p.register_post_accumulate_grad_hook(
-                    lambda _p, b=bucket: self._warm_grad_ready(b)
-                )
-                self._warm_grad_hooks.append(hook)
-        self._warm_compressors = [b.compressor for b in self._warm_buckets if b.compressor]
-
-    def _warm_grad_ready(self, bucket: _WarmBucket) -> None:
-        """A parameter of ``bucket`` has its gradient: launch the bucket's mean once all have."""
-        if self.local_step >= self.warmup:
-            return
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params) and bucket.handle is None:
-            self._launch_warm(bucket)
-
-    def _warm_factor(self) -> float:
-        """This rank's factor in the warm-start mean of the current step (dynamic local steps:
-        0 where it passed the position; else 1)."""
-        return 1.0 if self.pace is None else self.pace.warm_factor(self.local_step + 1)
-
-    def _launch_warm(self, bucket: _WarmBucket) -> None:
-        with torch.no_grad():
-            bucket.buf.copy_from(
-                [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-            )
-            factor = self._warm_factor()
-            if factor != 1.0:
-                torch._foreach_mul_(bucket.buf.views, factor)
-            if bucket.compressor is not None:
-                bucket.handle = self.comm.compressed_mean_async(bucket.buf, bucket.compressor)
-            else:
-                bucket.handle = self.comm.all_reduce_mean_async(bucket.buf.buffers)
-
-    def before_inner_step(self) -> None:
-        """Inside the warm start (``sync_warmup``), average the gradients over the ranks (see
-        :meth:`warm_start_by_caller`); a no-op after it."""
-        if self.local_step < self.warmup:
-            self._average_grads()
-
-    def _warm_step(self) -> None:
-        """After a warm-start step: the anchor follows θ (the same on every rank)."""
-        for frag in self.fragments:
-            frag.anchor_from_params()
-        if self.pace is not None and self.local_step % self.sync_every == 0:
-            self.pace.measure_now(self.local_step)
-        if self.local_step >= self.warmup:
-            if self.pace is not None:
-                self.pace.schedule_starts()
-            self._end_warmup()
-
-    def _end_warmup(self) -> None:
-        if self._warm_hook is not None:
-            self._warm_hook.remove()
-            self._warm_hook = None
-        for hook in self._warm_grad_hooks:
-            hook.remove()
-        self._warm_grad_hooks = []
-        self._warm_buckets = []
-        self._warm_compressors = []  # their residuals are no longer needed
-
-    def _average_grads(self) -> None:
-        """The warm start (``sync_warmup``), before each of the first K inner steps: every
-        gradient ← its mean over the ranks, blocking, as DDP would, so the inner optimizers
-        take DDP's steps and stay equal. Post-local SGD: Lin et al., ICLR 2020
-        (https://arxiv.org/abs/1808.07217), synchronous through the fast-moving start, local
-        after it. A mean holding NaN or Inf skips the step alike on every rank (gradients set
-        to None) or raises (``nan_policy="raise"``)."""
-        if self.local_step >= self.warmup:
-            self._end_warmup()
-            return
-        if self._warm_buckets:
-            self._average_grads_launched()
-            return
-        with torch.no_grad(), record_function(f"{self._profile_tag}::warm_start"):
-            grads = [
-                [p.grad if p.grad is not None else torch.zeros_like(p) for p in f.params]
-                for f in self.fragments
-            ]
-            bufs = [f.warm_buffer() for f in self.fragments]
-            # Every fragment's mean is launched before any is waited on: one link round trip a
-            # step, not one per fragment (the same collectives in the same order on every rank).
-            handles = []
-            factor = self._warm_factor()
-            for i, (buf, g) in enumerate(zip(bufs, grads)):
-                buf.copy_from(g)
-                if factor != 1.0:
-                    torch._foreach_mul_(buf.views, factor)
-                if self._warm_compressors:
-                    # the mean of every rank's decoded g + e; e keeps what the codec dropped
-                    handles.append(self.comm.compressed_mean_async(buf, self._warm_compressors[i]))
-                else:
-                    handles.append(self.comm.all_reduce_mean_async(buf.buffers))
-            t0 = self._clock()
-            for handle in handles:
-                handle.wait()
-            self._waited_since(t0)
-            if not all(all_finite(buf.views) for buf in bufs):
-                self._skip_warm_step()
-                return
-            for frag, buf, g in zip(self.fragments, bufs, grads):
-                buf.copy_to(g)
-                for p, gp in zip(frag.params, g):
-                    p.grad = gp
-
-    def _average_grads_launched(self) -> None:
-        """The warm start overlapping backward, at the optimizer's step: launch what backward
-        did not (parameters without a gradient), wait for every bucket, set the means."""
-        with torch.no_grad(), record_function(f"{self._profile_tag}::warm_start"):
-            for bucket in self._warm_buckets:  # in the same order on every rank
-                if bucket.handle is None:
-                    self._launch_warm(bucket)
-            again = any(b.ready > len(b.params) for b in self._warm_buckets)
-            t0 = self._clock()
-            for bucket in self._warm_buckets:
-                assert bucket.handle is not None
-                bucket.handle.wait()
-                bucket.handle, bucket.ready = None, 0
-            self._waited_since(t0)
-            if again:
-                raise ValueError(
-                    f"{type(self).__name__}.warm_start_during_backward(): gradients were "
-                    "accumulated again after their mean was launched (more than one backward "
-                    "in an inner step); leave the warm start at the optimizer's step for loops "
-                    "that accumulate gradients"
-                )
-            if not all(all_finite(b.buf.views) for b in self._warm_buckets):
-                self._skip_warm_step()
-                return
-            for bucket in self._warm_buckets:
-                for p, mean in zip(bucket.params, bucket.buf.views):
-                    if p.grad is None:
-                        p.grad = mean.clone()
-                    else:
-                        p.grad.copy_(mean)
-
-    def _waited_since(self, t0: float) -> None:
-        """Dynamic local steps: the time since ``t0`` was spent waiting for a warm-start mean,
-        not computing."""
-        if self.pace is not None:
-            self.pace.waited += self.pace.clock() - t0
-
-    def _clock(self) -> float:
-        return self.pace.clock() if self.pace is not None else 0.0
-
-    def _skip_warm_step(self) -> None:
-        """A warm-start mean holds NaN or Inf: skip the step alike on every rank (gradients set
-        to None), or raise (``nan_policy="raise"``)."""
-        self.skipped_updates += 1
-        message = (
-            f"{type(self).__name__}: the averaged gradient of warm-start step "
-            f"{self.local_step + 1} holds NaN or Inf (rank {self.comm.rank})"
-        )
-        if self.nan_policy == "raise":
-            raise NonFiniteError(
-                f"{message}; lower the learning rate, check the data, or use "
-                "nan_policy='skip' to drop such steps"
-            )
-        if self.comm.rank == 0:  # the same event on every rank: told once
-            log_repeated(
-                self.skipped_updates,
-                "%s: step skipped alike on every rank (%d skipped so far)",
-                message,
-                self.skipped_updates,
-            )
-        for p in self.params:
-            p.grad = None
-        for comp in self._warm_compressors:
-            comp.drop_non_finite()  # a non-finite residual would poison every mean
-
     def _on_step(self, step: int, *, quorum: bool = True) -> None:
         # Launch before applying: with τ = 0 (or τ = H) both concern this step's fragment;
         # at τ = H a merge that keeps the progress since launch applies first (_apply_first).
@@ -703,12 +384,6 @@ class OuterAlgorithm(Guards):
                     frag = self.fragments[self._choose_fragment(k)]
                     self._update(frag, None, None)
                     frag.anchor.copy_to(frag.params)
-
-    def _quorum(self) -> bool:
-        """With fault tolerance, before a sync is launched: join its quorum; returns whether
-        this replica was healed in it (then it stands where its donor stood, at this same
-        launch, and takes part in it without contributing)."""
-        return self.ft is not None and self.ft.quorum()
 
     def _launch(self, k: int) -> None:
         f = self._choose_fragment(k)
@@ -756,90 +431,6 @@ class OuterAlgorithm(Guards):
             self.pace.applied(k, self.local_step)
         if self.ft is not None:
             self.ft.contributing = True
-
-    # -- fault tolerance (lowcomm.elastic.sync) ------------------------------------------------
-
-    def _fault_tolerance(self, replica: Any, process_group: Any) -> FaultTolerance:
-        from lowcomm.elastic.sync import FaultTolerance
-
-        if process_group is not None:
-            raise ValueError(
-                "pass fault_tolerance or process_group, not both: with fault tolerance the "
-                "quorum of each sync is the group"
-            )
-        return FaultTolerance(replica)
-
-    def _check_fault_tolerance(self) -> None:
-        """Refuse what elastic syncs do not support yet, with the reason."""
-        name = type(self).__name__
-        refusals = [
-            (
-                self.warmup > 0,
-                "sync_warmup > 0 (the warm start averages every step, and a "
-                "quorum per inner step is not what fault tolerance here does): use sync_warmup=0",
-            ),
-            (
-                self.compression is not None,
-                "compression (its collectives are all-gathers, "
-                "which torchft's Manager does not carry): leave compression unset",
-            ),
-            (
-                self.shard_outer_state,
-                "shard_outer_state (its reduce-scatter is not carried by "
-                "torchft's Manager): leave it off",
-            ),
-            (self.schedule == "gossip", "gossip groups (NoLoCo's pairs need a fixed group)"),
-            (
-                self.pace is not None,
-                "local_steps='dynamic' (its plans assume a fixed group of ranks): use 'fixed'",
-            ),
-            (
-                self.overlap >= self.interval,
-                f"overlap {self.overlap} >= sync_every / "
-                f"num_fragments = {self.interval}: a sync would be launched before the last one "
-                "is applied, across a quorum that can rebuild the group; use a smaller overlap "
-                "(the job's CO2 uses 1)",
-            ),
-        ]
-        for refused, why in refusals:
-            if refused:
-                raise ValueError(f"{name} with fault_tolerance: {why}")
-
-    def _commit(self, frag: AnyFragment) -> bool:
-        """Wait for the sync in flight, then vote; ``False``: drop it (popped, not applied)."""
-        assert self.ft is not None
-        sync = frag.pending[0]
-        sync.handle.wait()
-        if self.ft.commit():
-            return True
-        frag.pending.popleft()
-        return False
-
-    def _heal_state(self) -> dict[str, Any]:
-        """What a donor sends a replica it heals (in torchft's quorum thread, while this
-        replica's loop waits in the quorum: nothing is in flight)."""
-        return {
-            "algorithm": self.state_dict(),
-            "params": [p.detach().clone() for p in self.params],
-            "inner": self.inner.state_dict(),
-        }
-
-    def _load_heal_state(self, state: dict[str, Any]) -> None:
-        self.load_state_dict(state["algorithm"], _healing=True)
-        with torch.no_grad():
-            load_tensors({"params": state["params"]}, "params", self.params)
-        self.inner.load_state_dict(state["inner"])
-
-    def _continue_healed(self) -> None:
-        """Right after this replica was healed at its first step: it stands where its donor
-        stood, inside the step that launches the sync (its inner step just taken is dropped:
-        its parameters are the donor's); finish that step as the donor does, without a second
-        quorum."""
-        phase = self.local_step - self.warmup
-        with torch.no_grad():
-            self._on_step(phase, quorum=False)
-        if phase % self.sync_every == 0:
-            self.rounds += 1
 
     def on_average(
         self,
@@ -910,29 +501,6 @@ class OuterAlgorithm(Guards):
                 f"of times ({listed}); every rank must call step() once after every inner step"
             )
 
-    # -- metrics -------------------------------------------------------------------------------
-
-    def metrics(self) -> dict[str, float | int | None]:
-        """This rank's numbers for loggers (:mod:`lowcomm.integrations.loggers`):
-
-        * ``outer_step``: syncs applied (the x-axis of lowcomm's scalars), ``inner_step``:
-          inner steps taken, ``rounds``: rounds of H completed;
-        * ``pseudo_grad_norm``: ‖A − θᵢ‖, this rank's pseudo-gradient at its last launch (of the
-          fragment launched, the whole model unless ``num_fragments`` > 1), before any
-          compression; ``None`` before the first;
-        * :meth:`CommStats.metrics <lowcomm.comm.CommStats.metrics>` (bytes sent and received,
-          time blocked, hidden fraction), and ``skipped_updates`` (non-finite averages dropped).
-
-        Reading ``pseudo_grad_norm`` waits for the device (once per call)."""
-        return {
-            "outer_step": self.sync_points,
-            "inner_step": self.local_step,
-            "rounds": self.rounds,
-            "pseudo_grad_norm": None if self._pg_norm is None else float(self._pg_norm),
-            **self.comm.stats.metrics(),
-            "skipped_updates": self.skipped_updates,
-        }
-
     # -- hook form -----------------------------------------------------------------------------
 
     def __enter__(self) -> OuterAlgorithm:
@@ -961,126 +529,6 @@ class OuterAlgorithm(Guards):
         # On an exception the other ranks may be gone: waiting on a collective could hang.
         if exc_type is None:
             self.finish()
-
-    # -- memory and state ----------------------------------------------------------------------
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds beyond the model and inner optimizer (each storage once):
-        ``"state"`` persists between syncs (anchor, outer state, error feedback; 1/N sharded),
-        ``"buffers"`` are for communication (pseudo-gradients in flight, snapshots)."""
-        state: list[torch.Tensor] = []
-        for c in self._compressors():
-            state += [*c.residuals, *c.q.values()]
-        buffers: list[torch.Tensor] = []
-        for frag in self.fragments:
-            state += frag.state_tensors()
-            buffers += frag.buffer_tensors()
-        return {"state": storage_nbytes(state), "buffers": storage_nbytes(buffers)}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: counters, anchors, outer state, and the results of
-        collectives in flight (waited for, not applied: resuming gives the same numbers)."""
-        state: dict[str, Any] = {
-            **self._identity(),
-            "local_step": self.local_step,
-            "rounds": self.rounds,
-            "sync_points": self.sync_points,
-            "skipped_updates": self.skipped_updates,
-            "in_flight": [[k, f] for k, f in sorted(self._in_flight.items())],
-        }
-        if self._flat_state:
-            state.update(self.fragment.state_dict())
-        else:
-            for i, frag in enumerate(self.fragments):
-                state[f"fragment_{i}"] = frag.state_dict()
-        state.update(self._extra_state())
-        if self.pace is not None:
-            state["pace"] = self.pace.state_dict()
-        if self._warm_compressors:
-            state["warm_compression"] = [c.state_dict() for c in self._warm_compressors]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any], *, _healing: bool = False) -> None:
-        """Restore :meth:`state_dict` output; refuses state from another configuration."""
-        for key, mine in self._identity().items():
-            if _healing and key == "world_size":
-                continue  # a donor's quorum is this replica's too
-            if key in ("num_fragments", "overlap") and self._flat_state:
-                state = {key: mine, **state}  # older one-fragment state_dicts lack them
-            if key == "sync_warmup" and mine == 0:
-                state = {key: mine, **state}  # and state_dicts from before the warm start
-            if key == "local_steps" and mine == "fixed":
-                state = {key: mine, **state}  # and from before dynamic local steps
-            if key not in state:
-                raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
-            if state[key] != mine:
-                raise ValueError(
-                    f"state_dict was saved with {key}={state[key]!r} but this "
-                    f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
-                )
-        # inside the warm start, its compressors' residuals (one per fragment) must come along
-        inside_warmup = int(state["local_step"]) < self.warmup
-        warm = state.get("warm_compression") if inside_warmup else None
-        if inside_warmup and len(warm or []) != len(self._warm_compressors):
-            raise ValueError(
-                "state_dict was saved inside the warm start with another "
-                f"sync_warmup_compression than this run's "
-                f"({self.config.sync_warmup_compression!r}); resume with the same settings"
-            )
-        self._load_extra_state(state)
-        if self.pace is not None:
-            self.pace.load_state_dict(state["pace"])
-        if self._flat_state:
-            self.fragment.load_state_dict(state)
-        for i, frag in enumerate(self.fragments if not self._flat_state else []):
-            key = f"fragment_{i}"
-            if key not in state:
-                raise ValueError(f"{type(self).__name__} state_dict is missing {key!r}")
-            frag.load_state_dict(state[key])
-        local_step = int(state["local_step"])
-        if "in_flight" in state:
-            in_flight = {int(k): int(f) for k, f in state["in_flight"]}
-        else:  # older one-fragment state_dicts: the sync in flight is applied next
-            k = (local_step - self.warmup + self.overlap) // self.interval
-            in_flight = {k: 0} if self.fragment.pending else {}
-        for f, frag in enumerate(self.fragments):
-            if len(frag.pending) != sum(1 for g in in_flight.values() if g == f):
-                raise ValueError(
-                    f"state_dict lists fragment {f} in flight but holds no result for it (or "
-                    "the other way round); the checkpoint is inconsistent"
-                )
-        for comp, saved in zip(self._warm_compressors, warm or []):
-            comp.load_state_dict(saved)
-        # counters last: a state_dict refused half-way leaves them as they were
-        self._in_flight = in_flight
-        self._to_advance = []
-        self.local_step = local_step
-        if local_step >= self.warmup:
-            self._end_warmup()
-        self.rounds = int(state["rounds"])
-        self.sync_points = int(state.get("sync_points", 0))
-        self.skipped_updates = int(state.get("skipped_updates", 0))
-        if self._unchecked is not None:
-            # ranks resuming mid-round hold different values: compare the rest only
-            self._unchecked = [e for e in self._unchecked if not e[0].startswith("values of")]
-
-    def _identity(self) -> dict[str, Any]:
-        """What a state_dict must have been saved with to load here."""
-        return {
-            "algorithm": self.name,
-            "sync_every": self.sync_every,
-            "world_size": self.world_size,
-            "num_fragments": self.num_fragments,
-            "overlap": self.overlap,
-            "sync_warmup": self.warmup,
-            "local_steps": self.config.local_steps,
-        }
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
 
     @classmethod
     def validate(cls, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ import copy
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,10 +35,15 @@ from lowcomm.guard import optimizer_settings, optimizer_state_tensors
 from lowcomm.outer.functional import pseudo_gradient_
 from lowcomm.params import load_tensors
 
-if TYPE_CHECKING:
-    from lowcomm.outer.engine import OuterAlgorithm
-
-__all__ = ["Fragment", "OptimizerState", "OuterState", "ShardedFragment", "Sync"]
+__all__ = [
+    "AnyFragment",
+    "Engine",
+    "Fragment",
+    "OptimizerState",
+    "OuterState",
+    "ShardedFragment",
+    "Sync",
+]
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 Scale = Callable[[list[torch.Tensor], torch.optim.Optimizer], None]
@@ -133,6 +138,28 @@ class Sync:
     """Sharded: whether the owner's update was applied (False: skipped by the guard)."""
 
 
+class Engine(Protocol):
+    """What a fragment asks of the engine that owns it
+    (:class:`~lowcomm.outer.engine.OuterAlgorithm`): its communicator, the check of this rank's
+    own contribution at launch, the collective of an uncompressed sync, and what to do with an
+    average once it has arrived."""
+
+    comm: Communicator
+
+    def check_own(self, delta: Sequence[torch.Tensor]) -> bool: ...
+
+    def mean_async(self, buffers: list[torch.Tensor]) -> Handle: ...
+
+    def on_average(
+        self,
+        frag: AnyFragment,
+        sync: Sync,
+        anchor: list[torch.Tensor],
+        avg: list[torch.Tensor],
+        finite: bool | None,
+    ) -> bool: ...
+
+
 class _ShardedPhases:
     """The handle of a sharded sync: ``second_phase()`` once (it returns the all-gather), then
     the all-gather waited for. ``None``: already complete (restored from a checkpoint)."""
@@ -167,7 +194,7 @@ class Fragment:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        engine: OuterAlgorithm,
+        engine: Engine,
         *,
         outer: Callable[[list[torch.Tensor]], OuterState] | None,
         bucket_cap_mb: float,
@@ -307,7 +334,7 @@ class ShardedFragment:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        engine: OuterAlgorithm,
+        engine: Engine,
         *,
         outer: Callable[[list[torch.Tensor]], OuterState],
         bucket_cap_mb: float,
@@ -450,9 +477,13 @@ class ShardedFragment:
             )
 
 
-def _sharding_mismatch(saved_sharded: bool, engine: OuterAlgorithm) -> str:
+def _sharding_mismatch(saved_sharded: bool, engine: Engine) -> str:
     return (
         f"state_dict was saved with shard_outer_state={saved_sharded} but this "
         f"{type(engine).__name__} has shard_outer_state={not saved_sharded}; resume with the "
         "same settings"
     )
+
+
+AnyFragment = Fragment | ShardedFragment
+"""A fragment, whole or sharded: what the engine and the guards hold."""

@@ -28,14 +28,13 @@ from lowcomm.guard import (
     optimizer_state_tensors,
     zero_non_finite_,
 )
-from lowcomm.outer.fragment import Sync
+from lowcomm.outer.fragment import AnyFragment, Sync
 from lowcomm.outer.hparams import ShardableConfig
 
 if TYPE_CHECKING:
     from lowcomm.comm import Communicator
     from lowcomm.compress.codecs import Codec
     from lowcomm.compress.lgreco import LGreCo
-    from lowcomm.outer.engine import AnyFragment
     from lowcomm.outer.hparams import OuterConfig
 
 __all__ = ["Guards", "log_repeated"]

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.guard import NonFiniteError
-from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
-from lowcomm.outer.fragment import Sync
+from lowcomm.outer.engine import OuterAlgorithm
+from lowcomm.outer.fragment import AnyFragment, Sync
 from lowcomm.outer.hparams import OuterConfig
 
 __all__ = ["LocalSGD", "LocalSGDConfig"]

@@ -41,8 +41,8 @@ import torch
 
 from lowcomm.comm import FlatBuckets, Handle
 from lowcomm.hparams import HyperparameterError, check_number, hyper
-from lowcomm.outer.engine import AnyFragment, OuterAlgorithm
-from lowcomm.outer.fragment import Fragment, OuterState
+from lowcomm.outer.engine import OuterAlgorithm
+from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState
 from lowcomm.outer.functional import noloco_groups, noloco_outer_update_
 from lowcomm.outer.hparams import OuterConfig, outer_lr, outer_momentum, overlap
 from lowcomm.params import load_tensors

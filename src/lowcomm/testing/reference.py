@@ -14,34 +14,35 @@ A scenario is a plain dict::
 ``hyper`` may hold ``"compression"`` (a spec string): every worker then compresses its
 pseudo-gradient with the same codec and error feedback as the algorithms (:class:`RefCompression`),
 and the mean is the mean of the decoded contributions.
+
+The toy problem and the real algorithms' run of it are :mod:`lowcomm.testing.toy`'s, the
+compressed means :mod:`lowcomm.testing.ref_compression`'s (both importable from here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import warnings
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from lowcomm.compress.codecs import (
-    Codec,
-    ElementwiseCodec,
-    PowerSGD,
-    Raw,
-    orthogonalize,
-    parse_compression,
-)
-from lowcomm.compress.feedback import worker_generator
-from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.optim.delayed_nesterov import DelayedNesterov
 from lowcomm.outer import ALGORITHMS
-from lowcomm.outer.engine import WARM_STREAM
 from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW, noloco_groups
+from lowcomm.outer.warm import WARM_STREAM
+from lowcomm.testing.ref_compression import RefCompression, rank_order_mean
+from lowcomm.testing.toy import (
+    distributed_run,
+    inner_step,
+    make_inner,
+    schedule_lr,
+    toy_backward,
+    toy_batch,
+    toy_model,
+    trainable_params,
+)
 
 __all__ = [
     "RefCompression",
@@ -62,74 +63,6 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
 overrides them)."""
 
 
-def toy_model(seed: int = 0) -> nn.Module:
-    """A small MLP with parameters of several shapes (so buckets split them)."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model
-
-
-def toy_batch(worker: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Worker ``worker``'s batch at inner step ``step``: different on every worker and step."""
-    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * worker + step)
-    x = torch.randn(4, 6, generator=g)
-    y = torch.randn(4, 3, generator=g)
-    return x, y
-
-
-def make_inner(kind: str, params: Any) -> torch.optim.Optimizer:
-    """The inner optimizer of the toy problem: ``"sgd"`` (lr 0.1) or ``"adamw"`` (lr 0.01)."""
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=0.01)
-    raise ValueError(f"unknown inner optimizer {kind!r}")
-
-
-def inner_step(
-    model: nn.Module, inner: torch.optim.Optimizer, worker: int, step: int, seed: int
-) -> None:
-    """One inner step of worker ``worker`` at step ``step`` on the toy problem: MSE loss of
-    ``model`` on :func:`toy_batch` ``(worker, step, seed)``, backward, ``inner.step()``, gradients
-    zeroed. The references and the real algorithms' test runs take exactly this step, so their
-    parameters can be compared bit for bit.
-
-    Example::
-
-        model = toy_model()
-        inner = make_inner("sgd", model.parameters())
-        for step in range(1, 4):
-            inner_step(model, inner, worker=0, step=step, seed=0)
-    """
-    _backward(model, worker, step, seed)
-    inner.step()
-    inner.zero_grad()
-
-
-def _backward(model: nn.Module, worker: int, step: int, seed: int) -> None:
-    """The toy problem's gradients: MSE of ``model`` on worker ``worker``'s batch at ``step``."""
-    x, y = toy_batch(worker, step, seed)
-    nn.functional.mse_loss(model(x), y).backward()
-
-
-def _schedule_lr(inner: torch.optim.Optimizer, step: int, scenario: dict[str, Any]) -> None:
-    """``scenario["lr_decay"]``: the inner lr becomes initial_lr · decay^step (SlowMo and an
-    outer lr that follows the inner schedule read it)."""
-    decay = scenario.get("lr_decay")
-    if decay is None:
-        return
-    for group in inner.param_groups:
-        base = group.setdefault("initial_lr", group["lr"])
-        group["lr"] = base * decay**step
-
-
-def _params(model: nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def _part(d: torch.Tensor, n: int, weight: float | None) -> torch.Tensor:
     """An eager update's own share of ``d``: d/N, or ``weight``·d."""
     return d / n if weight is None else d * float(weight)
@@ -138,105 +71,6 @@ def _part(d: torch.Tensor, n: int, weight: float | None) -> torch.Tensor:
 def _grad(param: torch.Tensor) -> torch.Tensor:
     assert param.grad is not None
     return param.grad.float()
-
-
-def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum in rank order, then divide by N (what SUM all-reduce + divide computes)."""
-    total = tensors[0].clone()
-    for t in tensors[1:]:
-        total = total + t
-    return total / len(tensors)
-
-
-class RefCompression:
-    """N workers' compression of one list of tensors, in one process: per worker, M = x + e,
-    its decoded contribution C(M) and e ← M − C(M); the mean of the contributions summed in
-    rank order. PowerSGD: P = M·Q per worker, P̂ = orth(mean P), Qᵢ = Mᵀ·P̂, e ← M − P̂·Qᵢᵀ,
-    result P̂·(mean Q)ᵀ, warm start from mean Q. L-GreCo: the workers' error tables are
-    averaged and :func:`~lowcomm.compress.lgreco.decide` picks the codecs every K means.
-    Written from those formulas, independently of the collective code it checks."""
-
-    def __init__(self, spec: str, shapes: list[torch.Size], workers: int, stream: int = 0):
-        setting = parse_compression(spec)
-        assert setting is not None
-        self.setting = setting
-        self.shapes = shapes
-        self.n = workers
-        self.residuals = [[torch.zeros(s) for s in shapes] for _ in range(workers)]
-        self.generators = [worker_generator(w, stream) for w in range(workers)]
-        self.q: dict[int, torch.Tensor] = {}
-        self.launches = 0
-        raw = Raw()
-        if isinstance(setting, LGreCo):
-            self.candidates = setting.codecs()
-            default = self.candidates[setting.default_index]
-            self.eligible = [
-                i
-                for i, s in enumerate(shapes)
-                if s.numel() >= setting.min_numel and any(c.compresses(s) for c in self.candidates)
-            ]
-            self.assignment: list[Codec] = [raw for _ in shapes]
-            for i in self.eligible:
-                self.assignment[i] = default if default.compresses(shapes[i]) else raw
-        else:
-            self.assignment = [setting if setting.compresses(s) else raw for s in shapes]
-
-    def mean(
-        self, xs: list[list[torch.Tensor]]
-    ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-        """``xs[w][i]``: worker w's tensor i. Returns the mean and every worker's contribution."""
-        ms = [[x + e for x, e in zip(xw, ew)] for xw, ew in zip(xs, self.residuals)]
-        setting = self.setting
-        if isinstance(setting, LGreCo) and self.launches % setting.every == 0 and self.eligible:
-            tables = [
-                torch.tensor(
-                    [
-                        candidate_errors(self.candidates, mw[i], index=i, warm_q=self.q.get(i))
-                        for i in self.eligible
-                    ],
-                    dtype=torch.float64,
-                )
-                for mw in ms
-            ]
-            errors = _mean(tables).tolist()
-            sizes = [
-                [c.wire_nbytes(self.shapes[i]) for c in self.candidates] for i in self.eligible
-            ]
-            picks = decide(errors, sizes, setting.default_index, resolution=setting.resolution)
-            for i, pick in zip(self.eligible, picks):
-                chosen = self.candidates[pick]
-                self.assignment[i] = chosen if chosen.compresses(self.shapes[i]) else Raw()
-        out: list[torch.Tensor] = []
-        contrib: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
-        for i, codec in enumerate(self.assignment):
-            if isinstance(codec, PowerSGD):
-                rows, cols = codec.matrix_shape(self.shapes[i])
-                q = self._start_q(i, codec)
-                mats = [mw[i].reshape(rows, cols) for mw in ms]
-                p_hat = orthogonalize(_mean([mat @ q for mat in mats]))
-                q_own = [mat.t() @ p_hat for mat in mats]
-                for w in range(self.n):
-                    c = p_hat @ q_own[w].t()
-                    contrib[w].append(c.view(self.shapes[i]))
-                    self.residuals[w][i] = mats[w] - c
-                    self.residuals[w][i] = self.residuals[w][i].view(self.shapes[i])
-                q_mean = _mean(q_own)
-                if codec.warm_start:
-                    self.q[i] = q_mean
-                out.append((p_hat @ q_mean.t()).view(self.shapes[i]))
-                continue
-            assert isinstance(codec, ElementwiseCodec)
-            for w in range(self.n):
-                gen = self.generators[w] if codec.stochastic else None
-                c = codec.roundtrip(ms[w][i], generator=gen)
-                contrib[w].append(c)
-                self.residuals[w][i] = ms[w][i] - c
-            out.append(_mean([contrib[w][i] for w in range(self.n)]))
-        self.launches += 1
-        return out, contrib
-
-    def _start_q(self, i: int, codec: PowerSGD) -> torch.Tensor:
-        return codec.start_q(self.shapes[i], i, self.q.get(i), draw=self.launches)
 
 
 @dataclass
@@ -266,7 +100,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
     hyper = {**ALGO_DEFAULTS[algo], **scenario.get("hyper", {})}
     models = [toy_model(seed) for _ in range(n)]
     inners = [make_inner(scenario.get("inner", "sgd"), m.parameters()) for m in models]
-    thetas = [_params(m) for m in models]
+    thetas = [trainable_params(m) for m in models]
     anchor = [p.detach().clone().float() for p in thetas[0]]
     out = ReferenceRun()
 
@@ -305,7 +139,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             for w, th in enumerate(thetas)
         ]
         if spec is None:
-            return [_mean([p[pos] for p in per]) for pos in range(len(idx))], per
+            return [rank_order_mean([p[pos] for p in per]) for pos in range(len(idx))], per
         if key not in compressors:
             shapes = [anchor[j].shape for j in idx]
             compressors[key] = RefCompression(spec, shapes, n, stream=key)
@@ -335,7 +169,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                     numel = sum(anchor[j].numel() for j in frags[g])
                     sc[g] = float(rms) / math.sqrt(numel) * waits[g]
                 per_worker.append(sc)
-            scores = _mean(per_worker)
+            scores = rank_order_mean(per_worker)
             f = max(free, key=lambda g: (float(scores[g]), -g))
         last_launch[f] = k
         return f
@@ -430,7 +264,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         groups = noloco_groups(n, hyper["group_size"], step, hyper["group_seed"])
         of = {w: g for g in groups for w in g}
         return [
-            [_mean([thetas[j][p].float() for j in of[w]]) for p in range(len(anchor))]
+            [rank_order_mean([thetas[j][p].float() for j in of[w]]) for p in range(len(anchor))]
             for w in range(n)
         ]
 
@@ -499,7 +333,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         """The warm start's mean gradient: exact, or per fragment the mean of every worker's
         decoded g + e (``sync_warmup_compression``)."""
         if not warm_compressors:
-            return [_mean([g[j] for g in grads]) for j in range(len(anchor))]
+            return [rank_order_mean([g[j] for g in grads]) for j in range(len(anchor))]
         out: list[torch.Tensor] = [torch.empty(0)] * len(anchor)
         for comp, idx in zip(warm_compressors, frags):
             means, _ = comp.mean([[g[j] for j in idx] for g in grads])
@@ -509,13 +343,13 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
 
     for step in range(1, scenario["steps"] + 1):
         for w in range(n):
-            _schedule_lr(inners[w], step, scenario)
+            schedule_lr(inners[w], step, scenario)
             if step > warmup:
                 inner_step(models[w], inners[w], w, step, seed)
         if step <= warmup:
             # warm start: DDP's step, every worker with the mean gradient; anchors follow θ
             for w in range(n):
-                _backward(models[w], w, step, seed)
+                toy_backward(models[w], w, step, seed)
             with torch.no_grad():
                 mean_grads = warm_mean([[_grad(p) for p in th] for th in thetas])
                 for w in range(n):
@@ -585,7 +419,9 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             continue
         with torch.no_grad():
             if algo == "localsgd":
-                mean = [_mean([th[j].float() for th in thetas]) for j in range(len(anchor))]
+                mean = [
+                    rank_order_mean([th[j].float() for th in thetas]) for j in range(len(anchor))
+                ]
                 set_all(mean)
             elif algo in ("diloco", "slowmo"):
                 avg = pseudo_mean(list(range(len(anchor))))[0]
@@ -649,7 +485,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
                         for p, q in zip(co2.pending, eager_own[w])
                     ]
                     co2_apply(e, eager_a[w], eager_st[w])
-                mean = [_mean([wa[j] for wa in eager_a]) for j in range(len(anchor))]
+                mean = [rank_order_mean([wa[j] for wa in eager_a]) for j in range(len(anchor))]
                 for wa in eager_a:
                     for x, v in zip(wa, mean):
                         x.copy_(v)
@@ -669,7 +505,7 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
             # finish(): the ranks agree on the mean of their φ (once any sync was applied)
             per_worker = noloco_a
             if noloco_applied:
-                mean = [_mean([wa[j] for wa in noloco_a]) for j in range(len(anchor))]
+                mean = [rank_order_mean([wa[j] for wa in noloco_a]) for j in range(len(anchor))]
                 per_worker = [mean] * n
             for th, values in zip(thetas, per_worker):
                 for p, v in zip(th, values):
@@ -677,56 +513,6 @@ def reference_run(scenario: dict[str, Any]) -> ReferenceRun:
         elif algo != "localsgd":
             set_all(anchor)
         elif scenario["steps"] > warmup and (scenario["steps"] - warmup) % h:
-            set_all([_mean([th[j].float() for th in thetas]) for j in range(len(anchor))])
+            set_all([rank_order_mean([th[j].float() for th in thetas]) for j in range(len(anchor))])
     out.final = [[p.detach().clone() for p in th] for th in thetas]
     return out
-
-
-def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> list[dict]:
-    """Worker function for :func:`lowcomm.testing.run_workers`: run each scenario with the real
-    algorithm class on this rank and return, per scenario, the parameters after every round,
-    after ``finish()``, the schedule of the recording communicator and the counters."""
-    from lowcomm.outer import ALGORITHMS
-    from lowcomm.testing.recording import RecordingCommunicator
-
-    results = []
-    for sc in scenarios:
-        assert sc["workers"] == world_size
-        seed = sc.get("seed", 0)
-        model = toy_model(seed)
-        inner = make_inner(sc.get("inner", "sgd"), model.parameters())
-        comm = RecordingCommunicator()
-        extra: dict[str, Any] = {}
-        if "fragments" in sc:
-            params = _params(model)
-            extra["fragments"] = [[params[i] for i in idx] for idx in sc["fragments"]]
-        algo = ALGORITHMS[sc["algo"]](
-            model,
-            inner,
-            sync_every=sc["sync_every"],
-            process_group=comm,
-            bucket_cap_mb=sc.get("bucket_cap_mb", 25.0),
-            **sc.get("hyper", {}),
-            **extra,
-        )
-        comm.clock = functools.partial(getattr, algo, "local_step")
-        rounds = []
-        for step in range(1, sc["steps"] + 1):
-            _schedule_lr(inner, step, sc)
-            inner_step(model, inner, rank, step, seed)
-            algo.step()
-            if step % sc["sync_every"] == 0:
-                rounds.append([p.detach().clone() for p in _params(model)])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a partial last round is part of some scenarios
-            algo.finish()
-        results.append(
-            {
-                "rounds": rounds,
-                "final": [p.detach().clone() for p in _params(model)],
-                "events": list(comm.events),
-                "stats": algo.stats.as_dict(),
-                "buckets": sum(len(f.anchor.buffers) for f in algo.fragments),
-            }
-        )
-    return results

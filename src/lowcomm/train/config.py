@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import importlib.util
 import logging
 import math
 import os
@@ -43,20 +42,29 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lowcomm.hparams import HyperparameterError, field_docstrings
 from lowcomm.integrations import torchtitan
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
-from lowcomm.registry import BASELINES, REGISTRY, names
+from lowcomm.registry import REGISTRY
+from lowcomm.train.checks import ConfigChecks
 from lowcomm.train.errors import ConfigError, check_float, check_int, check_string
+from lowcomm.train.fields import (
+    ALGORITHM_CHOICES,
+    DEFAULT_WORKERS,
+    NO_OUTER_ALGORITHM,
+    NODE_SHARDING,
+    OPTIMIZERS,
+    PRECISIONS,
+    TrainFields,
+)
 from lowcomm.train.outer_keys import (
     ALL_OUTER_KEYS,
     OUTER_KEYS,
     job_outer_defaults,
     outer_doc,
-    with_outer_fields,
 )
 
 if sys.version_info >= (3, 11):
@@ -66,10 +74,14 @@ else:  # pragma: no cover
 
 __all__ = [
     "ALGORITHM_CHOICES",
+    "DEFAULT_WORKERS",
     "FASTEST_STEP_S",
     "MAX_STEPS",
+    "NO_OUTER_ALGORITHM",
+    "OPTIMIZERS",
     "OUTER_KEYS",
     "NODE_SHARDING",
+    "PRECISIONS",
     "ConfigError",
     "TrainConfig",
     "config_from_dict",
@@ -78,220 +90,24 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ALGORITHM_CHOICES = names()
-
 FASTEST_STEP_S = 1e-3
 """A lower bound on one training step's time on any device (PyTorch launches dozens of kernels
 per step): what :data:`MAX_STEPS` is derived from."""
 MAX_STEPS = 31_557_600_000
 """The most ``steps`` a job accepts: a year of steps at :data:`FASTEST_STEP_S`."""
-"""Values of ``--algo`` (:mod:`lowcomm.registry`); ``ddp`` is the synchronous
-DistributedDataParallel baseline."""
-
-NO_OUTER_ALGORITHM = BASELINES
-"""``--algo`` values without a lowcomm algorithm: the DDP baseline, and ``none``, the no-sync
-ceiling (the same workers training with no communication at all, for throughput comparisons)."""
-
-NODE_SHARDING = ("none", "zero")
-"""Values of ``--node-sharding``: how the processes of a node hold the inner AdamW state."""
-
-DEFAULT_WORKERS = 2
-"""Worker processes when neither ``workers`` nor ``procs_per_node`` is set (one node)."""
 
 _BACKENDS = ("auto", "gloo", "nccl")
-_COST_MODELS = ("fit", "analytic")
 _LR_SCHEDULES = ("cosine", "constant")
-OPTIMIZERS = ("adamw", "muon")
-PRECISIONS = ("fp32", "bf16")
 # A ValueError from an algorithm class that is not ours may start with the keyword it is
 # about ("outer_lr must be ..."); ours raise HyperparameterError, which carries it.
 _LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
 
 
 @dataclass(kw_only=True)
-@with_outer_fields
-class TrainConfig:
-    """Everything ``lowcomm train`` needs; see the module docstring for how it is filled."""
-
-    if TYPE_CHECKING:  # the outer hyperparameters, added by with_outer_fields
-
-        def __getattr__(self, name: str) -> Any: ...
-
-    # --- job -------------------------------------------------------------------------------
-    algo: str = "co2"
-    """The algorithm: a name of :data:`lowcomm.registry.REGISTRY` (``lowcomm train --help``
-    lists them with a line each)."""
-    workers: int | None = None
-    """Local worker processes to launch (default 2; with nodes, nodes x procs_per_node). Under
-    torchrun, which sets the world size, it is ignored (with nodes, checked against it)."""
-    nodes: int = 1
-    """K: node groups; from 2 on, each node's processes train one replica with DDP inside the
-    node and the algorithm runs across nodes (1: every worker its own replica)."""
-    procs_per_node: int | None = None
-    """M: processes per node (ranks node-major: node n holds n*M ... n*M+M-1); unset: workers /
-    nodes."""
-    node_sharding: str = "none"
-    """Inside a node: "none" (every process holds the whole AdamW state) or "zero" (AdamW state
-    sharded across the node's processes with ZeroRedundancyOptimizer)."""
-    steps: int = 960
-    """Inner optimizer steps per worker."""
-    sync_every: int = 12
-    """H: inner steps per communication round (not used by ddp, which syncs every step)."""
-    seed: int = 0
-    """Seed for the model initialisation (same on every rank) and the data order (per rank)."""
-    backend: str = "auto"
-    """torch.distributed backend: auto (nccl when CUDA is available, else gloo), gloo or nccl."""
-    bucket_cap_mb: float = 25.0
-    """Size of the flat communication buckets, in MiB (one collective per bucket)."""
-
-    link: str | None = None
-    """Emulated slow link for every collective: a profile (rdma-800g, tcp-80g, 1gbit, 100mbit,
-    10mbit) or RATE:LATENCY such as 100mbit:20ms; unset: the real network."""
-    tune_link: str = "auto"
-    """Choose the outer sync's codec and overlap (and the warm start's codec) from the link, for
-    the settings not given: auto (the emulated --link; the real network measured under torchrun;
-    nothing on one machine), measure (always time the real network), off, or a link profile or
-    RATE:LATENCY to choose as if on that link without emulating it."""
-
-    # --- data ------------------------------------------------------------------------------
-    data: str | None = None
-    """UTF-8 text file or folder of text files (byte-level tokens); unset: the embedded corpus."""
-    batch_size: int = 16
-    """Sequences per worker per inner step."""
-    block_size: int = 64
-    """Tokens per sequence (the model's context length)."""
-
-    # --- documents (variable-length work; lowcomm.balance) -----------------------------------
-    documents: bool = False
-    """Train on whole documents instead of fixed windows: each step a worker draws exactly
-    batch_size x block_size tokens of documents (pieces of at most block_size), packed with
-    block-diagonal causal attention and assigned to ranks by --balance. --data: a folder (one
-    document per file), a .jsonl file ("text" per line) or a text file (blank-line separated);
-    unset: the Python standard library's source files."""
-    balance: str = "cost"
-    """With documents: how documents are assigned to ranks: sequential (each keeps what it
-    drew), random, length (group by length), tokens (equal tokens), cost (equal predicted
-    compute time), cost+split (also split a document whose cost exceeds the fair share over
-    several ranks, where the link makes it pay) or remap (the linear layers on equal runs of
-    tokens, attention on whole documents balanced by s², activations exchanged every layer;
-    DDP on one node, no dropout). Outer algorithms balance a whole round, ddp
-    every step. A comma-separated list is taken in turn per step or round (to compare them
-    side by side: training does not depend on it)."""
-    balance_paired: bool = False
-    """With a list of assignments: give each assignment of a turn the same documents (every
-    drawn step or round is trained once per assignment), so they are compared on identical
-    work; for measurements."""
-    balance_method: str = "lpt"
-    """With documents: the partitioning of tokens and cost balancing: lpt or kk
-    (Karmarkar-Karp)."""
-    token_cap: int | None = None
-    """With documents: most tokens one rank trains on in a step (memory); unset: twice
-    batch_size x block_size. At least batch_size x block_size + block_size."""
-    cost_model: str = "fit"
-    """With documents: the cost model the planner balances: fit (time this model's forward and
-    backward at several lengths on every rank at start-up) or analytic (FLOP counts)."""
-    cost_refit: int = 8
-    """With documents and the fitted cost model: refit it online after every plan unit from
-    the compute times every rank measured in the last this-many units (with the start-up
-    timings), the same fit on every rank; 0: fit once at start-up."""
-    busy_wait: bool = False
-    """Wait for collectives by polling instead of sleeping, so that a waiting worker keeps its
-    share of a CPU shared by several workers (emulates one device per worker on an
-    oversubscribed host; for measurements)."""
-    speeds: str | list[float] | None = None
-    """Emulate workers of unequal speed: one relative speed per worker, comma-separated
-    (1,1,1,0.5: the last at half speed) or a TOML list. A worker slower than the fastest
-    stretches each of its inner steps by computing (a busy loop) for (fastest / its speed - 1)
-    times the step's own measured time, so that it keeps its share of the CPU as a slower
-    device would; for measurements. Unset: every worker as it is."""
-
-    # --- model -----------------------------------------------------------------------------
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide n_embd."""
-    n_embd: int = 128
-    """Width of the residual stream."""
-    dropout: float = 0.0
-    """Dropout probability (0 disables it)."""
-
-    precision: str = "fp32"
-    """Arithmetic of the forward and backward: "fp32", or "bf16" (torch.autocast: matrix
-    multiplications and attention in bfloat16, reductions, norms and the loss in fp32; the
-    weights, their gradients, the inner optimizer's state and every outer algorithm's anchors
-    and pseudo-gradients stay fp32). Validation runs in fp32."""
-
-    # --- inner optimizer (AdamW) -----------------------------------------------------------
-    optimizer: str = "adamw"
-    """Inner optimizer: "adamw", or "muon" (torch.optim.Muon on the blocks' weight matrices,
-    its update scaled to AdamW's RMS so it takes the same lr and weight decay; AdamW on
-    embeddings, biases and norm gains: lowcomm.optim.MuonAdamW)."""
-    lr: float = 2e-3
-    """Inner learning rate (after warm-up)."""
-    warmup: int = 30
-    """Inner steps of linear learning-rate warm-up from 0."""
-    lr_schedule: str = "cosine"
-    """After warm-up: "cosine" (decay to min_lr_ratio * lr at the last step) or "constant"."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine schedule, as a fraction of lr."""
-    weight_decay: float = 0.1
-    """AdamW weight decay, applied to weight matrices and embeddings only."""
-
-    # --- outer hyperparameters: one field per keyword of the algorithms' dataclasses,
-    # inserted here by _with_outer_fields (None = the algorithm's default) -----------------
-
-    # --- evaluation and output -------------------------------------------------------------
-    eval_every: int = 60
-    """Inner steps between validation evaluations, rounded up to a multiple of sync_every."""
-    eval_batches: int = 8
-    """Validation batches per evaluation."""
-    log_every: int = 10
-    """Inner steps per training-loss record (their mean) and progress-bar update."""
-    out: str | None = None
-    """Output folder; unset: runs/<name>/."""
-    overwrite: bool = False
-    """Replace the files of a previous run in the output folder (refused otherwise)."""
-    tensorboard: str | None = None
-    """Also write lowcomm's scalars (lowcomm/loss, val_loss, pseudo_grad_norm, bytes sent and
-    received, time blocked, hidden fraction, skipped updates) as TensorBoard event files to
-    this folder, with the outer step as their x-axis (rank 0's; needs lowcomm[tensorboard])."""
-    quiet: bool = False
-    """Workers log warnings only: no progress bar, no start-up or per-evaluation lines."""
-    ceiling_steps: int = 0
-    """Also time this many inner steps with no synchronisation at all, on a copy of the model in
-    the same worker processes (half before training, half after), and report throughput as a
-    share of that ceiling (0: off)."""
-    name: str | None = None
-    """Run name; unset: <algo>-<YYYYmmdd-HHMMSS>."""
-
-    # --- checkpoints and failures ----------------------------------------------------------
-    checkpoint_every: int = 0
-    """Inner steps between resumable checkpoints of every rank's state, written to
-    <out>/checkpoints/step-NNNNNN/ (0: none)."""
-    keep_checkpoints: int = 3
-    """Complete checkpoints to keep, the newest (older ones are deleted)."""
-    resume: str | None = None
-    """Resume from a checkpoint: a step-NNNNNN folder, a run folder, or (--resume alone) the
-    latest complete checkpoint under --out. The settings must match the checkpoint's."""
-    max_restarts: int = 0
-    """Restart the worker group this many times after a worker fails, each time from the latest
-    complete checkpoint (local launch; under torchrun use its own --max-restarts)."""
-    collective_timeout: float = 600.0
-    """Seconds a collective may wait for a peer before the worker fails: bounds how long the
-    others hang when a worker dies or stalls (raise it for big models on slow links)."""
-
-    # --- elastic replicas (lowcomm[ft]) -------------------------------------------------------
-    fault_tolerance: bool = False
-    """Run every worker as a replica of its own on torchft: one that dies is left out of the
-    next sync and restarted alone (up to max_restarts times each), then healed from a live one;
-    the others keep training. Starts a Lighthouse on 127.0.0.1 unless lighthouse is given."""
-    min_replicas: int = 1
-    """With fault_tolerance: a sync needs at least this many replicas (fewer wait for more)."""
-    lighthouse: str | None = None
-    """With fault_tolerance: join the Lighthouse at this address (http://HOST:PORT) as the one
-    replica replica_id, instead of starting a Lighthouse and every replica here."""
-    replica_id: str | None = None
-    """With lighthouse: this replica's name, the same when it is restarted (replica_3)."""
+class TrainConfig(ConfigChecks):
+    """Everything ``lowcomm train`` needs; see the module docstring for how it is filled. Its
+    fields are :class:`~lowcomm.train.fields.TrainFields`'s, its checks
+    :class:`~lowcomm.train.checks.ConfigChecks`'."""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHM_CHOICES:
@@ -377,31 +193,6 @@ class TrainConfig:
         self._check_paths()
         self._check_outer()
 
-    def _check_speeds(self) -> None:
-        if self.speeds is None:
-            return
-        values: Any = self.speeds
-        if isinstance(values, str):
-            values = [v.strip() for v in values.split(",")]
-        try:
-            speeds = [float(v) for v in values]
-        except (TypeError, ValueError):
-            raise ConfigError(
-                "speeds",
-                f"must be positive numbers, one per worker, such as 1,1,1,0.5; got {self.speeds!r}",
-            ) from None
-        if not speeds or not all(math.isfinite(v) and v > 0 for v in speeds):
-            raise ConfigError(
-                "speeds", f"must be finite numbers > 0, one per worker; got {self.speeds!r}"
-            )
-        if self.workers is not None and len(speeds) != self.workers:
-            raise ConfigError(
-                "speeds",
-                f"gives {len(speeds)} speed(s) for {self.workers} worker processes; give one "
-                "per worker",
-            )
-        self.speeds = ",".join(f"{v:g}" for v in speeds)
-
     def stretch(self, rank: int, world: int) -> float:
         """How many times its own compute each inner step of ``rank`` takes (``speeds``):
         the fastest worker's speed over this one's; 1.0 without ``speeds``."""
@@ -415,318 +206,6 @@ class TrainConfig:
                 "one per worker",
             )
         return max(speeds) / speeds[rank]
-
-    def _check_optimizer(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ConfigError(
-                "precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
-            )
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
-        if self.optimizer == "adamw":
-            return
-        if self.algo == "demo":
-            raise ConfigError(
-                "optimizer",
-                "muon cannot be combined with --algo demo (DeMo is the optimizer); use adamw",
-            )
-        if self.node_sharding == "zero":
-            raise ConfigError(
-                "optimizer",
-                "muon cannot be combined with node_sharding zero (ZeroRedundancyOptimizer "
-                "shards one torch optimizer); use adamw, or node_sharding none",
-            )
-
-    def _check_documents(self) -> None:
-        from lowcomm.balance import METHODS, parse_assignments
-
-        for key in ("documents", "balance_paired", "busy_wait"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(key, f"must be true or false, got {getattr(self, key)!r}")
-        if not isinstance(self.balance, str):
-            raise ConfigError("balance", f"must be a string such as 'cost', got {self.balance!r}")
-        try:
-            parse_assignments(self.balance)
-        except ValueError as e:
-            raise ConfigError("balance", str(e).removeprefix("assignment ")) from None
-        for key, choices in (
-            ("balance_method", METHODS),
-            ("cost_model", _COST_MODELS),
-        ):
-            if getattr(self, key) not in choices:
-                raise ConfigError(
-                    key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}"
-                )
-        check_int("cost_refit", self.cost_refit, low=0)
-        if not self.documents:
-            if self.token_cap is not None:
-                raise ConfigError("token_cap", "applies to documents mode only: add --documents")
-            if self.balance != "cost":
-                raise ConfigError("balance", "applies to documents mode only: add --documents")
-            if self.balance_paired:
-                raise ConfigError(
-                    "balance_paired", "applies to documents mode only: add --documents"
-                )
-            return
-        if self.ceiling_steps:
-            raise ConfigError(
-                "ceiling_steps",
-                "times fixed windows, not documents: run algo none with --documents for the "
-                "no-sync ceiling of the same work",
-            )
-        if self.block_size < 16:
-            raise ConfigError("block_size", "must be at least 16 with documents")
-        if "remap" in parse_assignments(self.balance):
-            if self.algo not in ("ddp", "none"):
-                raise ConfigError(
-                    "balance",
-                    "remap balances every step (DDP, or none): an outer algorithm plans "
-                    "whole rounds; use cost or cost+split",
-                )
-            if self.nodes > 1:
-                raise ConfigError(
-                    "balance",
-                    "remap exchanges every layer's activations, inside one node only: with "
-                    "nodes > 1 use cost+split (which splits inside a node)",
-                )
-            if self.dropout:
-                raise ConfigError("balance", "remap needs dropout 0 (set dropout = 0)")
-        need = self.batch_size * self.block_size + self.block_size
-        if self.token_cap is not None:
-            check_int("token_cap", self.token_cap, low=1)
-            if self.token_cap < need:
-                raise ConfigError(
-                    "token_cap",
-                    f"({self.token_cap}) is below a step's tokens plus the longest document "
-                    f"(batch_size x block_size + block_size = {need}): raise it to {need}",
-                )
-        if self.nodes > 1 and self.algo not in BASELINES:
-            raise ConfigError(
-                "documents",
-                "with node groups is supported for ddp only (an outer algorithm across nodes "
-                "would need per-step balancing inside each node): drop --nodes or use ddp",
-            )
-
-    def _check_fault_tolerance(self) -> None:
-        """Elastic replicas: what they run on, refused up front with the reason."""
-        if not isinstance(self.fault_tolerance, bool):
-            raise ConfigError(
-                "fault_tolerance", f"must be true or false, got {self.fault_tolerance!r}"
-            )
-        check_int("min_replicas", self.min_replicas, low=1)
-        if self.lighthouse is not None:
-            check_string("lighthouse", self.lighthouse)
-        if self.replica_id is not None:
-            check_string("replica_id", self.replica_id)
-        if not self.fault_tolerance:
-            for key in ("lighthouse", "replica_id"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(key, "needs fault_tolerance (--fault-tolerance)")
-            return
-        if self.lighthouse is not None and self.replica_id is None:
-            raise ConfigError(
-                "replica_id", "is needed with lighthouse: the name of this replica (replica_3)"
-            )
-        if self.replica_id is not None and self.lighthouse is None:
-            raise ConfigError(
-                "lighthouse",
-                "is needed with replica_id: the address of the Lighthouse to join (without "
-                "both, lowcomm train starts the Lighthouse and every replica itself)",
-            )
-        if self.lighthouse is None and self.min_replicas > self.replicas:
-            flag = "--nodes" if self.nodes > 1 else "--workers"
-            raise ConfigError(
-                "min_replicas",
-                f"({self.min_replicas}) is more than the {self.replicas} replicas started "
-                f"({flag}); use at most {self.replicas}",
-            )
-        supported = ("diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc")
-        if self.algo not in supported:
-            raise ConfigError(
-                "algo",
-                f"{self.algo!r} does not run with fault_tolerance (elastic syncs are an outer "
-                f"algorithm's, one in flight at a time); use one of {', '.join(supported)}",
-            )
-        refused = [
-            (
-                self.nodes > 1 and self.lighthouse is not None,
-                "nodes",
-                "with lighthouse this command is one replica; make it a node group of M "
-                "processes by starting it under torchrun --nproc-per-node M instead",
-            ),
-            (
-                self.node_sharding != "none",
-                "node_sharding",
-                "a replica's processes keep whole AdamW states, which a joiner takes from its "
-                "donor; leave node_sharding none",
-            ),
-            (
-                self.checkpoint_every > 0,
-                "checkpoint_every",
-                "replicas heal from each other, "
-                "not from disk; disk checkpoints of an elastic job are not supported yet",
-            ),
-            (self.resume is not None, "resume", "an elastic job cannot resume from disk yet"),
-            (
-                self.compression is not None,
-                "compression",
-                "compressed syncs are not carried by torchft's Manager",
-            ),
-            (
-                self.link is not None,
-                "link",
-                "the emulated link wraps a fixed process group; elastic syncs go through torchft's",
-            ),
-            (self.documents, "documents", "the document stream plans over a fixed group"),
-            (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
-            (
-                bool(self.sync_warmup),
-                "sync_warmup",
-                "the warm start averages every step, and "
-                "elastic syncs take a quorum per sync, not per inner step: leave it unset (0 with "
-                "fault_tolerance)",
-            ),
-        ]
-        for bad, key, why in refused:
-            if bad:
-                raise ConfigError(key, f"is not supported with fault_tolerance: {why}")
-
-    def _check_layout(self) -> None:
-        """Resolve ``workers`` and ``procs_per_node`` from each other and ``nodes``, refusing
-        values that conflict. Afterwards ``workers`` is the world size; with one node
-        ``procs_per_node`` is ``None`` (one node is the flat layout, ``workers`` processes)."""
-        check_int("nodes", self.nodes, low=1)
-        if self.procs_per_node is not None:
-            check_int("procs_per_node", self.procs_per_node, low=1)
-        if self.workers is not None:
-            check_int("workers", self.workers, low=1)
-        if self.node_sharding not in NODE_SHARDING:
-            raise ConfigError(
-                "node_sharding",
-                f"must be one of {', '.join(NODE_SHARDING)}, got {self.node_sharding!r}",
-            )
-        if self.nodes == 1:
-            if self.procs_per_node is not None and self.workers not in (None, self.procs_per_node):
-                raise ConfigError(
-                    "workers",
-                    f"({self.workers}) conflicts with procs_per_node ({self.procs_per_node}) on "
-                    "one node; drop one of them",
-                )
-            self.workers = self.workers or self.procs_per_node or DEFAULT_WORKERS
-            self.procs_per_node = None
-        else:
-            if self.procs_per_node is None:
-                if self.workers is None:
-                    raise ConfigError(
-                        "nodes",
-                        f"({self.nodes}) needs procs_per_node (--procs-per-node M, processes per "
-                        f"node) or workers (--workers N, a multiple of {self.nodes})",
-                    )
-                if self.workers % self.nodes:
-                    raise ConfigError(
-                        "workers",
-                        f"({self.workers}) is not a multiple of nodes ({self.nodes}); set "
-                        "procs_per_node (--procs-per-node M) for nodes x M processes",
-                    )
-                self.procs_per_node = self.workers // self.nodes
-            total = self.nodes * self.procs_per_node
-            if self.workers not in (None, total):
-                raise ConfigError(
-                    "workers",
-                    f"({self.workers}) conflicts with nodes ({self.nodes}) x procs_per_node "
-                    f"({self.procs_per_node}) = {total} processes; drop workers or set it to "
-                    f"{total}",
-                )
-            self.workers = total
-            if self.algo == "none":
-                raise ConfigError(
-                    "nodes",
-                    f"({self.nodes}) does not apply to algo none, which trains every process "
-                    f"alone; use workers (--workers {total}) for {total} unsynchronised processes",
-                )
-            if self.algo == "demo":
-                raise ConfigError(
-                    "nodes",
-                    f"({self.nodes}): algo demo runs over every process, with no node groups; "
-                    f"use workers (--workers {total})",
-                )
-        if self.node_sharding == "zero":
-            if self.algo == "none":
-                raise ConfigError(
-                    "node_sharding",
-                    "'zero' shards AdamW across processes that train one replica together; "
-                    "algo none has no such processes",
-                )
-            if not self.hierarchical and self.algo != "ddp":
-                raise ConfigError(
-                    "node_sharding",
-                    f"'zero' shards AdamW across the processes of a node, which train one "
-                    f"replica with DDP; with algo {self.algo} that needs nodes >= 2 "
-                    "(--nodes 2 --procs-per-node 2), or use algo ddp",
-                )
-            if self.node_size < 2:
-                raise ConfigError(
-                    "node_sharding",
-                    "'zero' needs at least 2 processes per node to shard across, got 1; set "
-                    "procs_per_node (--procs-per-node) to 2 or more, or node_sharding none",
-                )
-
-    @property
-    def world_size(self) -> int:
-        """Processes of the job on a local launch: ``workers`` (``nodes`` x ``procs_per_node``
-        with several nodes); torchrun's world size must equal it when ``nodes`` > 1."""
-        assert self.workers is not None, "resolved in __post_init__"
-        return self.workers
-
-    @property
-    def replicas(self) -> int:
-        """With fault_tolerance, the replicas ``lowcomm train`` starts: one per node with node
-        groups (``nodes``), else one per worker."""
-        return self.nodes if self.nodes > 1 else self.world_size
-
-    @property
-    def procs_per_replica(self) -> int:
-        """With fault_tolerance, the processes that train one replica together (DDP inside
-        it): ``procs_per_node`` with node groups, else 1."""
-        return self.procs_per_node if self.nodes > 1 and self.procs_per_node else 1
-
-    @property
-    def hierarchical(self) -> bool:
-        """Whether the job runs node groups: DDP inside each node, the algorithm across nodes
-        (``nodes`` > 1 with an outer algorithm; ddp runs over every process)."""
-        return self.nodes > 1 and self.algo not in NO_OUTER_ALGORITHM
-
-    @property
-    def node_size(self) -> int:
-        """Processes that train one replica together (DDP, and ZeRO with ``node_sharding``):
-        ``procs_per_node`` with node groups, every process for ddp on one node, else 1."""
-        if self.nodes > 1 and self.algo != "none":
-            assert self.procs_per_node is not None
-            return self.procs_per_node
-        return self.world_size if self.algo == "ddp" else 1
-
-    def _check_paths(self) -> None:
-        for key in ("out", "name", "resume", "tensorboard"):
-            if getattr(self, key) is not None:
-                check_string(key, getattr(self, key))
-        if self.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError(
-                "tensorboard",
-                "needs the tensorboard package, which is not installed: "
-                "pip install 'lowcomm[tensorboard]', or drop --tensorboard",
-            )
-        if self.resume is not None and self.overwrite:
-            raise ConfigError(
-                "resume",
-                "cannot be combined with overwrite, which deletes the run and its checkpoints; "
-                "drop one of them",
-            )
-        if self.name is not None and (os.sep in self.name or self.name in (".", "..")):
-            raise ConfigError(
-                "name", f"must be a plain folder name, got {self.name!r}; use --out for a path"
-            )
 
     # --- outer hyperparameters -------------------------------------------------------------
 
@@ -1000,6 +479,6 @@ def load_toml(path: str, *, overrides: Mapping[str, Any] | None = None) -> Train
 
 def field_docs() -> dict[str, str]:
     """The one-line docstring under each :class:`TrainConfig` field (used for ``--help``)."""
-    docs = field_docstrings(TrainConfig)
+    docs = field_docstrings(TrainFields)
     docs.update({key: outer_doc(key) for key in ALL_OUTER_KEYS})
     return docs

@@ -14,6 +14,10 @@ at s — nothing replayed, nothing skipped — with no data state to heal.
 
 **Steps.** A replica healed at a sync takes its donor's step; its loop continues from there
 (:meth:`ElasticReplica.follow`), with the learning rate of that step.
+
+This module is the parent; a replica's own side, in its process, is :mod:`lowcomm.train.replica`
+and the job's table :func:`lowcomm.train.report.format_elastic_summary` (both importable from
+here too).
 """
 
 from __future__ import annotations
@@ -22,21 +26,18 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from lowcomm.guard import checksum
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.replica import ATTEMPT_ENV, ElasticReplica, replica_generator, replica_index
+from lowcomm.train.report import format_elastic_summary
 
 __all__ = [
     "ATTEMPT_ENV",
@@ -52,10 +53,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ATTEMPT_ENV = "LOWCOMM_REPLICA_ATTEMPT"
-"""Which start of its replica a process is (0, then 1, 2, … after restarts); set by
-:func:`launch_replicas`."""
-
 JOIN_TIMEOUT_S = 2.0
 """How long a quorum whose members changed waits for a replica that heartbeats but has not asked
 yet: replicas on one machine reach a sync within this of each other; one later than this is left
@@ -64,166 +61,6 @@ once.)"""
 HEARTBEAT_TIMEOUT_S = 2.0
 """A replica silent for longer is dead: the next quorum leaves it out. Until then the others wait
 for it at their next sync, so this is what one fault costs them."""
-
-
-def replica_index(replica_id: str) -> int:
-    """The number at the end of ``replica_id`` (``replica_3`` -> 3), else a checksum of it."""
-    found = re.search(r"(\d+)$", replica_id)
-    return int(found.group(1)) if found else zlib.crc32(replica_id.encode())
-
-
-def replica_generator(
-    seed: int, index: int, step: int, gen: torch.Generator | None = None
-) -> torch.Generator:
-    """The generator the batch of ``step`` of replica ``index`` is drawn from: a function of
-    (seed, replica, step) alone, so a replica healed to any step draws what it would have drawn
-    there (``gen``: reseeded in place, else a new one)."""
-    mixed = ((seed * 1_000_003 + index) * 1_000_003 + step) % (1 << 63)
-    return (gen if gen is not None else torch.Generator()).manual_seed(mixed)
-
-
-def _host_for(lighthouse: str) -> str:
-    """The address this replica listens on and advertises: loopback when the Lighthouse is on
-    this machine's loopback, else this machine's name."""
-    host = lighthouse.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return "127.0.0.1"
-    return socket.gethostname()
-
-
-class ElasticReplica:
-    """This process as one replica of an elastic job (see the module docstring)."""
-
-    def __init__(self, cfg: TrainConfig, *, group_rank: int = 0, group_size: int = 1) -> None:
-        from lowcomm.elastic import replica_manager
-
-        assert cfg.lighthouse is not None and cfg.replica_id is not None
-        self.cfg = cfg
-        self.replica_id = cfg.replica_id
-        self.index = replica_index(cfg.replica_id)
-        self.group_rank, self.group_size = group_rank, group_size
-        self.stream = self.index * group_size + group_rank
-        """This process's batch stream: its replica's number times the replica's processes plus
-        its rank in the replica (torchft numbers a replica group's processes the same way)."""
-        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
-        group: dict[str, Any] = {}
-        if (
-            group_size > 1
-        ):  # a node group: its processes share the store torchrun/the launcher hosts
-            group = {
-                "group_rank": group_rank,
-                "group_size": group_size,
-                "store_addr": os.environ["MASTER_ADDR"],
-                "store_port": int(os.environ["MASTER_PORT"]),
-            }
-        self.replica = replica_manager(
-            cfg.lighthouse,
-            replica_id=cfg.replica_id,
-            host=_host_for(cfg.lighthouse),
-            min_replicas=cfg.min_replicas,
-            timeout_s=cfg.collective_timeout,
-            quorum_timeout_s=max(600.0, cfg.collective_timeout),
-            **group,
-        )
-        self.steps_trained = 0
-        """Inner steps this process computed (those before a heal included)."""
-        self.first_step: int | None = None
-        """The step it trained from: 1, or the step it was healed to."""
-        self.heal_times: list[float] = []
-        self.ready_at: float | None = None
-        """When it drew its first batch: its start-up was over."""
-        self._gen = torch.Generator()
-        self._seen_syncs = 0
-        self._committed = 0
-
-    def generator(self, step: int) -> torch.Generator:
-        """This process's batch generator for ``step`` (:func:`replica_generator` of its
-        :attr:`stream`)."""
-        if self.ready_at is None:
-            self.ready_at = time.time()
-        return replica_generator(self.cfg.seed, self.stream, step, self._gen)
-
-    def synced(self, algo: Any) -> dict[str, Any] | None:
-        """After ``algo.step()``: a record of the sync it applied, if it applied one — whether
-        it was committed, the syncs committed so far, the quorum's size and a checksum of the
-        anchor, which every replica that committed the sync must hold bit for bit — else
-        ``None``."""
-        if algo.sync_points == self._seen_syncs:
-            return None
-        self._seen_syncs = algo.sync_points
-        ft = algo.ft
-        committed, self._committed = ft.step > self._committed, ft.step
-        return {
-            "kind": "sync",
-            "committed": committed,
-            "time": time.time(),
-            "step": algo.local_step,
-            "sync": ft.step,
-            "participants": ft.participants[-1] if ft.participants else None,
-            "anchor": checksum(torch.cat([v.reshape(-1) for v in algo.anchor_views])),
-            "failed_syncs": ft.failed_syncs,
-        }
-
-    def follow(self, local_step: int, step: int) -> int:
-        """After ``algo.step()`` of ``step``: the step the loop continues from (the donor's,
-        right after this replica was healed)."""
-        self.steps_trained += 1
-        if local_step != step:  # healed: its counters are its donor's
-            self.heal_times.append(time.time())
-            logger.info(
-                "replica %s healed: continues at step %d (was at %d)",
-                self.replica_id,
-                local_step,
-                step,
-            )
-            step = local_step
-        if self.first_step is None:
-            self.first_step = step
-        return step
-
-    def arm(self, algo: Any, step: int, mode: str) -> None:
-        """Arm an elastic fault of :data:`lowcomm.train.faults.FAULT_ENV` (tests and the chaos
-        benchmark): ``sync`` — SIGKILL this process right after it joined the quorum of the
-        first sync launched at or after ``step``; ``donor`` — the first time it sends its state
-        to a healing replica (the first of the job's replicas to, by a token file beside the
-        replicas' folders), send the length and SIGKILL itself before the state."""
-        from lowcomm.train.faults import die_as_donor
-
-        logger.warning("replica %s arms a fault: %s at step %d", self.replica_id, mode, step)
-        if mode == "sync":
-            ft = algo.ft
-            quorum = ft.quorum
-
-            def quorum_then_die() -> bool:
-                healed = quorum()
-                if algo.local_step >= step:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return healed
-
-            ft.quorum = quorum_then_die
-            return
-        assert self.cfg.out is not None
-        token = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out)), ".donor-fault")
-        die_as_donor(self.replica.transport, token)
-
-    def report(self, algo: Any) -> dict[str, Any]:
-        """This replica's part of the job's ``summary.json``."""
-        ft = algo.ft
-        return {
-            "replica_id": self.replica_id,
-            "attempt": self.attempt,
-            "steps_trained": self.steps_trained,
-            "first_step": self.first_step,
-            "syncs_committed": ft.step,
-            "failed_syncs": ft.failed_syncs,
-            "heals": list(ft.heals),
-            "heal_times": list(self.heal_times),
-            "ready_at": self.ready_at,
-            "participants": list(ft.participants),
-        }
-
-    def close(self) -> None:
-        self.replica.shutdown()
 
 
 # --- the parent: a Lighthouse and the replicas --------------------------------------------------
@@ -662,68 +499,3 @@ def _job_summary(
         "finished_replicas": [r.folder for r in finished],
         "events": events,
     }
-
-
-def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
-    """The table ``lowcomm train --fault-tolerance`` prints."""
-
-    def loss(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
-    faults = summary.get("faults") or []
-    healed = [f["fault_to_healed_s"] for f in faults if f.get("fault_to_healed_s") is not None]
-    participants = summary.get("participants_per_sync") or []
-    rows = [
-        ("algorithm", f"{summary['algo']} (sync every {summary['sync_every']} steps, elastic)"),
-        (
-            "replicas",
-            f"{summary['replicas']} (at least {summary['min_replicas']} per sync)"
-            + (
-                f", each {summary['procs_per_replica']} processes with DDP inside"
-                if summary.get("procs_per_replica", 1) > 1
-                else ""
-            ),
-        ),
-        ("steps", f"{summary['steps']:,}"),
-        (
-            "tokens trained",
-            f"{summary['tokens_trained']:,} ({summary['tokens_not_trained']:,} "
-            "not trained while replicas were away)",
-        ),
-        (
-            "tokens/s",
-            "-"
-            if summary.get("tokens_per_s") is None
-            else f"{summary['tokens_per_s']:,.0f} (every replica, start-up and faults included)",
-        ),
-        (
-            "val loss",
-            f"{loss(summary.get('val_loss_initial'))} -> {loss(summary.get('val_loss_final'))}",
-        ),
-        (
-            "faults",
-            f"{len(faults)}; healed {len(healed)}"
-            + (f", fault to healed {min(healed):.1f}-{max(healed):.1f} s" if healed else ""),
-        ),
-        (
-            "participants",
-            "-"
-            if not participants
-            else f"{min(participants)}-{max(participants)} per sync over {len(participants)} syncs",
-        ),
-        ("replicas identical", "yes" if summary.get("replicas_identical") else "no"),
-        (
-            "wall time",
-            f"{summary['wall_time_s']:.1f} s (the replicas' start-up included)"
-            + (
-                f", {command_s:.1f} s the whole command"
-                if command_s is not None and command_s - summary["wall_time_s"] >= 0.1
-                else ""
-            ),
-        ),
-        ("output", str(summary.get("out"))),
-    ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"lowcomm train: {summary.get('name')} {summary.get('status')}"]
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    return "\n".join(lines)

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from lowcomm.data import make_generator
 from lowcomm.link import EmulatedLink
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.elastic import ElasticReplica
 from lowcomm.train.faults import ELASTIC_MODES, FAULT_ENV, fault_point
 from lowcomm.train.nodes import NodeGroups, describe_layout, node_groups, node_link
+from lowcomm.train.replica import ElasticReplica
 
 __all__ = ["Topology"]
 

@@ -1,0 +1,152 @@
+"""Communication counters (defined in :mod:`lowcomm.comm`'s docstring): the bytes each
+collective puts on the wire per rank, the per-worker :class:`CommStats`, and
+:class:`DDPCommMeter`, which counts a ``DistributedDataParallel`` model's own gradient
+all-reduces the same way."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommStats",
+    "DDPCommMeter",
+    "all_gather_wire_bytes",
+    "exchange_wire_bytes",
+    "reduce_scatter_wire_bytes",
+    "ring_wire_bytes",
+]
+
+
+def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``payload_bytes``: 2 (N - 1) / N x payload."""
+    if world_size <= 1:
+        return 0
+    return int(round(2 * (world_size - 1) * payload_bytes / world_size))
+
+
+def reduce_scatter_wire_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring reduce-scatter of ``payload_bytes`` (the full input):
+    (N - 1) / N x payload, half a ring all-reduce."""
+    if world_size <= 1:
+        return 0
+    return payload_bytes * (world_size - 1) // world_size
+
+
+def all_gather_wire_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-gather of ``payload_bytes`` each: (N - 1) x payload."""
+    if world_size <= 1:
+        return 0
+    return (world_size - 1) * payload_bytes
+
+
+def exchange_wire_bytes(payload_bytes: int, group_size: int) -> int:
+    """Bytes each member sends in a group exchange of ``payload_bytes`` each (every member
+    sends its tensor to every other member): (n - 1) x payload, whatever the world size."""
+    return max(0, group_size - 1) * payload_bytes
+
+
+@dataclass
+class CommStats:
+    """Per-worker communication counters. See :mod:`lowcomm.comm`'s docstring for the
+    definitions."""
+
+    collectives: int = 0
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+    blocked_s: float = 0.0
+    in_flight_s: float = 0.0
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        """``1 - blocked / in_flight``; ``None`` before anything was communicated."""
+        if self.in_flight_s <= 0.0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.blocked_s / self.in_flight_s))
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        out: dict[str, float | int | None] = asdict(self)
+        out["hidden_fraction"] = self.hidden_fraction
+        return out
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """The counters under the names loggers show: ``bytes_sent`` and ``bytes_received``
+        (wire bytes: every collective lowcomm runs, ring all-reduce, all-gather,
+        reduce-scatter and group exchange, receives as much as it sends), ``payload_bytes``,
+        ``blocked_s``, ``in_flight_s`` and ``hidden_fraction``."""
+        return {
+            "bytes_sent": self.wire_bytes,
+            "bytes_received": self.wire_bytes,
+            "payload_bytes": self.payload_bytes,
+            "blocked_s": self.blocked_s,
+            "in_flight_s": self.in_flight_s,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
+
+class _LinkSchedule(Protocol):
+    def schedule(self, now: float, wire_bytes: int) -> float: ...
+
+
+class DDPCommMeter:
+    """Counts the gradient all-reduces of a ``DistributedDataParallel`` model, for comparison.
+
+    Registers a communication hook that does what DDP's default hook does (divide by N, then
+    all-reduce SUM asynchronously) and records payload and ring wire bytes, and each bucket's
+    time in flight. DDP overlaps bucket all-reduces with the rest of backward; after the last
+    bucket is launched backward only waits, so the time blocked is measured as the time from the
+    last launch until ``backward()`` returns: call :meth:`backward_done` right after it. With
+    ``link`` (a :class:`lowcomm.link.LinkModel`) each bucket completes no earlier than the
+    emulated link could have carried it.
+    """
+
+    def __init__(self, *, link: _LinkSchedule | None = None) -> None:
+        self.stats = CommStats()
+        self.link = link
+        self._last_launch: float | None = None
+        self._world_size = 1
+        self._group: dist.ProcessGroup | None = None
+
+    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        self._group = ddp_model.process_group
+        self._world_size = dist.get_world_size(self._group)
+        ddp_model.register_comm_hook(self, DDPCommMeter._hook)
+
+    # No annotations: DDP's register_comm_hook compares them with the real types, and this
+    # module's postponed (string) annotations would not compare equal.
+    @staticmethod
+    def _hook(meter, bucket):
+        tensor = bucket.buffer()
+        n = meter._world_size
+        payload = tensor.numel() * tensor.element_size()
+        meter.stats.collectives += 1
+        meter.stats.payload_bytes += payload
+        meter.stats.wire_bytes += ring_wire_bytes(payload, n)
+        tensor.div_(n)
+        t_launch = time.perf_counter()
+        meter._last_launch = t_launch
+        done_at = None
+        if meter.link is not None:
+            done_at = meter.link.schedule(time.monotonic(), ring_wire_bytes(payload, n))
+        fut = dist.all_reduce(tensor, group=meter._group, async_op=True).get_future()
+
+        def _done(f: torch.futures.Future) -> torch.Tensor:
+            if done_at is not None and done_at > time.monotonic():
+                # emulated link: not complete before the link could have carried it
+                time.sleep(max(0.0, done_at - time.monotonic()))
+            meter.stats.in_flight_s += time.perf_counter() - t_launch
+            return f.value()[0]
+
+        return fut.then(_done)
+
+    def backward_done(self) -> None:
+        """Record the time blocked at the end of this step's backward."""
+        if self._last_launch is not None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.current_stream().synchronize()  # NCCL: wait for the real end
+            self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
+            self._last_launch = None
