@@ -5,6 +5,10 @@ handling of the codecs, DeMo, the guard and the balance exchange that the CPU ca
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -313,3 +317,30 @@ def test_remap_indices_are_copied_to_a_device_once() -> None:
     assert remap._indices_on(META)[0] is send
     cpu_send, _ = remap._indices_on(CPU)
     assert torch.equal(cpu_send, remap._exchange[0])
+
+
+# --- the one-command GPU check --------------------------------------------------------------------
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_gpu_check_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA device is present: the script runs the whole check"
+)
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.timeout(120)
+def test_gpu_check_stops_at_once_without_a_gpu() -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "src")}
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        ["bash", str(SCRIPT)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=100
+    )
+    assert done.returncode == 2, done
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], lines
+    assert time.perf_counter() - t0 < 60
