@@ -150,8 +150,23 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every value of every tensor is finite (no NaN, no ±Inf)."""
-    return all(_finite(t) for t in tensors)
+    """Whether every value of every tensor is finite (no NaN, no ±Inf).
+
+    On a GPU the per-tensor answers are combined on the device and read once: reading each
+    tensor's would wait for the device once per tensor (a fragment's views are one per
+    parameter)."""
+    tensors = list(tensors)
+    if not tensors or not all(t.is_cuda for t in tensors):
+        return all(_finite(t) for t in tensors)
+    return _all_finite_one_read(tensors)
+
+
+def _all_finite_one_read(tensors: list[torch.Tensor]) -> bool:
+    """:func:`all_finite` with one read of the device (the tensors on one device)."""
+    ok = [
+        torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all() for t in tensors if t.numel()
+    ]
+    return not ok or bool(torch.stack(ok).all())
 
 
 def zero_non_finite_(tensors: Iterable[torch.Tensor]) -> int:

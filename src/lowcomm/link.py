@@ -33,6 +33,7 @@ from lowcomm.comm import (
     reduce_scatter_wire_bytes,
     ring_wire_bytes,
 )
+from lowcomm.device import host_wait
 
 __all__ = ["PROFILES", "EmulatedLink", "LinkModel"]
 
@@ -159,7 +160,10 @@ class EmulatedCommunicator(Communicator):
     """A :class:`~lowcomm.comm.Communicator` whose collectives complete on the emulated link.
 
     A link thread takes collectives in launch order (FIFO), waits for the real one, then sleeps
-    until the model's completion time and marks it complete. Each collective occupies the link
+    until the model's completion time and marks it complete. On a GPU it waits for the real
+    collective to have run on the device (:func:`lowcomm.device.host_wait`), not only to be
+    queued: a transfer never completes before the real one, and the waiter, which then waits
+    on the host alone, may use the result on any stream. Each collective occupies the link
     for its wire bytes per rank: a ring all-reduce ``2 (N - 1) / N`` x payload, an all-gather
     (compressed payloads, sharded anchors) ``(N - 1)`` x payload, a reduce-scatter
     ``(N - 1) / N`` x payload, a group exchange (NoLoCo) ``(n - 1)`` x payload for a group of n.
@@ -178,37 +182,39 @@ class EmulatedCommunicator(Communicator):
         self.model = link.model()
         self._clock = clock
         self._sleep = sleep
-        self._queue: list[tuple[float, dist.Work, torch.futures.Future]] = []
+        self._queue: list[tuple[float, dist.Work, torch.device, torch.futures.Future]] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def _launch(self, tensor: torch.Tensor) -> dist.Work:
         real = super()._launch(tensor)
         wire = ring_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
-        return self._through_link(real, wire)
+        return self._through_link(real, wire, tensor.device)
 
     def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
         real = super()._launch_all_gather(out, tensor)
         wire = all_gather_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
-        return self._through_link(real, wire)
+        return self._through_link(real, wire, tensor.device)
 
     def _launch_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
         real = super()._launch_reduce_scatter(out, tensor)
         wire = reduce_scatter_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
-        return self._through_link(real, wire)
+        return self._through_link(real, wire, tensor.device)
 
     def _launch_exchange(self, ops: list[dist.P2POp], wire_bytes: int) -> list[dist.Work]:
         # the sends and receives of one exchange occupy the link together, for what this
         # rank sends
         real = _AllOf(super()._launch_exchange(ops, wire_bytes))
-        return [self._through_link(real, wire_bytes)]  # type: ignore[arg-type]
+        device = ops[0].tensor.device if ops else torch.device("cpu")
+        return [self._through_link(real, wire_bytes, device)]  # type: ignore[arg-type]
 
-    def _through_link(self, real: dist.Work, wire: int) -> dist.Work:
-        """Complete ``real`` no earlier than the link could have carried ``wire`` bytes."""
+    def _through_link(self, real: dist.Work, wire: int, device: torch.device) -> dist.Work:
+        """Complete ``real`` (on tensors on ``device``) no earlier than the link could have
+        carried ``wire`` bytes."""
         done_at = self.model.schedule(self._clock(), wire)
         fut: torch.futures.Future = torch.futures.Future()
         with self._cv:
-            self._queue.append((done_at, real, fut))
+            self._queue.append((done_at, real, device, fut))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lowcomm-link", daemon=True)
                 self._thread.start()
@@ -220,9 +226,9 @@ class EmulatedCommunicator(Communicator):
             with self._cv:
                 while not self._queue:
                     self._cv.wait()
-                done_at, real, fut = self._queue.pop(0)
+                done_at, real, device, fut = self._queue.pop(0)
             try:
-                real.wait()
+                host_wait([real], device)
                 delay = done_at - self._clock()
                 if delay > 0:
                     self._sleep(delay)

@@ -169,18 +169,30 @@ class Remap:
         recv_counts = [int((owner_of[a:b] == self.rank).sum()) for a, b in bounds]
         return send_index, place, send_counts, recv_counts
 
+    @functools.cached_property
+    def _on_devices(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def _indices_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_exchange``'s two index tensors on ``device``, copied there once: every layer
+        exchanges twice a step, and each copy from the host would stall a GPU's stream."""
+        if device not in self._on_devices:
+            send_index, place, _, _ = self._exchange
+            self._on_devices[device] = (send_index.to(device), place.to(device))
+        return self._on_devices[device]
+
     def to_attention(self, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """This rank's token-layout rows of ``x`` (tokens first) -> its attention-layout rows
         (differentiable)."""
-        send_index, _, send_counts, recv_counts = self._exchange
-        sent = x[send_index.to(x.device)]
+        _, _, send_counts, recv_counts = self._exchange
+        sent = x[self._indices_on(x.device)[0]]
         return all_to_all(sent, recv_counts, send_counts, group)
 
     def to_tokens(self, y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """The inverse of :meth:`to_attention`: attention-layout rows -> token-layout rows."""
-        _, place, send_counts, recv_counts = self._exchange
+        _, _, send_counts, recv_counts = self._exchange
         got = all_to_all(y, send_counts, recv_counts, group)
-        return got[place.to(y.device)]
+        return got[self._indices_on(y.device)[1]]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -39,6 +39,7 @@ from lowcomm.balance.planner import (
 )
 from lowcomm.balance.remap import Remap, remap_pays, remap_plan
 from lowcomm.balance.ring import RingAttention, zigzag_positions, zigzag_sizes, zigzag_take
+from lowcomm.device import collective_device
 from lowcomm.models.gpt import Packed
 
 __all__ = [
@@ -185,7 +186,9 @@ class DocumentStream:
         mine = self.sampler.draw(self.tokens_per_step * self.steps_per_unit)
         local = torch.full((self.capacity, 3), -1, dtype=torch.int64)
         local[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        out = torch.empty((self.world * self.capacity, 3), dtype=torch.int64)
+        device = collective_device(self.group)  # NCCL gathers GPU tensors only
+        local = local.to(device)
+        out = torch.empty((self.world * self.capacity, 3), dtype=torch.int64, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(out, local, group=self.group, async_op=True)
         self._pending = (out, work)

@@ -37,6 +37,7 @@ from lowcomm.compress.collectives import CompressedHandle
 from lowcomm.compress.feedback import Compressor
 from lowcomm.compress.formats import Codec
 from lowcomm.compress.lgreco import LGreCo
+from lowcomm.device import device_future
 
 __all__ = ["DDPCompressionState", "ddp_hook"]
 
@@ -119,8 +120,9 @@ def _hook(state, bucket):
     grads = bucket.gradients()  # views into bucket.buffer(), in order
     comp = state.compressor(bucket.index(), grads)
     handle = comp.launch(state.comm, grads, [list(range(len(grads)))])
-    fut = torch.futures.Future()
     buffer = bucket.buffer()
+    # on a GPU the future holds a CUDA bucket: it must be made for its device
+    fut = device_future(buffer)
     if state._deferred is not None:
         prev, prev_fut, prev_buffer = state._deferred
         state._deferred = None

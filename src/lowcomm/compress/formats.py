@@ -134,6 +134,16 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).contiguous().view(torch.uint8)
 
 
+def _uniform(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """U[0, 1) noise of ``like``'s shape and dtype on its device, drawn on ``generator``'s
+    device: a generator must draw on its own device (a CPU generator's noise for a GPU tensor
+    is drawn on the CPU and copied, the same numbers as for a CPU tensor); without one, from
+    the global generator of ``like``'s device."""
+    device = like.device if generator is None else generator.device
+    u = torch.rand(like.shape, generator=generator, device=device, dtype=like.dtype)
+    return u.to(like.device)
+
+
 @dataclass(frozen=True)
 class Raw(ElementwiseCodec):
     """No compression: fp32 values, ``4n`` bytes. Spec ``"fp32"``."""
@@ -260,11 +270,7 @@ class Quantize(ElementwiseCodec):
         scale = blocks.abs().amax(dim=1) / qmax
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         y = blocks / safe.unsqueeze(1)
-        if self.stochastic:
-            u = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
-            q = torch.floor(y + u)
-        else:
-            q = torch.round(y)
+        q = torch.floor(y + _uniform(y, generator)) if self.stochastic else torch.round(y)
         codes = (q.clamp_(-qmax, qmax) + qmax).to(torch.uint8).reshape(-1)[:n]
         return torch.cat([_bytes(scale), pack_bits(codes, self.bits)])
 
@@ -417,14 +423,21 @@ class PowerSGD(Codec):
         return self.encoded_nbytes(shape) < RAW_BYTES * _numel(shape)
 
     def initial_q(
-        self, shape: torch.Size | tuple[int, ...], index: int, draw: int = 0
+        self,
+        shape: torch.Size | tuple[int, ...],
+        index: int,
+        draw: int = 0,
+        *,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
-        """The random (m × r) starting Q of tensor ``index``: the same on every rank (drawn from
-        ``seed``, ``index`` and ``draw``, on the CPU)."""
+        """The random (m × r) starting Q of tensor ``index``: the same on every rank and every
+        device (drawn from ``seed``, ``index`` and ``draw`` on the CPU, then moved to
+        ``device``, the CPU by default)."""
         _, m = self.matrix_shape(shape)
         r = self.effective_rank(shape)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + index * 10_007 + draw) % (2**63))
-        return torch.randn(m, r, generator=g)
+        q = torch.randn(m, r, generator=g)
+        return q if device is None else q.to(device)
 
     def start_q(
         self,
@@ -433,19 +446,23 @@ class PowerSGD(Codec):
         previous: torch.Tensor | None,
         *,
         draw: int = 0,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
         """The (m × r) Q a round starts from: with ``warm_start`` the previous round's mean Q
         (``previous``; cut to r columns, or extended by :meth:`initial_q`'s columns when the
-        rank grew), else a fresh draw (``draw``: the round). The same on every rank."""
+        rank grew), else a fresh draw (``draw``: the round). The same on every rank. On
+        ``device`` (default: ``previous``'s, else the CPU)."""
         r = self.effective_rank(shape)
+        if device is None and previous is not None:
+            device = previous.device
         if not self.warm_start:
-            return self.initial_q(shape, index, draw=draw)
+            return self.initial_q(shape, index, draw=draw, device=device)
         if previous is None:
-            return self.initial_q(shape, index)
+            return self.initial_q(shape, index, device=device)
         if previous.shape[1] >= r:
-            return previous[:, :r].contiguous()
-        fresh = self.initial_q(shape, index).to(previous.device)
-        return torch.cat([previous, fresh[:, previous.shape[1] :]], dim=1)
+            return previous[:, :r].contiguous().to(device)
+        fresh = self.initial_q(shape, index, device=device)
+        return torch.cat([previous.to(device), fresh[:, previous.shape[1] :]], dim=1)
 
     def local_error(self, m: torch.Tensor, q: torch.Tensor) -> float:
         """‖M − P̂·P̂ᵀ·M‖² for P̂ = orth(M·Q): the error of one rank's compression of ``m``

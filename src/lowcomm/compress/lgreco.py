@@ -253,7 +253,7 @@ def candidate_errors(
         if not codec.compresses(x.shape):
             out.append(0.0)
         elif isinstance(codec, PowerSGD):
-            q = codec.start_q(x.shape, index, warm_q)
+            q = codec.start_q(x.shape, index, warm_q, device=x.device)
             out.append(codec.local_error(x, q))
         else:
             assert isinstance(codec, ElementwiseCodec)

@@ -305,7 +305,9 @@ class ManagedCommunicator(Communicator):
         if not self.ft.contributing:
             for b in buffers:
                 b.zero_()
-        count = torch.tensor([1.0 if self.ft.contributing else 0.0])
+        # beside the buffers: a GPU process group (NCCL) takes no CPU tensor
+        device = buffers[0].device if buffers else None
+        count = torch.tensor([1.0 if self.ft.contributing else 0.0], device=device)
         payload = sum(b.numel() * b.element_size() for b in buffers)
         n = self.world_size
         self.stats.collectives += len(buffers)

@@ -41,10 +41,23 @@ def _dct64(n: int) -> torch.Tensor:
     return c
 
 
+@functools.lru_cache(maxsize=256)
+def _dct_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _dct64(n).to(dtype=dtype, device=device)
+
+
 def dct_matrix(n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """The orthonormal DCT-II matrix C (``C[k, j]``: coefficient k of position j; C⁻¹ = Cᵀ),
-    computed in float64 and cast."""
-    return _dct64(n).to(dtype=dtype, device=device)
+    computed in float64 on the CPU and cast: the same values on every device.
+
+    Cached per size, dtype and device (read-only: do not modify it in place). DeMo transforms
+    every parameter twice a step; building the matrix on a GPU each time would be a host-to-
+    device copy from pageable memory per call, each stalling the stream.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _dct_on(n, dtype, device)
 
 
 @dataclass(frozen=True)

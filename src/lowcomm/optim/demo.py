@@ -83,12 +83,22 @@ def demo_decode(
     indices: list[torch.Tensor], values: list[torch.Tensor], plan: ChunkPlan
 ) -> torch.Tensor:
     """Step 4 for one tensor: the ranks' ``(chunks, k)`` indices and values, in rank order →
-    Q = IDCT of the per-coefficient mean over the ranks that sent each coefficient."""
-    idx = torch.cat([i.long() for i in indices], dim=-1)
-    val = torch.cat(values, dim=-1)
-    dense = torch.zeros(plan.chunks, plan.per_chunk, dtype=val.dtype, device=val.device)
-    dense.scatter_reduce_(-1, idx, val, "mean", include_self=False)
-    return decode(dense, plan)
+    Q = IDCT of the per-coefficient mean over the ranks that sent each coefficient.
+
+    The sums are taken rank after rank (one ``scatter_add_`` per rank, whose indices are
+    distinct within a chunk), so each coefficient's sum is added up in rank order on every
+    device: on a GPU a single ``scatter_reduce`` over every rank's values adds colliding
+    coefficients with atomics, in an order that may differ from rank to rank, and the
+    replicas would drift apart. The same bits as ``scatter_reduce_(mean, include_self=False)``
+    on the CPU (the official code's), which adds them in this order too."""
+    dtype, device = values[0].dtype, values[0].device
+    total = torch.zeros(plan.chunks, plan.per_chunk, dtype=dtype, device=device)
+    count = torch.zeros(plan.chunks, plan.per_chunk, dtype=dtype, device=device)
+    for idx, val in zip(indices, values):
+        idx = idx.long()
+        total.scatter_add_(-1, idx, val)
+        count.scatter_add_(-1, idx, torch.ones_like(val))
+    return decode(total.div_(count.clamp_(min=1)), plan)
 
 
 def _check_overlap(key: str, value: Any) -> None:
@@ -344,10 +354,12 @@ class DeMo(torch.optim.Optimizer):
         if pending is not None:
             placed = [(p, g) for g in self.param_groups for p in g["params"]]
             chosen = [placed[i] for i in pending["params"]]
+            # a checkpoint is read onto the CPU: the update goes where the parameters are
+            device = chosen[0][0].device if chosen else pending["indices"].device
             self._pending = _Pending(
                 [],
-                pending["indices"].clone(),
-                pending["values"].clone(),
+                pending["indices"].to(device, copy=True),
+                pending["values"].to(device, copy=True),
                 [p for p, _ in chosen],
                 [float(x) for x in pending["lrs"]],
                 [self._layout(p, g) for p, g in chosen],

@@ -100,15 +100,19 @@ class CoCoDC(StreamingDiLoCo):
             rr = (k - 1) % self.num_fragments
             f = min(free, key=lambda f: (f - rr) % self.num_fragments)
         else:
-            scores = torch.zeros(self.num_fragments, dtype=torch.float64)
+            # on the device the anchors are all-reduced from (NCCL: the GPU), read once below
+            device = self.fragments[0].anchor.device
+            scores = torch.zeros(self.num_fragments, dtype=torch.float64, device=device)
             for g in free:
                 frag = self.fragments[g]
                 drift = torch._foreach_sub(frag.anchor.views, [p.float() for p in frag.params])
                 rms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(drift)))
-                scores[g] = float(rms) / math.sqrt(frag.numel) * waits[g]
+                # float64 arithmetic as on floats: the same bits as float(rms) / √n * wait
+                scores[g] = rms.double() / math.sqrt(frag.numel) * waits[g]
             # ranks' drifts differ: average the scores so that every rank picks the same one
             self.comm.all_reduce_mean([scores])
-            f = max(free, key=lambda g: (float(scores[g]), -g))
+            values = scores.tolist()
+            f = max(free, key=lambda g: (values[g], -g))
         self.last_launch[f] = k
         return f
 

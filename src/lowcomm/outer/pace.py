@@ -13,11 +13,13 @@ of hivemind's ``Optimizer``, inside the synchronous engine and its overlap.
   a sync launched τ positions before the end still has inner steps to overlap on every rank).
 * **Speeds**: each rank measures the wall time of its own inner steps (from the end of one
   ``step()`` call to the start of the next at a position it stepped at: its forward, backward
-  and optimizer step, none of the engine's waits). With the sync whose apply falls on a round
-  boundary every rank sends its mean over the steps since the last such sync — one SUM
-  all-reduce of N float64 values, launched just before the sync's own collective and waited on
-  at its apply — and every rank sets the next round's H_j = min(H, max(1, round(H·t_min/t_j)))
-  from the same numbers. Rounds before the first measurement take H steps everywhere.
+  and optimizer step, none of the engine's waits); on a GPU the clock waits for the device
+  first (:func:`lowcomm.device.device_clock`), or it would time the kernels' launch. With the
+  sync whose apply falls on a round boundary every rank sends its mean over the steps since
+  the last such sync — one SUM all-reduce of N float64 values, launched just before the sync's
+  own collective and waited on at its apply — and every rank sets the next round's
+  H_j = min(H, max(1, round(H·t_min/t_j))) from the same numbers. Rounds before the first
+  measurement take H steps everywhere.
 * **Weights**: rank j's pseudo-gradient (LocalSGD: its parameters) is multiplied by
   N·n_j / Σ n before the mean, n_j being the inner steps rank j took since the same fragment's
   previous launch (every rank computes every n_j from the plans): the average is weighted by
@@ -36,13 +38,13 @@ Rounds are counted over the whole job, warm start included (K is a multiple of H
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowcomm.comm import Communicator
+from lowcomm.device import collective_device, device_clock
 
 __all__ = ["DynamicSteps", "Pace", "plan_steps", "steps_through", "trim_plan"]
 
@@ -87,7 +89,14 @@ class Pace:
     (every rank's steps per round), the steps every rank took since each fragment's launch,
     this rank's step timing and the measurements in flight."""
 
-    def __init__(self, comm: Communicator, sync_every: int, num_fragments: int) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        sync_every: int,
+        num_fragments: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.comm = comm
         self.world = comm.world_size
         self.rank = comm.rank
@@ -104,8 +113,10 @@ class Pace:
         self.waited = 0.0
         """Seconds this rank waited for the warm start's means since the last position (not
         its compute)."""
-        self.clock: Callable[[], float] = time.perf_counter
-        """What step times are read from (a test may replace it)."""
+        self.clock: Callable[[], float] = device_clock(device)
+        """What step times are read from (a test may replace it): ``time.perf_counter``,
+        after waiting for ``device``'s queued work on a GPU (``device`` ``None``: the current
+        CUDA device's, when CUDA is in use)."""
         self._t_end: float | None = None
         self._measuring: dict[int, tuple[Any, torch.Tensor] | list[float]] = {}
         self.last_times: list[float] = [0.0] * self.world
@@ -181,7 +192,8 @@ class Pace:
         return (self.world * since[self.rank]) / total
 
     def _send(self) -> tuple[Any, torch.Tensor]:
-        times = torch.zeros(self.world, dtype=torch.float64)
+        # where the group's collectives take their tensors (NCCL: the GPU)
+        times = torch.zeros(self.world, dtype=torch.float64, device=collective_device(self.comm))
         times[self.rank] = self.compute_s / self.timed if self.timed else 0.0
         self.compute_s, self.timed = 0.0, 0
         return self.comm.all_reduce_sum_async(times), times

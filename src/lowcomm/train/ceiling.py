@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.data import get_batch, make_generator
+from lowcomm.device import synchronize, to_device
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.model import inner_optimizer
 
@@ -45,7 +46,7 @@ class Ceiling:
         x, y = get_batch(self.corpus.train, self.cfg.batch_size, self.cfg.block_size, self.gen)
         bf16 = self.cfg.precision == "bf16"  # the job's arithmetic, for a fair ceiling
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            _, loss = self.model(to_device(x, self.device), to_device(y, self.device))
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -53,12 +54,12 @@ class Ceiling:
     def run(self, steps: int) -> None:
         if steps <= 0:
             return
+        synchronize(self.device)  # the device's earlier work (the training's) is not timed
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
             self._step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         self.segments.append((steps, time.perf_counter() - t0))
         dist.barrier()
 

@@ -61,6 +61,7 @@ from lowcomm.balance import (
 )
 from lowcomm.balance.stream import StepWork
 from lowcomm.comm import spin_barrier
+from lowcomm.device import collective_device, device_clock
 from lowcomm.link import EmulatedLink
 from lowcomm.models.gpt import Packed
 from lowcomm.registry import BASELINES
@@ -123,7 +124,7 @@ def _split_policy(cfg: TrainConfig) -> SplitPolicy:
 
 
 def _mean_over_ranks(times: list[float]) -> list[float]:
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
 
@@ -207,6 +208,8 @@ class DocumentJob:
         self.plans: dict[int, dict[str, Any]] = {}
         self._last_loss = torch.zeros((), device=device)
         self._dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self._clock = device_clock(device)
+        """Times compute on the device (the records and the refit of the cost model)."""
 
     def _exchange_rate(self, tokens: int, width: int, layers: int, repeats: int = 3) -> float:
         """``remap``'s exchange, timed on this job's processes: one all-to-all of a step's
@@ -219,13 +222,14 @@ class DocumentJob:
         x = torch.zeros((rows, 4 * width), device=self.device)
         splits = [rows // self.world] * self.world
         times = []
+        clock = device_clock(self.device)
         for _ in range(repeats + 1):
             spin_barrier()
-            t0 = time.perf_counter()
+            t0 = clock()
             all_to_all(x, splits, splits, self.remap_group)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         rate = statistics.median(times[1:]) * 2 * layers / rows
-        mean = torch.tensor([rate], dtype=torch.float64)
+        mean = torch.tensor([rate], dtype=torch.float64, device=collective_device())
         dist.all_reduce(mean)
         value = float(mean) / self.world
         logger.debug("remap exchanges: %.3g s per token and step", value)
@@ -236,7 +240,7 @@ class DocumentJob:
         an odd last rank only keeps pace) against the cost model's ideal share: the mean ratio
         over ranks, at least 1."""
         partner = self.rank ^ 1
-        ratio = torch.zeros(2, dtype=torch.float64)
+        ratio = torch.zeros(2, dtype=torch.float64, device=collective_device())
         ring = None
         if partner < self.world:
             pair = sorted((self.rank, partner))
@@ -250,19 +254,22 @@ class DocumentJob:
                 lengths=[x.shape[1]], positions=zigzag_positions(sizes, index), split=ring
             )
         times = []
+        clock = device_clock(self.device)
         for i in range(repeats + 1):
             spin_barrier()
             if ring is None:
                 continue
-            t0 = time.perf_counter()
+            t0 = clock()
             _, loss = gpt(x, x, packed=packed, reduction="sum")
             loss.backward()
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
         gpt.zero_grad(set_to_none=True)
         if times:
             ideal = self.cost.c0 + self.cost.split_piece(length, 2)
-            ratio += torch.tensor([statistics.median(times) / ideal, 1.0], dtype=torch.float64)
+            ratio += torch.tensor(
+                [statistics.median(times) / ideal, 1.0], dtype=torch.float64, device=ratio.device
+            )
         dist.all_reduce(ratio)
         factor = max(1.0, float(ratio[0] / ratio[1]))
         logger.debug("split documents cost %.2fx their ideal share", factor)
@@ -292,7 +299,7 @@ class DocumentJob:
             # start together: a rank let out of the last step's all-reduce early (an emulated
             # link's sleep ends by each rank's own clock) would compute alone on a shared CPU
             spin_barrier()
-        t0 = time.perf_counter()
+        t0 = self._clock()
         no_sync = model.no_sync() if ddp else contextlib.nullcontext()  # type: ignore[operator]
         with no_sync:
             for mb in work.micro_batches:
@@ -310,7 +317,7 @@ class DocumentJob:
                 )
                 (loss * scale).backward()
                 total += loss.detach()
-        compute = time.perf_counter() - t0
+        compute = self._clock() - t0
         if self.refit is not None:  # the unit's row for the online refit
             self._add_row(work, compute)
         wait = 0.0

@@ -77,6 +77,7 @@ from torch import nn
 
 import lowcomm.train.checkpoint as ckpt
 from lowcomm.comm import set_busy_wait
+from lowcomm.device import device_clock, peak_memory_allocated
 from lowcomm.guard import checksum
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
@@ -292,6 +293,8 @@ class _Job:
         eval_interval = cfg.eval_interval
         algo = sync.algo if sync.algo is not None and sync.algo.pace is not None else None
         stretch = cfg.stretch(rank, self.topology.world)
+        # a slower device's longer step is measured from this one's: on a GPU after its kernels
+        clock = device_clock(device) if stretch > 1.0 else time.perf_counter
         if algo is not None:
             algo.set_total_steps(cfg.steps)  # the last round ends at the job's tokens
         step = self.start
@@ -303,7 +306,7 @@ class _Job:
                 group["initial_lr"] = cfg.lr  # the peak, as torch's LR schedulers name it
             loss = None
             if algo is None or algo.takes_step():  # (dynamic local steps pass some positions)
-                t0 = time.perf_counter()
+                t0 = clock()
                 with self.autocast():
                     loss = data.loss(sync.model, step)
                 records.trained(step, loss)
@@ -311,7 +314,7 @@ class _Job:
                 inner.step()
                 inner.zero_grad(set_to_none=True)
                 if stretch > 1.0:
-                    _compute_for((stretch - 1.0) * (time.perf_counter() - t0))
+                    _compute_for((stretch - 1.0) * (clock() - t0))
             now, record = sync.after_step(step)
             records.synced(record)
             if now != step:  # healed: the records continue at the donor's step
@@ -411,6 +414,8 @@ class _Job:
             **sync.per_rank(),
             "params_checksum": _params_checksum(self.gpt),
             "nonfinite": records.watch.state_dict(),
+            # this process's device memory high-water mark (None on the CPU)
+            "peak_gpu_memory_bytes": peak_memory_allocated(self.device),
         }
         if zero is not None and topology.holds_zero_root():
             # node 0 (its group rank 0 is rank 0) gathers the whole AdamW state for checkpoint.pt
@@ -453,6 +458,8 @@ class _Job:
             else self.ceiling.summary(topology.tokens_per_step),
         )
         summary["steps_run"] = end
+        peaks = [r.get("peak_gpu_memory_bytes") for r in sorted(gathered, key=lambda r: r["rank"])]
+        summary["peak_gpu_memory_bytes"] = peaks if any(p is not None for p in peaks) else None
         summary["resumed_at"] = list(progress.resumed_at)
         if topology.elastic is not None:
             assert sync.algo is not None

@@ -29,7 +29,8 @@
   the node layout (``nodes``, ``procs_per_node``, ``node_sharding``, ``across_nodes``,
   ``link_per_process``, ``cross_node_wire_bytes_per_node`` and ``intra_node``, the mean
   counters of DDP inside the nodes); with node groups the ``comm_*`` counters are those of the
-  algorithm's cross-node group;
+  algorithm's cross-node group; ``peak_gpu_memory_bytes``: each worker's
+  ``torch.cuda.max_memory_allocated`` on a GPU, ``null`` on the CPU;
 * ``error-rank<r>.txt``: the traceback of a worker that failed, if one did.
 
 A folder holding :data:`RUN_FILES` or a ``checkpoints`` folder is a previous run: ``lowcomm train``

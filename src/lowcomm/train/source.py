@@ -17,6 +17,7 @@ from torch import nn
 
 from lowcomm.balance import DocumentCorpus, load_documents
 from lowcomm.data import eval_batches, get_batch, load_corpus
+from lowcomm.device import to_device
 from lowcomm.guard import check_same_across_ranks, checksum
 from lowcomm.train.checkpoint import RESUME_FREE_KEYS
 from lowcomm.train.config import TrainConfig
@@ -85,7 +86,8 @@ class DataSource:
             return self.docs.step(model, ddp=isinstance(model, nn.parallel.DistributedDataParallel))
         gen = self.topology.batches(step, self.gen)
         x, y = get_batch(self.corpus.train, self.cfg.batch_size, self.cfg.block_size, gen)
-        _, loss = model(x.to(self.device), y.to(self.device))
+        # from pinned memory, not stalling the stream (the batch is drawn on the CPU)
+        _, loss = model(to_device(x, self.device), to_device(y, self.device))
         loss.backward()
         return loss
 

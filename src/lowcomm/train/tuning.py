@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowcomm.device import collective_device, synchronize
 from lowcomm.plan.tune import LinkProfile, choose_sync_settings
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
@@ -83,16 +84,21 @@ def _profile(cfg: TrainConfig, topology: Topology, group: Any) -> LinkProfile | 
 def measure_link(group: Any, *, payload_bytes: int, repeats: int = 3) -> LinkProfile:
     """Time all-reduces of 1 KiB and of ``payload_bytes`` over ``group`` (the best of
     ``repeats`` each, after one untimed): the small one's time is the latency, the rest of the
-    large one's is its ring's bytes over the bandwidth. Every rank of ``group`` takes part."""
+    large one's is its ring's bytes over the bandwidth. Every rank of ``group`` takes part.
+    On NCCL the tensors are on the GPU, and each time waits for the device: an NCCL
+    all-reduce returns once it is queued."""
     n = dist.get_world_size(group)
+    device = collective_device(group)
 
     def best(numel: int) -> float:
-        x = torch.zeros(numel)
+        x = torch.zeros(numel, device=device)
         dist.all_reduce(x, group=group)
+        synchronize(device)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             dist.all_reduce(x, group=group)
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         return min(times)
 
@@ -119,7 +125,7 @@ def _step_time(
         torch.set_rng_state(rng)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
-    slowest = torch.tensor([seconds / steps], dtype=torch.float64)
+    slowest = torch.tensor([seconds / steps], dtype=torch.float64, device=collective_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
 

@@ -5,6 +5,10 @@ process: it reads torch elastic's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_S
 ``MASTER_ADDR``/``MASTER_PORT``...), picks the device and backend, configures logging, joins
 the process group with a bounded collective timeout, runs :func:`lowcomm.train.loop.train`, and
 records an exception for the launcher (:mod:`lowcomm.train.failures`) before it propagates.
+
+On GPUs (``nccl``) each worker uses the GPU of its local rank, and its process group runs
+collectives on CUDA tensors on NCCL and those on CPU tensors on gloo
+(:func:`process_group_backend`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from lowcomm.train.config import TrainConfig, config_from_dict
 from lowcomm.train.failures import attempt, describe_attempt, record_failure
 from lowcomm.train.loop import train
 
-__all__ = ["host_loopback_store", "main", "resolve_backend", "run_worker"]
+__all__ = ["host_loopback_store", "main", "process_group_backend", "resolve_backend", "run_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,13 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
+
+
+def process_group_backend(backend: str) -> str:
+    """The backend string a job's process groups are created with: ``nccl`` becomes
+    ``cpu:gloo,cuda:nccl`` (collectives on CUDA tensors run on NCCL, those on CPU tensors on
+    gloo); ``gloo`` stays."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def _loopback_interface() -> str | None:
@@ -115,12 +126,16 @@ def _run_worker(
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        # NCCL for CUDA tensors (every bucket, gradient and payload), gloo for the few CPU
+        # tensors of the control path (step counts, tables, gathered objects), which NCCL
+        # refuses
+        backend = process_group_backend(backend)
     else:
         device = torch.device("cpu")
-        if launched_locally:
-            lo = _loopback_interface()
-            if lo is not None:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    if launched_locally and "gloo" in backend:
+        lo = _loopback_interface()
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     if rank == 0 and attempt() > 0:
         logger.warning(
             "worker group restarted (restart %d) after a failure: %s",

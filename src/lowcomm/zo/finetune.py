@@ -42,6 +42,7 @@ from torch.nn import functional as F
 
 from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import ByteTokenizer, get_batch, make_generator
+from lowcomm.device import to_device
 from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.train.metrics import CheckpointError, MetricsWriter, load_checkpoint, write_json
 from lowcomm.zo.mezo import MODES, MeZO
@@ -392,8 +393,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
     loss_sum, losses = 0.0, 0
     for step in range(1, cfg.steps + 1):
         x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen)
-        x = x[shard * per_shard : (shard + 1) * per_shard].to(device)
-        y = y[shard * per_shard : (shard + 1) * per_shard].to(device)
+        x = to_device(x[shard * per_shard : (shard + 1) * per_shard], device)
+        y = to_device(y[shard * per_shard : (shard + 1) * per_shard], device)
         if zo is not None:
 
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:

@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import CommStats, Communicator
+from lowcomm.device import collective_device
 
 __all__ = ["MODES", "MeZO", "ReplicaDriftError", "Stage", "ZOStep", "mezo_decays", "zo_seed"]
 
@@ -464,8 +465,9 @@ class MeZO:
         (8 bytes each over the group)."""
         if self.comm is None:
             return
-        mine = torch.tensor([self.digest()], dtype=torch.int64)
-        everyone = torch.empty(self.world_size, dtype=torch.int64)
+        device = collective_device(self.comm)  # NCCL gathers GPU tensors only
+        mine = torch.tensor([self.digest()], dtype=torch.int64, device=device)
+        everyone = torch.empty(self.world_size, dtype=torch.int64, device=device)
         self.comm.all_gather_async(mine, everyone).wait()
         values = everyone.tolist()
         if len(set(values)) > 1:

@@ -1,0 +1,425 @@
+"""lowcomm on CUDA: codecs and DeMo's DCT against the CPU, the device helpers' orderings
+(:mod:`lowcomm.device`), bf16 autocast, and ``lowcomm train`` jobs on NCCL (one GPU; two for
+the multi-process ones). Every test is skipped on a machine without a CUDA device;
+``benchmarks/gpu_check.sh`` runs this file first."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lowcomm.comm import Communicator, FlatBuckets
+from lowcomm.compress import BF16, Compressor, PowerSGD, Quantize, Raw, Sign, TopK
+from lowcomm.device import (
+    CollectiveTimer,
+    CommStream,
+    HostStaging,
+    collective_device,
+    device_clock,
+    device_future,
+    host_wait,
+    peak_memory_allocated,
+    to_device,
+)
+from lowcomm.guard import all_finite
+from lowcomm.models.gpt import GPT, GPTConfig
+from lowcomm.optim import DeMo
+from lowcomm.optim.dct import ChunkPlan, decode, encode
+from lowcomm.optim.demo import demo_compress, demo_decode
+from lowcomm.testing.jobs import tiny_job_args
+
+NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+
+TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=NO_CUDA
+    if not torch.cuda.is_available()
+    else f"needs 2 CUDA devices (one per worker) for a multi-process NCCL job; "
+    f"{torch.cuda.device_count()} visible",
+)
+
+SHAPES = [(7,), (64,), (130,), (5, 77), (3, 4, 9), (256, 300)]
+
+
+def _gpu() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _x(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.logspace(-2, 1, math.prod(shape)).view(shape)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` on the CPU (for bitwise comparison, NaN and -0.0 included)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles ``torch.cuda._sleep`` spins per millisecond (measured: the median of
+    three, after a first call that loads the kernel)."""
+    torch.cuda._sleep(1_000)
+    torch.cuda.synchronize()
+    rates = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        rates.append(10_000_000 / start.elapsed_time(end))
+    return sorted(rates)[1]
+
+
+def _spin(ms: float, cycles_per_ms: float) -> None:
+    """Occupy the current stream (one thread block) for about ``ms`` milliseconds."""
+    torch.cuda._sleep(int(ms * cycles_per_ms))
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A one-rank process group in this process running CUDA tensors on NCCL and CPU tensors
+    on gloo, as ``lowcomm train`` sets it up on GPUs."""
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# --- codecs: the same bytes on the GPU as on the CPU ----------------------------------------------
+
+DETERMINISTIC = [Raw(), BF16(), Quantize(bits=8), Quantize(bits=4, block=16), Quantize(bits=2)]
+DETERMINISTIC += [TopK(density=0.1)]
+
+
+@pytest.mark.parametrize("codec", DETERMINISTIC, ids=lambda c: c.spec)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_deterministic_codecs_put_the_same_bytes_on_the_wire(codec: Any, shape: Any) -> None:
+    x = _x(shape)
+    on_cpu = codec.encode(x)
+    on_gpu = codec.encode(x.to(_gpu()))
+    assert on_gpu.is_cuda and on_gpu.dtype == torch.uint8
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    decoded = codec.decode(on_gpu, shape)
+    assert decoded.is_cuda and torch.equal(_bits(decoded), _bits(codec.decode(on_cpu, shape)))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_sign_codec_matches_the_cpu_up_to_the_scales_rounding(shape: Any) -> None:
+    codec = Sign(block=32)
+    x = _x(shape, seed=1)
+    on_cpu, on_gpu = codec.encode(x), codec.encode(x.to(_gpu())).cpu()
+    n = math.prod(shape)
+    nb = -(-n // codec.block)
+    assert torch.equal(on_gpu[4 * nb :], on_cpu[4 * nb :])  # the sign bits
+    # each block's mean magnitude: a sum, whose order differs on the GPU
+    gpu_scales = on_gpu[: 4 * nb].clone().view(torch.float32)
+    cpu_scales = on_cpu[: 4 * nb].clone().view(torch.float32)
+    torch.testing.assert_close(gpu_scales, cpu_scales, rtol=1e-6, atol=0)
+
+
+def test_stochastic_rounding_on_the_gpu() -> None:
+    codec = Quantize(bits=4, block=16, stochastic=True)
+    x = _x((4096,), seed=2)
+    # a CPU generator: its noise is drawn on the CPU, so the codes are the CPU's
+    gen = torch.Generator().manual_seed(5)
+    on_cpu = codec.encode(x, generator=gen)
+    gen.manual_seed(5)
+    assert torch.equal(codec.encode(x.to(_gpu()), generator=gen).cpu(), on_cpu)
+    # a generator on the GPU (the Compressor's there): unbiased, within one step of x
+    cuda_gen = torch.Generator(device=_gpu()).manual_seed(5)
+    xg = x.to(_gpu())
+    scale = x.view(-1, 16).abs().amax(dim=1, keepdim=True) / codec.qmax
+    draws = torch.stack([codec.roundtrip(xg, generator=cuda_gen) for _ in range(200)]).cpu()
+    assert ((draws - x).abs().view(200, -1, 16) <= scale * (1 + 1e-6)).all()
+    mean_error = (draws.mean(0) - x).view(-1, 16).abs() / scale
+    assert float(mean_error.mean()) < 0.05
+
+
+def test_powersgd_starts_on_the_gpu_from_the_cpus_draw() -> None:
+    codec = PowerSGD(rank=3)
+    q = codec.start_q((40, 30), 2, None, device=_gpu())
+    assert q.is_cuda and torch.equal(q.cpu(), codec.initial_q((40, 30), 2))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4:sr", "topk:0.05", "powersgd:2", "lgreco:int"])
+def test_compressor_on_the_gpu(world_of_one: None, spec: str) -> None:
+    shapes = [torch.Size([12, 10]), torch.Size([10]), torch.Size([3, 4, 5])]
+    results = {}
+    for device in ("cpu", "cuda"):
+        comm = Communicator()
+        buckets = FlatBuckets(shapes, device=torch.device(device))
+        comp = Compressor(spec, shapes, device=buckets.device)
+        out = []
+        for t in range(4):
+            buckets.copy_from(
+                [_x(tuple(s), seed=10 * t + i).to(device) for i, s in enumerate(shapes)]
+            )
+            comm.compressed_mean_async(buckets, comp).wait()
+            out += [v.detach().cpu().clone() for v in buckets.views]
+        assert all(r.device == buckets.device for r in comp.residuals)
+        results[device] = out
+    for a, b in zip(results["cpu"], results["cuda"]):
+        if spec in ("int8", "topk:0.05"):  # deterministic encodings, error feedback in fp32
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:  # other noise (stochastic rounding), other reductions (matmuls): the same scale
+            assert a.shape == b.shape and torch.isfinite(b).all()
+            assert float((a - b).norm()) <= 0.5 * float(a.norm()) + 1e-3
+
+
+# --- DeMo's DCT -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(128, 96), (10,), (3, 6, 10), (127,), (768, 256)], ids=str)
+def test_dct_on_the_gpu_matches_the_cpu(shape: Any) -> None:
+    plan = ChunkPlan.for_shape(torch.Size(shape), 64)
+    x = _x(shape, seed=3)
+    coeffs = encode(x, plan)
+    on_gpu = encode(x.to(_gpu()), plan)
+    assert on_gpu.is_cuda
+    torch.testing.assert_close(on_gpu.cpu(), coeffs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(decode(on_gpu, plan).cpu(), x, rtol=1e-4, atol=1e-5)
+    # the basis is built on the CPU in float64 and cached per device: the same values
+    torch.testing.assert_close(
+        encode(x.double().to(_gpu()), plan).cpu(), encode(x.double(), plan), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_demo_decode_is_the_same_on_every_device_and_every_call() -> None:
+    plan = ChunkPlan.for_shape(torch.Size([64, 128]), 32)
+    gen = torch.Generator().manual_seed(0)
+    k = 8
+    indices = [
+        torch.stack([torch.randperm(24, generator=gen)[:k] for _ in range(plan.chunks)]).int()
+        for _ in range(4)  # four ranks, many coefficients shared: collisions
+    ]
+    values = [torch.randn(plan.chunks, k, generator=gen) for _ in range(4)]
+    on_cpu = demo_decode(indices, values, plan)
+    gi = [i.to(_gpu()) for i in indices]
+    gv = [v.to(_gpu()) for v in values]
+    runs = [demo_decode(gi, gv, plan) for _ in range(5)]
+    # the sums of colliding coefficients are taken in rank order: no atomics, the same bits
+    # on every call (every rank of a job decodes the same gathered set to the same update)
+    assert all(torch.equal(_bits(r), _bits(runs[0])) for r in runs)
+    torch.testing.assert_close(runs[0].cpu(), on_cpu, rtol=1e-4, atol=1e-5)
+    m = _x((64, 128), seed=4)
+    idx, val, sent = demo_compress(m.to(_gpu()), plan, k)
+    idx_c, val_c, sent_c = demo_compress(m, plan, k)
+    torch.testing.assert_close(sent.cpu(), sent_c, rtol=1e-4, atol=1e-5)
+    assert idx.is_cuda and val.is_cuda
+
+
+def test_demo_steps_on_the_gpu(world_of_one: None) -> None:
+    results = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(_x((64, 96), seed=5).to(device))]
+        opt = DeMo(params, lr=0.01, compression_topk=8, compression_chunk=32)
+        for t in range(3):
+            params[0].grad = _x((64, 96), seed=6 + t).to(device)
+            opt.step()
+        assert opt.state[params[0]]["delta"].device == params[0].device
+        results[device] = params[0].detach().cpu()
+    changed = (results["cpu"] - results["cuda"]).abs() > 1e-6
+    # sign(Q): an element may flip where Q is about 0 and the DCTs round differently
+    assert float(changed.float().mean()) < 0.01
+
+
+# --- the device helpers ---------------------------------------------------------------------------
+
+
+def test_comm_stream_overlaps_the_launch_with_the_next_step_and_keeps_the_order() -> None:
+    device = _gpu()
+    cpm = _cycles_per_ms()
+    cs = CommStream(device)
+    assert cs.active
+    theta = torch.zeros(4096, device=device)
+    send = torch.zeros(4096, device=device)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    _spin(50, cpm)  # the inner step ...
+    theta.fill_(2.0)  # ... that writes θ
+    with cs.launch(writes=[send]) as launch:
+        send.copy_(theta)  # θ as the step left it: the side stream waited for it
+        launch.inputs_read()
+        _spin(100, cpm)  # the encoding, beside the next step
+        side_done = torch.cuda.Event(enable_timing=True)
+        side_done.record()
+    theta.fill_(3.0)  # the next step overwrites θ only after the fill read it
+    _spin(100, cpm)  # the next step
+    step_done = torch.cuda.Event(enable_timing=True)
+    step_done.record()
+    cs.apply(launch, hand_over=[send])
+    applied = torch.cuda.Event(enable_timing=True)
+    applied.record()
+    torch.cuda.synchronize()
+    assert torch.all(send == 2.0) and torch.all(theta == 3.0)
+    # one after the other the three would take 250 ms; side by side about 150
+    assert start.elapsed_time(step_done) < 210, start.elapsed_time(step_done)
+    assert start.elapsed_time(side_done) < 210, start.elapsed_time(side_done)
+    # at apply the compute stream waits for the launch's work
+    assert start.elapsed_time(applied) >= start.elapsed_time(side_done) - 1.0
+    assert cs.in_flight == 0
+
+
+def test_host_wait_waits_for_the_collectives_alone() -> None:
+    device = _gpu()
+    cpm = _cycles_per_ms()
+    other = torch.cuda.Stream(device)
+    with torch.cuda.stream(other):
+        _spin(50, cpm)  # the collective, on its own stream
+        collective_done = other.record_event()
+
+    class Work:  # waits as an NCCL handle does: the current stream waits for its end
+        def wait(self) -> bool:
+            torch.cuda.current_stream().wait_event(collective_done)
+            return True
+
+    _spin(1000, cpm)  # the compute queued before the wait
+    compute_done = torch.cuda.current_stream().record_event()
+    host_wait([Work()], device)
+    assert collective_done.query()
+    assert not compute_done.query()  # the host did not wait for a second of compute
+    torch.cuda.synchronize()
+
+
+def test_collective_timer_and_devices_of_a_gpu_group(world_of_one: None) -> None:
+    assert collective_device() == torch.device("cpu")  # a group that takes CPU tensors too
+    nccl = dist.new_group(backend="nccl")
+    assert collective_device(nccl) == _gpu()
+    x = torch.ones(1 << 20, device=_gpu())
+    timer = CollectiveTimer(_gpu())
+    work = dist.all_reduce(x, group=nccl, async_op=True)
+    assert work is not None
+    timer.launched([work])
+    host_wait([work], _gpu())
+    seconds = timer.seconds()
+    assert seconds is not None and 0.0 <= seconds < 10.0
+    assert torch.all(x == 1.0)
+
+
+def test_copies_futures_clock_and_memory_on_the_gpu() -> None:
+    device = _gpu()
+    cpm = _cycles_per_ms()
+    x = torch.arange(1000, dtype=torch.float32)
+    on_gpu = to_device(x, device)
+    x.fill_(-1.0)  # the source may change at once: the transfer reads a pinned copy
+    assert torch.equal(on_gpu.cpu(), torch.arange(1000, dtype=torch.float32))
+    staging = HostStaging(on_gpu)
+    assert staging.host is not None and staging.host.is_pinned()
+    host = staging.download(on_gpu * 2)
+    assert host is staging.host
+    ready = staging.ready()
+    assert ready is not None and torch.equal(ready, torch.arange(1000.0) * 2)
+    ready.add_(1.0)  # a CPU collective's result, written in place
+    back = torch.empty_like(on_gpu)
+    staging.upload(back)
+    staging.writable()
+    assert torch.equal(back.cpu(), torch.arange(1000.0) * 2 + 1)
+    fut = device_future(on_gpu)
+    fut.set_result(on_gpu)
+    assert torch.equal(fut.then(lambda f: f.value() + 1).wait().cpu(), torch.arange(1000.0) + 1)
+    clock = device_clock(device)
+    t0 = clock()
+    _spin(100, cpm)
+    assert clock() - t0 >= 0.05  # the reading waited for the kernel (not microseconds)
+    peak = peak_memory_allocated(device)
+    assert peak is not None and peak >= 4000
+
+
+def test_finiteness_check_on_the_gpu() -> None:
+    tensors = [torch.randn(100, device=_gpu()) for _ in range(5)] + [torch.empty(0, device=_gpu())]
+    assert all_finite(tensors)
+    tensors[3][17] = float("nan")
+    assert not all_finite(tensors)
+
+
+def test_bf16_autocast_on_the_gpu() -> None:
+    device = _gpu()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)).to(device)
+    x = torch.randint(64, (4, 16), device=device)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        logits, loss = model(x, x)
+    assert logits.dtype == torch.bfloat16 and loss is not None and loss.dtype == torch.float32
+    loss.backward()
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in model.parameters())
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# --- jobs -----------------------------------------------------------------------------------------
+
+ONE_GPU_JOBS = {
+    # bf16, stochastic rounding on the GPU's generator, the emulated link and its tuning
+    "co2-bf16-int4sr": ["--algo", "co2", "--precision", "bf16", "--compression", "int4:sr"],
+    "demo": ["--algo", "demo"],  # the DCT on the GPU
+    "ddp-int8": ["--algo", "ddp", "--compression", "int8"],  # the compressed DDP hook's future
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(ONE_GPU_JOBS))
+def test_one_gpu_job(train_job: Any, tmp_path: Any, name: str) -> None:
+    out = tmp_path / name
+    summary = train_job(
+        *ONE_GPU_JOBS[name],
+        *tiny_job_args(workers=1),
+        "--backend",
+        "nccl",
+        "--link",
+        "100mbit",
+        out=out,
+    )
+    assert summary["status"] == "finished"
+    assert math.isfinite(summary["val_loss_final"])
+    peaks = summary["peak_gpu_memory_bytes"]
+    assert isinstance(peaks, list) and len(peaks) == 1 and peaks[0] > 0
+    resolved = json.loads((out / "config.json").read_text())["resolved"]
+    assert "nccl" in resolved["backend"]
+
+
+@TWO_GPUS
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("algo", ["co2", "demo", "ddp"])
+def test_two_gpu_job_ends_with_identical_replicas(train_job: Any, algo: str) -> None:
+    summary = train_job("--algo", algo, *tiny_job_args(workers=2, steps=24), "--backend", "nccl")
+    assert summary["status"] == "finished" and summary["workers"] == 2
+    assert summary["replicas_identical"]  # DeMo's too: every rank decodes the same bits
+    assert math.isfinite(summary["val_loss_final"])
+    assert len(summary["peak_gpu_memory_bytes"]) == 2
+
+
+@TWO_GPUS
+@pytest.mark.timeout(600)
+def test_co2_hides_an_emulated_links_transfers_behind_compute(train_job: Any) -> None:
+    summary = train_job(
+        "--algo",
+        "co2",
+        *tiny_job_args(workers=2, steps=48, sync_every=12, eval_every=12),
+        "--backend",
+        "nccl",
+        "--link",
+        "100mbit",
+    )
+    comm = summary["comm_mean"]
+    assert comm["in_flight_s"] > 0
+    assert comm["hidden_fraction"] is not None and comm["hidden_fraction"] > 0
+    assert summary["replicas_identical"]

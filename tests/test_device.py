@@ -1,0 +1,346 @@
+"""``lowcomm.device`` on the CPU (every helper the plain CPU operation, or nothing), and the device
+handling of the codecs, DeMo, the guard and the balance exchange that the CPU can check (the
+``meta`` device stands in for a GPU where the operations support it). What needs a GPU is in
+``test_cuda.py``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lowcomm.device as device_mod
+from lowcomm.balance.remap import Remap
+from lowcomm.compress.formats import PowerSGD, Quantize, _uniform
+from lowcomm.device import (
+    CollectiveTimer,
+    CommStream,
+    HostStaging,
+    collective_device,
+    device_clock,
+    device_future,
+    host_wait,
+    peak_memory_allocated,
+    pinned_like,
+    synchronize,
+    to_device,
+)
+from lowcomm.guard import _all_finite_one_read, all_finite
+from lowcomm.optim.dct import ChunkPlan, dct_matrix, decode, encode
+from lowcomm.optim.demo import demo_decode
+from lowcomm.train.worker import process_group_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+# --- where collectives' tensors live --------------------------------------------------------------
+
+
+def test_collective_device_is_the_cpu_without_a_group_and_on_gloo(single_rank_group: None) -> None:
+    class Comm:
+        group = None
+
+    assert collective_device() == CPU
+    assert collective_device(Comm()) == CPU
+    assert collective_device(object()) == CPU  # no `group`: WORLD
+
+
+def test_collective_device_is_the_current_gpu_on_nccl_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(device_mod.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, expected in [
+        ("nccl", torch.device("cuda", 3)),
+        ("cpu:gloo,cuda:nccl", CPU),  # CPU tensors are taken: the control path stays there
+        ("gloo", CPU),
+    ]:
+        monkeypatch.setattr(device_mod.dist, "get_backend", lambda group=None, b=backend: b)
+        assert collective_device() == expected, backend
+
+
+def test_a_gpu_job_runs_cpu_tensors_on_gloo_and_cuda_tensors_on_nccl() -> None:
+    assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("gloo") == "gloo"
+
+
+# --- clocks, futures, memory ----------------------------------------------------------------------
+
+
+def test_clocks_synchronise_only_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert device_clock(CPU) is time.perf_counter
+    assert device_clock("cpu") is time.perf_counter
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    clock = device_clock("cuda:1")
+    a = clock()
+    b = clock()
+    assert b >= a and calls == [torch.device("cuda", 1)] * 2
+    synchronize(CPU)
+    assert len(calls) == 2
+    # None: the current device, only once CUDA is in use in this process
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    device_clock()()
+    assert len(calls) == 2
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    device_clock()()
+    assert calls[-1] is None and len(calls) == 3
+
+
+def test_futures_and_memory_on_the_cpu() -> None:
+    t = torch.ones(3)
+    fut = device_future(t)
+    fut.set_result(t)
+    assert fut.wait() is t
+    assert peak_memory_allocated(CPU) is None
+
+
+# --- copies ---------------------------------------------------------------------------------------
+
+
+def test_copies_to_the_cpu_are_the_plain_ones() -> None:
+    t = torch.arange(6.0).view(2, 3)
+    assert to_device(t, CPU) is t
+    p = pinned_like(t)
+    assert p.shape == t.shape and p.dtype == t.dtype and p.device == CPU
+    assert p.is_pinned() == torch.cuda.is_available()
+    # no staging on the CPU: the tensor itself goes to the CPU collective and back
+    staging = HostStaging(t)
+    assert staging.host is None
+    assert staging.download(t) is t and staging.ready() is None
+    out = torch.zeros(2, 3)
+    staging.upload(out, t * 2)
+    assert torch.equal(out, t * 2)
+    staging.upload(t, t)  # the buffer is the destination: nothing to copy
+    staging.writable()
+
+
+def test_host_wait_and_timer_on_the_cpu_wait_for_each_work() -> None:
+    waited: list[int] = []
+
+    class Work:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def wait(self) -> bool:
+            waited.append(self.i)
+            return True
+
+    host_wait([Work(0), Work(1)], CPU)
+    host_wait([Work(2)], None)
+    assert waited == [0, 1, 2]
+    timer = CollectiveTimer(CPU)
+    timer.launched([Work(3)])
+    assert timer.seconds() is None and waited == [0, 1, 2]  # not waited: gloo is timed itself
+
+
+# --- the side stream ------------------------------------------------------------------------------
+
+
+def test_comm_stream_on_the_cpu_runs_inline_and_guards_buffers_in_flight() -> None:
+    cs = CommStream(CPU)
+    assert not cs.active and cs.stream is None
+    theta = torch.full((4,), 2.0)
+    anchor = torch.full((4,), 5.0)
+    sends = [torch.zeros(4), torch.zeros(4)]  # CO2: two slots
+    with cs.launch(reads=[theta], writes=[sends[0]]) as first:
+        torch.sub(anchor, theta, out=sends[0])
+        first.inputs_read()
+    assert torch.equal(sends[0], torch.full((4,), 3.0))  # ran inline, at once
+    assert cs.in_flight == 1
+    with cs.launch(writes=[sends[1]]) as second:  # the other slot, while the first is in flight
+        sends[1].copy_(theta)
+    assert cs.in_flight == 2
+    # a buffer still in flight must not be rewritten
+    with pytest.raises(AssertionError, match="still in flight"), cs.launch(writes=[sends[0]]):
+        pass
+    cs.apply(first, hand_over=[sends[0]])
+    cs.apply(first)  # idempotent
+    assert cs.in_flight == 1
+    with cs.launch(writes=[sends[0]]) as third:  # its sync was applied: free again
+        pass
+    cs.apply(None)  # a sync restored from a checkpoint
+    cs.drain()
+    assert cs.in_flight == 0
+    cs.apply(second)
+    cs.apply(third)
+    assert cs.in_flight == 0
+
+
+def test_a_failed_launch_leaves_no_buffer_in_flight() -> None:
+    cs = CommStream("cpu")
+    buf = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="boom"), cs.launch(writes=[buf]):
+        raise RuntimeError("boom")
+    assert cs.in_flight == 0
+    with cs.launch(writes=[buf]) as launch:
+        pass
+    assert launch.owner is cs
+
+
+def test_views_of_one_buffer_at_other_offsets_are_other_buffers() -> None:
+    cs = CommStream(CPU)
+    flat = torch.zeros(8)
+    with cs.launch(writes=[flat[:4]]):
+        pass
+    with cs.launch(writes=[flat[4:]]):
+        pass
+    assert cs.in_flight == 2
+
+
+# --- the codecs' devices --------------------------------------------------------------------------
+
+
+def test_rounding_noise_is_drawn_on_the_generators_device() -> None:
+    like = torch.empty(5, 3)
+    expected = torch.rand(5, 3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(_uniform(like, torch.Generator().manual_seed(7)), expected)
+    # a CPU generator for a tensor elsewhere: drawn on the CPU, then moved; the generator
+    # advances as it does for a CPU tensor
+    g = torch.Generator().manual_seed(7)
+    on_meta = _uniform(torch.empty(5, 3, device=META), g)
+    assert on_meta.device == META and on_meta.shape == (5, 3)
+    assert torch.equal(_uniform(like, g), _second_draw(7))
+    # no generator: the global one of the tensor's device
+    assert _uniform(torch.empty(2, device=META), None).device == META
+
+
+def _second_draw(seed: int) -> torch.Tensor:
+    """The second (5, 3) draw of a CPU generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    torch.rand(5, 3, generator=g)
+    return torch.rand(5, 3, generator=g)
+
+
+def test_stochastic_rounding_with_a_cpu_generator_is_the_same_codes() -> None:
+    codec = Quantize(bits=4, block=8, stochastic=True)
+    x = torch.randn(37)
+    a = codec.encode(x, generator=torch.Generator().manual_seed(3))
+    b = codec.encode(x, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+def test_powersgd_starts_on_the_device_asked_for() -> None:
+    codec = PowerSGD(rank=2)
+    shape = (6, 5)
+    cpu = codec.initial_q(shape, 1)
+    assert cpu.device == CPU
+    assert codec.initial_q(shape, 1, device=META).device == META
+    assert codec.start_q(shape, 1, None, device=META).device == META
+    previous = torch.empty(5, 1, device=META)  # the rank grew from 1 to 2: extended
+    assert codec.start_q(shape, 1, previous).device == META
+    assert codec.start_q(shape, 1, previous).shape == (5, 2)
+    assert torch.equal(codec.start_q(shape, 1, cpu.clone()), cpu)
+
+
+# --- DeMo -----------------------------------------------------------------------------------------
+
+
+def test_dct_matrices_are_cached_per_size_dtype_and_device() -> None:
+    a = dct_matrix(8, torch.float32)
+    assert dct_matrix(8, torch.float32, "cpu") is a
+    assert torch.equal(a, dct_matrix(8, torch.float64).float())
+    assert dct_matrix(8, torch.float64) is not a
+    m = dct_matrix(8, torch.float32, META)
+    assert m.device == META and dct_matrix(8, torch.float32, "meta") is m
+    plan = ChunkPlan.for_shape(torch.Size([16, 8]), 4)
+    x = torch.empty(16, 8, device=META)
+    assert decode(encode(x, plan), plan).device == META
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+def test_demo_decode_sums_in_rank_order_as_scatter_reduce_mean(ranks: int) -> None:
+    gen = torch.Generator().manual_seed(ranks)
+    plan = ChunkPlan.for_shape(torch.Size([12, 40]), 8)  # 3 x 5 blocks of 4 x 8
+    k = 6
+    indices, values = [], []
+    for _ in range(ranks):
+        # few distinct coefficients: many collide across ranks, none within a rank's chunk
+        idx = torch.stack([torch.randperm(10, generator=gen)[:k] for _ in range(plan.chunks)]).to(
+            torch.int32
+        )
+        val = torch.randn(plan.chunks, k, generator=gen) * torch.exp(
+            4 * torch.randn(plan.chunks, k, generator=gen)
+        )
+        val[0, 0] = -0.0
+        indices.append(idx)
+        values.append(val)
+    dense = torch.zeros(plan.chunks, plan.per_chunk)
+    dense.scatter_reduce_(
+        -1,
+        torch.cat([i.long() for i in indices], -1),
+        torch.cat(values, -1),
+        "mean",
+        include_self=False,
+    )
+    ours = demo_decode(indices, values, plan)
+    assert torch.equal(ours.view(torch.int32), decode(dense, plan).view(torch.int32))
+
+
+# --- the guard ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad", [None, float("nan"), float("inf"), float("-inf")], ids=["finite", "nan", "inf", "-inf"]
+)
+def test_one_read_finiteness_check_agrees_with_the_per_tensor_one(bad: float | None) -> None:
+    tensors = [
+        torch.randn(5),
+        torch.empty(0),
+        torch.randn(3, 4),
+        torch.tensor([1e300, -1e300], dtype=torch.float64),
+    ]
+    if bad is not None:
+        tensors[2][1, 2] = bad
+    assert _all_finite_one_read(tensors) == all_finite(tensors) == (bad is None)
+    assert _all_finite_one_read([torch.empty(0)]) is True
+
+
+# --- the balance exchange -------------------------------------------------------------------------
+
+
+def test_remap_indices_are_copied_to_a_device_once() -> None:
+    remap = Remap((3, 2, 4), (1, 0, 1), 2, 0)
+    send, place = remap._indices_on(META)
+    assert send.device == place.device == META
+    assert remap._indices_on(META)[0] is send
+    cpu_send, _ = remap._indices_on(CPU)
+    assert torch.equal(cpu_send, remap._exchange[0])
+
+
+# --- the one-command GPU check --------------------------------------------------------------------
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_gpu_check_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA device is present: the script runs the whole check"
+)
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.timeout(120)
+def test_gpu_check_stops_at_once_without_a_gpu() -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "src")}
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        ["bash", str(SCRIPT)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=100
+    )
+    assert done.returncode == 2, done
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], lines
+    assert time.perf_counter() - t0 < 60
