@@ -1,7 +1,9 @@
 """lowcomm on CUDA: codecs and DeMo's DCT against the CPU, the device helpers' orderings
-(:mod:`lowcomm.device`), bf16 autocast, and ``lowcomm train`` jobs on NCCL (one GPU; two for
-the multi-process ones). Every test is skipped on a machine without a CUDA device;
-``benchmarks/gpu_check.sh`` runs this file first."""
+(:mod:`lowcomm.device`), bf16 autocast, ``lowcomm train`` jobs on NCCL (one GPU; two for
+the multi-process ones), and the library on a process group of NCCL alone (two GPUs): CO2 to
+``finish()``, its launches on the side stream against inline, collectives timed on the device.
+Every test is skipped on a machine without a CUDA device; ``benchmarks/gpu_check.sh`` runs
+this file first."""
 
 from __future__ import annotations
 
@@ -423,3 +425,160 @@ def test_co2_hides_an_emulated_links_transfers_behind_compute(train_job: Any) ->
     assert comm["in_flight_s"] > 0
     assert comm["hidden_fraction"] is not None and comm["hidden_fraction"] > 0
     assert summary["replicas_identical"]
+
+
+# --- the library on NCCL alone (2 GPUs, one process each) -----------------------------------------
+
+
+def _mlp(device: torch.device, width: int = 256) -> torch.nn.Module:
+    """The same model on every rank (seeded), on ``device``."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, width), torch.nn.Tanh(), torch.nn.Linear(width, 64)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.to(device)
+
+
+def _train_step(model: torch.nn.Module, inner: torch.optim.Optimizer, rank: int, step: int) -> None:
+    """One inner step on this rank's batch of ``step`` (drawn on the CPU: the same on every
+    run of the rank)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(128, 64, generator=g).to(_gpu())
+    loss = ((model(x) - x.flip(1)) ** 2).mean()
+    loss.backward()
+    inner.step()
+    inner.zero_grad(set_to_none=True)
+
+
+def pure_nccl_co2(rank: int, world: int, compression: str) -> dict[str, Any]:
+    """CO2 as a library user runs it on ``init_process_group("nccl")`` (no gloo beside it):
+    24 steps, ``finish()`` (the step counts compared across the ranks), a barrier."""
+    import lowcomm
+    from lowcomm.comm import spin_barrier
+
+    model = _mlp(_gpu())
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    algo = lowcomm.CO2(model, inner, sync_every=6, compression=compression)
+    for step in range(1, 25):
+        _train_step(model, inner, rank, step)
+        algo.step()
+    algo.finish()
+    spin_barrier()
+    return {
+        "backend": str(dist.get_backend()),
+        "control": str(collective_device(algo.comm)),
+        "anchor": [v.detach().cpu() for v in algo.anchor_views],
+        "params": [p.detach().cpu() for p in model.parameters()],
+        "in_flight_s": algo.stats.in_flight_s,
+    }
+
+
+@TWO_GPUS
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compression", ["int8", "lgreco:int"])
+def test_a_library_run_on_a_pure_nccl_group(compression: str) -> None:
+    from lowcomm.testing import run_workers
+
+    ranks = run_workers(pure_nccl_co2, 2, compression, backend="nccl", timeout_s=240)
+    for r, out in enumerate(ranks):
+        assert out["backend"] == "nccl" and out["control"] == f"cuda:{r}"
+        assert out["in_flight_s"] > 0
+        # θ = A after finish(), and A is the same bits on every rank
+        assert all(torch.equal(p, a) for p, a in zip(out["params"], out["anchor"]))
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["anchor"], ranks[1]["anchor"]))
+
+
+SIDE_STREAM_CASES: list[dict[str, Any]] = [{}, {"compression": "int8"}]
+SIDE_STREAM_CASES += [{"eager": True, "compression": "int8"}]
+
+
+def co2_side_stream_and_inline(rank: int, world: int) -> list[dict[str, list[torch.Tensor]]]:
+    """Each case of :data:`SIDE_STREAM_CASES` over 3 rounds of CO2, with its launches on the
+    side stream (as built) and inline on the compute stream (a CPU ``CommStream`` in its
+    place): the parameters and anchors at every round boundary and after ``finish()``. A
+    wide model, so that the side stream's work and the next step overlap for real."""
+    import lowcomm
+
+    out = []
+    for hyper in SIDE_STREAM_CASES:
+        runs: dict[str, list[torch.Tensor]] = {}
+        for wired in (True, False):
+            model = _mlp(_gpu(), width=16384)
+            inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            algo = lowcomm.CO2(model, inner, sync_every=4, **hyper)
+            if not wired:
+                algo.comm_stream = CommStream("cpu")
+            assert algo.comm_stream.active == wired
+            seen: list[torch.Tensor] = []
+            for step in range(1, 13):
+                _train_step(model, inner, rank, step)
+                algo.step()
+                if step % 4 == 0:
+                    seen += [p.detach().cpu() for p in model.parameters()]
+                    seen += [v.detach().cpu() for v in algo.anchor_views]
+            algo.finish()
+            seen += [p.detach().cpu() for p in model.parameters()]
+            assert algo.comm_stream.in_flight == 0
+            runs["wired" if wired else "inline"] = seen
+        out.append(runs)
+    return out
+
+
+@TWO_GPUS
+@pytest.mark.timeout(300)
+def test_co2_on_the_side_stream_matches_launching_inline() -> None:
+    from lowcomm.testing import run_workers
+
+    for rank in run_workers(co2_side_stream_and_inline, 2, backend="nccl", timeout_s=240):
+        for hyper, runs in zip(SIDE_STREAM_CASES, rank):
+            assert len(runs["wired"]) == len(runs["inline"]), hyper
+            for a, b in zip(runs["wired"], runs["inline"]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=str(hyper))
+
+
+def nccl_in_flight(rank: int, world: int) -> dict[str, float]:
+    """A mean all-reduce and a compressed mean on NCCL, each with a second of compute queued
+    on the compute stream after its launch: their time in flight, blocked, and the results."""
+    cpm = _cycles_per_ms()
+    comm = Communicator()
+    x = torch.full((1 << 24,), float(rank + 1), device=_gpu())  # 64 MiB
+    dist.barrier()
+    torch.cuda.synchronize()
+    handle = comm.all_reduce_mean_async([x])
+    _spin(1000, cpm)  # the next inner step: not part of the collective
+    handle.wait()
+    plain = {"in_flight_s": comm.stats.in_flight_s, "blocked_s": comm.stats.blocked_s}
+    mean_ok = bool(torch.all(x == 1.5))
+    shapes = [torch.Size([1024, 1024]), torch.Size([4096])]
+    buckets = FlatBuckets(shapes, bucket_cap_mb=2.0, device=_gpu())  # two buckets
+    buckets.copy_from([torch.ones(s, device=_gpu()) for s in shapes])
+    comp = Compressor("int8", shapes, rank=rank, device=_gpu())
+    dist.barrier()
+    torch.cuda.synchronize()
+    before = comm.stats.in_flight_s
+    compressed = comm.compressed_mean_async(buckets, comp)
+    _spin(1000, cpm)
+    compressed.wait()
+    return {
+        **plain,
+        "mean_ok": float(mean_ok),
+        "compressed_in_flight_s": comm.stats.in_flight_s - before,
+        "compressed_ok": float(all(torch.allclose(v, torch.ones_like(v)) for v in buckets.views)),
+    }
+
+
+@TWO_GPUS
+@pytest.mark.timeout(300)
+def test_collectives_are_timed_on_the_device_without_a_link() -> None:
+    from lowcomm.testing import run_workers
+
+    for out in run_workers(nccl_in_flight, 2, backend="nccl", timeout_s=240):
+        assert out["mean_ok"] and out["compressed_ok"]
+        # the device's time from launch to completion (the NCCL future completes when queued)
+        assert 0.0 < out["in_flight_s"] < 10.0
+        assert 0.0 < out["compressed_in_flight_s"] < 10.0
+        # the wait blocked for the collective, not for the second of compute queued before it
+        assert out["blocked_s"] < 0.5, out

@@ -5,11 +5,15 @@ handling of the codecs, DeMo, the guard and the balance exchange that the CPU ca
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +22,14 @@ import torch
 
 import lowcomm.device as device_mod
 from lowcomm.balance.remap import Remap
+from lowcomm.comm import Communicator, DDPCommMeter, FlatBuckets
+from lowcomm.compress.feedback import Compressor, generator_resumes, worker_generator
 from lowcomm.compress.formats import PowerSGD, Quantize, _uniform
 from lowcomm.device import (
     CollectiveTimer,
     CommStream,
     HostStaging,
+    Launch,
     collective_device,
     device_clock,
     device_future,
@@ -33,8 +40,11 @@ from lowcomm.device import (
     to_device,
 )
 from lowcomm.guard import _all_finite_one_read, all_finite
+from lowcomm.link import LinkModel
 from lowcomm.optim.dct import ChunkPlan, dct_matrix, decode, encode
 from lowcomm.optim.demo import demo_decode
+from lowcomm.testing import run_workers
+from lowcomm.testing.toy import inner_step, make_inner, toy_model
 from lowcomm.train.worker import process_group_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +209,231 @@ def test_views_of_one_buffer_at_other_offsets_are_other_buffers() -> None:
     assert cs.in_flight == 2
 
 
+def test_waiting_for_a_launch_on_the_cpu_leaves_it_in_flight() -> None:
+    cs = CommStream(CPU)
+    buf = torch.zeros(3)
+    with cs.launch(writes=[buf]) as launch:
+        buf.fill_(1.0)
+    cs.wait_for(launch)  # eager CO2 reads its own fresh contribution before the apply
+    cs.wait_for(None)
+    assert cs.in_flight == 1 and not launch.applied
+    with pytest.raises(AssertionError, match="made on"):
+        CommStream(CPU).wait_for(launch)
+    cs.apply(launch)
+    cs.wait_for(launch)  # applied: nothing to wait for
+    assert cs.in_flight == 0
+
+
+class RecordingStream(CommStream):
+    """An inline (CPU) :class:`CommStream` that numbers its launches and records every launch
+    and apply in order, and the most launches in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__(CPU)
+        self.events: list[tuple[str, int]] = []
+        self.numbers: dict[int, int] = {}
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def launch(
+        self, *, reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()
+    ) -> Iterator[Launch]:
+        with super().launch(reads=reads, writes=writes) as token:
+            yield token
+        self.numbers[id(token)] = n = len(self.events)
+        self.events.append(("launch", n))
+        self.peak = max(self.peak, self.in_flight)
+
+    def apply(self, token: Launch | None, *, hand_over: Sequence[torch.Tensor] = ()) -> None:
+        if token is not None and not token.applied:
+            self.events.append(("apply", self.numbers[id(token)]))
+        super().apply(token, hand_over=hand_over)
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("CO2", {}),
+    ("CO2", {"eager": True, "compression": "int8"}),
+    ("DiLoCo", {}),
+    ("DiLoCo", {"compression": "powersgd:1"}),
+    ("LocalSGD", {}),
+]
+H = 3
+
+
+def comm_stream_trace(rank: int, world: int) -> list[dict[str, Any]]:
+    """Each case twice on the toy problem over 5 rounds: straight through, and going back at
+    the end of round 3 (a launch in flight) to its state at the end of round 2, from its own
+    state_dict (the inner optimizer and parameters too). The side stream is a
+    :class:`RecordingStream`."""
+    import lowcomm
+
+    out = []
+    for name, hyper in CASES:
+        finals = []
+        trace: dict[str, Any] = {}
+        for reload in (False, True):
+            model = toy_model(3)
+            inner = make_inner("adamw", model.parameters())
+            algo = getattr(lowcomm, name)(model, inner, sync_every=H, **hyper)
+            stream = algo.comm_stream = RecordingStream()
+            saved: Any = None
+            step = 0
+            while step < 5 * H:
+                step += 1
+                inner_step(model, inner, rank, step, 3)
+                algo.step()
+                if reload and step == 2 * H and saved is None:
+                    params = [p.detach().clone() for p in model.parameters()]
+                    saved = (algo.state_dict(), params, copy.deepcopy(inner.state_dict()))
+                elif reload and step == 3 * H and "reloaded" not in trace:
+                    trace["reloaded"] = stream.in_flight
+                    # the collective in flight writes into a send buffer that the load refills:
+                    # it must have landed first (load_state_dict drops it without waiting)
+                    for frag in algo.fragments:
+                        for sync in frag.pending:
+                            sync.handle.wait()
+                    state, params, inner_state = saved
+                    algo.load_state_dict(state)
+                    trace["after_load"] = stream.in_flight
+                    with torch.no_grad():
+                        for p, q in zip(model.parameters(), params):
+                            p.copy_(q)
+                    inner.load_state_dict(inner_state)
+                    step = 2 * H
+            algo.finish()
+            finals.append([p.detach().clone() for p in model.parameters()])
+            if not reload:
+                trace.update(events=stream.events, peak=stream.peak)
+            trace[f"after_finish_{reload}"] = stream.in_flight
+        trace["same"] = all(torch.equal(a, b) for a, b in zip(*finals))
+        out.append(trace)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_every_launch_on_the_side_stream_is_applied_in_order_and_none_is_left() -> None:
+    for rank in run_workers(comm_stream_trace, 2):
+        for (name, hyper), trace in zip(CASES, rank):
+            case = f"{name} {hyper}"
+            launches = [n for kind, n in trace["events"] if kind == "launch"]
+            applies = [n for kind, n in trace["events"] if kind == "apply"]
+            assert len(launches) == 5, case  # a sync per round
+            assert applies == launches, case  # every one applied, in launch order
+            assert trace["after_finish_False"] == trace["after_finish_True"] == 0, case
+            # a launch is applied after the next one only where a round's sync overlaps the
+            # next round (CO2, whose two send buffers are then both in flight), unless its
+            # compressor finishes it first (on the compute stream, before the next launch)
+            overlapped = name == "CO2"
+            both = overlapped and "compression" not in hyper
+            expected_peak = 0 if name == "LocalSGD" else 2 if both else 1
+            assert trace["peak"] == expected_peak, case
+            # load_state_dict drops what was in flight (CO2: the launch at the end of round 3)
+            assert trace["reloaded"] == (1 if overlapped else 0), case
+            assert trace["after_load"] == 0, case
+            # and going back to round 2 (its sync in flight restored, complete) changes nothing
+            assert trace["same"], case
+
+
+def test_a_compressed_handle_hands_over_what_its_launch_made(single_rank_group: None) -> None:
+    shapes = [torch.Size([40, 30]), torch.Size([7]), torch.Size([30, 20])]
+    comm = Communicator()
+    buckets = FlatBuckets(shapes, bucket_cap_mb=1300 * 4 / 2**20)  # two buckets
+    assert len(buckets.groups()) == 2
+    buckets.copy_from([torch.randn(s) for s in shapes])
+    handle = comm.compressed_mean_async(buckets, Compressor("int8", shapes))
+    made = handle.launch_tensors()
+    assert len(made) == 4
+    for g in handle.gather:  # each bucket's payload and the buffer gathered into
+        assert any(t is g.payload for t in made) and any(t is g.gathered for t in made)
+    handle.wait()
+    low = comm.compressed_mean_async(buckets, Compressor("powersgd:2", shapes))
+    made = low.launch_tensors()
+    for g in low.low_rank:
+        for t in [g.flat_p, *g.m.values(), *g.q.values()]:
+            assert any(t is u for u in made)
+    assert len(made) == sum(1 + 2 * len(g.compressed) for g in low.low_rank)
+    low.wait()
+    plain = comm.all_reduce_mean_async(buckets.buffers)
+    assert plain.launch_tensors() == []  # the buffers are the caller's
+    plain.wait()
+
+
+# --- DDP over an emulated link --------------------------------------------------------------------
+
+
+class _Bucket:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+
+def test_ddp_over_a_link_completes_a_bucket_off_the_backward_thread(
+    single_rank_group: None,
+) -> None:
+    meter = DDPCommMeter(link=LinkModel(bandwidth_bps=1e9, latency_s=0.3))
+    grad = torch.full((1000,), 2.0)
+    t0 = time.perf_counter()
+    fut = DDPCommMeter._hook(meter, _Bucket(grad))
+    # the hook returns at once: backward goes on while the link carries the bucket
+    assert time.perf_counter() - t0 < 0.2
+    assert fut.wait() is grad and torch.equal(grad, torch.full((1000,), 2.0))
+    assert time.perf_counter() - t0 >= 0.3  # not before the link could have carried it
+    assert meter.stats.in_flight_s >= 0.3 and meter.stats.collectives == 1
+    second = DDPCommMeter._hook(meter, _Bucket(torch.ones(4)))  # the same thread serves it
+    assert torch.equal(second.wait(), torch.ones(4))
+
+
+# --- resuming stochastic rounding on another device type ------------------------------------------
+
+
+def test_a_generator_state_resumes_only_on_its_own_device_type() -> None:
+    cpu = torch.Generator()
+    state = cpu.get_state()
+    assert generator_resumes("cpu", state, cpu)
+    assert not generator_resumes("cuda", torch.zeros(16, dtype=torch.uint8), cpu)
+    # checkpoints from before the device was recorded: the state's format (its size) decides
+    assert generator_resumes(None, state, cpu)
+    assert not generator_resumes(None, torch.zeros(16, dtype=torch.uint8), cpu)
+
+
+def test_a_gpu_checkpoint_resumed_on_the_cpu_reseeds_stochastic_rounding() -> None:
+    shapes = [torch.Size([64])]
+    saved = Compressor("int4:sr", shapes, rank=1, stream=2).state_dict()
+    assert saved["generator_device"] == "cpu"
+    saved["launches"] = 7
+    # the same device type: the generator goes on where it stopped
+    same = Compressor("int4:sr", shapes, rank=1, stream=2)
+    same.generator.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(saved)
+    assert torch.equal(same.generator.get_state(), saved["generator"])
+    # a CUDA generator's state (Philox: seed and offset) on the CPU: a fresh seed, the same on
+    # every resume, told
+    from_gpu = {
+        **saved,
+        "generator": torch.zeros(16, dtype=torch.uint8),
+        "generator_device": "cuda",
+    }
+    fresh = [Compressor("int4:sr", shapes, rank=1, stream=2) for _ in range(2)]
+    for comp in fresh:
+        with pytest.warns(
+            UserWarning, match=r"another device type \(cuda\) than this run's \(cpu\)"
+        ):
+            comp.load_state_dict(from_gpu)
+    expected = worker_generator(1, 2, "cpu", launches=7).get_state()
+    assert all(torch.equal(c.generator.get_state(), expected) for c in fresh)
+    assert not torch.equal(expected, worker_generator(1, 2, "cpu").get_state())
+    assert fresh[0].launches == 7
+    # and an older checkpoint without the key, saved on the CPU, resumes as before
+    del saved["generator_device"]
+    old = Compressor("int4:sr", shapes, rank=1, stream=2)
+    old.load_state_dict(saved)
+    assert torch.equal(old.generator.get_state(), saved["generator"])
+
+
 # --- the codecs' devices --------------------------------------------------------------------------
 
 
@@ -317,6 +552,39 @@ def test_remap_indices_are_copied_to_a_device_once() -> None:
     assert remap._indices_on(META)[0] is send
     cpu_send, _ = remap._indices_on(CPU)
     assert torch.equal(cpu_send, remap._exchange[0])
+
+
+# --- the run's table ------------------------------------------------------------------------------
+
+
+def test_the_summary_table_shows_peak_gpu_memory_only_on_gpus() -> None:
+    from lowcomm.comm import CommStats
+    from lowcomm.train.config import config_from_dict
+    from lowcomm.train.report import format_summary, run_summary
+
+    cfg = config_from_dict({"algo": "co2"}, source="test").with_paths()
+    per_rank = [
+        {"rank": r, "rounds": 0, "intra_node": None, **CommStats().as_dict()} for r in (0, 1)
+    ]
+    summary = run_summary(
+        cfg,
+        world=2,
+        tokens=1,
+        wall_s=1.0,
+        train_s=1.0,
+        eval_s=0.0,
+        val_start=5.0,
+        val_end=4.0,
+        per_rank=per_rank,
+        n_params=10,
+    )
+    summary["peak_gpu_memory_bytes"] = None  # the CPU
+    assert "peak GPU memory" not in format_summary(summary)
+    summary["peak_gpu_memory_bytes"] = [3 * 2**30, 1536 * 2**20]
+    rows = [line for line in format_summary(summary).splitlines() if "peak GPU" in line]
+    assert (
+        len(rows) == 1 and rows[0].split("memory")[1].strip() == "3072 MiB / 1536 MiB (per worker)"
+    )
 
 
 # --- the one-command GPU check --------------------------------------------------------------------

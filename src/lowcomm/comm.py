@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from lowcomm.counters import (
     reduce_scatter_wire_bytes,
     ring_wire_bytes,
 )
+from lowcomm.device import CollectiveTimer, collective_device, host_wait
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -94,14 +95,22 @@ def _spin(works: Sequence[Any]) -> None:
 
 def spin_barrier(group: dist.ProcessGroup | None = None) -> None:
     """A barrier (a one-element all-reduce) that polls when :func:`set_busy_wait` is on."""
-    work = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+    flag = torch.zeros(1, device=collective_device(group))  # NCCL takes GPU tensors only
+    work = dist.all_reduce(flag, group=group, async_op=True)
     if _BUSY_WAIT:
         _spin([work])
     work.wait()
 
 
 class Handle:
-    """An in-flight mean all-reduce over a list of buffers. :meth:`wait` is idempotent."""
+    """An in-flight mean all-reduce over a list of buffers. :meth:`wait` is idempotent.
+
+    Its time in flight is the device's (:class:`~lowcomm.device.CollectiveTimer`) for the
+    process group's own collectives on a GPU, whose futures complete when they are queued;
+    elsewhere (the CPU, an emulated link) from launch to the futures' completion."""
+
+    _device_timed: ClassVar[bool] = True
+    """Whether its works may be timed on the device (waited on a timing stream at launch)."""
 
     def __init__(
         self,
@@ -118,6 +127,10 @@ class Handle:
         self._t_done: list[float] = []
         self._lock = threading.Lock()
         self._done = False
+        self._device = buffers[0].device if buffers else None
+        self._timer = CollectiveTimer(self._device or "cpu")
+        if self._device_timed:
+            self._timer.launched(works)
         for w in works:
             # Backends without futures are timed at wait() instead.
             with contextlib.suppress(RuntimeError, AttributeError):
@@ -134,22 +147,29 @@ class Handle:
         t0 = time.perf_counter()
         if _BUSY_WAIT:
             _spin(self.works)
-        for w in self.works:
-            w.wait()
-        if self.buffers and self.buffers[0].is_cuda:
-            # NCCL's wait() only orders the current stream; block the host so that the time
-            # blocked (and what follows on the host) is real.
-            torch.cuda.current_stream(self.buffers[0].device).synchronize()
+        # on a GPU the host waits for the collectives alone, not for the compute queued
+        # before this wait (which would count as time blocked)
+        host_wait(self.works, self._device)
         t1 = time.perf_counter()
+        on_device = self._timer.seconds()
         with self._lock:
             # A callback may still be queued when wait() returns; completion is then "now".
             t_done = max(self._t_done) if len(self._t_done) == len(self.works) else t1
         if self.divisor > 1:
             torch._foreach_div_(self.buffers, float(self.divisor))
         self.stats.blocked_s += t1 - t0
-        self.stats.in_flight_s += max(0.0, min(t_done, t1) - self.t_launch)
+        if on_device is None:
+            on_device = max(0.0, min(t_done, t1) - self.t_launch)
+        self.stats.in_flight_s += on_device
         self._done = True
         return self.buffers
+
+    def launch_tensors(self) -> list[torch.Tensor]:
+        """Tensors made while the collective was launched (on the launching stream) that
+        :meth:`wait` reads: to be handed over to the stream that waits
+        (:meth:`lowcomm.device.CommStream.apply`). None for a plain all-reduce, whose buffers
+        are its caller's."""
+        return []
 
     @property
     def needs_advance(self) -> bool:

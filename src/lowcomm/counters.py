@@ -5,12 +5,16 @@ all-reduces the same way."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from lowcomm.device import device_future, host_wait
 
 __all__ = [
     "CommStats",
@@ -101,7 +105,9 @@ class DDPCommMeter:
     bucket is launched backward only waits, so the time blocked is measured as the time from the
     last launch until ``backward()`` returns: call :meth:`backward_done` right after it. With
     ``link`` (a :class:`lowcomm.link.LinkModel`) each bucket completes no earlier than the
-    emulated link could have carried it.
+    emulated link could have carried it: a thread of the meter's own waits for each bucket's
+    all-reduce (on a GPU until it has run on the device), sleeps until the link's completion
+    time and then completes the future DDP waits for, so that backward goes on meanwhile.
     """
 
     def __init__(self, *, link: _LinkSchedule | None = None) -> None:
@@ -110,6 +116,10 @@ class DDPCommMeter:
         self._last_launch: float | None = None
         self._world_size = 1
         self._group: dist.ProcessGroup | None = None
+        self._queue: deque[tuple[dist.Work, torch.Tensor, float, float, torch.futures.Future]]
+        self._queue = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         self._group = ddp_model.process_group
@@ -132,16 +142,49 @@ class DDPCommMeter:
         done_at = None
         if meter.link is not None:
             done_at = meter.link.schedule(time.monotonic(), ring_wire_bytes(payload, n))
-        fut = dist.all_reduce(tensor, group=meter._group, async_op=True).get_future()
+        work = dist.all_reduce(tensor, group=meter._group, async_op=True)
+        if done_at is not None:
+            return meter._through_link(work, tensor, t_launch, done_at)
 
         def _done(f: torch.futures.Future) -> torch.Tensor:
-            if done_at is not None and done_at > time.monotonic():
-                # emulated link: not complete before the link could have carried it
-                time.sleep(max(0.0, done_at - time.monotonic()))
             meter.stats.in_flight_s += time.perf_counter() - t_launch
             return f.value()[0]
 
-        return fut.then(_done)
+        return work.get_future().then(_done)
+
+    def _through_link(
+        self, work: dist.Work, tensor: torch.Tensor, t_launch: float, done_at: float
+    ) -> torch.futures.Future:
+        """A future completed with ``tensor`` by the meter's link thread, no earlier than
+        ``done_at`` (``time.monotonic``) and than the all-reduce itself. Not a callback of the
+        all-reduce's own future: on NCCL that runs at once, when the collective is queued,
+        in the thread that launched it (backward's), which the sleep would then block."""
+        fut = device_future(tensor)
+        with self._cv:
+            self._queue.append((work, tensor, t_launch, done_at, fut))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run_link, name="lowcomm-ddp-link", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+        return fut
+
+    def _run_link(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                work, tensor, t_launch, done_at, fut = self._queue.popleft()
+            try:
+                host_wait([work], tensor.device)
+                delay = done_at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)  # not complete before the link could have carried it
+                self.stats.in_flight_s += time.perf_counter() - t_launch
+                fut.set_result(tensor)
+            except Exception as e:  # surface the collective's failure to DDP
+                fut.set_exception(e)
 
     def backward_done(self) -> None:
         """Record the time blocked at the end of this step's backward."""

@@ -284,21 +284,31 @@ class CollectiveTimer:
 
     Call :meth:`launched` right after starting the collectives, on the stream that started
     them, and :meth:`seconds` once they are complete (after a wait that blocked the host).
+    Called again (the next bucket's collective, a second phase), the time runs from the first
+    launch to the end of the last collective.
     """
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._start: torch.cuda.Event | None = None
         self._end: torch.cuda.Event | None = None
+        self._untimed = False
 
     def launched(self, works: Iterable[Any]) -> None:
         """Mark the launch of ``works`` (the process group's own handles; anything else, such
-        as an emulated link's handle, which completes on the host, is not timed here)."""
+        as an emulated link's handle, which completes on the host, is not timed here, and
+        then :meth:`seconds` is ``None``)."""
         works = list(works)
-        if self.device.type != "cuda" or not all(isinstance(w, dist.Work) for w in works):
+        if not works:
             return
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record(torch.cuda.current_stream(self.device))
+        if self.device.type != "cuda" or not all(isinstance(w, dist.Work) for w in works):
+            self._untimed = True
+            return
+        if self._start is None:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(self.device))
+        # the timing stream waits for each collective in launch order: its event after the
+        # last marks the end of every collective launched so far
         timing = _waiter_stream(self.device, "timing")
         with torch.cuda.stream(timing):
             for w in works:
@@ -307,8 +317,9 @@ class CollectiveTimer:
         self._end.record(timing)
 
     def seconds(self) -> float | None:
-        """Seconds from launch to completion on the device; ``None`` on the CPU."""
-        if self._start is None or self._end is None:
+        """Seconds from the first launch to the last completion on the device; ``None`` on the
+        CPU, or when some collective was not timed."""
+        if self._untimed or self._start is None or self._end is None:
             return None
         self._end.synchronize()
         return float(self._start.elapsed_time(self._end)) / 1e3
@@ -453,6 +464,19 @@ class CommStream:
         for t in hand_over:
             if t.is_cuda:
                 t.record_stream(current)
+
+    def wait_for(self, token: Launch | None) -> None:
+        """The current (compute) stream waits for everything ``token`` queued on the side
+        stream, which stays in flight (not applied): for a result the launch made that is
+        read before the sync's apply (eager CO2 reads this rank's own fresh contribution at
+        its launch step). ``None``, an applied launch or the CPU: nothing to wait for."""
+        if token is None or token.applied:
+            return
+        assert token.owner is self, "a launch is waited for on the stream it was made on"
+        if self.stream is None:
+            return
+        assert token.done is not None, "wait_for() after the launch"
+        torch.cuda.current_stream(self.device).wait_event(token.done)
 
     def drain(self) -> None:
         """Forget every launch in flight (their syncs were dropped or restored): the next

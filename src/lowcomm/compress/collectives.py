@@ -47,6 +47,7 @@ from torch.profiler import record_function
 
 from lowcomm.comm import Communicator, DoneWork, Handle
 from lowcomm.compress.formats import ElementwiseCodec, PowerSGD, orthogonalize
+from lowcomm.device import CollectiveTimer, host_wait
 
 __all__ = ["CompressedHandle", "ErrorFeedback"]
 
@@ -96,10 +97,19 @@ class LowRankGroup:
     work_q: Work | None = None
 
 
+def time_launch(timer: CollectiveTimer, work: Work | None) -> None:
+    """Mark on ``timer`` the launch of ``work`` if it went on the wire (right after it did, on
+    the launching stream): a collective complete at once (one rank) has no time in flight."""
+    if work is not None and not isinstance(work, DoneWork):
+        timer.launched([work])
+
+
 class CompressedHandle(Handle):
     """An in-flight compressed mean over a list of tensors (one or two collectives per
     bucket). :meth:`advance` launches PowerSGD's second phase; :meth:`wait` finishes everything,
-    writes the mean into the tensors and returns them. Both are idempotent."""
+    writes the mean into the tensors and returns them. Both are idempotent. ``timer``: the
+    :class:`~lowcomm.device.CollectiveTimer` the launch marked its collectives on (else they
+    are marked here, after the whole encoding)."""
 
     def __init__(
         self,
@@ -110,10 +120,16 @@ class CompressedHandle(Handle):
         low_rank: list[LowRankGroup],
         *,
         t_launch: float | None = None,
+        timer: CollectiveTimer | None = None,
     ) -> None:
         super().__init__([], list(views), 1, comm.stats)
         if t_launch is not None:
             self.t_launch = t_launch  # when the first collective went out
+        if timer is None:
+            timer = CollectiveTimer(self._device or "cpu")
+            for work in [g.work for g in gather] + [lr.work_p for lr in low_rank]:
+                time_launch(timer, work)
+        self._timer = timer
         self.comm = comm
         self.compressor = compressor
         self.views = list(views)
@@ -145,14 +161,21 @@ class CompressedHandle(Handle):
         if work is None:
             return
         t0 = time.perf_counter()
-        work.wait()
-        if self.views and self.views[0].is_cuda:
-            torch.cuda.current_stream(self.views[0].device).synchronize()
+        host_wait([work], self._device)  # the collective alone, not the compute queued before
         self.stats.blocked_s += time.perf_counter() - t0
 
     @property
     def needs_advance(self) -> bool:
         return not self._advanced and not self._done
+
+    def launch_tensors(self) -> list[torch.Tensor]:
+        """Tensors made during the launch (on the launching stream) that :meth:`advance`,
+        :meth:`wait` and the decode read: this rank's payloads and the gathered buffers,
+        PowerSGD's flat P, M and Q."""
+        out = [t for g in self.gather for t in (g.payload, g.gathered)]
+        for g in self.low_rank:
+            out += [g.flat_p, *g.m.values(), *g.q.values()]
+        return out
 
     def last_phase_future(self) -> torch.futures.Future:
         """Completes when every collective of the last launched phase has (for callers that
@@ -188,6 +211,7 @@ class CompressedHandle(Handle):
                     qs.append(q_own.reshape(-1))
                 g.flat_q = torch.cat(qs)
                 g.work_q = self.comm.all_reduce_sum_async(g.flat_q)
+                time_launch(self._timer, g.work_q)
                 self._watch(g.work_q)
 
     def wait(self) -> list[torch.Tensor]:
@@ -213,6 +237,9 @@ class CompressedHandle(Handle):
                 for lr in self.low_rank:
                     self._block_on(lr.work_q if lr.compressed else lr.work_p)
             t1 = time.perf_counter()
+            # (not from a completion callback: reading the device timer would block the
+            # thread that runs it, on NCCL the one that launched the collective)
+            on_device = self._timer.seconds() if block else None
             with self._lock:
                 # a callback may still be queued after wait(): completion is then "now"
                 if not self._watched:
@@ -221,7 +248,9 @@ class CompressedHandle(Handle):
                     t_done = max(self._t_done)
                 else:
                     t_done = t1
-            self.stats.in_flight_s += max(0.0, min(t_done, t1) - self.t_launch)
+            if on_device is None:
+                on_device = max(0.0, min(t_done, t1) - self.t_launch)
+            self.stats.in_flight_s += on_device
             with record_function("lowcomm::compress::decode"):
                 for g in self.gather:
                     self._decode_gather(g, n)

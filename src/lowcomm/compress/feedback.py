@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,12 +29,13 @@ from torch.profiler import record_function
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.codecs import parse_codec, parse_compression
-from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup
+from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup, time_launch
 from lowcomm.compress.formats import Codec, ElementwiseCodec, PowerSGD, Raw
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
+from lowcomm.device import CollectiveTimer, collective_device
 from lowcomm.guard import all_finite, zero_non_finite_
 
-__all__ = ["Compressor", "load_compression_state", "worker_generator"]
+__all__ = ["Compressor", "generator_resumes", "load_compression_state", "worker_generator"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +43,27 @@ RAW = Raw()
 
 
 def worker_generator(
-    rank: int, stream: int = 0, device: torch.device | str = "cpu"
+    rank: int, stream: int = 0, device: torch.device | str = "cpu", *, launches: int = 0
 ) -> torch.Generator:
     """The stochastic-rounding generator of worker ``rank`` for compressor ``stream``: different
-    on every rank (independent rounding noise), reproducible from run to run."""
+    on every rank (independent rounding noise), reproducible from run to run. ``launches`` > 0:
+    the generator a compressor restarts from after that many launches when its saved one
+    cannot be restored (saved on another device type: :func:`generator_resumes`), seeded
+    apart from every worker's first seed."""
     g = torch.Generator(device=device)
-    g.manual_seed(1_000_003 * (stream + 1) + 7919 * rank)
+    g.manual_seed(1_000_003 * (stream + 1) + 7919 * rank + (launches << 32))
     return g
+
+
+def generator_resumes(saved_device: str | None, saved: torch.Tensor, into: torch.Generator) -> bool:
+    """Whether the generator state ``saved`` (from a generator on ``saved_device``, a device
+    type; ``None``: not recorded, a checkpoint from before it was) can be restored into
+    ``into``. States are device-specific (the CPU's Mersenne Twister, CUDA's Philox seed and
+    offset): a CPU checkpoint resumed on GPUs, or the other way round, cannot carry its
+    rounding noise over. Unrecorded, the state's size decides."""
+    if saved_device is not None:
+        return saved_device == into.device.type
+    return saved.numel() == into.get_state().numel()
 
 
 class Compressor:
@@ -149,16 +165,22 @@ class Compressor:
         gather: list[GatherGroup] = []
         low_rank: list[LowRankGroup] = []
         t_launch = time.perf_counter()
+        # each collective marked as it goes out, the next group's encoding queued after it
+        timer = CollectiveTimer(views[0].device if views else self.device)
         with record_function("lowcomm::compress::encode"):
             for idx in groups:
                 if not idx:
                     continue
                 if self.low_rank:
                     low_rank.append(self._launch_low_rank(comm, list(idx), m))
+                    time_launch(timer, low_rank[-1].work_p)
                 else:
                     gather.append(self._launch_gather(comm, list(idx), m, own))
+                    time_launch(timer, gather[-1].work)
         self.launches += 1
-        handle = CompressedHandle(comm, self, views, gather, low_rank, t_launch=t_launch)
+        handle = CompressedHandle(
+            comm, self, views, gather, low_rank, t_launch=t_launch, timer=timer
+        )
         self._pending = handle
         return handle
 
@@ -258,6 +280,7 @@ class Compressor:
                 for i in self.eligible
             ],
             dtype=torch.float64,
+            device=collective_device(comm),  # NCCL takes GPU tensors only
         )
         comm.all_reduce_mean([table])  # every rank now holds the same table
         errors = table.tolist()
@@ -301,6 +324,7 @@ class Compressor:
             "residuals": [r.detach().clone() for r in self.residuals],
             "q": {str(i): q.detach().clone() for i, q in self.q.items()},
             "generator": self.generator.get_state(),
+            "generator_device": self.generator.device.type,
             "launches": self.launches,
             "decisions": self.decisions,
         }
@@ -322,8 +346,23 @@ class Compressor:
         for r, saved in zip(self.residuals, state["residuals"]):
             r.copy_(saved)
         self.q = {int(i): q.to(self.device) for i, q in state["q"].items()}
-        self.generator.set_state(state["generator"])
         self.launches = int(state["launches"])
+        saved_device = state.get("generator_device")
+        if generator_resumes(saved_device, state["generator"], self.generator):
+            self.generator.set_state(state["generator"])
+        else:
+            # the same restart on every resume of this checkpoint on this device type
+            here = self.generator.device.type
+            self.generator = worker_generator(
+                self.rank, self.stream, self.device, launches=self.launches
+            )
+            warnings.warn(
+                "compression state_dict holds the stochastic-rounding generator of another "
+                f"device type ({saved_device or 'not recorded'}) than this run's ({here}): "
+                "rounding continues from a fresh seed (the same on every resume of this "
+                "checkpoint), not where it stopped",
+                stacklevel=2,
+            )
         self.decisions = int(state.get("decisions", 0))
         self._pending = None
 

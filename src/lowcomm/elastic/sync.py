@@ -252,6 +252,9 @@ class ManagedHandle(Handle):
     by the number of replicas that contributed (summed beside them). A failed collective does
     not raise: the Manager records it and the commit vote drops the sync."""
 
+    # the Manager's works handle their errors in wait(): never waited at launch to be timed
+    _device_timed = False
+
     def __init__(
         self,
         works: Sequence[Any],

@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lowcomm.comm import Communicator, Handle
 from lowcomm.compress.codecs import parse_compression
+from lowcomm.device import CommStream, collective_device
 from lowcomm.elastic.sync import ManagedCommunicator
 from lowcomm.guard import Description, all_finite, describe_tensors, explain_lost_collectives
 from lowcomm.hparams import HyperparameterError, describe, signature
@@ -152,6 +153,10 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
         self.overlap = self._overlap()
         """τ: inner steps between a fragment's launch and its apply."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        # one side stream for every fragment: launches leave in program order on every rank
+        self.comm_stream = CommStream(device)
+        """Where the syncs are prepared and launched (:class:`~lowcomm.device.CommStream`)."""
         groups = self._fragment_groups(model_or_params)
         self.fragments: list[AnyFragment] = [self._new_fragment(g, i) for i, g in enumerate(groups)]
         self.num_fragments = len(self.fragments)
@@ -160,7 +165,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         self.pace: Pace | None = None
         """The dynamic local steps (``local_steps="dynamic"``: :mod:`lowcomm.outer.pace`)."""
         if self.config.local_steps == "dynamic":
-            self.pace = Pace(self.comm, self.sync_every, self.num_fragments)
+            self.pace = Pace(self.comm, self.sync_every, self.num_fragments, device=device)
         # The model as built, compared across ranks at the first step (values hashed now).
         self._unchecked: Description | None = None
         if self.config.check_consistency and self.ft is None:
@@ -479,6 +484,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 self._after_finish(drained)
                 for frag in self.fragments:
                     frag.anchor.copy_to(frag.params)
+                self.comm_stream.drain()
             self._check_same_steps()
 
     def _check_same_steps(self) -> None:
@@ -491,8 +497,12 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         if self._steps_checked == self.local_step:
             return
         self._steps_checked = self.local_step
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.comm.world_size)]
-        dist.all_gather(counts, torch.tensor([self.local_step]), group=self.comm.group)
+        device = collective_device(self.comm)  # NCCL takes GPU tensors only
+        counts = [
+            torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.comm.world_size)
+        ]
+        mine = torch.tensor([self.local_step], dtype=torch.int64, device=device)
+        dist.all_gather(counts, mine, group=self.comm.group)
         steps = [int(c) for c in counts]
         if len(set(steps)) > 1:
             listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(steps))

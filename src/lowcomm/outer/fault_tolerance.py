@@ -105,7 +105,7 @@ class FaultTolerant:
         sync.handle.wait()
         if self.ft.commit():
             return True
-        frag.pending.popleft()
+        frag.drop()
         return False
 
     def _heal_state(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from lowcomm.comm import Communicator, FlatBuckets, Handle
 from lowcomm.compress.codecs import Codec
 from lowcomm.compress.feedback import Compressor, load_compression_state
 from lowcomm.compress.lgreco import LGreCo
+from lowcomm.device import CommStream, Launch
 from lowcomm.guard import optimizer_settings, optimizer_state_tensors
 from lowcomm.outer.functional import pseudo_gradient_
 from lowcomm.params import load_tensors
@@ -136,15 +137,19 @@ class Sync:
     at the same step on every rank) and ``wait()`` (advancing first if needed; idempotent)."""
     applied: bool = True
     """Sharded: whether the owner's update was applied (False: skipped by the guard)."""
+    launched: Launch | None = None
+    """Its launch on the engine's :class:`~lowcomm.device.CommStream` (``None``: restored
+    from a checkpoint, or launched on the compute stream)."""
 
 
 class Engine(Protocol):
     """What a fragment asks of the engine that owns it
     (:class:`~lowcomm.outer.engine.OuterAlgorithm`): its communicator, the check of this rank's
     own contribution at launch, the collective of an uncompressed sync, and what to do with an
-    average once it has arrived."""
+    average once it has arrived; its side stream, on which syncs are launched."""
 
     comm: Communicator
+    comm_stream: CommStream
 
     def check_own(self, delta: Sequence[torch.Tensor]) -> bool: ...
 
@@ -229,32 +234,65 @@ class Fragment:
         return self.anchor.numel
 
     def own(self, sync: Sync) -> list[torch.Tensor]:
-        """This rank's own contribution to ``sync`` (``keep_own``)."""
+        """This rank's own contribution to ``sync`` (``keep_own``), ready on the current
+        stream (eager CO2 reads it at the step that launched it)."""
+        self.engine.comm_stream.wait_for(sync.launched)
         return self._own[sync.slot].views
 
     def launch(self, label: str, step: int, *, scale: float = 1.0) -> Sync:
         """Launch this rank's pseudo-gradient (or parameters) times ``scale`` (the weight of
-        dynamic local steps: :mod:`lowcomm.outer.pace`)."""
+        dynamic local steps: :mod:`lowcomm.outer.pace`), on the engine's side stream: the
+        fill of the send buffer, the encoding and the collective run beside the next inner
+        steps (:class:`~lowcomm.device.CommStream`; inline on the CPU)."""
+        if self.compressor is not None:
+            # a compressor finishes its mean in flight before it launches the next (CO2's last
+            # round, due at this step): here, where the compute stream that reads the result
+            # decodes it, not on the side stream inside the launch
+            for earlier in self.pending:
+                self._settle(earlier)
+                earlier.handle.wait()
         slot, self._next = self._next, (self._next + 1) % len(self._sends)
         send = self._sends[slot]
-        if self.send_params:
-            send.copy_from(self.params)
-        else:
-            pseudo_gradient_(send.views, self.anchor.views, self.params)
-        if scale != 1.0:
-            torch._foreach_mul_(send.views, scale)
-        own_ok = self.engine.check_own(send.views)
         own = self._own[slot] if self._own else None
-        if self.compressor is not None:
-            # eager: this rank's decoded contribution is what the others will receive
-            handle = self.comm.compressed_mean_async(send, self.compressor, own=own)
-        else:
-            if own is not None:
-                torch._foreach_copy_(own.views, send.views)
-            handle = self.engine.mean_async(send.buffers)
-        sync = Sync(label, step, own_ok, slot, handle)
+        # LocalSGD's send buffer is its anchor, read until the next launch refills it
+        writes = [] if self.outer is None else send.buffers
+        writes = writes + (own.buffers if own is not None else [])
+        with self.engine.comm_stream.launch(writes=writes) as launched:
+            if self.send_params:
+                send.copy_from(self.params)
+            else:
+                pseudo_gradient_(send.views, self.anchor.views, self.params)
+            if scale != 1.0:
+                torch._foreach_mul_(send.views, scale)
+            # one read of the device, after the fill; a rank that is not finite recovers θ,
+            # its inner-optimizer state and residuals here, before its encoding (on the side
+            # stream: the compute stream then waits for the whole launch, not only the fill)
+            own_ok = self.engine.check_own(send.views)
+            if own_ok:
+                launched.inputs_read()  # θ and A are read: the next inner step may write θ
+            if self.compressor is not None:
+                # eager: this rank's decoded contribution is what the others will receive
+                handle = self.comm.compressed_mean_async(send, self.compressor, own=own)
+            else:
+                if own is not None:
+                    torch._foreach_copy_(own.views, send.views)
+                handle = self.engine.mean_async(send.buffers)
+        sync = Sync(label, step, own_ok, slot, handle, launched=launched)
         self.pending.append(sync)
         return sync
+
+    def _settle(self, sync: Sync) -> None:
+        """The compute stream takes over ``sync``'s launch: it waits for what the launch
+        queued on the side stream (the encoding: payloads, residuals) before the handle's
+        wait decodes it there, and the tensors made during the launch are recorded on it, so
+        that the allocator does not hand their memory to the next launch while they are read.
+        Its send buffers may be written again."""
+        self.engine.comm_stream.apply(sync.launched, hand_over=sync.handle.launch_tensors())
+
+    def drop(self) -> None:
+        """Forget the oldest sync in flight without applying it (an elastic sync that was not
+        committed)."""
+        self._settle(self.pending.popleft())
 
     def warm_buffer(self) -> FlatBuckets:
         """A full fp32 buffer for the warm start (LocalSGD's is the anchor: refilled before use)."""
@@ -266,6 +304,7 @@ class Fragment:
 
     def complete(self) -> bool:
         sync = self.pending.popleft()
+        self._settle(sync)
         sync.handle.wait()
         avg = self._sends[sync.slot].views
         return self.engine.on_average(self, sync, self.anchor.views, avg, None)
@@ -291,6 +330,7 @@ class Fragment:
             state.update(self.outer.state_dict())
         state["pending_avg_delta"] = state["pending_own_delta"] = None
         for sync in self.pending:
+            self._settle(sync)
             sync.handle.wait()
             state["pending_avg_delta"] = _clone(self._sends[sync.slot].views)
             state["pending_own_delta"] = _clone(self.own(sync)) if self._own else None
@@ -309,6 +349,7 @@ class Fragment:
             self.outer.load_state_dict(state)
         load_compression_state(self.compressor, state)
         self.pending.clear()
+        self.engine.comm_stream.drain()  # the syncs in flight are dropped (or restored)
         self._next = 0
         if state.get("pending_avg_delta") is not None:
             load_tensors(state, "pending_avg_delta", self._sends[0].views)
@@ -422,6 +463,10 @@ class ShardedFragment:
         sync = self.pending.popleft()
         sync.handle.wait()
         return sync.applied
+
+    def drop(self) -> None:
+        """Forget the oldest sync in flight without applying it."""
+        self.pending.popleft()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The persistent state this rank keeps: anchor chunks and outer state (both 1/N)."""

@@ -10,6 +10,7 @@ import torch
 
 from lowcomm.comm import Communicator, storage_nbytes
 from lowcomm.compress.feedback import Compressor
+from lowcomm.device import CommStream
 from lowcomm.guard import Description
 from lowcomm.outer.fragment import AnyFragment, Sync
 from lowcomm.outer.hparams import OuterConfig
@@ -25,6 +26,7 @@ class EngineState:
     _flat_state: ClassVar[bool]
     config: OuterConfig
     comm: Communicator
+    comm_stream: CommStream
     fragments: list[AnyFragment]
     pace: Pace | None
     sync_every: int
@@ -163,6 +165,7 @@ class EngineState:
         for comp, saved in zip(self._warm_compressors, warm or []):
             comp.load_state_dict(saved)
         # counters last: a state_dict refused half-way leaves them as they were
+        self.comm_stream.drain()  # what was in flight is dropped (or restored, complete)
         self._in_flight = in_flight
         self._to_advance = []
         self.local_step = local_step

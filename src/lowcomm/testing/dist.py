@@ -1,4 +1,5 @@
-"""Run a function on N real processes joined by a gloo process group on 127.0.0.1."""
+"""Run a function on N real processes joined by a process group on 127.0.0.1 (gloo; NCCL with
+one GPU per process)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ def _entry(
     out_dir: str,
     timeout_s: float,
     barrier: bool,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)  # one GPU per rank, before NCCL binds to one
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,
@@ -56,9 +60,11 @@ def run_workers(
     timeout_s: float = 120.0,
     collective_timeout_s: float | None = None,
     barrier: bool = True,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo
-    WORLD group bound to 127.0.0.1; return the per-rank results (saved with ``torch.save``:
+    WORLD group bound to 127.0.0.1 (``backend="nccl"``: an NCCL one, rank r on GPU r, the
+    current CUDA device); return the per-rank results (saved with ``torch.save``:
     tensors, numbers, strings and plain containers, which the parent loads with
     ``weights_only=True``). Collectives time out after ``collective_timeout_s`` (default:
     ``timeout_s``); with ``barrier`` every rank waits for the others after ``fn`` (leave it off
@@ -87,6 +93,7 @@ def run_workers(
                     out_dir,
                     timeout_s if collective_timeout_s is None else collective_timeout_s,
                     barrier,
+                    backend,
                 ),
                 daemon=True,
             )

@@ -73,7 +73,9 @@ class TrainFields:
     seed: int = 0
     """Seed for the model initialisation (same on every rank) and the data order (per rank)."""
     backend: str = "auto"
-    """torch.distributed backend: auto (nccl when CUDA is available, else gloo), gloo or nccl."""
+    """torch.distributed backend: auto (nccl when CUDA is available, else gloo), gloo or nccl
+    (GPU collectives on NCCL, the few CPU control tensors on gloo: process groups
+    cpu:gloo,cuda:nccl)."""
     bucket_cap_mb: float = 25.0
     """Size of the flat communication buckets, in MiB (one collective per bucket)."""
 

@@ -113,6 +113,14 @@ def _layout_rows(layout: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _memory_rows(peaks: list[int | None] | None) -> list[tuple[str, str]]:
+    """The device memory high-water mark of each worker (``None`` on the CPU: no row)."""
+    if not peaks or all(b is None for b in peaks):
+        return []
+    each = " / ".join("-" if b is None else f"{b / 2**20:.0f} MiB" for b in peaks)
+    return [("peak GPU memory", f"{each} (per worker)" if len(peaks) > 1 else each)]
+
+
 def _loss(value: float | None) -> str:
     return "NaN/Inf" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
@@ -227,6 +235,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
             if intra
             else []
         ),
+        *_memory_rows(summary.get("peak_gpu_memory_bytes")),
         ("wall time", wall),
         ("output", str(summary.get("out"))),
     ]
