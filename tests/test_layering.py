@@ -25,10 +25,12 @@ LOWER_LAYERS = (
 """Modules (and packages, with their submodules) held to the rules strictly now."""
 
 
-def _module_files() -> dict[str, Path]:
+def _module_files(root: Path = SRC) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package under ``root``
+    (``__init__`` as the package's own name)."""
     out = {}
-    for path in sorted((SRC / PACKAGE).rglob("*.py")):
-        parts = list(path.relative_to(SRC).with_suffix("").parts)
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path

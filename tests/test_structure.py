@@ -34,60 +34,16 @@ a module both import (a ``Protocol``, a type alias, a spec dataclass), as for a 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-PACKAGE = "lowcomm"
+# the import reader test_layering.py holds the transport's layering rules with
+from test_layering import SRC, _absolute, _imports, _module_files
+
 MAX_LINES = 600
 
 
 def _python_files() -> list[Path]:
     return sorted(SRC.rglob("*.py"))
-
-
-def _module_files(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package under ``root``
-    (``__init__`` as the package's own name)."""
-    out = {}
-    for path in sorted((root / PACKAGE).rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imports(
-    tree: ast.AST, *, type_checking: bool = False
-) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement in ``tree`` at any depth, except those in the body of an
-    ``if TYPE_CHECKING:`` block (included with ``type_checking``)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
-            for child in node.orelse:
-                yield from _imports(ast.Module(body=[child], type_ignores=[]))
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        yield from _imports(node, type_checking=type_checking)
-
-
-def _source(module: str, node: ast.ImportFrom, is_package: bool) -> str:
-    """The absolute module named by ``from <source> import …`` in ``module``."""
-    if not node.level:
-        return node.module or ""
-    base = module.split(".")
-    if not is_package:
-        base = base[:-1]  # a plain module's level 1 is its package
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _known_prefix(name: str, modules: dict[str, Path]) -> str | None:
@@ -107,7 +63,7 @@ def import_graph(root: Path = SRC, *, type_checking: bool = False) -> dict[str, 
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
-                source = _source(module, node, path.name == "__init__.py")
+                source = _absolute(module, node, path.name == "__init__.py")
                 targets = [
                     f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
                     for alias in node.names
