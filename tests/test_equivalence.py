@@ -488,8 +488,12 @@ def test_blocking_algorithms_wait_in_the_same_round(two_ranks: dict) -> None:
         assert waits == launches
 
 
-def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict:
-    """Run 12 steps uninterrupted, and again with a save/restore into fresh objects at ``cut``."""
+def _resume_worker(
+    rank: int, world_size: int, algo_name: str, cut: int, into: str = "fresh"
+) -> dict:
+    """Run 12 steps uninterrupted, and again with a save/restore at ``cut``: into fresh
+    objects, or (``into="used"``) into the same ones after two more steps, with whatever
+    they then have in flight."""
     import io
 
     from lowcomm.outer import ALGORITHMS
@@ -546,16 +550,30 @@ def _resume_worker(rank: int, world_size: int, algo_name: str, cut: int) -> dict
     torch.save({"m": model.state_dict(), "i": inner.state_dict(), "a": algo.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    model, inner, algo = build()
+    waited: list[bool] = []
+    if into == "used":
+        for step in (cut + 1, cut + 2):
+            inner_step(model, inner, rank, step, 3)
+            algo.step()
+        handles = [s.handle for f in algo.fragments for s in f.pending]
+    else:
+        model, inner, algo = build()
+        handles = []
     model.load_state_dict(saved["m"])
     inner.load_state_dict(saved["i"])
     algo.load_state_dict(saved["a"])
+    waited = [h._done for h in handles]
     for step in range(cut + 1, 13):
         inner_step(model, inner, rank, step, 3)
         algo.step()
     algo.finish()
     resumed = [p.detach().clone() for p in model.parameters()]
-    return {"straight": straight, "resumed": resumed, "in_flight": was_in_flight}
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "in_flight": was_in_flight,
+        "waited": waited,
+    }
 
 
 # (algorithm, the inner step after which its state is saved and restored)
@@ -590,6 +608,19 @@ def test_resume_from_state_dict_is_exact(algo_name: str, cut: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
         if algo_name.startswith("co2") and not (algo_name.endswith("-warm") and cut <= 6):
             assert r["in_flight"]  # the checkpoint held an all-reduce that was in flight
+
+
+# (algorithm, cut): loaded into the objects in use two steps later, a sync then in flight
+USED_CUTS = [("co2", 6), ("co2-fragments-merge", 6), ("noloco-overlap", 6), ("streaming", 5)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algo_name,cut", USED_CUTS)
+def test_load_state_dict_into_an_algorithm_in_use_is_exact(algo_name: str, cut: int) -> None:
+    for r in run_workers(_resume_worker, 2, algo_name, cut, "used"):
+        assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
+        # something was in flight when it loaded, and it was waited for, not dropped
+        assert r["waited"] and all(r["waited"])
 
 
 def _warm_overlap_worker(rank: int, world_size: int, codec: str | None) -> dict:

@@ -294,6 +294,13 @@ class Fragment:
         committed)."""
         self._settle(self.pending.popleft())
 
+    def wait_in_flight(self) -> None:
+        """Wait for every sync in flight to complete, without applying it: afterwards no
+        collective writes into this fragment's buffers."""
+        for sync in self.pending:
+            self._settle(sync)
+            sync.handle.wait()
+
     def warm_buffer(self) -> FlatBuckets:
         """A full fp32 buffer for the warm start (LocalSGD's is the anchor: refilled before use)."""
         return self._sends[0]
@@ -467,6 +474,11 @@ class ShardedFragment:
     def drop(self) -> None:
         """Forget the oldest sync in flight without applying it."""
         self.pending.popleft()
+
+    def wait_in_flight(self) -> None:
+        """Wait for every sync in flight to complete, without merging it."""
+        for sync in self.pending:
+            sync.handle.wait()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The persistent state this rank keeps: anchor chunks and outer state (both 1/N)."""

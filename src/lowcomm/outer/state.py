@@ -114,7 +114,11 @@ class EngineState:
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, _healing: bool = False) -> None:
-        """Restore :meth:`state_dict` output; refuses state from another configuration."""
+        """Restore :meth:`state_dict` output; refuses state from another configuration.
+
+        Into a freshly built algorithm or one in use: the syncs this rank has in flight are
+        waited for (not applied) before its buffers are refilled, so every rank must load at
+        the same point of the schedule, as for any collective."""
         for key, mine in self._identity().items():
             if _healing and key == "world_size":
                 continue  # a donor's quorum is this replica's too
@@ -140,6 +144,12 @@ class EngineState:
                 f"sync_warmup_compression than this run's "
                 f"({self.config.sync_warmup_compression!r}); resume with the same settings"
             )
+        if not _healing:
+            # an algorithm already in use: what it has in flight finishes before the buffers
+            # are refilled (every rank launched it, so every rank can wait for it here); a
+            # healing replica's collectives in flight belong to the quorum that failed
+            for frag in self.fragments:
+                frag.wait_in_flight()
         self._load_extra_state(state)
         if self.pace is not None:
             self.pace.load_state_dict(state["pace"])
