@@ -228,6 +228,20 @@ def test_job_defaults_fit_the_job(values: dict[str, Any], fragments: int, overla
     assert "overlap" not in TrainConfig(algo="co2-eager", sync_every=1).algorithm_kwargs()
 
 
+def test_cocodc_at_full_overlap_takes_the_studys_delay_compensation() -> None:
+    full = TrainConfig(algo="cocodc", num_fragments=4, overlap=12).algorithm_kwargs()
+    assert (full["lambda0"], full["adaptive"]) == (0.5, False)
+    # below full overlap the library's (the paper's) λ₀ 0.2 and priorities; a given one wins
+    below = TrainConfig(algo="cocodc", num_fragments=4, overlap=3).algorithm_kwargs()
+    assert "lambda0" not in below and "adaptive" not in below
+    given = TrainConfig(algo="cocodc", overlap=12, lambda0=0.2, adaptive=True)
+    assert (given.algorithm_kwargs()["lambda0"], given.algorithm_kwargs()["adaptive"]) == (
+        0.2,
+        True,
+    )
+    assert "lambda0" not in TrainConfig(algo="cocodc", sync_every=24, overlap=12).algorithm_kwargs()
+
+
 def test_slowmo_needs_a_positive_final_learning_rate() -> None:
     with pytest.raises(ConfigError, match="SlowMo divides its update by") as info:
         TrainConfig(algo="slowmo", min_lr_ratio=0.0)

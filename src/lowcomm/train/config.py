@@ -308,6 +308,7 @@ class TrainConfig(ConfigChecks):
             sync_every=self.sync_every,
             n_layer=self.n_layer,
             fault_tolerance=self.fault_tolerance,
+            overlap=self.overlap,
         )
         for key in OUTER_KEYS[self.algo]:
             value = getattr(self, key)
