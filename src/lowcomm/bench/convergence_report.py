@@ -278,7 +278,8 @@ def _plot(results: dict[str, Any], path: str, x: str | None) -> str:
         ax.set_xlabel("tokens per worker" if x is None else "training time (s)")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("validation loss (mean over seeds)")
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:  # a panel with no timed curve has none
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
