@@ -248,9 +248,7 @@ class Fragment:
             # a compressor finishes its mean in flight before it launches the next (CO2's last
             # round, due at this step): here, where the compute stream that reads the result
             # decodes it, not on the side stream inside the launch
-            for earlier in self.pending:
-                self._settle(earlier)
-                earlier.handle.wait()
+            self.wait_in_flight()
         slot, self._next = self._next, (self._next + 1) % len(self._sends)
         send = self._sends[slot]
         own = self._own[slot] if self._own else None
@@ -336,9 +334,8 @@ class Fragment:
         if self.outer is not None:
             state.update(self.outer.state_dict())
         state["pending_avg_delta"] = state["pending_own_delta"] = None
+        self.wait_in_flight()
         for sync in self.pending:
-            self._settle(sync)
-            sync.handle.wait()
             state["pending_avg_delta"] = _clone(self._sends[sync.slot].views)
             state["pending_own_delta"] = _clone(self.own(sync)) if self._own else None
             state["pending_label"] = sync.label
@@ -491,10 +488,8 @@ class ShardedFragment:
 
     def state_dict(self) -> dict[str, Any]:
         assert len(self.pending) <= 1, "state_dict() between inner steps"
-        applied = True
-        for sync in self.pending:
-            sync.handle.wait()  # completed, not merged: the anchor buffer holds its result
-            applied = sync.applied
+        self.wait_in_flight()  # completed, not merged: the anchor buffer holds its result
+        applied = all(sync.applied for sync in self.pending)
         return {
             "sharded": {"world_size": self.world_size, "rank": self.rank},
             "anchor": _clone(self.anchor.views),
