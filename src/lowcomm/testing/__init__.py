@@ -1,4 +1,4 @@
-"""Test harnesses: real gloo process groups in spawned processes, a recording communicator,
+"""Test harnesses: real gloo process groups in new processes, a recording communicator,
 and single-process N-worker references of every algorithm. Used by lowcomm's own tests and
 benchmarks, and usable by anyone checking an integration.
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lowcomm.train.forkserver import preload
+
 __all__ = ["run_workers"]
 
 
@@ -77,9 +79,9 @@ def run_workers(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # workers are forked from a server process that imported torch and lowcomm once and runs
     # nothing else (clean, like spawn's fresh interpreters, without importing torch again per
-    # worker: about 2 s per call)
+    # worker: about 2 s per call); the same server as the training jobs' workers
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lowcomm"])
+    preload()
     with tempfile.TemporaryDirectory(prefix="lowcomm-test-") as out_dir:
         procs = [
             ctx.Process(

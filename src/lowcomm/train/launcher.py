@@ -3,7 +3,8 @@
 Three ways, one worker function (:func:`lowcomm.train.worker.run_worker`):
 
 * **Local** (the default): ``workers`` processes on this machine through torch's own elastic
-  launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port, spawn). The
+  launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port; workers forked
+  from a server that imported torch once, :mod:`lowcomm.train.forkserver`). The
   rendezvous store listens on ``127.0.0.1`` only and gloo is bound to the loopback interface,
   so nothing of the job is reachable from other machines. With ``max_restarts`` K > 0 the
   elastic agent restarts the whole group after a failure, up to K times, and the restarted
@@ -60,6 +61,7 @@ from lowcomm.guard import mentions_peer_loss
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.errors import WorkerFailed
 from lowcomm.train.failures import error_line, read_failures, root_cause, save_traceback
+from lowcomm.train.forkserver import Parent, call_in_parent_context, preload, start_method
 from lowcomm.train.preflight import (
     check_environment,
     check_torchrun_layout,
@@ -229,14 +231,17 @@ def launch(
             rdzv_configs={"timeout": 120},
             max_restarts=cfg.max_restarts,
             monitor_interval=0.1,
-            start_method="spawn",
+            start_method=start_method(),
             local_addr="127.0.0.1",
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
             with _quiet_launcher_logs(quiet):
                 args = (cfg, True, log_dir) if job is None else (cfg, True, log_dir, job)
-                results = elastic_launch(launch_config, run_worker)(*args)
+                preload()
+                results = elastic_launch(launch_config, call_in_parent_context)(
+                    Parent.here(launch_config.start_method), run_worker, *args
+                )
         except ChildFailedError as e:
             # The agent gives up after the last of its max_restarts restarts.
             rank, record, error, text = _final_failure(

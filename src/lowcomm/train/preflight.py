@@ -80,12 +80,13 @@ def check_environment(cfg: TrainConfig) -> None:
     """Checks that need this machine rather than the config alone: the backend, torchrun's
     layout (:func:`check_torchrun_layout`), the output folder (created and writable, else an
     ``OSError`` naming it; not a file; no previous run in it unless ``overwrite`` or
-    ``resume``), the checkpoint to resume from (complete, same world size and settings) and the
-    corpus.
+    ``resume``), the checkpoint to resume from (complete, same world size and settings), the
+    corpus and how the workers start (``LOWCOMM_START_METHOD``).
 
     Raises :class:`ConfigError` (a ``ValueError``) in the parent, before any worker starts.
     """
     from lowcomm.data import load_corpus
+    from lowcomm.train.forkserver import start_method
 
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError(
@@ -100,6 +101,8 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"use at most {n_gpus} workers or --backend gloo",
             )
     check_torchrun_layout(cfg)
+    if not under_torchrun():
+        start_method()  # a bad LOWCOMM_START_METHOD is a ValueError naming the choices
     _check_output(cfg)
     if cfg.out is not None and os.path.exists(cfg.out):
         if not os.path.isdir(cfg.out):

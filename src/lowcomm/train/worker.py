@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from lowcomm.comm import host_store
 from lowcomm.train.config import TrainConfig, config_from_dict
-from lowcomm.train.failures import attempt, describe_attempt, record_failure
+from lowcomm.train.failures import attempt, describe_attempt, is_peer_loss, record_failure
 from lowcomm.train.loop import train
 
 __all__ = ["host_loopback_store", "main", "process_group_backend", "resolve_backend", "run_worker"]
@@ -75,6 +76,11 @@ def _setup_worker_logging(rank: int, quiet: bool = False) -> None:
     root.propagate = False
 
 
+PEER_LOSS_LINGER_S = 1.0
+"""A locally launched worker that failed because it lost a peer stays this long before it
+exits, so that the launcher sees the peer end first (its monitor looks every 0.1 s)."""
+
+
 def run_worker(
     cfg: TrainConfig,
     launched_locally: bool,
@@ -86,7 +92,7 @@ def run_worker(
 
     Args:
         cfg: the checked configuration, ``name`` and ``out`` resolved. Passed as it is (pickled
-            to a spawned worker), so it is not checked again.
+            to a worker process), so it is not checked again.
         launched_locally: ``True`` when ``lowcomm train`` launched this worker on this machine;
             gloo is then bound to the loopback interface.
         failure_dir: where to record an exception (:func:`~lowcomm.train.failures.record_failure`),
@@ -106,6 +112,10 @@ def run_worker(
     except BaseException as e:
         if failure_dir is not None:
             record_failure(failure_dir, rank, e)
+            if launched_locally and is_peer_loss(e):
+                # The launcher names the first worker it sees end; one forked from the fork
+                # server exits at once, before the launcher may have seen the peer it lost.
+                time.sleep(PEER_LOSS_LINGER_S)
         raise
 
 

@@ -1,0 +1,183 @@
+"""Worker processes forked from a server that imported the training stack once.
+
+The local launcher (:func:`lowcomm.train.launcher.launch`) and the test helper
+:func:`lowcomm.testing.dist.run_workers` start their workers with ``multiprocessing``'s
+``forkserver`` method where the platform has it (Linux, macOS; elsewhere ``spawn``): a server
+process imports :data:`PRELOAD` (torch, its compiler front end that the optimizers import on
+first use, the worker, matplotlib's pyplot for the run folder's plot) once, runs nothing else,
+and forks every worker from that state. A worker is as clean as a spawned one (no threads, no
+CUDA context, nothing of the launching process), without each one importing torch again: a
+tiny 2-worker job starts in about a third of the time, and a process that launches many jobs
+(a benchmark, a test suite) pays the imports once.
+
+A forked worker inherits the server's environment and standard streams as they were when the
+server started, not the launching process's as they are now. :class:`Parent` carries both
+across: the launching process's environment (with the variables torch elastic sets for the
+worker on top) and its standard output and error (file descriptors passed with the process),
+so a worker sees what a spawned one would. ``LOWCOMM_START_METHOD=spawn`` starts every worker in
+a fresh interpreter instead.
+
+Example::
+
+    parent = Parent.here(start_method())   # in the launching process, as the workers start
+    ...
+    parent.adopt()                         # first thing in the worker
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable
+from multiprocessing import reduction
+from typing import Any
+
+__all__ = [
+    "PRELOAD",
+    "START_METHOD_ENV",
+    "Parent",
+    "call_in_parent_context",
+    "preload",
+    "start_method",
+]
+
+SERVER_PID = os.getpid()
+"""The process that imported this module: the fork server's pid in a worker forked from it
+(where :data:`PRELOAD` imported it), the worker's own where it was imported later."""
+
+SERVER_ENVIRONMENT = dict(os.environ)
+"""The environment of the process that imported this module (the fork server's, in a worker
+forked from it)."""
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "matplotlib.pyplot",
+    "lowcomm.train.forkserver",
+    "lowcomm.train.worker",
+)
+"""What the fork server imports before it forks any worker. ``torch._dynamo``: torch's
+optimizers import it on construction (two seconds a process on a 2-core machine);
+``matplotlib.pyplot``: rank 0 draws the run's loss plot (the backend is chosen when it draws)."""
+
+_ELASTIC_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+_ELASTIC_KEYS = frozenset(
+    {
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "OMP_NUM_THREADS",
+    }
+)
+"""The variables torch elastic sets for a worker (``LocalElasticAgent``): kept over the
+launching process's where the server's environment is not known (see :meth:`Parent.adopt`)."""
+
+
+START_METHOD_ENV = "LOWCOMM_START_METHOD"
+"""Set to ``spawn`` to start every worker in a fresh interpreter instead (or ``forkserver``)."""
+
+
+def start_method() -> str:
+    """How the local launcher starts workers: :data:`START_METHOD_ENV` if set, else
+    ``forkserver`` where this platform has it, else ``spawn``."""
+    available = multiprocessing.get_all_start_methods()
+    chosen = os.environ.get(START_METHOD_ENV, "").strip()
+    if not chosen:
+        return "forkserver" if "forkserver" in available else "spawn"
+    choices = [m for m in ("forkserver", "spawn") if m in available]
+    if chosen not in choices:
+        raise ValueError(
+            f"{START_METHOD_ENV}={chosen!r}: choose one of {', '.join(choices)} (how the "
+            f"workers start on this platform), or unset it"
+        )
+    return chosen
+
+
+def preload() -> None:
+    """Have the fork server import :data:`PRELOAD` when it starts (no effect once it has)."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+
+
+class _Stream:
+    """A file descriptor of the launching process, handed to the worker as it starts (by the
+    start method's own mechanism: each worker gets a duplicate of its own)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return (_received, (reduction.DupFd(self.fd),))
+
+
+def _stream(fd: int) -> _Stream | None:
+    try:
+        os.fstat(fd)
+    except OSError:  # closed in this process: the worker keeps the server's
+        return None
+    return _Stream(fd)
+
+
+def _received(dup: Any) -> Any:
+    """In the worker: the descriptor, as the start method handed it over (``detach()`` gives
+    its number in this process)."""
+    return dup
+
+
+class Parent:
+    """What a worker takes from the process that launched it: its environment and its
+    standard output and error (see the module docstring)."""
+
+    def __init__(
+        self, environment: dict[str, str], streams: tuple[Any, Any], *, forked: bool
+    ) -> None:
+        self.environment = environment
+        self.streams = streams
+        self.forked = forked
+
+    @classmethod
+    def here(cls, method: str) -> Parent:
+        """This process's environment and standard streams, now, for workers started by
+        ``method`` (a spawned worker has them already)."""
+        forked = method == "forkserver"
+        return cls(dict(os.environ), (_stream(1), _stream(2)), forked=forked)
+
+    def adopt(self) -> None:
+        """In the worker: take the launching process's standard output and error, and its
+        environment with the variables torch elastic set for this worker on top (those whose
+        value differs from the fork server's; where the server did not preload this module,
+        the variables torch elastic is known to set). A spawned worker keeps what it has."""
+        if not self.forked:
+            return
+        for target, stream in zip((1, 2), self.streams):
+            if stream is not None:
+                fd = stream.detach()
+                if fd != target:
+                    os.dup2(fd, target)
+                    os.close(fd)
+        if os.getppid() == SERVER_PID:
+            own = {k: v for k, v in os.environ.items() if SERVER_ENVIRONMENT.get(k) != v}
+        else:
+            own = {
+                k: v
+                for k, v in os.environ.items()
+                if k in _ELASTIC_KEYS or k.startswith(_ELASTIC_PREFIXES)
+            }
+        os.environ.clear()
+        os.environ.update(self.environment)
+        os.environ.update(own)
+
+
+def call_in_parent_context(parent: Parent, fn: Callable[..., Any], *args: Any) -> Any:
+    """A worker's entry point: :meth:`Parent.adopt`, then ``fn(*args)``."""
+    parent.adopt()
+    return fn(*args)

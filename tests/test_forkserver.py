@@ -1,0 +1,75 @@
+"""How the local launcher starts its workers (lowcomm.train.forkserver): forked from a server
+that imported torch once, yet with this process's environment and output as they are when the
+job starts, as a spawned worker would have them."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from lowcomm.cli import main
+from lowcomm.train.config import TrainConfig
+from lowcomm.train.forkserver import START_METHOD_ENV, preload, start_method
+from lowcomm.train.launcher import launch
+
+pytestmark = pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here"
+)
+
+MARK = "LOWCOMM_TEST_WORKER_MARK"
+GONE = "LOWCOMM_TEST_GONE_SINCE_THE_SERVER_STARTED"
+
+
+def _report(cfg: Any, *, device: Any) -> dict[str, Any]:
+    """A worker's job: say what it sees, on its standard output and error and in its result."""
+    rank = int(os.environ["RANK"])
+    print(f"worker {rank} on stdout", flush=True)
+    print(f"worker {rank} on stderr", file=sys.stderr, flush=True)
+    return {
+        "mark": os.environ.get(MARK),
+        "gone": os.environ.get(GONE),
+        "rank": rank,
+        "world": os.environ.get("WORLD_SIZE"),
+        "parent": os.getppid(),
+    }
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_take_the_launching_processes_environment_and_output(
+    method: str, tmp_path: Any, capfd: Any, monkeypatch: Any
+) -> None:
+    # the server starts while GONE is set and MARK is not; then the job's process changes both
+    monkeypatch.setenv(GONE, "stale")
+    preload()
+    multiprocessing.forkserver.ensure_running()
+    monkeypatch.delenv(GONE)
+    monkeypatch.setenv(MARK, "fresh")
+    monkeypatch.setenv(START_METHOD_ENV, method)
+    assert start_method() == method
+
+    cfg = TrainConfig(workers=2, out=str(tmp_path / "run"), quiet=True).with_paths()
+    result = launch(cfg, job=_report)
+
+    assert result is not None
+    assert result["mark"] == "fresh" and result["gone"] is None
+    assert result["rank"] == 0 and result["world"] == "2"  # torch elastic's variables on top
+    # forked from the server (not this process), or spawned by torch elastic's agent here
+    assert (result["parent"] != os.getpid()) == (method == "forkserver")
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"worker {rank} on stdout" in out
+        assert f"worker {rank} on stderr" in err
+
+
+def test_a_bad_start_method_is_named_before_any_worker_starts(
+    tmp_path: Any, capsys: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    assert main(["train", "--steps", "4", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{START_METHOD_ENV}='fork'" in err and "forkserver, spawn" in err
+    assert not (tmp_path / "run").exists()
