@@ -113,6 +113,51 @@ def test_quantize_error_is_at_most_half_a_step(
     assert torch.allclose(y.reshape(-1).abs().max(), flat.abs().max(), rtol=1e-6)
 
 
+def _documented_quantize_payload(
+    x: torch.Tensor, bits: int, block: int, u: torch.Tensor | None
+) -> bytes:
+    """The module docstring's Quantize layout, element by element: fp32 scales, then the codes
+    q + q_max packed 8/b to a byte (element i in bits b·(i mod 8/b) of byte i div (8/b)).
+    ``u``: the U[0, 1) draw of each element of the padded blocks (stochastic rounding)."""
+    flat = x.reshape(-1).tolist()
+    n, qmax, per = len(flat), 2 ** (bits - 1) - 1, 8 // bits
+    scales, codes = [], []
+    for j in range(0, n, block):
+        s = torch.tensor(max(abs(v) for v in flat[j : j + block])) / qmax  # fp32, as sent
+        scales.append(float(s))
+        for i in range(j, min(j + block, n)):
+            y = torch.tensor(flat[i]) / (s if s > 0 else torch.tensor(1.0))
+            q = torch.floor(y + u.reshape(-1)[i]) if u is not None else torch.round(y)
+            codes.append(int(min(max(q, -qmax), qmax)) + qmax)
+    packed = bytearray(-(-n * bits // 8))
+    for i, c in enumerate(codes):
+        packed[i // per] |= c << (bits * (i % per))
+    return torch.tensor(scales, dtype=torch.float32).numpy().tobytes() + bytes(packed)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 13, 128, 200])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_payload_is_the_documented_layout_byte_for_byte(
+    n: int, bits: int, stochastic: bool
+) -> None:
+    x = _x((n,), seed=n + bits)
+    for block in (1, 5, 64):
+        codec = Quantize(bits=bits, block=block, stochastic=stochastic)
+        u = None
+        if stochastic:  # the draws the codec takes: one per element of the padded blocks
+            u = torch.rand((-(-n // block), block), generator=torch.Generator().manual_seed(3))
+        g = torch.Generator().manual_seed(3) if stochastic else None
+        payload = codec.encode(x, generator=g)
+        assert bytes(payload.tolist()) == _documented_quantize_payload(x, bits, block, u)
+        # decoding is q·s_j, element by element
+        scales = torch.tensor(list(payload[: 4 * -(-n // block)].tolist()), dtype=torch.uint8)
+        s = scales.view(torch.float32)
+        codes = unpack_bits(payload[scales.numel() :], bits, n).tolist()
+        expected = [(c - (2 ** (bits - 1) - 1)) * s[i // block] for i, c in enumerate(codes)]
+        assert torch.equal(codec.decode(payload, (n,)), torch.stack(expected))
+
+
 def test_quantize_stochastic_rounding_is_unbiased_and_seeded() -> None:
     codec = Quantize(bits=4, block=8, stochastic=True)
     # one block: the max sets the step (1/7); the other values sit between codes
@@ -170,6 +215,20 @@ def test_pack_unpack_round_trip(values: list[int], bits: int) -> None:
     packed = pack_bits(codes, bits)
     assert packed.numel() == math.ceil(len(values) * bits / 8)
     assert torch.equal(unpack_bits(packed, bits, len(values)), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_pack_bits_of_long_tensors_is_the_documented_layout(bits: int) -> None:
+    # long enough for the field-by-field path of pack_bits; an odd tail pads with zeros
+    n, per = 40_003, 8 // bits
+    codes = torch.randint(0, 1 << bits, (n,), generator=torch.Generator().manual_seed(bits))
+    codes = codes.to(torch.uint8)
+    expected = bytearray(-(-n // per))
+    for i, c in enumerate(codes.tolist()):
+        expected[i // per] |= c << (bits * (i % per))
+    packed = pack_bits(codes, bits)
+    assert bytes(packed.tolist()) == bytes(expected)
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
 
 
 def test_decode_accepts_payloads_at_any_offset() -> None:
