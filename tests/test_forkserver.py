@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from lowcomm.cli import main
+from lowcomm.testing.jobs import TINY_JOB_ARGS
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.forkserver import START_METHOD_ENV, preload, start_method
 from lowcomm.train.launcher import launch
@@ -63,6 +64,18 @@ def test_workers_take_the_launching_processes_environment_and_output(
     for rank in (0, 1):
         assert f"worker {rank} on stdout" in out
         assert f"worker {rank} on stderr" in err
+
+
+def test_forked_and_spawned_workers_train_the_same_bits(train_job: Any, monkeypatch: Any) -> None:
+    # nothing the server imports changes torch's state for the workers (defaults, generators)
+    args = ["--algo", "co2", *TINY_JOB_ARGS, "--compression", "int4"]
+    args += ["--sync-warmup", "4", "--sync-warmup-compression", "int2"]
+    finals = []
+    for method in ("forkserver", "spawn"):
+        monkeypatch.setenv(START_METHOD_ENV, method)
+        summary = train_job(*args)
+        finals.append((summary["val_loss_final"], summary["val_loss_initial"]))
+    assert finals[0] == finals[1]
 
 
 def test_a_bad_start_method_is_named_before_any_worker_starts(
