@@ -151,9 +151,9 @@ def test_quantize_payload_is_the_documented_layout_byte_for_byte(
         payload = codec.encode(x, generator=g)
         assert bytes(payload.tolist()) == _documented_quantize_payload(x, bits, block, u)
         # decoding is q·s_j, element by element
-        scales = torch.tensor(list(payload[: 4 * -(-n // block)].tolist()), dtype=torch.uint8)
-        s = scales.view(torch.float32)
-        codes = unpack_bits(payload[scales.numel() :], bits, n).tolist()
+        nbytes = 4 * -(-n // block)
+        s = payload[:nbytes].clone().view(torch.float32)
+        codes = unpack_bits(payload[nbytes:], bits, n).tolist()
         expected = [(c - (2 ** (bits - 1) - 1)) * s[i // block] for i, c in enumerate(codes)]
         assert torch.equal(codec.decode(payload, (n,)), torch.stack(expected))
 
