@@ -239,6 +239,111 @@ def test_decode_accepts_payloads_at_any_offset() -> None:
         assert torch.equal(codec.decode(shifted, x.shape), codec.roundtrip(x))
 
 
+# -- a bucket encoded as a whole ----------------------------------------------------------------
+
+_BUCKET_SPECS = [
+    "int2",
+    "int4",
+    "int8",
+    "int4:block=64",
+    "int8:block=1",
+    "int2:block=6",
+    "int2:block=5",
+    "int4:sr",
+    "sign",
+    "topk:0.1",
+    "bf16",
+]
+
+
+def _bucket_input(shapes: list[tuple[int, ...]], kinds: list[str], seed: int) -> list[torch.Tensor]:
+    out = []
+    for i, (shape, kind) in enumerate(zip(shapes, kinds)):
+        x = _x(shape, seed + i) * {"small": 1e-30, "large": 1e30}.get(kind, 1.0)
+        if kind == "zero":
+            x.zero_()
+        elif kind == "negzero":
+            x.zero_().neg_()  # every element −0.0
+        out.append(x)
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([(1,), (3,), (4,), (128,), (129,), (300,), (5, 77), (2, 3, 4)]),
+            st.sampled_from(_BUCKET_SPECS),
+            st.sampled_from(["normal", "normal", "zero", "negzero", "small", "large"]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 4),
+    st.integers(0, 1000),
+)
+def test_a_bucket_encodes_and_decodes_as_its_tensors_do_one_by_one(
+    tensors: list[tuple[tuple[int, ...], str, str]], world: int, seed: int
+) -> None:
+    # the grouped path writes each tensor's own payload, in order, and decodes, sums in rank
+    # order and divides exactly as decoding tensor by tensor does: bit for bit
+    from lowcomm.compress.grouped import GroupLayout
+
+    shapes = [t[0] for t in tensors]
+    codecs = []
+    for shape, spec, _ in tensors:
+        codec = parse_compression(spec)
+        codecs.append(codec if codec.compresses(shape) else Raw())
+    xs = _bucket_input(shapes, [t[2] for t in tensors], seed)
+    layout = GroupLayout(codecs, shapes, "cpu")
+    g_grouped, g_alone = (torch.Generator().manual_seed(seed) for _ in range(2))
+    payload, contributions, errors = layout.encode(xs, generator=g_grouped, residuals=True)
+    alone = [c.encode(x, generator=g_alone if c.stochastic else None) for c, x in zip(codecs, xs)]
+    assert torch.equal(payload, torch.cat(alone))
+    assert errors is not None
+    for codec, x, p, c, e in zip(codecs, xs, alone, contributions, errors):
+        decoded = codec.decode(p, x.shape)
+        assert torch.equal(c, decoded)
+        assert torch.equal(e, torch.nan_to_num(x - decoded, 0.0, 0.0, 0.0))
+    others = [
+        torch.cat([c.encode(x * (r + 2)) for c, x in zip(codecs, xs)]) for r in range(world - 1)
+    ]
+    gathered = torch.cat([payload, *others])
+    means = layout.decode_mean(gathered, world)
+    for j, (codec, (a, b)) in enumerate(zip(codecs, layout.spans)):
+        total = codec.decode(gathered[a:b], shapes[j])
+        for r in range(1, world):
+            total.add_(codec.decode(gathered[r * layout.size + a : r * layout.size + b], shapes[j]))
+        if world > 1:
+            total.div_(float(world))
+        assert torch.equal(means[j], total)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_bucket_with_non_finite_values_decodes_as_its_tensors_do(bits: int) -> None:
+    # a NaN or Inf makes its block's scale non-finite: the codes are whatever the conversion
+    # makes of NaN, the same in both paths, and so is every decoded value (NaN where NaN)
+    from lowcomm.compress.grouped import GroupLayout
+
+    codec = Quantize(bits=bits)
+    xs = [_x((300,)), _x((50,), 1), _x((4, 40), 2)]
+    xs[0][3], xs[0][200], xs[1][7], xs[2][1, 5] = math.nan, math.inf, -math.inf, math.nan
+    layout = GroupLayout([codec] * 3, [x.shape for x in xs], "cpu")
+    payload, contributions, errors = layout.encode(xs, generator=None, residuals=True)
+    alone = [codec.encode(x) for x in xs]
+    assert torch.equal(payload, torch.cat(alone))
+    assert errors is not None
+    means = layout.decode_mean(torch.cat([payload, payload]), 2)
+    for x, p, c, e, mean in zip(xs, alone, contributions, errors, means):
+        decoded = codec.decode(p, x.shape)
+        torch.testing.assert_close(c, decoded, rtol=0, atol=0, equal_nan=True)
+        assert torch.isfinite(e).all()
+        torch.testing.assert_close(
+            mean, decoded.add(decoded).div_(2.0), rtol=0, atol=0, equal_nan=True
+        )
+        assert not torch.isfinite(mean).all()
+
+
 # -- PowerSGD -----------------------------------------------------------------------------------
 
 

@@ -46,7 +46,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lowcomm.comm import Communicator, DoneWork, Handle
-from lowcomm.compress.formats import ElementwiseCodec, PowerSGD, orthogonalize
+from lowcomm.compress.formats import PowerSGD, orthogonalize
+from lowcomm.compress.grouped import GroupLayout
 from lowcomm.device import CollectiveTimer, host_wait
 
 __all__ = ["CompressedHandle", "ErrorFeedback"]
@@ -71,11 +72,10 @@ class ErrorFeedback(Protocol):
 
 @dataclass
 class GatherGroup:
-    """One bucket sent by all-gather: tensor indices, their codecs and payload slices."""
+    """One bucket sent by all-gather: tensor indices and their payload layout."""
 
     index: list[int]
-    codecs: list[ElementwiseCodec]
-    spans: list[tuple[int, int]]  # byte range of each tensor in one rank's payload
+    layout: GroupLayout  # codecs, and the byte range of each tensor in one rank's payload
     payload: torch.Tensor  # this rank's bytes
     gathered: torch.Tensor  # N × payload, rank order
     work: Work | None = None
@@ -261,16 +261,8 @@ class CompressedHandle(Handle):
             return self.views
 
     def _decode_gather(self, g: GatherGroup, n: int) -> None:
-        size = g.payload.numel()
-        for i, codec, (a, b) in zip(g.index, g.codecs, g.spans):
-            shape = self.views[i].shape
-            total = codec.decode(g.gathered[a:b], shape)
-            for r in range(1, n):  # rank order: the same bits on every rank
-                off = r * size
-                total.add_(codec.decode(g.gathered[off + a : off + b], shape))
-            if n > 1:
-                total.div_(float(n))
-            self.views[i].copy_(total)
+        means = g.layout.decode_mean(g.gathered, n)
+        torch._foreach_copy_([self.views[i] for i in g.index], means)
 
     def _decode_low_rank(self, g: LowRankGroup, n: int) -> None:
         if not g.compressed:

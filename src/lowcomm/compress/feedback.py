@@ -31,6 +31,7 @@ from lowcomm.comm import Communicator
 from lowcomm.compress.codecs import parse_codec, parse_compression
 from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup, time_launch
 from lowcomm.compress.formats import Codec, ElementwiseCodec, PowerSGD, Raw
+from lowcomm.compress.grouped import GroupLayout
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.device import CollectiveTimer, collective_device
 from lowcomm.guard import all_finite, zero_non_finite_
@@ -125,6 +126,7 @@ class Compressor:
         self.decisions = 0
         """L-GreCo decisions taken so far."""
         self._pending: CompressedHandle | None = None
+        self._layouts: dict[tuple[tuple[int, ...], tuple[Codec, ...]], GroupLayout] = {}
 
     @property
     def spec(self) -> str:
@@ -200,30 +202,34 @@ class Compressor:
         m: list[torch.Tensor],
         own: Sequence[torch.Tensor] | None,
     ) -> GatherGroup:
-        parts: list[torch.Tensor] = []
-        spans: list[tuple[int, int]] = []
-        codecs: list[ElementwiseCodec] = []
-        off = 0
-        for i in idx:
-            codec = self.assignment[i]
-            assert isinstance(codec, ElementwiseCodec)
-            payload = codec.encode(m[i], generator=self.generator if codec.stochastic else None)
-            assert payload.numel() == codec.wire_nbytes(self.shapes[i])
-            if self.error_feedback or own is not None:
-                contribution = codec.decode(payload, self.shapes[i])
-                self.record_contribution(i, m[i], contribution)
-                if own is not None:
-                    own[i].copy_(contribution)
-            parts.append(payload)
-            spans.append((off, off + payload.numel()))
-            codecs.append(codec)
-            off += payload.numel()
-        payload = torch.cat(parts)
+        layout = self._layout(idx)
+        payload, contributions, errors = layout.encode(
+            [m[i] for i in idx], generator=self.generator, residuals=self.error_feedback
+        )
+        if errors is not None:
+            torch._foreach_copy_([self.residuals[i] for i in idx], errors)
+        if own is not None:
+            torch._foreach_copy_([own[i] for i in idx], contributions)
         gathered = torch.empty(
             payload.numel() * comm.world_size, dtype=torch.uint8, device=payload.device
         )
         work = comm.all_gather_async(payload, gathered)
-        return GatherGroup(idx, codecs, spans, payload, gathered, work)
+        return GatherGroup(idx, layout, payload, gathered, work)
+
+    def _layout(self, idx: list[int]) -> GroupLayout:
+        """The payload layout of the bucket of tensors ``idx`` under the current assignment
+        (kept while it holds: L-GreCo may change it)."""
+        codecs = []
+        for i in idx:
+            codec = self.assignment[i]
+            assert isinstance(codec, ElementwiseCodec)
+            codecs.append(codec)
+        key = (tuple(idx), tuple(codecs))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = GroupLayout(codecs, [self.shapes[i] for i in idx], self.device)
+            self._layouts[key] = layout
+        return layout
 
     def _launch_low_rank(
         self, comm: Communicator, idx: list[int], m: list[torch.Tensor]
