@@ -4,17 +4,20 @@ job starts, as a spawned worker would have them."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing.forkserver
 import os
+import signal
+import subprocess
 import sys
 from typing import Any
 
 import pytest
 
 from lowcomm.cli import main
-from lowcomm.testing.jobs import TINY_JOB_ARGS
+from lowcomm.testing.jobs import TINY_JOB, TINY_JOB_ARGS
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.forkserver import START_METHOD_ENV, preload, start_method
+from lowcomm.train.forkserver import START_METHOD_ENV, ForkedCommand, preload, start_method
 from lowcomm.train.launcher import launch
 
 pytestmark = pytest.mark.skipif(
@@ -86,3 +89,50 @@ def test_a_bad_start_method_is_named_before_any_worker_starts(
     err = capsys.readouterr().err
     assert f"{START_METHOD_ENV}='fork'" in err and "forkserver, spawn" in err
     assert not (tmp_path / "run").exists()
+
+
+def _worker_env(port: int) -> dict[str, str]:
+    """The environment of a one-process job's worker, and nothing of this process's."""
+    return {
+        "PATH": os.environ.get("PATH", ""),
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+
+
+def test_a_forked_command_runs_as_a_session_leader_with_its_own_environment_and_log(
+    tmp_path: Any,
+) -> None:
+    # what the elastic launcher's replicas are: `python -m lowcomm.train CONFIG` as Popen with
+    # start_new_session=True would run it, forked from the server
+    from lowcomm.train.elastic import _free_port
+
+    cfg = TrainConfig(**{**TINY_JOB, "workers": 1, "steps": 8}, out=str(tmp_path / "run"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg.with_paths().to_dict()))
+    log = tmp_path / "process.log"
+    log.write_text("")
+    p = ForkedCommand([str(config)], _worker_env(_free_port()), str(log))
+    assert os.getsid(p.pid) == p.pid and os.getpgid(p.pid) == p.pid  # killpg reaches it
+    assert p.wait(timeout=120) == 0 and p.poll() == 0 and p.returncode == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps_run"] == 8
+
+    # a failure: its exit code, and the error in its log (output and error both go there)
+    bad = ForkedCommand([str(tmp_path / "missing.json")], _worker_env(_free_port()), str(log))
+    assert bad.wait(timeout=60) == 1
+    assert "missing.json" in log.read_text()
+
+    # killed as the launcher kills a replica: the whole session, and the signal as the code
+    cfg = TrainConfig(**{**TINY_JOB, "workers": 1, "steps": 10_000}, out=str(tmp_path / "long"))
+    config.write_text(json.dumps(cfg.with_paths().to_dict()))
+    p = ForkedCommand([str(config)], _worker_env(_free_port()), str(log))
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL

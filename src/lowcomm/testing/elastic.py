@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 from typing import Any
 
 import torch
@@ -154,4 +153,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lowcomm.train.forkserver import exit_now
+
+    exit_now(main())  # as `python -m lowcomm.train`: gloo's threads can abort finalisation

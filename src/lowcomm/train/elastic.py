@@ -33,9 +33,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.forkserver import ForkedCommand, start_method
 from lowcomm.train.replica import ATTEMPT_ENV, ElasticReplica, replica_generator, replica_index
 from lowcomm.train.report import format_elastic_summary
 
@@ -66,6 +67,19 @@ for it at their next sync, so this is what one fault costs them."""
 # --- the parent: a Lighthouse and the replicas --------------------------------------------------
 
 
+class ReplicaProcess(Protocol):
+    """A process of a replica: a :class:`subprocess.Popen` (``LOWCOMM_START_METHOD=spawn``) or
+    a :class:`~lowcomm.train.forkserver.ForkedCommand`, in its own session either way."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclasses.dataclass
 class RunningReplica:
     """One replica :func:`launch_replicas` started: its id, which start of it this is (0, then
@@ -76,23 +90,25 @@ class RunningReplica:
     replica_id: str
     attempt: int
     folder: str
-    processes: list[subprocess.Popen[bytes]]
+    processes: list[ReplicaProcess]
     started: float
     store: Any = None
 
     @property
-    def process(self) -> subprocess.Popen[bytes]:
+    def process(self) -> ReplicaProcess:
         """Group rank 0's process (a fault sent to it brings the whole replica down)."""
         return self.processes[0]
 
     def poll(self) -> int | None:
-        """``None`` while the replica runs; else its exit code: the first non-zero one among
-        its processes (the replica failed as soon as one of them did), or 0 when every one
-        finished."""
+        """``None`` while the replica runs; else its exit code: a non-zero one among its
+        processes (the replica failed as soon as one of them did) — the first ended by a
+        signal if any was (the others of a node group exit on their own once they lose it),
+        else the first — or 0 when every one finished."""
         codes = [p.poll() for p in self.processes]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
-            return failed[0]
+            signalled = [c for c in failed if c < 0]
+            return (signalled or failed)[0]
         return None if None in codes else 0
 
 
@@ -149,16 +165,21 @@ def _start(
         ATTEMPT_ENV: str(attempt),
         **(extra_env or {}),
     }
-    command = [sys.executable, "-m", "lowcomm.train", config_path, "--failure-dir", scratch]
+    args = [config_path, "--failure-dir", scratch]
     os.makedirs(folder, exist_ok=True)
-    processes = []
+    forked = start_method() == "forkserver"
+    processes: list[ReplicaProcess] = []
     for j in range(procs):
         log_name = "process.log" if j == 0 else f"process.{j}.log"
+        own_env = {**env, "RANK": str(j), "LOCAL_RANK": str(j)}
         with open(os.path.join(folder, log_name), "wb") as log:
+            if forked:  # without importing torch again (see lowcomm.train.forkserver)
+                processes.append(ForkedCommand(args, own_env, log.name))
+                continue
             processes.append(
                 subprocess.Popen(
-                    command,
-                    env={**env, "RANK": str(j), "LOCAL_RANK": str(j)},
+                    [sys.executable, "-m", "lowcomm.train", *args],
+                    env=own_env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -26,17 +26,22 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from multiprocessing import reduction
 from typing import Any
 
 __all__ = [
     "PRELOAD",
     "START_METHOD_ENV",
+    "ForkedCommand",
     "Parent",
     "call_in_parent_context",
+    "exit_now",
     "preload",
     "start_method",
 ]
@@ -181,3 +186,83 @@ def call_in_parent_context(parent: Parent, fn: Callable[..., Any], *args: Any) -
     """A worker's entry point: :meth:`Parent.adopt`, then ``fn(*args)``."""
     parent.adopt()
     return fn(*args)
+
+
+STARTED_WITHIN_S = 60.0
+"""How long :class:`ForkedCommand` waits for its process to be in its own session."""
+
+
+class ForkedCommand:
+    """``python -m lowcomm.train ARGS`` as ``subprocess.Popen(..., start_new_session=True)``
+    runs it (its own session, ``env`` as its whole environment, standard input from
+    ``os.devnull``, output and error appended to ``log``), but forked from the server: the
+    elastic launcher's replicas start without importing torch again (a replica that restarts
+    heals sooner). The part of ``Popen``'s interface the launcher uses: ``pid``, :meth:`poll`,
+    :meth:`wait`, ``returncode`` (negative: the signal that ended it). The process is in its
+    own session when the constructor returns, so ``os.killpg(pid, …)`` reaches it."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str], log: str) -> None:
+        preload()
+        ctx = multiprocessing.get_context("forkserver")
+        started = ctx.Event()
+        self.args = [sys.executable, "-m", "lowcomm.train", *args]
+        self._process = ctx.Process(
+            target=_train_main, args=(list(args), dict(env), log, started), daemon=False
+        )
+        self._process.start()
+        if not started.wait(STARTED_WITHIN_S) and self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+            raise RuntimeError(f"a forked worker did not start within {STARTED_WITHIN_S:g} s")
+        assert self._process.pid is not None
+        self.pid: int = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """``None`` while it runs, else its exit code."""
+        if self.returncode is None and not self._process.is_alive():
+            self._process.join()
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code, once it has ended; ``subprocess.TimeoutExpired`` after ``timeout``."""
+        self._process.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL it (as ``Popen.kill``)."""
+        if self.poll() is None:
+            self._process.kill()
+
+
+def _train_main(args: list[str], env: dict[str, str], log: str, started: Any) -> None:
+    """In the forked process: what ``python -m lowcomm.train ARGS`` does, set up as
+    :class:`ForkedCommand` describes."""
+    os.setsid()
+    started.set()
+    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((null, 0), (out, 1), (out, 2)):
+        os.dup2(fd, target)
+    os.close(out)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["python -m lowcomm.train", *args]
+    from lowcomm.train.worker import main
+
+    exit_now(main(args))
+
+
+def exit_now(code: int) -> None:
+    """End a worker process whose run is over and whose files are written, with ``code``,
+    skipping the interpreter's finalisation: objects of gloo's C++ threads released there can
+    abort (SIGABRT) a process whose run succeeded. Logs and standard streams are flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
