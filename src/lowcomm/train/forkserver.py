@@ -1,8 +1,9 @@
 """Worker processes forked from a server that imported the training stack once.
 
-The local launcher (:func:`lowcomm.train.launcher.launch`) and the test helper
-:func:`lowcomm.testing.dist.run_workers` start their workers with ``multiprocessing``'s
-``forkserver`` method where the platform has it (Linux, macOS; elsewhere ``spawn``): a server
+The local launcher (:func:`lowcomm.train.launcher.launch`), the elastic launcher's replicas
+(:class:`ForkedCommand`) and the test helper :func:`lowcomm.testing.dist.run_workers` start
+their processes with ``multiprocessing``'s ``forkserver`` method where the platform has it
+(Linux, macOS; elsewhere ``spawn``): a server
 process imports :data:`PRELOAD` (torch, its compiler front end that the optimizers import on
 first use, the worker, matplotlib's pyplot for the run folder's plot) once, runs nothing else,
 and forks every worker from that state. A worker is as clean as a spawned one (no threads, no
