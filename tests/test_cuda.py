@@ -123,6 +123,31 @@ def test_deterministic_codecs_put_the_same_bytes_on_the_wire(codec: Any, shape: 
     assert decoded.is_cuda and torch.equal(_bits(decoded), _bits(codec.decode(on_cpu, shape)))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_bucket_encodes_and_decodes_on_the_gpu_as_on_the_cpu(bits: int) -> None:
+    # the grouped path (lowcomm.compress.grouped) on CUDA: the bytes and means of the per-tensor
+    # codec on the CPU, bit for bit
+    from lowcomm.compress.grouped import GroupLayout
+
+    codec = Quantize(bits=bits)
+    codecs = [codec if codec.compresses(s) else Raw() for s in SHAPES]
+    xs = [_x(s, seed=i) for i, s in enumerate(SHAPES)]
+    layout = GroupLayout(codecs, SHAPES, _gpu())
+    payload, contributions, errors = layout.encode(
+        [x.to(_gpu()) for x in xs], generator=None, residuals=True
+    )
+    alone = [c.encode(x) for c, x in zip(codecs, xs)]
+    assert payload.is_cuda and torch.equal(payload.cpu(), torch.cat(alone))
+    assert errors is not None
+    for c, x, p, mine, e in zip(codecs, xs, alone, contributions, errors):
+        assert torch.equal(_bits(mine), _bits(c.decode(p, x.shape)))
+        assert torch.equal(_bits(e), _bits(x - c.decode(p, x.shape)))
+    means = layout.decode_mean(torch.cat([payload, payload]), 2)
+    for j, (c, (a, b)) in enumerate(zip(codecs, layout.spans)):
+        one = c.decode(torch.cat(alone)[a:b], SHAPES[j])
+        assert means[j].is_cuda and torch.equal(_bits(means[j]), _bits(one.add(one).div_(2.0)))
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_sign_codec_matches_the_cpu_up_to_the_scales_rounding(shape: Any) -> None:
     codec = Sign(block=32)
