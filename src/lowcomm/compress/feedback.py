@@ -67,6 +67,10 @@ def generator_resumes(saved_device: str | None, saved: torch.Tensor, into: torch
     return saved.numel() == into.get_state().numel()
 
 
+_LAYOUTS_KEPT = 64
+"""Bucket layouts a :class:`Compressor` keeps (one per bucket and assignment of codecs)."""
+
+
 class Compressor:
     """One rank's compression state for a fixed list of tensor shapes (see the module docstring).
 
@@ -227,6 +231,8 @@ class Compressor:
         key = (tuple(idx), tuple(codecs))
         layout = self._layouts.get(key)
         if layout is None:
+            if len(self._layouts) >= _LAYOUTS_KEPT:  # L-GreCo's earlier assignments
+                self._layouts.clear()
             layout = GroupLayout(codecs, [self.shapes[i] for i in idx], self.device)
             self._layouts[key] = layout
         return layout
