@@ -175,6 +175,8 @@ class GroupLayout:
             codec = self.codecs[j]
             x = tensors[j]
             payload = codec.encode(x, generator=generator if codec.stochastic else None)
+            # a codec that cannot gain on a tensor is replaced by raw fp32 before it gets here
+            assert payload.numel() == self.spans[j][1] - self.spans[j][0], (codec, x.shape)
             c = codec.decode(payload, self.shapes[j])
             contributions[j] = c
             if residuals:
