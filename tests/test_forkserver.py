@@ -105,11 +105,12 @@ def _worker_env(port: int) -> dict[str, str]:
     }
 
 
-def test_a_forked_command_runs_as_a_session_leader_with_its_own_environment_and_log(
+def test_a_forked_command_runs_as_a_session_leader_with_the_given_environment_and_log(
     tmp_path: Any,
 ) -> None:
     # what the elastic launcher's replicas are: `python -m lowcomm.train CONFIG` as Popen with
-    # start_new_session=True would run it, forked from the server
+    # start_new_session=True would run it, forked from the server; the job finds its rank and
+    # rendezvous only in the environment given (this process and the server have none)
     from lowcomm.train.elastic import _free_port
 
     cfg = TrainConfig(**{**TINY_JOB, "workers": 1, "steps": 8}, out=str(tmp_path / "run"))
