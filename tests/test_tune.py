@@ -137,13 +137,15 @@ def test_a_job_on_an_emulated_slow_link_runs_with_what_was_chosen_and_keeps_it(
     assert config["compression"] == tuning["settings"]["compression"]
     assert summary["compression"].startswith(tuning["settings"]["compression"])
     assert "tuned to link" in capsys.readouterr().out
-    # the same job with the codec given, and with tuning off: nothing given is changed
+    # the same job with the codec given, and with tuning off: nothing given is changed (on
+    # 1 Mbit/s, where the tuner would still take a codec: an fp32 sync of this model takes
+    # ~1 s against ~4 steps of compute, and 10 s on 100 kbit/s)
     given = train_job(
         "--algo",
         "co2",
         *argv,
         "--link",
-        "100kbit:1ms",
+        "1mbit:1ms",
         "--compression",
         "bf16",
         out=str(tmp_path / "given"),
@@ -155,7 +157,7 @@ def test_a_job_on_an_emulated_slow_link_runs_with_what_was_chosen_and_keeps_it(
         "co2",
         *argv,
         "--link",
-        "100kbit:1ms",
+        "1mbit:1ms",
         "--tune-link",
         "off",
         out=str(tmp_path / "off"),
@@ -228,6 +230,44 @@ def test_a_warm_start_that_would_cost_more_than_its_budget_is_shortened() -> Non
     # 1gbit: the job's quarter of the steps costs less than the budget; a given length stays
     assert "sync_warmup" not in _choose("1gbit", **kw).settings
     assert "sync_warmup" not in _choose("10mbit", given={"sync_warmup"}, **kw).settings
+
+
+def test_a_warm_start_over_its_budget_at_its_shortest_takes_a_cheaper_codec() -> None:
+    # a slow machine (174 ms a step) on 100mbit: int8's all-reduce (~77 ms) is within half a
+    # step, but even the shortest warm start (one round, 12 of 96 steps) would add 12 x 77 ms, more
+    # than 3% of the job's compute (0.5 s): int4 adds 12 x 44 ms, still over; int2 fits
+    short = {**CO2, "sync_warmup": 24}
+    kw: dict[str, Any] = {"step_time_s": 0.174, "current": short, "warm_steps": 24}
+    budget = 0.03 * 96 * 0.174
+    chosen = _choose("100mbit", steps=96, **kw)
+    assert chosen.settings["sync_warmup"] == 12
+    assert chosen.settings["sync_warmup_compression"] == "int2"
+    assert 12 * (chosen.warm_step_s - 0.174) <= budget
+
+    def extra(codec: str) -> float:  # what a warm step of ``codec`` adds, given
+        current = {**short, "sync_warmup_compression": codec}
+        warm = _choose("100mbit", given={"sync_warmup_compression"}, **{**kw, "current": current})
+        return warm.warm_step_s - 0.174
+
+    assert extra("int8") <= 0.5 * 0.174 and 12 * extra("int4") > budget >= 12 * extra("int2")
+    # without the budget (no steps known) int8 stays: it is within half a step
+    assert "sync_warmup_compression" not in _choose("100mbit", **kw).settings
+    # its codec given: kept, over budget as it is
+    given = _choose("100mbit", steps=96, given={"sync_warmup_compression"}, **kw)
+    assert "sync_warmup_compression" not in given.settings and given.settings["sync_warmup"] == 12
+    # 960 steps: int8 at its floor (72 steps) would add 5.5 s against 5.0 s; int4 fits at the
+    # length the budget buys (whole rounds), longer than the floor
+    long = _choose(
+        "100mbit", steps=960, **{**kw, "current": {**CO2, "sync_warmup": 240}, "warm_steps": 240}
+    )
+    assert long.settings["sync_warmup_compression"] == "int4"
+    k = long.settings["sync_warmup"]
+    assert k == int(0.03 * 960 * 0.174 / (long.warm_step_s - 0.174)) // 12 * 12 > 72
+    # the length given: the codec still holds its cost to the budget
+    held = _choose("100mbit", steps=96, given={"sync_warmup"}, **kw)
+    assert "sync_warmup" not in held.settings
+    # (24 steps: none fits; the cheapest)
+    assert held.settings["sync_warmup_compression"] == "int2"
 
 
 def test_what_the_job_does_not_tune_says_why() -> None:

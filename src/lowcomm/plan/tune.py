@@ -29,7 +29,10 @@ rule against :data:`WARM_SLACK`: int8 (the job's default), int4, then int2 (all 
 feedback; in the study's 3 seeds int4 and int2 warm starts ended at or below int8's loss, while
 PowerSGD rank 4 ended 11% above DDP's). Given the job's steps, its length is cut until what it
 adds is at most :data:`WARM_BUDGET` of the job's compute, but not below
-:data:`MIN_WARM_FRACTION` of the steps.
+:data:`MIN_WARM_FRACTION` of the steps; where even that floor (or a length the user gave) adds
+more than the budget, the codec goes on down the ladder to the first whose warm start fits
+(else the cheapest): a slow machine's long steps let int8 pass the slack while one round of it
+would cost twice the budget.
 
 Compressed syncs travel by all-gather (every rank decodes every payload), fp32 ones by ring
 all-reduce: the times are those of :class:`~lowcomm.plan.cost.Network` for each.
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lowcomm.plan.cost import Algorithm, Network, Workload, step_time
@@ -310,12 +313,29 @@ def choose_sync_settings(
             link,
             step_time_s,
         )
-        if warm_codec != current.get("sync_warmup_compression"):
-            settings["sync_warmup_compression"] = warm_codec
-        if steps is not None and "sync_warmup" not in given:
-            k = _warm_length(warm_steps, steps, sync_every, warm_s - step_time_s, step_time_s)
+        if steps is not None:
+            n_steps = steps
+
+            def length(extra_s: float) -> int:  # the warm start's steps at ``extra_s`` a step
+                if "sync_warmup" in given:
+                    return warm_steps
+                return _warm_length(warm_steps, n_steps, sync_every, extra_s, step_time_s)
+
+            k = length(warm_s - step_time_s)
+            if "sync_warmup_compression" not in given:
+                warm_codec, warm_s, k = _warm_within_budget(
+                    warm_codec,
+                    warm_s,
+                    k,
+                    lambda c: _warm_step_s(c, payload, shapes, workers, link, step_time_s),
+                    length,
+                    WARM_BUDGET * steps * step_time_s,
+                    step_time_s,
+                )
             if k != warm_steps:
                 settings["sync_warmup"] = k
+        if warm_codec != current.get("sync_warmup_compression"):
+            settings["sync_warmup_compression"] = warm_codec
     round_sync = timing.comm_s * sync_every
     what = ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in rung.items())
     reason = (
@@ -347,6 +367,47 @@ def _warm_length(k: int, steps: int, h: int, extra_s: float, step_s: float) -> i
     return min(k, max(budget, floor))
 
 
+def _warm_within_budget(
+    codec: str | None,
+    warm_s: float,
+    k: int,
+    warm_step: Callable[[str | None], float],
+    length: Callable[[float], int],
+    budget_s: float,
+    step_s: float,
+) -> tuple[str | None, float, int]:
+    """The warm start's codec, step time and length once its cost is held to ``budget_s``:
+    when ``k`` warm steps of ``codec`` add more than the budget (its length is at its floor, or
+    given), the next codec of the ladder whose warm start (of ``length(extra)`` steps) fits,
+    else the cheapest. With error feedback a cheaper codec costs nothing measurable per token
+    (the study: int4 and int2 warm starts ended at or below int8's loss), while the warm start's
+    all-reduces are waited in full."""
+    if k * (warm_s - step_s) <= budget_s or codec not in _WARM_LADDER:
+        return codec, warm_s, k
+    best = (warm_s, codec, k)
+    for cheaper in _WARM_LADDER[_WARM_LADDER.index(codec) + 1 :]:
+        seconds = warm_step(cheaper)
+        n = length(seconds - step_s)
+        if seconds < best[0]:
+            best = (seconds, cheaper, n)
+        if n * (seconds - step_s) <= budget_s:
+            return cheaper, seconds, n
+    return best[1], best[0], best[2]
+
+
+def _warm_step_s(
+    codec: str | None,
+    payload: float,
+    shapes: Sequence[Sequence[int]],
+    workers: int,
+    link: LinkProfile,
+    step_time_s: float,
+) -> float:
+    """A warm step's predicted time with ``codec``: the compute and the all-reduce after it."""
+    ratio = _encoded_ratio(codec, shapes)
+    return step_time_s + sync_seconds(codec, payload, workers, link, ratio)
+
+
 def _warm_choice(
     current: str | None,
     given: bool,
@@ -361,8 +422,7 @@ def _warm_choice(
     step time."""
 
     def warm_step(codec: str | None) -> float:
-        ratio = _encoded_ratio(codec, shapes)
-        return step_time_s + sync_seconds(codec, payload, workers, link, ratio)
+        return _warm_step_s(codec, payload, shapes, workers, link, step_time_s)
 
     if given:
         return current, warm_step(current)
