@@ -93,7 +93,7 @@ def test_assemble_reports_ceilings_noise_target_and_goals(tmp_path):
     spec = BenchSpec(algos=["co2", "ddp"], links=["100mbit"], workers=[2], out=str(tmp_path))
     rows = [
         _row(
-            "co2", "100mbit", 950.0, 1050.0, [1000.0, 1100.0], 3.2,
+            "co2", "100mbit", 950.0, 1050.0, [1000.0, 1100.0, 1050.0, 1050.0], 3.2,
             [(0, 0.0, 5.0), (1, 10.0, 3.2)],
         ),
         _row(
@@ -105,9 +105,11 @@ def test_assemble_reports_ceilings_noise_target_and_goals(tmp_path):
     ceiling = results["ceilings"][0]
     assert ceiling["tokens_per_s"] == pytest.approx(1025.0)  # median of the cells' ceilings
     assert ceiling["drift"] == pytest.approx(50.0 / 1025.0)
-    # noise: the halves of each cell's ceiling, median over cells
-    assert results["noise"] == pytest.approx((100 / 1050 + 20 / 1000) / 2)
-    assert results["noise_max"] == pytest.approx(100 / 1050)
+    # noise: the standard error of each cell's ceiling over its segments, median over cells
+    co2_se = (5000 / 3) ** 0.5 / 4**0.5 / 1050  # stdev of 1000, 1100, 1050, 1050 over sqrt(4)
+    ddp_se = 200**0.5 / 2**0.5 / 1000
+    assert results["noise"] == pytest.approx((co2_se + ddp_se) / 2)
+    assert results["noise_max"] == pytest.approx(co2_se)
     assert results["model"]["parameters"] == 10
     co2, ddp = results["cells"]
     # default target: the highest final loss of the matrix (3.2), which both reach

@@ -231,8 +231,8 @@ def add_subcommand(subparsers: Any) -> None:
         dest="ceiling_steps",
         type=int,
         metavar="N",
-        help="no-sync steps each cell times in its own processes, half before training and "
-        "half after (default 24; --quick 16)",
+        help="no-sync steps each cell times in its own processes, in segments of 2 steps "
+        "interleaved with training (default 24; --quick 16)",
     )
     p.add_argument(
         "--target-loss",

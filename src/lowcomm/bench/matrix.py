@@ -8,10 +8,11 @@ measures is what a user of ``lowcomm train`` gets: tokens per second of training
 Besides the matrix, a run measures:
 
 * **the ceiling**, in every cell: the same worker processes time ``ceiling_steps`` inner steps
-  with no synchronisation at all on a private copy of the model, half right before training and
-  half right after (``lowcomm train --ceiling-steps``). Each cell is divided by its own ceiling,
-  so a machine whose speed drifts between cells (a shared machine) moves both alike; the
-  difference between the two halves is reported as the noise of the ratios;
+  with no synchronisation at all on a private copy of the model, in segments of 2 steps
+  interleaved with training, where no sync is in flight (``lowcomm train --ceiling-steps``).
+  Each cell is divided by its own ceiling, so a machine whose speed drifts between cells or
+  within one (a shared machine) moves both alike; the standard error of the ceiling's mean over
+  its segments is reported as the noise of the ratios;
 * **emulator validation** (optional; Linux, root, iproute2): cells run on a *real* link shaped with
   ``tc`` (:mod:`lowcomm.bench.netshape`) beside the same cell on the emulated link of the same
   bandwidth and latency. Where netem is missing the real link has no added latency, so its

@@ -79,7 +79,7 @@ class BenchSpec:
         seed: model initialisation and data order.
         eval_every: inner steps between validation evaluations.
         eval_batches: batches per evaluation.
-        ceiling_steps: no-sync steps timed in every cell (half before training, half after).
+        ceiling_steps: no-sync steps timed in every cell (in segments interleaved with training).
         target_loss: validation loss for the time-to-target column; ``None``: the highest final
             validation loss of the matrix cells, which every cell reaches.
         real_links: links to run on real tc-shaped namespaces as well (emulator validation).

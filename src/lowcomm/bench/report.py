@@ -90,8 +90,9 @@ def format_markdown(results: dict[str, Any]) -> str:
     if noise is not None:
         lines += [
             "",
-            f"**Noise**: the two halves of a cell's ceiling differ by {noise:.1%} (median over "
-            f"cells; at most {results['noise_max']:.1%}); ratios are good to about that much.",
+            f"**Noise**: a cell's ceiling, timed in short segments interleaved with its training, "
+            f"is known to {noise:.1%} (the standard error of its mean over the segments; median "
+            f"over cells, at most {results['noise_max']:.1%}); ratios are good to about that much.",
         ]
     target = results.get("target_loss")
     lines += [

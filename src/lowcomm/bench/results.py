@@ -89,8 +89,8 @@ def assemble_results(
             interpolate_time_to_target(r["curve"], target) if target is not None else None
         )
     model = {"parameters": rows[0].get("parameters") if rows else None}
-    # within a cell, the two halves of its ceiling: how much the machine moved during the cell
-    spreads = [_halves_spread(r["ceiling_segments_tokens_per_s"]) for r in cells]
+    # within a cell, how well its segments pin the ceiling down (the machine moving included)
+    spreads = [_standard_error(r["ceiling_segments_tokens_per_s"]) for r in cells]
     noise = [x for x in spreads if x is not None]
     return {
         "version": RESULTS_VERSION,
@@ -120,10 +120,12 @@ def assemble_results(
     }
 
 
-def _halves_spread(segments: Sequence[float]) -> float | None:
+def _standard_error(segments: Sequence[float]) -> float | None:
+    """The relative standard error of the mean of a cell's ceiling segments (None: fewer than
+    two)."""
     if len(segments) < 2:
         return None
-    return abs(segments[0] - segments[-1]) / statistics.fmean(segments)
+    return statistics.stdev(segments) / len(segments) ** 0.5 / statistics.fmean(segments)
 
 
 def _machine() -> dict[str, Any]:

@@ -312,6 +312,12 @@ class DeMo(torch.optim.Optimizer):
             q = demo_decode(per_rank_idx, per_rank_val, plan)
             p.add_(torch.sign(q).to(p.dtype), alpha=-lr)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a gathered update is still in flight (``overlap``: from one step to the
+        next)."""
+        return self._pending is not None
+
     def finish(self) -> None:
         """Apply the update still in flight (``overlap``); idempotent."""
         if self._pending is not None:

@@ -16,16 +16,40 @@ from lowcomm.device import synchronize, to_device
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.model import inner_optimizer
 
-__all__ = ["Ceiling"]
+__all__ = ["SEGMENT_STEPS", "Ceiling", "segment_plan"]
+
+
+SEGMENT_STEPS = 2
+"""Inner steps per segment of the ceiling (a short job gets at least one segment before
+training and one after)."""
+
+
+def segment_plan(ceiling_steps: int, steps: int) -> tuple[list[int], list[int]]:
+    """The ceiling's segments: their sizes (``ceiling_steps`` in segments of about
+    :data:`SEGMENT_STEPS`, at least two where there are two steps) and, for every segment
+    between the first (before training) and the last (after it), the step after which it is
+    due, spread evenly over the job's ``steps``."""
+    if ceiling_steps <= 0:
+        return [], []
+    n = min(ceiling_steps, max(2, -(-ceiling_steps // SEGMENT_STEPS)))
+    sizes = [ceiling_steps // n + (1 if i < ceiling_steps % n else 0) for i in range(n)]
+    due = [round(i * steps / (n - 1)) for i in range(1, n - 1)]
+    return sizes, due
 
 
 class Ceiling:
     """The no-sync ceiling measured inside the job: the same worker processes time inner steps
-    on a private copy of the model and inner optimizer with no synchronisation at all, half
-    before training and half after, so the ceiling sees the machine as the training saw it.
+    on a private copy of the model and inner optimizer with no synchronisation at all, in
+    segments of a few steps interleaved with training — the first before it, the last after
+    it, the others spread over the run, each at the first step from its due step on after which
+    no collective is in flight (where none comes, after training) — so that the ceiling sees
+    the machine as the training saw it, its speed drifting or not. The training's clock leaves
+    out the segments (from the first barrier on: a rank's wait for a slower one is counted as
+    training's, as the next collective would have counted it).
 
     Every rank runs its segment at the same time (a barrier on each side), drawing batches from
-    its own generator: the training's data order and model are untouched.
+    its own generator and keeping the training's random state: the training's data order,
+    model and dropout draws are untouched.
     """
 
     def __init__(
@@ -40,7 +64,33 @@ class Ceiling:
         self.device = device
         self.gen = make_generator(cfg.seed + 1_000_003, rank)
         self.segments: list[tuple[int, float]] = []  # (steps, seconds) on this rank
-        self._step()  # untimed: optimizer state and allocator warm-up
+        self._sizes, self._due = segment_plan(cfg.ceiling_steps, cfg.steps)
+        with self._own_random_state():
+            self._step()  # untimed: optimizer state and allocator warm-up
+
+    def _own_random_state(self) -> Any:
+        """The training's global random state, restored afterwards (dropout draws from it)."""
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        return torch.random.fork_rng(devices=cuda)
+
+    def before(self) -> None:
+        """The first segment, before training."""
+        if self._sizes:
+            self.run(self._sizes.pop(0))
+
+    def during(self, step: int, idle: bool) -> float:
+        """After ``step`` of training (``idle``: no collective in flight): the next segment if
+        it is due; returns the seconds to leave out of the training's time (0.0: none ran)."""
+        if not (idle and self._due and step >= self._due[0] and len(self._sizes) > 1):
+            return 0.0
+        self._due.pop(0)
+        return self.run(self._sizes.pop(0))
+
+    def after(self) -> None:
+        """After training: the segments still to run (those never due at an idle step, and the
+        last)."""
+        while self._sizes:
+            self.run(self._sizes.pop(0))
 
     def _step(self) -> None:
         x, y = get_batch(self.corpus.train, self.cfg.batch_size, self.cfg.block_size, self.gen)
@@ -51,17 +101,21 @@ class Ceiling:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def run(self, steps: int) -> None:
+    def run(self, steps: int) -> float:
+        """A segment of ``steps`` steps on every rank; returns its seconds from the first
+        barrier to the end of the second."""
         if steps <= 0:
-            return
+            return 0.0
         synchronize(self.device)  # the device's earlier work (the training's) is not timed
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            self._step()
+        with self._own_random_state():
+            for _ in range(steps):
+                self._step()
         synchronize(self.device)
         self.segments.append((steps, time.perf_counter() - t0))
         dist.barrier()
+        return time.perf_counter() - t0
 
     def summary(self, tokens_per_step: int) -> dict[str, Any]:
         """Rank 0's ceiling in tokens/s (all workers' tokens, like the job's own figure), overall

@@ -186,6 +186,11 @@ class Instruments:
         if self.fault is not None and self.fault[0] == step:
             inject_fault(self.fault[1], rank, step, self.cfg.collective_timeout, model=model)
 
+    def paused(self, seconds: float) -> None:
+        """``seconds`` of the run were not training (a ceiling segment in its middle)."""
+        if seconds and self.progress is not None:
+            self.progress.paused(seconds)
+
     def eval(self, step: int, val_loss: float, rounds: int, eval_s: float) -> None:
         if self.progress is not None:
             self.progress.eval(step, val_loss, rounds, eval_s)

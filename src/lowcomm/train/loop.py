@@ -276,14 +276,14 @@ class _Job:
     # --- run ----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """The steps: the first half of the ceiling, the initial evaluation (not when resuming),
-        then every step with its evaluations and checkpoints."""
+        """The steps: the ceiling's first segment, the initial evaluation (not when resuming),
+        then every step with its evaluations, checkpoints and the ceiling's segments due."""
         cfg, device, state, records = self.cfg, self.device, self.state, self.records
         sync, inner, data = self.sync, self.inner, self.data
         assert self.topology is not None
         rank = self.topology.rank
         if self.ceiling is not None:
-            self.ceiling.run(cfg.ceiling_steps // 2)
+            self.ceiling.before()
         if state is not None:
             set_rng_state(state["rng"], device)
         self.t_start = records.start(self.start, state, self.source)
@@ -329,6 +329,8 @@ class _Job:
                 self.evaluate(step)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 self.save(step)
+            if self.ceiling is not None:
+                records.paused(self.ceiling.during(step, sync.idle))
         self.end_step = step
 
     def finished(self, step: int) -> bool:
@@ -392,7 +394,7 @@ class _Job:
     # --- finalize -----------------------------------------------------------------------------
 
     def finalize(self) -> dict[str, Any] | None:
-        """Drain the algorithm, evaluate the final model, run the ceiling's second half, gather
+        """Drain the algorithm, evaluate the final model, run the ceiling's last segments, gather
         every rank's counters; rank 0 writes ``checkpoint.pt``, ``summary.json`` and the loss
         plot and returns the summary."""
         cfg, sync, zero, records = self.cfg, self.sync, self.zero, self.records
@@ -406,7 +408,7 @@ class _Job:
         wall_s = time.perf_counter() - self.t_start
         records.close()
         if self.ceiling is not None:
-            self.ceiling.run(cfg.ceiling_steps - cfg.ceiling_steps // 2)
+            self.ceiling.after()
 
         balance = self.data.report()
         per_rank = {
@@ -427,7 +429,7 @@ class _Job:
         if progress is None:
             return None
         eval_s = progress.eval_s
-        train_s = wall_s - eval_s
+        train_s = wall_s - eval_s - progress.paused_s
         model_state = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items()}
         save_checkpoint(
             os.path.join(self.out, "checkpoint.pt"),

@@ -120,6 +120,8 @@ class Progress:
         self.writer = MetricsWriter(path, append=append)
         self.t_start = time.perf_counter()
         self.eval_s = 0.0
+        self.paused_s = 0.0
+        """Time the no-sync ceiling's segments took in the middle of training (not training)."""
         self.loss = float("nan")
         self.val = float("nan")
         self.val_start = float("nan")
@@ -138,7 +140,7 @@ class Progress:
         ranks on the last plan unit, before it was refitted with it."""
         self._last_step = 0  # the step of the last record
         self._first_step = 0  # the step this run started after (a resumed run's checkpoint)
-        self._segment = (time.perf_counter(), 0.0)  # when this run's steps began, eval_s then
+        self._segment = (time.perf_counter(), 0.0)  # when this run's steps began, excluded_s then
         self._eta_told = False
         self.bar = None
         if sys.stderr.isatty() and not cfg.quiet:
@@ -151,7 +153,16 @@ class Progress:
 
     def start(self, t_start: float) -> None:
         self.t_start = t_start
-        self._segment = (time.perf_counter(), self.eval_s)
+        self._segment = (time.perf_counter(), self.excluded_s)
+
+    @property
+    def excluded_s(self) -> float:
+        """Time since the start that was not training: evaluations and ceiling segments."""
+        return self.eval_s + self.paused_s
+
+    def paused(self, seconds: float) -> None:
+        """``seconds`` of the run went to something else than training (a ceiling segment)."""
+        self.paused_s += seconds
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue the records exactly (checkpoint ``progress``)."""
@@ -161,6 +172,7 @@ class Progress:
             "last_step": self._last_step,
             "elapsed_s": time.perf_counter() - self.t_start,
             "eval_s": self.eval_s,
+            "paused_s": self.paused_s,
             "loss": self.loss,
             "val": self.val,
             "val_start": self.val_start,
@@ -176,6 +188,7 @@ class Progress:
         self._last_step = int(state["last_step"])
         self._losses = int(state.get("losses", step - self._last_step))
         self.eval_s = float(state["eval_s"])
+        self.paused_s = float(state.get("paused_s", 0.0))
         self.loss, self.val = float(state["loss"]), float(state["val"])
         self.val_start = float(state["val_start"])
         self.resumed_at = [*state.get("resumed_at", []), step]
@@ -204,7 +217,7 @@ class Progress:
         return round(self.steps_done(step) * self.tokens_per_step)
 
     def _tokens_per_s(self, step: int) -> float:
-        train_s = time.perf_counter() - self.t_start - self.eval_s
+        train_s = time.perf_counter() - self.t_start - self.excluded_s
         return self._tokens(step) / max(train_s, 1e-9)
 
     def _postfix(self, step: int) -> dict[str, str]:
@@ -261,7 +274,7 @@ class Progress:
         """Once, at the first record: warn when the steps left would take more than
         :data:`LONG_ETA_S` at the step time measured so far."""
         done = step - self._first_step
-        train_s = time.perf_counter() - self._segment[0] - (self.eval_s - self._segment[1])
+        train_s = time.perf_counter() - self._segment[0] - (self.excluded_s - self._segment[1])
         if done <= 0 or train_s <= 0:
             return
         eta_s = (self.cfg.steps - step) * train_s / done
@@ -278,8 +291,9 @@ class Progress:
         now = time.perf_counter()
         if step == 0:
             self.val_start = val_loss
-        # Training time up to this evaluation: wall time less every evaluation so far.
-        train_s = now - eval_s - self.t_start - self.eval_s
+        # Training time up to this evaluation: wall time less every evaluation (and ceiling
+        # segment) so far.
+        train_s = now - eval_s - self.t_start - self.excluded_s
         self.eval_s += eval_s
         self.val = val_loss
         self.writer.write(

@@ -165,6 +165,14 @@ class Synchronisation:
     # --- what the job reads -------------------------------------------------------------------
 
     @property
+    def idle(self) -> bool:
+        """Whether nothing is in flight between steps: no outer sync launched and not applied,
+        no gathered DeMo update pending (the same on every rank: it follows the schedule)."""
+        if self.algo is not None and self.algo.in_flight:
+            return False
+        return self.demo is None or not self.demo.in_flight
+
+    @property
     def consensus(self) -> list[torch.Tensor] | None:
         """The model to evaluate in place of the live parameters: the outer algorithm's anchor
         (its consensus), or ``None`` (the live model is the consensus)."""

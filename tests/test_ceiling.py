@@ -1,0 +1,79 @@
+"""The no-sync ceiling of ``lowcomm train --ceiling-steps`` (``lowcomm.train.ceiling``): its
+segments interleaved with training, placed where no sync is in flight, on a real one-rank gloo
+group; the training's random state untouched."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from lowcomm.train.ceiling import Ceiling, segment_plan
+from lowcomm.train.config import TrainConfig
+from lowcomm.train.model import build_gpt
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+
+
+@pytest.mark.parametrize(
+    ("ceiling_steps", "steps", "sizes", "due"),
+    [
+        (0, 96, [], []),
+        (1, 96, [1], []),  # one step: before training only
+        (2, 96, [1, 1], []),  # before and after, as a short job's ceiling always was
+        (5, 6, [2, 2, 1], [3]),
+        (16, 96, [2] * 8, [14, 27, 41, 55, 69, 82]),  # spread evenly over the run
+        (3, 2, [2, 1], []),
+    ],
+)
+def test_segments_are_spread_over_the_run(
+    ceiling_steps: int, steps: int, sizes: list[int], due: list[int]
+) -> None:
+    assert segment_plan(ceiling_steps, steps) == (sizes, due)
+    assert sum(sizes) == ceiling_steps
+
+
+def test_a_segment_runs_when_due_and_idle_and_leaves_training_alone() -> None:
+    cfg = TrainConfig(
+        steps=12, ceiling_steps=5, n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=2,
+        dropout=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    gpt = build_gpt(cfg, 32)
+    gpt.train()
+    before_params = [p.detach().clone() for p in gpt.parameters()]
+    corpus = types.SimpleNamespace(train=torch.arange(200) % 32)
+    rng = torch.get_rng_state()
+    ceiling = Ceiling(gpt, cfg, corpus, 0, torch.device("cpu"))
+    ceiling.before()
+    assert [n for n, _ in ceiling.segments] == [2]
+    # due after step 6 (the middle of 12): not before it, not while a sync is in flight
+    assert ceiling.during(5, idle=True) == 0.0
+    assert ceiling.during(6, idle=False) == 0.0
+    assert ceiling.during(7, idle=False) == 0.0
+    seconds = ceiling.during(8, idle=True)
+    assert seconds > 0 and [n for n, _ in ceiling.segments] == [2, 2]
+    assert seconds >= ceiling.segments[-1][1]  # the segment's steps and its barriers
+    assert ceiling.during(9, idle=True) == 0.0  # the last segment waits for the end
+    ceiling.after()
+    assert [n for n, _ in ceiling.segments] == [2, 2, 1]
+    summary = ceiling.summary(tokens_per_step=16)
+    assert summary["steps"] == 5 and len(summary["segments_tokens_per_s"]) == 3
+    # the ceiling trained its own copy with dropout, drawing nothing from the global generator
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(before_params, gpt.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before_params, ceiling.model.parameters()))
+
+
+def test_a_job_that_is_never_idle_times_its_segments_after_training() -> None:
+    cfg = TrainConfig(steps=8, ceiling_steps=6, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    torch.manual_seed(0)
+    ceiling = Ceiling(
+        build_gpt(cfg, 32), cfg, types.SimpleNamespace(train=torch.arange(200) % 32), 0,
+        torch.device("cpu"),
+    )  # fmt: skip
+    ceiling.before()
+    assert all(ceiling.during(step, idle=False) == 0.0 for step in range(1, 9))
+    ceiling.after()  # the one due after step 4, and the last
+    assert [n for n, _ in ceiling.segments] == [2, 2, 2]
