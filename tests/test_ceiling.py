@@ -17,20 +17,21 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 @pytest.mark.parametrize(
-    ("ceiling_steps", "steps", "sizes", "due"),
+    ("ceiling_steps", "steps", "sizes", "due", "start"),
     [
-        (0, 96, [], []),
-        (1, 96, [1], []),  # one step: before training only
-        (2, 96, [1, 1], []),  # before and after, as a short job's ceiling always was
-        (5, 6, [2, 2, 1], [3]),
-        (16, 96, [2] * 8, [14, 27, 41, 55, 69, 82]),  # spread evenly over the run
-        (3, 2, [2, 1], []),
+        (0, 96, [], [], 0),
+        (1, 96, [1], [], 0),  # one step: before training only
+        (2, 96, [1, 1], [], 0),  # before and after, as a short job's ceiling always was
+        (5, 6, [2, 2, 1], [3], 0),
+        (16, 96, [2] * 8, [14, 27, 41, 55, 69, 82], 0),  # spread evenly over the run
+        (3, 2, [2, 1], [], 0),
+        (16, 96, [2] * 8, [55, 62, 69, 75, 82, 89], 48),  # resumed after step 48
     ],
 )
 def test_segments_are_spread_over_the_run(
-    ceiling_steps: int, steps: int, sizes: list[int], due: list[int]
+    ceiling_steps: int, steps: int, sizes: list[int], due: list[int], start: int
 ) -> None:
-    assert segment_plan(ceiling_steps, steps) == (sizes, due)
+    assert segment_plan(ceiling_steps, steps, start) == (sizes, due)
     assert sum(sizes) == ceiling_steps
 
 

@@ -24,16 +24,18 @@ SEGMENT_STEPS = 2
 training and one after)."""
 
 
-def segment_plan(ceiling_steps: int, steps: int) -> tuple[list[int], list[int]]:
+def segment_plan(ceiling_steps: int, steps: int, start: int = 0) -> tuple[list[int], list[int]]:
     """The ceiling's segments: their sizes (``ceiling_steps`` in segments of about
     :data:`SEGMENT_STEPS`, at least two where there are two steps) and, for every segment
     between the first (before training) and the last (after it), the step after which it is
-    due, spread evenly over the job's ``steps``."""
+    due, spread evenly over the steps this run trains (after ``start``, a resumed run's
+    checkpoint, up to ``steps``)."""
     if ceiling_steps <= 0:
         return [], []
     n = min(ceiling_steps, max(2, -(-ceiling_steps // SEGMENT_STEPS)))
     sizes = [ceiling_steps // n + (1 if i < ceiling_steps % n else 0) for i in range(n)]
-    due = [round(i * steps / (n - 1)) for i in range(1, n - 1)]
+    span = max(0, steps - start)
+    due = [start + round(i * span / (n - 1)) for i in range(1, n - 1)]
     return sizes, due
 
 
@@ -73,8 +75,10 @@ class Ceiling:
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         return torch.random.fork_rng(devices=cuda)
 
-    def before(self) -> None:
-        """The first segment, before training."""
+    def before(self, start: int = 0) -> None:
+        """The first segment, before training (which starts after step ``start``: a resumed
+        run spreads the others over the steps it has left)."""
+        self._sizes, self._due = segment_plan(self.cfg.ceiling_steps, self.cfg.steps, start)
         if self._sizes:
             self.run(self._sizes.pop(0))
 

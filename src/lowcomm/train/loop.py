@@ -283,7 +283,7 @@ class _Job:
         assert self.topology is not None
         rank = self.topology.rank
         if self.ceiling is not None:
-            self.ceiling.before()
+            self.ceiling.before(self.start)
         if state is not None:
             set_rng_state(state["rng"], device)
         self.t_start = records.start(self.start, state, self.source)
