@@ -66,7 +66,8 @@ class Ceiling:
         self.device = device
         self.gen = make_generator(cfg.seed + 1_000_003, rank)
         self.segments: list[tuple[int, float]] = []  # (steps, seconds) on this rank
-        self._sizes, self._due = segment_plan(cfg.ceiling_steps, cfg.steps)
+        self._sizes: list[int] = []  # the segments still to run (planned by before())
+        self._due: list[int] = []  # the steps after which the middle ones are due
         with self._own_random_state():
             self._step()  # untimed: optimizer state and allocator warm-up
 
@@ -85,7 +86,7 @@ class Ceiling:
     def during(self, step: int, idle: bool) -> float:
         """After ``step`` of training (``idle``: no collective in flight): the next segment if
         it is due; returns the seconds to leave out of the training's time (0.0: none ran)."""
-        if not (idle and self._due and step >= self._due[0] and len(self._sizes) > 1):
+        if not (idle and self._due and step >= self._due[0]):
             return 0.0
         self._due.pop(0)
         return self.run(self._sizes.pop(0))
