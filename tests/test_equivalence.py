@@ -794,3 +794,26 @@ def test_outer_lr_schedule_inner_scales_the_outer_step() -> None:
         del follows["lr_decay"], constant["lr_decay"]
         a, b = reference_run(follows).final[0], reference_run(constant).final[0]
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_warm_buckets_send_the_gradients_backward_produces_last_in_small_buckets() -> None:
+    from lowcomm.outer.warm import WARM_TAIL_SPLIT, warm_buckets
+
+    cap = 1000.0
+    # sizes in the order backward produces them: 2,500 bytes before the last 1,000
+    sizes = [600, 300, 500, 700, 400, 100, 100, 200, 150, 250, 100, 100]
+    groups = warm_buckets(sizes, cap)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))  # every tensor, in order
+    totals = [sum(sizes[i] for i in g) for g in groups]
+    assert totals == [900, 500, 700, 400, 400, 400, 200]
+    # before the last `cap` bytes: up to the cap; inside them: closed once they hold
+    # cap / WARM_TAIL_SPLIT, so the bucket launched last holds less than the cap
+    assert all(t <= cap for t in totals[:4])
+    assert groups[4:] == [[5, 6, 7], [8, 9], [10, 11]]
+    assert totals[-1] <= cap / WARM_TAIL_SPLIT
+    # a tensor larger than the cap gets a bucket of its own, wherever it lies
+    assert warm_buckets([100, 5000, 100], cap) == [[0], [1], [2]]
+    # a model smaller than one bucket: every bucket is a tail bucket
+    assert warm_buckets([100, 200, 50, 300], cap) == [[0, 1], [2, 3]]
+    # the toy model of the test above keeps its three buckets
+    assert warm_buckets([12, 96, 32, 192], 120) == [[0, 1], [2], [3]]

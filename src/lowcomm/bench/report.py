@@ -77,9 +77,10 @@ def format_markdown(results: dict[str, Any]) -> str:
     lines += [
         "**Ceiling**: every cell also times "
         f"{s['ceiling_steps']} inner steps with no synchronisation at all in the same worker "
-        "processes, on a private copy of the model, half right before training and half right "
-        "after; `x ceiling` divides the cell's tokens/s by its own ceiling, so the ratio holds "
-        "even when the machine's speed drifts between cells."
+        "processes, on a private copy of the model, in segments of a few steps interleaved with "
+        "its training (the first before it, the last after it, the others spread over the run); "
+        "`x ceiling` divides the cell's tokens/s by its own ceiling, so the ratio holds even "
+        "when the machine's speed drifts during a cell or between cells."
     ]
     for c in results["ceilings"]:
         lines.append(

@@ -6,6 +6,8 @@ as DDP would, blocking (at the optimizer's step) or launched bucket by bucket du
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
@@ -19,7 +21,7 @@ from lowcomm.outer.guards import log_repeated
 from lowcomm.outer.hparams import OuterConfig
 from lowcomm.outer.pace import Pace
 
-__all__ = ["WARM_BUCKET_MB", "WARM_STREAM", "WarmStart"]
+__all__ = ["WARM_BUCKET_MB", "WARM_STREAM", "WARM_TAIL_SPLIT", "WarmStart", "warm_buckets"]
 
 WARM_STREAM = 1 << 16
 """Stochastic-rounding stream of fragment i's warm-start compressor: WARM_STREAM + i (the
@@ -29,6 +31,33 @@ WARM_BUCKET_MB = 1.0
 """Bucket size (MB) of a warm start that overlaps backward
 (:meth:`OuterAlgorithm.warm_start_during_backward`): DDP's first bucket's, so that the last
 layers' gradients go out early."""
+
+
+WARM_TAIL_SPLIT = 4
+"""The gradients backward produces last (its last bucket's worth) go out in buckets this many
+times smaller (:func:`warm_buckets`)."""
+
+
+def warm_buckets(nbytes: Sequence[int], cap: float) -> list[list[int]]:
+    """The buckets of a warm start launched during backward, in launch order: indices into
+    ``nbytes``, the sizes of the tensors in the order backward produces their gradients.
+    Buckets of up to ``cap`` bytes (a tensor larger than the cap gets one of its own), except
+    that the gradients backward produces last, its last ``cap`` bytes, go out in buckets of
+    about ``cap / WARM_TAIL_SPLIT`` (each closed once it holds that much): the optimizer's step
+    waits for the bucket launched last — its encoding, its transfer and the link's latency —
+    so that one is small, and the ones before it travel while backward computes the rest."""
+    tail = sum(nbytes) - cap
+    groups: list[list[int]] = [[]]
+    size = seen = 0.0
+    for i, n in enumerate(nbytes):
+        full = size + n > cap if seen < tail else size >= cap / WARM_TAIL_SPLIT
+        if groups[-1] and full:
+            groups.append([])
+            size = 0.0
+        groups[-1].append(i)
+        size += n
+        seen += n
+    return groups
 
 
 class _WarmBucket:
@@ -104,8 +133,9 @@ class WarmStart:
     def warm_start_during_backward(self, bucket_cap_mb: float = WARM_BUCKET_MB) -> None:
         """Launch the warm start's gradient means during backward, a bucket as soon as its
         gradients are accumulated (buckets of ``bucket_cap_mb`` in reverse parameter order, the
-        order backward produces them, as DDP's), instead of all at the optimizer's step, which
-        then only waits: the link carries the first buckets while backward computes the rest.
+        order backward produces them, as DDP's; the last ``bucket_cap_mb`` of them in smaller
+        ones: :func:`warm_buckets`), instead of all at the optimizer's step, which then only
+        waits: the link carries the first buckets while backward computes the rest.
         The same means bit for bit (every codec encodes each tensor on its own), except that
         stochastic rounding draws per bucket. Only for loops that run exactly one backward per
         inner step and leave the gradients alone between it and ``optimizer.step()`` (no
@@ -116,16 +146,9 @@ class WarmStart:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; e.g. 1.0")
         codec = parse_compression(self.config.sync_warmup_compression)
-        cap = bucket_cap_mb * 1024 * 1024
-        groups: list[list[torch.Tensor]] = [[]]
-        size = 0.0
-        for p in reversed(self.params):  # a tensor larger than the cap gets a bucket of its own
-            nbytes = p.numel() * 4
-            if groups[-1] and size + nbytes > cap:
-                groups.append([])
-                size = 0.0
-            groups[-1].append(p)
-            size += nbytes
+        order = list(reversed(self.params))  # the order backward produces the gradients
+        index = warm_buckets([4 * p.numel() for p in order], bucket_cap_mb * 1024 * 1024)
+        groups = [[order[j] for j in idx] for idx in index]
         for i, params in enumerate(groups):
             comp = None
             if codec is not None:
