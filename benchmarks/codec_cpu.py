@@ -5,9 +5,9 @@ against the same codec tensor by tensor (what lowcomm did before; the same bytes
 Per rank a mean is: add the residuals, encode, decode this rank's own payload for the error
 feedback, keep the residual, then decode every rank's payload, sum in rank order and divide.
 Both ways run here in one process on one thread, turn by turn, on the same inputs and N payloads
-(the other ranks' are this rank's, scaled), for the warm start's buckets (1 MB, as it launches
-them during backward) and for the whole model in one bucket (an outer sync). Reproduce (about a
-minute on 2 cores)::
+(the other ranks' are this rank's, scaled), for the warm start's buckets (1 MB, the last megabyte
+in quarters, as it launches them during backward) and for the whole model in one bucket (an
+outer sync). Reproduce (about a minute on 2 cores)::
 
     python benchmarks/codec_cpu.py
 
@@ -28,6 +28,7 @@ import torch
 from lowcomm.compress import Compressor, parse_compression
 from lowcomm.compress.formats import ElementwiseCodec
 from lowcomm.compress.grouped import GroupLayout
+from lowcomm.outer.warm import warm_buckets
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.model import build_gpt
 
@@ -37,17 +38,11 @@ WORLD = 2
 
 
 def buckets(params: list[torch.Tensor], cap_mb: float) -> list[list[torch.Tensor]]:
-    """Buckets of at most ``cap_mb`` in reverse parameter order, as the warm start makes them."""
-    groups: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for p in reversed(params):
-        nbytes = 4 * p.numel()
-        if groups[-1] and size + nbytes > cap_mb * 2**20:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes
-    return groups
+    """The warm start's buckets, as it launches them during backward."""
+    order = list(reversed(params))
+    return [
+        [order[i] for i in g] for g in warm_buckets([4 * p.numel() for p in order], cap_mb * 2**20)
+    ]
 
 
 def tensor_by_tensor(

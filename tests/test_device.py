@@ -542,6 +542,34 @@ def test_one_read_finiteness_check_agrees_with_the_per_tensor_one(bad: float | N
     assert _all_finite_one_read([torch.empty(0)]) is True
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_finiteness_check_of_a_flat_buckets_views_checks_exactly_their_values(bad: float) -> None:
+    from lowcomm.buckets import FlatBuckets
+    from lowcomm.guard import _regions
+
+    shapes = [(3, 4), (5,), (2, 2, 2), (7,)]
+    flat = FlatBuckets(shapes, bucket_cap_mb=80 / 2**20)  # 20 floats: two buffers
+    flat.copy_from([torch.randn(s) for s in shapes])
+    # one slice per run of views that tile a buffer in order, not one per view
+    assert len(_regions(flat.views)) == len(flat.buffers) < len(shapes)
+    assert all_finite(flat.views)
+    for view in flat.views:  # every value of every view is checked
+        for i in range(view.numel()):
+            saved = view.view(-1)[i].item()
+            view.view(-1)[i] = bad
+            assert not all_finite(flat.views)
+            view.view(-1)[i] = saved
+    # only the views' values: a gap between views, views out of order, a strided view
+    base = torch.zeros(10)
+    base[3] = bad
+    assert all_finite([base[0:3], base[4:10]])
+    assert not all_finite([base[4:10], base[0:4]])
+    assert all_finite([base[4:10], base[0:3]])
+    grid = torch.zeros(4, 4)
+    grid[1, 2] = bad
+    assert not all_finite([grid.t()]) and all_finite([grid[2:].t()])
+
+
 # --- the balance exchange -------------------------------------------------------------------------
 
 
