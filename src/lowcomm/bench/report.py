@@ -78,7 +78,8 @@ def format_markdown(results: dict[str, Any]) -> str:
         "**Ceiling**: every cell also times "
         f"{s['ceiling_steps']} inner steps with no synchronisation at all in the same worker "
         "processes, on a private copy of the model, in segments of a few steps interleaved with "
-        "its training (the first before it, the last after it, the others spread over the run); "
+        "its training (the first before it, the last after it, the others spread over the run, "
+        "each rank on its own; the slowest rank's time counts, as it does for the training); "
         "`x ceiling` divides the cell's tokens/s by its own ceiling, so the ratio holds even "
         "when the machine's speed drifts during a cell or between cells."
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,13 +46,19 @@ class Ceiling:
     segments of a few steps interleaved with training — the first before it, the last after
     it, the others spread over the run, each at the first step from its due step on after which
     no collective is in flight (where none comes, after training) — so that the ceiling sees
-    the machine as the training saw it, its speed drifting or not. The training's clock leaves
-    out the segments (from the first barrier on: a rank's wait for a slower one is counted as
-    training's, as the next collective would have counted it).
+    the machine as the training saw it, its speed drifting or not.
 
-    Every rank runs its segment at the same time (a barrier on each side), drawing batches from
-    its own generator and keeping the training's random state: the training's data order,
-    model and dropout draws are untouched.
+    The first and the last segment start and end on every rank together (a barrier on each
+    side). The others run on each rank when it reaches the step, without a barrier: a barrier
+    would line the ranks up, and the rank ahead would wait there for the others — a wait the
+    training, whose syncs absorb a lead within their slack (or let it shrink again), would not
+    all have paid. So each rank's training clock leaves out exactly its own segments, and the
+    ranks stay as far apart as the training left them. A job without synchronisation runs at
+    its slowest rank's pace, so the ceiling is the slowest rank's (:meth:`summary`), as the
+    training's time is (the job's clock stops when the last rank has done its steps).
+
+    Each rank draws batches from its own generator and keeps the training's random state: the
+    training's data order, model and dropout draws are untouched.
     """
 
     def __init__(
@@ -85,11 +92,12 @@ class Ceiling:
 
     def during(self, step: int, idle: bool) -> float:
         """After ``step`` of training (``idle``: no collective in flight): the next segment if
-        it is due; returns the seconds to leave out of the training's time (0.0: none ran)."""
+        it is due, on this rank alone (no barrier: see the class docstring); returns its seconds,
+        to leave out of this rank's training time (0.0: none ran)."""
         if not (idle and self._due and step >= self._due[0]):
             return 0.0
         self._due.pop(0)
-        return self.run(self._sizes.pop(0))
+        return self.run(self._sizes.pop(0), aligned=False)
 
     def after(self) -> None:
         """After training: the segments still to run (those never due at an idle step, and the
@@ -106,29 +114,42 @@ class Ceiling:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def run(self, steps: int) -> float:
-        """A segment of ``steps`` steps on every rank; returns its seconds from the first
-        barrier to the end of the second."""
+    def run(self, steps: int, *, aligned: bool = True) -> float:
+        """A segment of ``steps`` steps. ``aligned``: on every rank together, a barrier on each
+        side; returns its seconds from the first barrier to the end of the second. Else on this
+        rank alone; returns its own seconds. Either way :attr:`segments` gets this rank's time
+        for its steps."""
         if steps <= 0:
             return 0.0
         synchronize(self.device)  # the device's earlier work (the training's) is not timed
-        dist.barrier()
+        if aligned:
+            dist.barrier()
         t0 = time.perf_counter()
         with self._own_random_state():
             for _ in range(steps):
                 self._step()
         synchronize(self.device)
         self.segments.append((steps, time.perf_counter() - t0))
-        dist.barrier()
+        if aligned:
+            dist.barrier()
         return time.perf_counter() - t0
 
-    def summary(self, tokens_per_step: int) -> dict[str, Any]:
-        """Rank 0's ceiling in tokens/s (all workers' tokens, like the job's own figure), overall
-        and per segment."""
+    def summary(
+        self, tokens_per_step: int, everyone: Sequence[Sequence[tuple[int, float]]] | None = None
+    ) -> dict[str, Any]:
+        """The ceiling in tokens/s (all workers' tokens, like the job's own figure): the slowest
+        rank's, overall from each rank's total time and per segment from its slowest rank.
+        ``everyone``: every rank's :attr:`segments` (gathered; default: this rank's alone)."""
+        ranks = [list(s) for s in everyone] if everyone else [self.segments]
+        if any([n for n, _ in r] != [n for n, _ in self.segments] for r in ranks):
+            raise ValueError("every rank must have timed the same ceiling segments")
         steps = sum(n for n, _ in self.segments)
-        seconds = sum(s for _, s in self.segments)
+        seconds = max(sum(s for _, s in r) for r in ranks)
+        slowest = [max(r[j][1] for r in ranks) for j in range(len(self.segments))]
         return {
             "steps": steps,
             "tokens_per_s": steps * tokens_per_step / seconds,
-            "segments_tokens_per_s": [n * tokens_per_step / s for n, s in self.segments],
+            "segments_tokens_per_s": [
+                n * tokens_per_step / s for (n, _), s in zip(self.segments, slowest)
+            ],
         }

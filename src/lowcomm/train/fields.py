@@ -195,8 +195,9 @@ class TrainFields:
     ceiling_steps: int = 0
     """Also time this many inner steps with no synchronisation at all, on a copy of the model in
     the same worker processes (in segments of 2 steps interleaved with training: the first
-    before it, the last after it, the others spread over the run where no sync is in flight),
-    and report throughput as a share of that ceiling (0: off)."""
+    before it, the last after it, the others spread over the run where no sync is in flight,
+    each rank on its own; the slowest rank's time counts), and report throughput as a share of
+    that ceiling (0: off)."""
     name: str | None = None
     """Run name; unset: <algo>-<YYYYmmdd-HHMMSS>."""
 

@@ -403,12 +403,19 @@ class _Job:
         world = topology.world
         end = self.end_step
         sync.finish()
+        if self.ceiling is not None:
+            # the training's time ends with the last rank's steps, as the ceiling's is the
+            # slowest rank's (ranks that never sync finish apart)
+            dist.barrier()
         records.synced_at_end()
         val_end = self.evaluate(end)
         wall_s = time.perf_counter() - self.t_start
         records.close()
+        ceiling_segments: list[Any] = []
         if self.ceiling is not None:
             self.ceiling.after()
+            ceiling_segments = [None] * world
+            dist.all_gather_object(ceiling_segments, self.ceiling.segments)
 
         balance = self.data.report()
         per_rank = {
@@ -457,7 +464,7 @@ class _Job:
             n_params=self.gpt.num_parameters(),
             ceiling=None
             if self.ceiling is None
-            else self.ceiling.summary(topology.tokens_per_step),
+            else self.ceiling.summary(topology.tokens_per_step, ceiling_segments),
         )
         summary["steps_run"] = end
         peaks = [r.get("peak_gpu_memory_bytes") for r in sorted(gathered, key=lambda r: r["rank"])]
