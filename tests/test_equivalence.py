@@ -817,3 +817,4 @@ def test_warm_buckets_send_the_gradients_backward_produces_last_in_small_buckets
     assert warm_buckets([100, 200, 50, 300], cap) == [[0, 1], [2, 3]]
     # the toy model of the test above keeps its three buckets
     assert warm_buckets([12, 96, 32, 192], 120) == [[0, 1], [2], [3]]
+    assert warm_buckets([], cap) == []  # no empty bucket to launch

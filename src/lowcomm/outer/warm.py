@@ -45,7 +45,10 @@ def warm_buckets(nbytes: Sequence[int], cap: float) -> list[list[int]]:
     that the gradients backward produces last, its last ``cap`` bytes, go out in buckets of
     about ``cap / WARM_TAIL_SPLIT`` (each closed once it holds that much): the optimizer's step
     waits for the bucket launched last — its encoding, its transfer and the link's latency —
-    so that one is small, and the ones before it travel while backward computes the rest."""
+    so that one is small, and the ones before it travel while backward computes the rest.
+    No tensors, no buckets."""
+    if not nbytes:
+        return []
     tail = sum(nbytes) - cap
     groups: list[list[int]] = [[]]
     size = seen = 0.0
