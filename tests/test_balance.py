@@ -365,7 +365,7 @@ def test_user_documents_folder_jsonl_and_text(tmp_path):
     assert len(load_documents(txt).val) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": 1}\n')
-    with pytest.raises(ValueError, match='"text" field'):
+    with pytest.raises(ValueError, match='d.jsonl:1 is not a JSON object with a "text" string'):
         load_documents(bad)
     with pytest.raises(ValueError, match="does not exist"):
         load_documents(tmp_path / "missing")

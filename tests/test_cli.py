@@ -93,6 +93,22 @@ def test_user_errors_are_one_line_exit_2(argv: list[str], expected: str, capsys:
     assert line.endswith("(see lowcomm train --help)")
 
 
+def test_documents_data_is_checked_before_the_workers_start(tmp_path: Any, capsys: Any) -> None:
+    # long enough as text, but a line that is not a document; then too few documents
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x" * 5000}) + '\n{"body": "y"}\n')
+    argv = ["train", "--documents", "--data", str(bad), "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"lowcomm train: error: --data cannot be used: {bad}:2 is not a JSON")
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"text": "word " * 1000}) + "\n" for _ in range(3)))
+    assert main([*argv[:3], str(few), *argv[4:]]) == 2
+    line = _one_error_line(capsys)
+    assert "has 3 documents of more than" in line and "needs at least 10" in line
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
 def test_missing_command_and_unknown_command(capsys: Any) -> None:
     assert main([]) == 2
     assert _one_error_line(capsys).startswith("lowcomm: error: choose a command")

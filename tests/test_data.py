@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from lowcomm.data import (
     load_corpus,
     load_text,
     make_generator,
+    read_jsonl,
 )
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 200  # 9000 bytes
@@ -66,6 +68,44 @@ def test_load_single_file(tmp_path: Path) -> None:
     corpus = load_corpus(f, val_fraction=0.25)
     assert corpus.source == str(f.resolve())
     assert len(corpus.val) == len(LONG_TEXT) - int(len(LONG_TEXT) * 0.75)
+
+
+def test_a_jsonl_file_is_read_as_its_documents_texts(tmp_path: Path) -> None:
+    # the JSON syntax is not training text: each line's "text", the documents a blank line apart
+    texts = [f"document {i}: " + "words " * 100 for i in range(8)]
+    texts[3] = "a line\u2028separator JSON may hold unescaped, and é漢字"
+    lines = [json.dumps({"text": t, "id": i}, ensure_ascii=i % 2 == 0) for i, t in enumerate(texts)]
+    f = tmp_path / "corpus.JSONL"
+    f.write_text("\r\n".join(lines[:4]) + "\n\n  \n" + "\n".join(lines[4:]) + "\n", "utf-8")
+    assert read_jsonl(f) == texts
+    assert load_text(f) == "\n\n".join(texts)
+    assert '"text"' not in load_text(f)
+    corpus = load_corpus(f)
+    assert len(corpus.train) + len(corpus.val) == len("\n\n".join(texts).encode("utf-8"))
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("not json", "invalid JSON: Expecting value"),
+        ("[1, 2]", "a JSON array"),
+        ('"just a string"', "a JSON string"),
+        ('{"content": "x", "id": 1}', "its keys are ['content', 'id']"),
+        ('{"text": null}', 'its "text" is a JSON null'),
+        ('{"text": 5}', 'its "text" is a JSON number'),
+    ],
+)
+def test_a_jsonl_line_that_is_not_a_document_is_named(
+    tmp_path: Path, line: str, problem: str
+) -> None:
+    f = tmp_path / "corpus.jsonl"
+    good = json.dumps({"text": LONG_TEXT})
+    f.write_text(f"{good}\n\n{line}\n{good}\n", encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        load_text(f)
+    message = str(info.value)
+    assert message.startswith(f'{f}:3 is not a JSON object with a "text" string ({problem}')
+    assert message.endswith('write one document per line as {"text": "..."}.')
 
 
 def test_load_folder_recursive_sorted(tmp_path: Path) -> None:

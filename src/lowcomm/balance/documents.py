@@ -13,7 +13,6 @@ lines.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sysconfig
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lowcomm.data.corpus import TEXT_SUFFIXES, ByteTokenizer, make_generator
+from lowcomm.data.corpus import TEXT_SUFFIXES, ByteTokenizer, make_generator, read_jsonl
 
 __all__ = [
     "EMBEDDED_DOCUMENTS",
@@ -138,18 +137,7 @@ def _texts(path: str | None) -> tuple[list[str], str]:
     if not p.is_file():
         raise ValueError(f"--data {p} does not exist: pass a folder, a .jsonl or a text file.")
     if p.suffix.lower() == ".jsonl":
-        docs = []
-        for n, line in enumerate(_read(p).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                docs.append(str(json.loads(line)["text"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f'{p}:{n} is not a JSON object with a "text" field ({e}): write one '
-                    'document per line as {"text": "..."}.'
-                ) from None
-        return docs, str(p.resolve())
+        return read_jsonl(p), str(p.resolve())
     text = _read(p)
     return [d for d in text.split("\n\n") if d.strip()], str(p.resolve())
 

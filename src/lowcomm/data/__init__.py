@@ -13,6 +13,7 @@ from lowcomm.data.corpus import (
     load_corpus,
     load_text,
     make_generator,
+    read_jsonl,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "load_corpus",
     "load_text",
     "make_generator",
+    "read_jsonl",
 ]

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ __all__ = [
     "load_corpus",
     "load_text",
     "make_generator",
+    "read_jsonl",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,50 @@ def _read_utf8(path: Path) -> str:
         ) from exc
 
 
+_JSON_KINDS = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+    dict: "object",
+}
+
+
+def read_jsonl(path: Path) -> list[str]:
+    """The documents of a JSON Lines file: the ``"text"`` string of every line, in order (blank
+    lines skipped).
+
+    Raises:
+        ValueError: the file is unreadable or not UTF-8, or a line is not a JSON object whose
+            ``"text"`` is a string (naming the line).
+    """
+    docs = []
+    # lines end at "\n" only: str.splitlines() would also cut at U+2028 and the other
+    # separators JSON allows unescaped inside a string
+    for n, line in enumerate(_read_utf8(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError(f"a JSON {_JSON_KINDS.get(type(record), 'value')}")
+            if "text" not in record:
+                raise TypeError(f"its keys are {sorted(record)[:5]}")
+            text = record["text"]
+            if not isinstance(text, str):
+                raise TypeError(f'its "text" is a JSON {_JSON_KINDS.get(type(text), "value")}')
+        except (ValueError, TypeError) as e:
+            problem = f"invalid JSON: {e}" if isinstance(e, ValueError) else str(e)
+            raise ValueError(
+                f'{path}:{n} is not a JSON object with a "text" string ({problem}): write one '
+                'document per line as {"text": "..."}.'
+            ) from None
+        docs.append(text)
+    return docs
+
+
 def _text_files(folder: Path) -> list[Path]:
     """Text files under ``folder``, recursively, sorted by relative path.
 
@@ -152,14 +198,17 @@ def _text_files(folder: Path) -> list[Path]:
 def load_text(path: str | os.PathLike[str] | None = None) -> str:
     """Load training text from ``path``, or the embedded corpus when ``path`` is None.
 
-    A file is read whatever its suffix (the caller named it explicitly). A folder contributes
-    every file whose suffix is in :data:`TEXT_SUFFIXES`, recursively, in sorted path order,
-    joined with a newline. Files must be UTF-8: decoding is strict because a silently mangled
+    A file is read whatever its suffix (the caller named it explicitly), except that a
+    ``.jsonl`` file is read as JSON Lines (:func:`read_jsonl`: one document per line, its
+    ``"text"``), its documents joined by a blank line. A folder contributes every file whose
+    suffix is in :data:`TEXT_SUFFIXES`, recursively, in sorted path order, joined with a
+    newline. Files must be UTF-8: decoding is strict because a silently mangled
     corpus (a binary or Latin-1 file) is worse than an error.
 
     Raises:
         ValueError: the path is missing or unreadable, a folder holds no text files, a file is
-            not UTF-8, or the text is shorter than :data:`MIN_TEXT_BYTES` bytes.
+            not UTF-8, a ``.jsonl`` line is not a document, or the text is shorter than
+            :data:`MIN_TEXT_BYTES` bytes.
     """
     if path is None:
         return embedded_text()
@@ -185,6 +234,8 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
             )
         text = "\n".join(_read_utf8(f) for f in files)
         logger.debug("loaded %d text files from %s", len(files), p)
+    elif p.is_file() and p.suffix.lower() == ".jsonl":
+        text = "\n\n".join(read_jsonl(p))
     elif p.is_file():
         text = _read_utf8(p)
     else:

@@ -90,7 +90,8 @@ class TrainFields:
 
     # --- data ------------------------------------------------------------------------------
     data: str | None = None
-    """UTF-8 text file or folder of text files (byte-level tokens); unset: the embedded corpus."""
+    """UTF-8 text file (a .jsonl file: one {"text": ...} document per line) or folder of text
+    files (byte-level tokens); unset: the embedded corpus."""
     batch_size: int = 16
     """Sequences per worker per inner step."""
     block_size: int = 64

@@ -85,6 +85,7 @@ def check_environment(cfg: TrainConfig) -> None:
 
     Raises :class:`ConfigError` (a ``ValueError``) in the parent, before any worker starts.
     """
+    from lowcomm.balance import load_documents
     from lowcomm.data import load_corpus
     from lowcomm.train.forkserver import start_method
 
@@ -123,6 +124,9 @@ def check_environment(cfg: TrainConfig) -> None:
         ckpt.check_compatible(folder, cfg, world)
     try:
         corpus = load_corpus(cfg.data)
+        if cfg.documents and cfg.data is not None:
+            # what the workers will read: whole documents, at least ten of them
+            load_documents(cfg.data)
     except ConfigError:
         raise
     except ValueError as e:
