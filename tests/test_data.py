@@ -93,7 +93,10 @@ def test_a_jsonl_file_is_read_as_its_documents_texts(tmp_path: Path) -> None:
         ('{"content": "x", "id": 1}', "its keys are ['content', 'id']"),
         ('{"text": null}', 'its "text" is a JSON null'),
         ('{"text": 5}', 'its "text" is a JSON number'),
+        ('{"text": "a \\ud800 b"}', 'its "text" holds the unpaired surrogate \\ud800'),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON: nested too deeply"),
     ],
+    ids=["not-json", "array", "string", "no-text", "null", "number", "surrogate", "deep"],
 )
 def test_a_jsonl_line_that_is_not_a_document_is_named(
     tmp_path: Path, line: str, problem: str

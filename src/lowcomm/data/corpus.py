@@ -140,13 +140,37 @@ _JSON_KINDS = {
 }
 
 
+def _document_text(line: str) -> str:
+    """The ``"text"`` of one JSON Lines record; a ValueError saying what the line is instead."""
+    try:
+        record = json.loads(line)
+    except RecursionError:
+        raise ValueError("invalid JSON: nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"invalid JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {_JSON_KINDS.get(type(record), 'value')}")
+    if "text" not in record:
+        raise ValueError(f"its keys are {sorted(record)[:5]}")
+    text = record["text"]
+    if not isinstance(text, str):
+        raise ValueError(f'its "text" is a JSON {_JSON_KINDS.get(type(text), "value")}')
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # an escaped lone surrogate is not UTF-8 text
+        raise ValueError(
+            f'its "text" holds the unpaired surrogate \\u{ord(e.object[e.start]):04x}'
+        ) from None
+    return text
+
+
 def read_jsonl(path: Path) -> list[str]:
     """The documents of a JSON Lines file: the ``"text"`` string of every line, in order (blank
     lines skipped).
 
     Raises:
         ValueError: the file is unreadable or not UTF-8, or a line is not a JSON object whose
-            ``"text"`` is a string (naming the line).
+            ``"text"`` is a UTF-8 string (naming the line and what it is).
     """
     docs = []
     # lines end at "\n" only: str.splitlines() would also cut at U+2028 and the other
@@ -155,21 +179,12 @@ def read_jsonl(path: Path) -> list[str]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise TypeError(f"a JSON {_JSON_KINDS.get(type(record), 'value')}")
-            if "text" not in record:
-                raise TypeError(f"its keys are {sorted(record)[:5]}")
-            text = record["text"]
-            if not isinstance(text, str):
-                raise TypeError(f'its "text" is a JSON {_JSON_KINDS.get(type(text), "value")}')
-        except (ValueError, TypeError) as e:
-            problem = f"invalid JSON: {e}" if isinstance(e, ValueError) else str(e)
+            docs.append(_document_text(line))
+        except ValueError as e:
             raise ValueError(
-                f'{path}:{n} is not a JSON object with a "text" string ({problem}): write one '
+                f'{path}:{n} is not a JSON object with a "text" string ({e}): write one '
                 'document per line as {"text": "..."}.'
             ) from None
-        docs.append(text)
     return docs
 
 
