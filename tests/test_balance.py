@@ -357,6 +357,10 @@ def test_user_documents_folder_jsonl_and_text(tmp_path):
     for i in range(12):
         (folder / f"d{i}.txt").write_text("word " * (10 + i))
     assert len(load_documents(folder).train) + len(load_documents(folder).val) == 12
+    # a .jsonl file in a folder gives one document per line, not one for the whole file
+    (folder / "more.jsonl").write_text("\n".join(json.dumps({"text": "y " * 40}) for _ in range(8)))
+    both = load_documents(folder)
+    assert len(both.train) + len(both.val) == 20
     jl = tmp_path / "d.jsonl"
     jl.write_text("\n".join(json.dumps({"text": "x" * (30 + i)}) for i in range(20)))
     assert len(load_documents(jl).train) == 18

@@ -121,6 +121,12 @@ def test_load_folder_recursive_sorted(tmp_path: Path) -> None:
     (tmp_path / ".hidden" / "d.txt").write_text("D" * 3000, encoding="utf-8")
     text = load_text(tmp_path)
     assert text == "\n".join(["A" * 3000, "B" * 3000, "C" * 3000])
+    # a .jsonl shard among them contributes its documents' text, in path order
+    (tmp_path / "sub" / "e.JSONL").write_text(
+        "\n".join(json.dumps({"text": t}) for t in ("E1" * 50, "E2" * 50)), encoding="utf-8"
+    )
+    shard = "\n\n".join(["E1" * 50, "E2" * 50])
+    assert load_text(tmp_path) == "\n".join(["A" * 3000, "B" * 3000, "C" * 3000, shard])
 
 
 def test_missing_path(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ The embedded corpus (``--data`` unset) is the Python standard library's own sour
 ``.py`` file under it, outside ``site-packages`` and the test suites, one document each, in
 sorted path order; every tenth file is held out for validation. Their sizes run from a few
 hundred bytes to hundreds of kilobytes, a real long tail with nothing to download. A user's
-``--data`` is a folder (one document per text or ``.py`` file), a ``.jsonl`` file (one
-document per line, its ``"text"``), or a text file whose documents are separated by blank
-lines.
+``--data`` is a folder (one document per text or ``.py`` file, and the documents of its
+``.jsonl`` files), a ``.jsonl`` file (one document per line, its ``"text"``), or a text file
+whose documents are separated by blank lines.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from pathlib import Path
 
 import torch
 
-from lowcomm.data.corpus import TEXT_SUFFIXES, ByteTokenizer, make_generator, read_jsonl
+from lowcomm.data.corpus import (
+    JSONL_SUFFIX,
+    TEXT_SUFFIXES,
+    ByteTokenizer,
+    make_generator,
+    read_jsonl,
+)
 
 __all__ = [
     "EMBEDDED_DOCUMENTS",
@@ -123,20 +129,23 @@ def _texts(path: str | None) -> tuple[list[str], str]:
                 f
                 for f in p.rglob("*")
                 if f.is_file()
-                and (f.suffix.lower() in TEXT_SUFFIXES or f.suffix == ".py")
+                and (f.suffix.lower() in TEXT_SUFFIXES | {JSONL_SUFFIX} or f.suffix == ".py")
                 and not any(part.startswith(".") for part in f.relative_to(p).parts)
             ),
             key=lambda f: f.relative_to(p).as_posix(),
         )
         if not files:
             raise ValueError(
-                f"Document folder {p} holds no text or .py files: add some, or point --data "
-                "at a .jsonl file."
+                f"Document folder {p} holds no text, .py or .jsonl files: add some, or point "
+                "--data at a .jsonl file."
             )
-        return [_read(f) for f in files], str(p.resolve())
+        texts: list[str] = []
+        for f in files:  # a .jsonl file: its documents; any other: one document
+            texts.extend(read_jsonl(f) if f.suffix.lower() == JSONL_SUFFIX else [_read(f)])
+        return texts, str(p.resolve())
     if not p.is_file():
         raise ValueError(f"--data {p} does not exist: pass a folder, a .jsonl or a text file.")
-    if p.suffix.lower() == ".jsonl":
+    if p.suffix.lower() == JSONL_SUFFIX:
         return read_jsonl(p), str(p.resolve())
     text = _read(p)
     return [d for d in text.split("\n\n") if d.strip()], str(p.resolve())

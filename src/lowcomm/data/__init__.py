@@ -2,6 +2,7 @@
 
 from lowcomm.data.corpus import (
     EMBEDDED_SOURCE,
+    JSONL_SUFFIX,
     MIN_TEXT_BYTES,
     TEXT_SUFFIXES,
     BatchSampler,
@@ -18,6 +19,7 @@ from lowcomm.data.corpus import (
 
 __all__ = [
     "EMBEDDED_SOURCE",
+    "JSONL_SUFFIX",
     "MIN_TEXT_BYTES",
     "TEXT_SUFFIXES",
     "BatchSampler",

@@ -33,6 +33,7 @@ import torch
 
 __all__ = [
     "EMBEDDED_SOURCE",
+    "JSONL_SUFFIX",
     "MIN_TEXT_BYTES",
     "TEXT_SUFFIXES",
     "BatchSampler",
@@ -56,7 +57,12 @@ MIN_TEXT_BYTES = 4096
 """Smallest text (in UTF-8 bytes, i.e. tokens) :func:`load_text` accepts for training."""
 
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".text"})
-"""File suffixes (matched case-insensitively) that :func:`load_text` reads from a folder."""
+"""File suffixes (matched case-insensitively) that :func:`load_text` reads from a folder as
+text (besides :data:`JSONL_SUFFIX`)."""
+
+JSONL_SUFFIX = ".jsonl"
+"""The suffix (matched case-insensitively) of a JSON Lines file of documents
+(:func:`read_jsonl`), named or in a folder."""
 
 
 class ByteTokenizer:
@@ -205,9 +211,18 @@ def _text_files(folder: Path) -> list[Path]:
     for root, dirs, files in os.walk(folder, onerror=fail, followlinks=False):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
-            if not name.startswith(".") and Path(name).suffix.lower() in TEXT_SUFFIXES:
+            suffix = Path(name).suffix.lower()
+            if not name.startswith(".") and (suffix in TEXT_SUFFIXES or suffix == JSONL_SUFFIX):
                 found.append(Path(root) / name)
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _file_text(path: Path) -> str:
+    """A file's training text: a JSON Lines file's documents a blank line apart, any other file
+    as it is."""
+    if path.suffix.lower() == JSONL_SUFFIX:
+        return "\n\n".join(read_jsonl(path))
+    return _read_utf8(path)
 
 
 def load_text(path: str | os.PathLike[str] | None = None) -> str:
@@ -216,8 +231,8 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
     A file is read whatever its suffix (the caller named it explicitly), except that a
     ``.jsonl`` file is read as JSON Lines (:func:`read_jsonl`: one document per line, its
     ``"text"``), its documents joined by a blank line. A folder contributes every file whose
-    suffix is in :data:`TEXT_SUFFIXES`, recursively, in sorted path order, joined with a
-    newline. Files must be UTF-8: decoding is strict because a silently mangled
+    suffix is in :data:`TEXT_SUFFIXES` or is ``.jsonl`` (read so), recursively, in sorted path
+    order, joined with a newline. Files must be UTF-8: decoding is strict because a silently mangled
     corpus (a binary or Latin-1 file) is worse than an error.
 
     Raises:
@@ -242,17 +257,15 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
     if p.is_dir():
         files = _text_files(p)
         if not files:
-            suffixes = "/".join(sorted(TEXT_SUFFIXES))
+            suffixes = "/".join(sorted(TEXT_SUFFIXES | {JSONL_SUFFIX}))
             raise ValueError(
                 f"Corpus folder {p} contains no text files ({suffixes}): add some, "
                 "or point at a single file."
             )
-        text = "\n".join(_read_utf8(f) for f in files)
+        text = "\n".join(_file_text(f) for f in files)
         logger.debug("loaded %d text files from %s", len(files), p)
-    elif p.is_file() and p.suffix.lower() == ".jsonl":
-        text = "\n\n".join(read_jsonl(p))
     elif p.is_file():
-        text = _read_utf8(p)
+        text = _file_text(p)
     else:
         raise ValueError(
             f"Corpus path {p} is neither a regular file nor a folder: pass a text file or folder."

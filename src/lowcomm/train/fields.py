@@ -90,8 +90,8 @@ class TrainFields:
 
     # --- data ------------------------------------------------------------------------------
     data: str | None = None
-    """UTF-8 text file (a .jsonl file: one {"text": ...} document per line) or folder of text
-    files (byte-level tokens); unset: the embedded corpus."""
+    """UTF-8 text file (a .jsonl file: one {"text": ...} document per line) or folder of such
+    files (.txt, .md, .rst, .jsonl; byte-level tokens); unset: the embedded corpus."""
     batch_size: int = 16
     """Sequences per worker per inner step."""
     block_size: int = 64
@@ -102,8 +102,8 @@ class TrainFields:
     """Train on whole documents instead of fixed windows: each step a worker draws exactly
     batch_size x block_size tokens of documents (pieces of at most block_size), packed with
     block-diagonal causal attention and assigned to ranks by --balance. --data: a folder (one
-    document per file), a .jsonl file ("text" per line) or a text file (blank-line separated);
-    unset: the Python standard library's source files."""
+    document per file, one per line of its .jsonl files), a .jsonl file ("text" per line) or a
+    text file (blank-line separated); unset: the Python standard library's source files."""
     balance: str = "cost"
     """With documents: how documents are assigned to ranks: sequential (each keeps what it
     drew), random, length (group by length), tokens (equal tokens), cost (equal predicted
