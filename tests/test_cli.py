@@ -19,6 +19,7 @@ from lowcomm.testing.jobs import TrainJob, read_summary, tiny_job_args
 from lowcomm.train import launcher
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.launcher import WorkerFailed
+from lowcomm.train.preflight import check_environment
 
 # 6 steps, rounds of 3, 1 layer, no dropout, printing its table
 TINY = tiny_job_args(
@@ -107,6 +108,14 @@ def test_documents_data_is_checked_before_the_workers_start(tmp_path: Any, capsy
     line = _one_error_line(capsys)
     assert "has 3 documents of more than" in line and "needs at least 10" in line
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+    # a folder of .py files is documents (one each), though not text for fixed windows
+    code = tmp_path / "code"
+    code.mkdir()
+    for i in range(12):
+        (code / f"m{i}.py").write_text(f"def f{i}():\n    return {'x' * 50 * (i + 1)!r}\n")
+    check_environment(TrainConfig(documents=True, data=str(code), out=str(tmp_path / "run")))
+    with pytest.raises(ValueError, match="contains no text files"):
+        check_environment(TrainConfig(data=str(code), out=str(tmp_path / "run")))
 
 
 def test_missing_command_and_unknown_command(capsys: Any) -> None:

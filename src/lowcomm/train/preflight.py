@@ -122,15 +122,19 @@ def check_environment(cfg: TrainConfig) -> None:
         folder = ckpt.find_checkpoint(cfg.resume, cfg.out)
         world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else cfg.world_size
         ckpt.check_compatible(folder, cfg, world)
+    # what the workers will read: with --documents whole documents (a folder's .py files too, at
+    # least ten of them, cut to pieces of at most block_size: no window to fit), else windows
+    documents = cfg.documents and cfg.data is not None
     try:
-        corpus = load_corpus(cfg.data)
-        if cfg.documents and cfg.data is not None:
-            # what the workers will read: whole documents, at least ten of them
+        corpus = None if documents else load_corpus(cfg.data)
+        if documents:
             load_documents(cfg.data)
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError("data", f"cannot be used: {e}") from e
+    if corpus is None:
+        return
     need = cfg.block_size + 1
     for split in ("train", "val"):
         n = len(getattr(corpus, split))
