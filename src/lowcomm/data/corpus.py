@@ -232,8 +232,8 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
     ``.jsonl`` file is read as JSON Lines (:func:`read_jsonl`: one document per line, its
     ``"text"``), its documents joined by a blank line. A folder contributes every file whose
     suffix is in :data:`TEXT_SUFFIXES` or is ``.jsonl`` (read so), recursively, in sorted path
-    order, joined with a newline. Files must be UTF-8: decoding is strict because a silently mangled
-    corpus (a binary or Latin-1 file) is worse than an error.
+    order, joined with a newline. Files must be UTF-8: decoding is strict because a silently
+    mangled corpus (a binary or Latin-1 file) is worse than an error.
 
     Raises:
         ValueError: the path is missing or unreadable, a folder holds no text files, a file is

@@ -126,14 +126,12 @@ def check_environment(cfg: TrainConfig) -> None:
     # least ten of them, cut to pieces of at most block_size: no window to fit), else windows
     documents = cfg.documents and cfg.data is not None
     try:
-        corpus = None if documents else load_corpus(cfg.data)
-        if documents:
-            load_documents(cfg.data)
+        corpus = load_documents(cfg.data) if documents else load_corpus(cfg.data)
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError("data", f"cannot be used: {e}") from e
-    if corpus is None:
+    if documents:
         return
     need = cfg.block_size + 1
     for split in ("train", "val"):
