@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -373,6 +374,42 @@ def test_user_documents_folder_jsonl_and_text(tmp_path):
         load_documents(bad)
     with pytest.raises(ValueError, match="does not exist"):
         load_documents(tmp_path / "missing")
+
+
+def test_user_documents_folder_walk_and_reads(tmp_path, monkeypatch):
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    for i in range(6):
+        (folder / f"d{i}.txt").write_text("word " * (10 + i))
+        (folder / "sub" / f"m{i}.PY").write_text("x = 1\n" * (10 + i))  # any case of .py
+    # hidden folders are neither read nor entered (a .git or .venv inside the corpus)
+    (folder / ".venv").mkdir()
+    (folder / ".venv" / "big.py").write_text("y = 2\n" * 100)
+    docs = load_documents(folder)
+    assert len(docs.train) + len(docs.val) == 12
+    # a file's CRLF and CR line endings are LF in its document (documents split at blank lines)
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"\r\n\r\n".join(b"para\r\n" + b"w " * (20 + i) for i in range(10)))
+    split = load_documents(crlf)
+    texts = [bytes(d.tolist()).decode() for d in [*split.train, *split.val]]
+    assert len(texts) == 10 and not any("\r" in t for t in texts)
+    # a file that is not UTF-8 is named with the fix
+    latin = folder / "latin.txt"
+    latin.write_bytes("café ".encode("latin-1") * 20)
+    with pytest.raises(ValueError, match="latin.txt is not valid UTF-8.*re-encode"):
+        load_documents(folder)
+    latin.unlink()
+    # a subfolder that cannot be listed is named, not skipped
+    real_scandir = os.scandir
+
+    def deny(path):
+        if os.fspath(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", deny)
+    with pytest.raises(ValueError, match="Cannot read folder .*sub: Permission denied"):
+        load_documents(folder)
 
 
 # --- distributed: ring attention, gradient invariance, plans agree -----------------------------

@@ -27,6 +27,8 @@ from lowcomm.data.corpus import (
     ByteTokenizer,
     make_generator,
     read_jsonl,
+    read_utf8,
+    text_files,
 )
 
 __all__ = [
@@ -124,16 +126,7 @@ def _texts(path: str | None) -> tuple[list[str], str]:
         return stdlib_texts(), EMBEDDED_DOCUMENTS
     p = Path(path).expanduser()
     if p.is_dir():
-        files = sorted(
-            (
-                f
-                for f in p.rglob("*")
-                if f.is_file()
-                and (f.suffix.lower() in TEXT_SUFFIXES | {JSONL_SUFFIX} or f.suffix == ".py")
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            ),
-            key=lambda f: f.relative_to(p).as_posix(),
-        )
+        files = text_files(p, TEXT_SUFFIXES | {JSONL_SUFFIX, ".py"})
         if not files:
             raise ValueError(
                 f"Document folder {p} holds no text, .py or .jsonl files: add some, or point "
@@ -152,12 +145,9 @@ def _texts(path: str | None) -> tuple[list[str], str]:
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not valid UTF-8 (byte {e.start}): re-encode it.") from None
-    except OSError as e:
-        raise ValueError(f"Cannot read {path}: {e.strerror or e}.") from None
+    """A text file's text with every line ending (CRLF, CR) made LF, as documents are split at
+    blank lines."""
+    return read_utf8(path).replace("\r\n", "\n").replace("\r", "\n")
 
 
 def load_documents(path: str | os.PathLike[str] | None = None) -> DocumentCorpus:

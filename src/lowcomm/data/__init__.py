@@ -15,6 +15,8 @@ from lowcomm.data.corpus import (
     load_text,
     make_generator,
     read_jsonl,
+    read_utf8,
+    text_files,
 )
 
 __all__ = [
@@ -32,4 +34,6 @@ __all__ = [
     "load_text",
     "make_generator",
     "read_jsonl",
+    "read_utf8",
+    "text_files",
 ]

@@ -25,7 +25,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,8 @@ __all__ = [
     "load_text",
     "make_generator",
     "read_jsonl",
+    "read_utf8",
+    "text_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,22 +121,6 @@ def embedded_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def _read_utf8(path: Path) -> str:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(
-            f"Cannot read {path}: {exc.strerror or exc}; check that it exists and is readable."
-        ) from exc
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{path} is not valid UTF-8 (bad byte at offset {exc.start}): re-encode it as UTF-8 "
-            "(e.g. iconv -f latin1 -t utf-8) or remove it."
-        ) from exc
-
-
 _JSON_KINDS = {
     list: "array",
     str: "string",
@@ -181,7 +167,7 @@ def read_jsonl(path: Path) -> list[str]:
     docs = []
     # lines end at "\n" only: str.splitlines() would also cut at U+2028 and the other
     # separators JSON allows unescaped inside a string
-    for n, line in enumerate(_read_utf8(path).split("\n"), 1):
+    for n, line in enumerate(read_utf8(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -194,12 +180,18 @@ def read_jsonl(path: Path) -> list[str]:
     return docs
 
 
-def _text_files(folder: Path) -> list[Path]:
-    """Text files under ``folder``, recursively, sorted by relative path.
+def text_files(folder: Path, suffixes: Collection[str] | None = None) -> list[Path]:
+    """The files under ``folder`` whose suffix, in lower case, is in ``suffixes`` (default:
+    :data:`TEXT_SUFFIXES` and :data:`JSONL_SUFFIX`), recursively, sorted by relative path.
 
-    Hidden files and folders (names starting with ``.``) are skipped so that a corpus folder
-    that is also a repository or holds a virtualenv does not pull in ``.git`` or ``.venv``.
+    Hidden files and folders (names starting with ``.``) are skipped, and not entered, so that
+    a corpus folder that is also a repository or holds a virtualenv does not pull in ``.git`` or
+    ``.venv``; symbolic links to folders are not followed.
+
+    Raises:
+        ValueError: a folder under ``folder`` (or itself) cannot be listed, naming it.
     """
+    wanted = TEXT_SUFFIXES | {JSONL_SUFFIX} if suffixes is None else frozenset(suffixes)
 
     def fail(exc: OSError) -> None:
         where = exc.filename or folder
@@ -211,10 +203,30 @@ def _text_files(folder: Path) -> list[Path]:
     for root, dirs, files in os.walk(folder, onerror=fail, followlinks=False):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
-            suffix = Path(name).suffix.lower()
-            if not name.startswith(".") and (suffix in TEXT_SUFFIXES or suffix == JSONL_SUFFIX):
+            if not name.startswith(".") and Path(name).suffix.lower() in wanted:
                 found.append(Path(root) / name)
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def read_utf8(path: Path) -> str:
+    """The UTF-8 text of the file at ``path``, exactly as stored (line endings kept).
+
+    Raises:
+        ValueError: the file cannot be read or is not UTF-8, naming it and the fix.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(
+            f"Cannot read {path}: {exc.strerror or exc}; check that it exists and is readable."
+        ) from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path} is not valid UTF-8 (bad byte at offset {exc.start}): re-encode it as UTF-8 "
+            "(e.g. iconv -f latin1 -t utf-8) or remove it."
+        ) from exc
 
 
 def _file_text(path: Path) -> str:
@@ -222,7 +234,7 @@ def _file_text(path: Path) -> str:
     as it is."""
     if path.suffix.lower() == JSONL_SUFFIX:
         return "\n\n".join(read_jsonl(path))
-    return _read_utf8(path)
+    return read_utf8(path)
 
 
 def load_text(path: str | os.PathLike[str] | None = None) -> str:
@@ -255,7 +267,7 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
             "or omit it to use the embedded corpus."
         )
     if p.is_dir():
-        files = _text_files(p)
+        files = text_files(p)
         if not files:
             suffixes = "/".join(sorted(TEXT_SUFFIXES | {JSONL_SUFFIX}))
             raise ValueError(
