@@ -120,9 +120,17 @@ def test_assemble_reports_ceilings_noise_target_and_goals(tmp_path):
     co2_goal = goals["CO2 on emulated 100mbit, 2 workers"]
     assert co2_goal["met"] is False and co2_goal["value"] == pytest.approx(950 / 1050)
     assert goals["DDP on emulated 100mbit, 2 workers"]["met"] is True
+    # each ratio known to about its ceiling's standard error, shown beside it
+    assert co2_goal["noise"] == pytest.approx(950 / 1050 * co2_se)
     text = format_markdown({**results, "elapsed_s": 1.0})
-    assert "**missed** by 4.5%" in text  # 95% - 90.5%
+    assert "| 90.5% ± 1.8% | **missed** by 4.5% |" in text  # 95% - 90.5%, beyond the noise
+    assert "| 30.0% ± 0.3% | met |" in text
     assert "not measured" in text  # no overhead micro-benchmark in this run
+    # a verdict closer to the limit than the noise says so
+    rows[0] = _row("co2", "100mbit", 990.0, 1050.0, [1000.0, 1100.0, 1050.0, 1050.0], 3.2,
+                   [(0, 0.0, 5.0), (1, 10.0, 3.2)])  # fmt: skip
+    close = format_markdown({**_assemble(spec, rows, None, "not requested", False), "elapsed_s": 1})
+    assert "| 94.3% ± 1.8% | **missed** by 0.7% (within the ceiling's noise) |" in close
 
 
 def test_tiny_bench_end_to_end(tmp_path):

@@ -278,15 +278,18 @@ def format_markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Goals", ""]
     goal_rows = []
     for g in results.get("goals", []):
-        value = g["value"]
+        value, noise = g["value"], g.get("noise")
+        measured = fmt(value, g["format"])
         if value is None:
             verdict = "not measured"
-        elif g["met"]:
-            verdict = "met"
         else:
+            if noise is not None:
+                measured += f" ± {fmt(noise, g['format'])}"
             gap = value - g["limit"] if g["kind"] == "max" else g["limit"] - value
-            verdict = f"**missed** by {fmt(gap, g['format'])}"
-        goal_rows.append([g["goal"], fmt(value, g["format"]), verdict])
+            verdict = "met" if g["met"] else f"**missed** by {fmt(gap, g['format'])}"
+            if noise is not None and abs(gap) < noise:
+                verdict += " (within the ceiling's noise)"
+        goal_rows.append([g["goal"], measured, verdict])
     lines += table(["goal", "measured", "verdict"], goal_rows)
     lines.append("")
     return "\n".join(lines)

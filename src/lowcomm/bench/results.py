@@ -139,7 +139,9 @@ def _machine() -> dict[str, Any]:
 
 
 def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The issue's performance goals, each ``met`` True/False (or None: not measured)."""
+    """The issue's performance goals, each ``met`` True/False (or None: not measured); a goal
+    measured as a cell's ratio to its ceiling also has its ``noise``, the ratio times the
+    ceiling's relative standard error (None: fewer than two segments)."""
 
     def find(algo: str) -> dict[str, Any] | None:
         for r in cells:
@@ -152,12 +154,20 @@ def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list
                 return r
         return None
 
+    def noise(cell: dict[str, Any] | None) -> float | None:
+        # the cell's ratio to its ceiling is known to about its ceiling's standard error
+        if cell is None:
+            return None
+        relative = _standard_error(cell["ceiling_segments_tokens_per_s"])
+        return None if relative is None else relative * cell["ratio_to_ceiling"]
+
     goals = []
     co2 = find("co2")
     goals.append(
         {
             "goal": "CO2 on emulated 100mbit, 2 workers: >= 95% of the ceiling's tokens/s",
             "value": None if co2 is None else co2["ratio_to_ceiling"],
+            "noise": noise(co2),
             "limit": 0.95,
             "format": ".1%",
             "met": None if co2 is None else co2["ratio_to_ceiling"] >= 0.95,
@@ -170,6 +180,7 @@ def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list
             "goal": "DDP on emulated 100mbit, 2 workers: communication-bound (well below the "
             "ceiling; < 50%)",
             "value": None if ddp is None else ddp["ratio_to_ceiling"],
+            "noise": noise(ddp),
             "limit": 0.5,
             "format": ".1%",
             "met": None if ddp is None else ddp["ratio_to_ceiling"] < 0.5,
