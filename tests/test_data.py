@@ -19,6 +19,7 @@ from lowcomm.data import (
     load_text,
     make_generator,
     read_jsonl,
+    text_files,
 )
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 200  # 9000 bytes
@@ -134,6 +135,15 @@ def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist") as info:
         load_text(missing)
     assert str(missing) in str(info.value)
+
+
+def test_text_files_picks_suffixes_in_any_case_and_skips_hidden(tmp_path: Path) -> None:
+    (tmp_path / "b" / ".git").mkdir(parents=True)
+    for name in ("a.MD", "b/c.md", "b/.d.md", "b/.git/e.md", "b/f.py", "g.txt"):
+        (tmp_path / name).write_text("x", encoding="utf-8")
+    assert [p.name for p in text_files(tmp_path, {".md"})] == ["a.MD", "c.md"]
+    assert [p.name for p in text_files(tmp_path, [".PY", ".Txt"])] == ["f.py", "g.txt"]
+    assert [p.name for p in text_files(tmp_path)] == ["a.MD", "c.md", "g.txt"]  # text and .jsonl
 
 
 def test_folder_without_text_files(tmp_path: Path) -> None:

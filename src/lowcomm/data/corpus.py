@@ -181,7 +181,7 @@ def read_jsonl(path: Path) -> list[str]:
 
 
 def text_files(folder: Path, suffixes: Collection[str] | None = None) -> list[Path]:
-    """The files under ``folder`` whose suffix, in lower case, is in ``suffixes`` (default:
+    """The files under ``folder`` whose suffix is one of ``suffixes``, in any case (default:
     :data:`TEXT_SUFFIXES` and :data:`JSONL_SUFFIX`), recursively, sorted by relative path.
 
     Hidden files and folders (names starting with ``.``) are skipped, and not entered, so that
@@ -191,7 +191,7 @@ def text_files(folder: Path, suffixes: Collection[str] | None = None) -> list[Pa
     Raises:
         ValueError: a folder under ``folder`` (or itself) cannot be listed, naming it.
     """
-    wanted = TEXT_SUFFIXES | {JSONL_SUFFIX} if suffixes is None else frozenset(suffixes)
+    wanted = TEXT_SUFFIXES | {JSONL_SUFFIX} if suffixes is None else {s.lower() for s in suffixes}
 
     def fail(exc: OSError) -> None:
         where = exc.filename or folder
