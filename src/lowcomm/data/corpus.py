@@ -66,6 +66,9 @@ JSONL_SUFFIX = ".jsonl"
 """The suffix (matched case-insensitively) of a JSON Lines file of documents
 (:func:`read_jsonl`), named or in a folder."""
 
+_CORPUS_SUFFIXES = TEXT_SUFFIXES | {JSONL_SUFFIX}
+"""What :func:`load_text` reads from a folder (and :func:`text_files` finds by default)."""
+
 
 class ByteTokenizer:
     """UTF-8 byte tokenizer: every byte is a token, so any text encodes and nothing is unknown.
@@ -191,7 +194,7 @@ def text_files(folder: Path, suffixes: Collection[str] | None = None) -> list[Pa
     Raises:
         ValueError: a folder under ``folder`` (or itself) cannot be listed, naming it.
     """
-    wanted = TEXT_SUFFIXES | {JSONL_SUFFIX} if suffixes is None else {s.lower() for s in suffixes}
+    wanted = _CORPUS_SUFFIXES if suffixes is None else {s.lower() for s in suffixes}
 
     def fail(exc: OSError) -> None:
         where = exc.filename or folder
@@ -269,7 +272,7 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
     if p.is_dir():
         files = text_files(p)
         if not files:
-            suffixes = "/".join(sorted(TEXT_SUFFIXES | {JSONL_SUFFIX}))
+            suffixes = "/".join(sorted(_CORPUS_SUFFIXES))
             raise ValueError(
                 f"Corpus folder {p} contains no text files ({suffixes}): add some, "
                 "or point at a single file."
