@@ -135,6 +135,17 @@ def test_help_exits_0(capsys: Any) -> None:
     assert "--log-every" in out and "--overwrite" in out
 
 
+def test_the_commands_are_each_described_in_one_sentence(capsys: Any) -> None:
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for command, text in (
+        ("train", "train a small GPT with a communication-efficient algorithm"),
+        ("lighthouse", "run the Lighthouse that the replicas of an elastic job on several "
+         "machines join"),
+    ):  # fmt: skip
+        assert f"{command} {text}" in out, out
+
+
 def test_malformed_toml(tmp_path: Any, capsys: Any) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("algo = co2\n")  # unquoted string

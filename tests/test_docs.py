@@ -44,3 +44,33 @@ def test_every_page_is_in_the_navigation() -> None:
     pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
     missing = [p for p in pages if p not in nav]
     assert not missing, f"pages not in mkdocs.yml's nav: {missing}"
+
+
+def test_the_checkpoint_size_the_docs_give_is_that_of_a_run(tmp_path: Path) -> None:
+    """docs/fault-tolerance.md's checkpoint sizes (the default model, DiLoCo and CO2 per
+    worker) are those a run writes."""
+    import os
+
+    from lowcomm.testing.jobs import run_train_job
+
+    text = (ROOT / "docs" / "fault-tolerance.md").read_text()
+    found = re.search(r"a checkpoint is ([\d.]+) MB per worker.*?make its ([\d.]+) MB", text, re.S)
+    assert found, "the checkpoint size is not where the test looks for it"
+    documented = {"diloco": float(found.group(1)), "co2": float(found.group(2))}
+    for algo, mb in documented.items():
+        out = tmp_path / algo
+        argv = ["--algo", algo, "--workers", "2", "--steps", "4", "--sync-every", "4"]
+        argv += [
+            "--eval-every",
+            "4",
+            "--eval-batches",
+            "1",
+            "--checkpoint-every",
+            "4",
+            "--sync-warmup",
+            "0",
+        ]
+        run_train_job(out, *argv, "--tune-link", "off", "--quiet")
+        folder = out / "checkpoints" / "step-000004"
+        sizes = [os.path.getsize(folder / f"rank-{r}.pt") / 1e6 for r in (0, 1)]
+        assert all(abs(size - mb) < 0.05 for size in sizes), (algo, sizes, mb)

@@ -461,11 +461,28 @@ def test_cli_plan_layout_gives_its_breakdown_or_its_broken_rules(capsys) -> None
     text = capsys.readouterr().out
     assert "Best that keeps it: TP1 PP1 DP32 Z0 mb16 full (rank " in text
     assert "| pipeline bubble |" in text and "| activations |" in text
-    assert main([*base, "--layout", "tp=2,pp=5,vpp=6"]) == 1
-    text = capsys.readouterr().out
+    assert main([*base, "--layout", "tp=2,pp=5,vpp=6"]) == 2  # a bad input: it cannot run
+    text, err = capsys.readouterr()
     assert "No feasible layout keeps it" in text
     assert "interleave (6) exceeds the layers of the fullest stage (5)" in text
     assert "TP x PP x DP = 30 does not use the cluster's 32 devices" in text
+    assert err.startswith("lowcomm plan: error: --layout tp=2,pp=5,vpp=6 cannot run here: ")
+    assert "interleave (6) exceeds the layers of the fullest stage (5)" in err
+
+
+def test_cli_plan_layout_of_a_tp_that_divides_no_device_count_names_its_rules(capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "two-regions", "--nodes", "4",
+            "--global-batch", "256", "--layout", "tp=3"]  # fmt: skip
+    assert main(argv) == 2
+    text, err = capsys.readouterr()
+    assert "no layout could be built" not in text
+    for rule in (
+        "attention heads (32) not divisible by TP (3)",
+        "TP (3) does not fit inside a node of 8 devices",
+        "TP x PP x DP = 30 does not use the cluster's 32 devices",
+    ):
+        assert rule in text and rule in err, (rule, text, err)
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_cli_plan_layout_with_every_field(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -480,9 +497,10 @@ def test_cli_plan_layout_with_every_field(capsys) -> None:  # type: ignore[no-un
     )
     assert "| pipeline bubble |" in text
     # the same with a rule broken: TPO without SP
-    assert main([*base, "--layout", spec.replace(",sp,", ",sp=0,")]) == 1
-    text = capsys.readouterr().out
+    assert main([*base, "--layout", spec.replace(",sp,", ",sp=0,")]) == 2
+    text, err = capsys.readouterr()
     assert "tp_overlap needs sequence_parallel" in text
+    assert "tp_overlap needs sequence_parallel" in err
 
 
 def test_uneven_stages_put_the_lighter_ones_at_the_ends() -> None:

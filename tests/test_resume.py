@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,7 +179,7 @@ def test_only_complete_checkpoints_count(tmp_path: Any) -> None:
         folder.mkdir(parents=True)
         (folder / "rank-0.pt").write_bytes(b"")
         if complete:
-            (folder / ckpt.MANIFEST).write_text("{}")
+            (folder / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "world_size": 1}))
     (root / ".step-000012.partial").mkdir()
     assert [s for s, _ in ckpt.complete_checkpoints(out)] == [3, 6]
     assert ckpt.find_checkpoint(ckpt.LATEST, out) == str(root / "step-000006")
@@ -216,14 +218,108 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(
     os.remove(rank1)
     assert main(argv) == 2
     assert f"is damaged: rank-1.pt is missing; {hint}" in _one_error_line(capsys)
-    # the right size but garbage inside: the worker that reads it says so, exit 1
+    # the right size but garbage inside: its digest differs from the manifest's, refused
+    # before any worker starts, exit 2
     with open(rank1, "wb") as f:
         f.write(b"\0" * size)
-    assert main(argv) == 1
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert (
+        f"is damaged: rank-1.pt holds other bytes than were written (its SHA-256 differs); {hint}"
+        in line
+    )
+    # a checkpoint whose manifest records no digests (written before they were): the worker
+    # that reads the garbage says so, and it is a bad input too, exit 2
+    manifest_path = os.path.join(step12, ckpt.MANIFEST)
+    with open(manifest_path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    del manifest["digests"]
+    with open(manifest_path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    assert main(argv) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "worker rank 1 failed: CheckpointError:" in line and "the file is damaged" in line, line
-    assert hint in line
+    assert hint in line and "--help" not in line
     # a path that is not there
     assert main([*argv[:-1], str(tmp_path / "nowhere")]) == 2
     line = _one_error_line(capsys)
     assert f"--resume path {str(tmp_path / 'nowhere')!r} does not exist" in line, line
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_newest_checkpoint_resumes_from_the_newest_that_verifies(
+    reference: Callable[[str], str], capsys: Any, tmp_path: Any
+) -> None:
+    """A right-sized but garbled rank file in the newest checkpoint of a run: ``--resume``
+    (latest) says which checkpoint is damaged and why and continues from the newest that
+    verifies, and the failed-run line and the error name that same checkpoint."""
+    run = str(tmp_path / "run")
+    shutil.copytree(reference("co2"), run)
+    capsys.readouterr()  # (the reference run's own output, when this test made it)
+    os.remove(os.path.join(run, "summary.json"))  # a run stopped after its last checkpoint
+    step12 = os.path.join(run, ckpt.CHECKPOINTS, "step-000012")
+    step9 = os.path.join(run, ckpt.CHECKPOINTS, "step-000009")
+    rank1 = os.path.join(step12, "rank-1.pt")
+    with open(rank1, "r+b") as f:
+        f.seek(os.path.getsize(rank1) // 2)
+        f.write(b"garbage")
+    assert ckpt.newest_intact(run) == (
+        step9,
+        [(step12, "rank-1.pt holds other bytes than were written (its SHA-256 differs)")],
+    )
+    summary = run_train_job(run, *_flags("co2"), "--checkpoint-every", "3", "--resume")
+    out, err = capsys.readouterr()
+    # the figures agree: the loop's time from step 0 (over both runs) is no less than this
+    # run's own, and the command's (with start-up) no less than this run's loop
+    wall = [line for line in out.splitlines() if line.strip().startswith("wall time")][-1]
+    numbers = [float(x) for x in re.findall(r"([\d.]+) s", wall)]
+    assert len(numbers) == 3, wall
+    total, this_run, command = numbers
+    assert "from step 0 over every run" in wall and total >= this_run and command >= this_run
+    assert summary["attempt_wall_time_s"] == pytest.approx(this_run, abs=0.05)
+    assert (
+        f"checkpoint {step12} is damaged (rank-1.pt holds other bytes than were written (its "
+        f"SHA-256 differs)): resuming from {step9}, the newest that verifies" in err
+    ), err
+    assert summary["status"] == "finished"
+    # the resumed run ends where the uninterrupted one did
+    assert_same_run(Path(reference("co2")), Path(run), resumed_at=[9])
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_resume_keeps_the_finished_runs_record(
+    reference: Callable[[str], str], capsys: Any, tmp_path: Any
+) -> None:
+    """Resuming a finished run from a checkpoint whose rank file a worker refuses (an unsafe
+    pickle, found only by loading it) fails with exit 2, and the finished run's
+    ``summary.json`` is kept: the failed attempt's record goes beside it."""
+    import torch
+
+    run = str(tmp_path / "run")
+    shutil.copytree(reference("co2"), run)
+    before = (tmp_path / "run" / "summary.json").read_text()
+    step9 = os.path.join(run, ckpt.CHECKPOINTS, "step-000009")
+    rank0 = os.path.join(step9, "rank-0.pt")
+
+    class Planted:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo planted",))
+
+    torch.save({"model": {"w": torch.zeros(2)}, "planted": Planted()}, rank0)
+    # the manifest is rewritten to match (as a peer that planted the file would): only loading
+    # the file can refuse it
+    manifest_path = os.path.join(step9, ckpt.MANIFEST)
+    with open(manifest_path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    manifest["sizes"][0] = os.path.getsize(rank0)
+    manifest["digests"][0] = ckpt._digest(rank0)
+    with open(manifest_path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    code = main(_argv("co2", run, "--resume", step9))
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert "worker rank 0 failed: CheckpointError:" in err and "posix.system" in err, err
+    assert "planted" not in out
+    assert (tmp_path / "run" / "summary.json").read_text() == before
+    beside = json.loads((tmp_path / "run" / "summary-failed-1.json").read_text())
+    assert beside["status"] == "failed" and "CheckpointError" in beside["error"]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lowcomm
-from lowcomm.cli import EXIT_DIVERGED, EXIT_OUTPUT, EXIT_USAGE, main
+from lowcomm.cli import main
 from lowcomm.testing.dist import run_workers
 from lowcomm.testing.jobs import TINY_JOB_ARGS, read_summary, tiny_job_args
 from lowcomm.train import checkpoint as ckpt
@@ -34,6 +34,12 @@ from lowcomm.train.metrics import (
     save_checkpoint,
     smoothed,
 )
+
+# The documented exit codes (lowcomm --help, docs/train.md "When something goes wrong"), as
+# numbers: a test that imported them from the code under test would pass whatever they became.
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_OUTPUT = 4
 
 
 class _Plant:
@@ -454,3 +460,84 @@ def test_the_finetune_summary_names_its_output() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --- a link too slow for the job ------------------------------------------------------------------
+
+
+def test_a_link_too_slow_for_the_job_is_told_and_refused_past_a_year(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """The total time of the job's syncs on its emulated link is checked as ``--steps`` is:
+    over a year refused (exit 2), over an hour said before the workers start."""
+    from lowcomm.plan.cost import Network
+    from lowcomm.train.config import TrainConfig
+    from lowcomm.train.preflight import check_link_time, link_seconds
+
+    argv = ["train", "--link", "1kbit:1ms", "--steps", "9600000", "--out", str(tmp_path / "r")]
+    assert main(argv) == EXIT_USAGE
+    line = _one_line(capsys)
+    assert "--link (1kbit:1ms) makes the job's syncs alone take at least" in line, line
+    assert "years; use a faster link, fewer steps or a longer sync_every" in line
+    assert not (tmp_path / "r" / "config.json").exists()
+    # the default job on 1 kbit/s: said, with the total, and it runs
+    cfg = TrainConfig(link="1kbit:1ms")
+    note = check_link_time(cfg, 827_392)
+    assert note is not None and note.startswith("--link 1kbit:1ms: the job's syncs alone take")
+    hours = float(note.split("at least ")[1].split(" hours")[0].replace(",", ""))
+    assert hours > 40
+    # DDP: an all-reduce of every parameter every step
+    ddp = TrainConfig(algo="ddp", link="10mbit", steps=100)
+    net = Network(bandwidth_bps=10e6, latency_s=0.03, cost="emulated")
+    assert link_seconds(ddp, 1000) == pytest.approx(100 * net.allreduce_time(4000.0, 2))
+    # a fast link, or none: nothing to say
+    assert check_link_time(TrainConfig(link="1gbit"), 827_392) is None
+    assert link_seconds(TrainConfig(), 827_392) is None
+
+
+# --- the heal transport: the one loader of bytes from another machine ----------------------------
+
+
+def _heal_transfer(rank: int, world: int, marker: str) -> dict[str, Any]:
+    """Rank 0 sends a state over :class:`TensorTransport` three times (a good one, one with a
+    planted object, one of the wrong step); rank 1 receives each and reports what it got."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lowcomm.elastic.transport import TensorTransport
+
+    pg = dist.distributed_c10d._get_default_group()
+    transport = TensorTransport(pg, timedelta(seconds=20))
+    timeout = timedelta(seconds=20)
+    good = {"model": {"w": torch.arange(4.0)}, "step": 7, "note": "ok"}
+    sends = [(7, good), (8, {"model": {"w": torch.zeros(2)}, "x": _Plant(marker)}), (9, good)]
+    outcome: dict[str, Any] = {}
+    for i, (step, state) in enumerate(sends):
+        if rank == 0:
+            transport.send_checkpoint([1], step, state, timeout)
+        else:
+            expect = step if i != 2 else 10  # the last: the joiner expects another step
+            try:
+                got = transport.recv_checkpoint(0, transport.metadata(), expect, timeout)
+                outcome[str(i)] = {"ok": True, "w": got["model"]["w"].tolist()}
+            except ValueError as e:
+                outcome[str(i)] = {"ok": False, "error": str(e)}
+        dist.barrier()
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_the_heal_transport_refuses_a_planted_state_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    results = run_workers(_heal_transfer, 2, str(marker), timeout_s=60)
+    got = results[1]
+    assert got["0"] == {"ok": True, "w": [0.0, 1.0, 2.0, 3.0]}
+    assert not got["1"]["ok"]
+    assert "not tensors, numbers and strings only" in got["1"]["error"]
+    assert "refused without loading it" in got["1"]["error"]
+    assert not marker.exists(), "the planted object ran on the joiner"
+    assert got["2"] == {
+        "ok": False,
+        "error": "healing: the donor sent the state of step 9, not of 10",
+    }

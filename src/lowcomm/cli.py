@@ -7,10 +7,12 @@ Exit codes (every command):
 
 * 0: finished;
 * 1: a worker failed (its rank and error on the line, its traceback in ``error-rank<r>.txt``);
-* 2: a bad flag, setting or input file, found before anything ran;
+* 2: a bad flag, setting or input file, found before anything ran or by a worker (a damaged
+  checkpoint file, a setting only a worker can check);
 * 3: training diverged: the loss became NaN or infinite (the summary names the step);
 * 4: an output could not be written: a read-only, missing or full place (the path is named);
-* 130: interrupted (Ctrl-C).
+* 130: interrupted (Ctrl-C, or SIGTERM from a supervisor): the workers are stopped, and a
+  ``lowcomm train`` run keeps what it had measured and says where ``--resume`` continues.
 
     lowcomm train                                   # CO2, 2 local workers, embedded corpus
     lowcomm train --algo diloco --workers 4 --steps 300
@@ -24,13 +26,16 @@ Exit codes (every command):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 __all__ = ["main"]
@@ -58,8 +63,8 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(self.prog, message)
 
 
-def _fail(prog: str, message: str, code: int = 2) -> int:
-    hint = f" (see {prog} --help)" if code == EXIT_USAGE else ""
+def _fail(prog: str, message: str, code: int = 2, *, help_hint: bool = True) -> int:
+    hint = f" (see {prog} --help)" if code == EXIT_USAGE and help_hint else ""
     one_line = " ".join(str(message).split())
     print(f"{prog}: error: {one_line}{hint}", file=sys.stderr)
     return code
@@ -210,6 +215,7 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     from lowcomm.train.errors import WorkerFailed
     from lowcomm.train.launcher import (
         check_environment,
+        check_link_time,
         launch,
         prepare_output,
         resource_warnings,
@@ -236,6 +242,8 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         cfg = config_from_dict(values, source=getattr(args, "config", None) or "config")
         cfg = cfg.with_paths()
         check_environment(cfg)
+        approx_parameters = 12 * cfg.n_layer * cfg.n_embd**2 + (256 + cfg.block_size) * cfg.n_embd
+        link_note = check_link_time(cfg, approx_parameters)
         prepare_output(cfg)
     except ConfigError as e:
         if e.key is not None:
@@ -244,8 +252,9 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     except ValueError as e:
         return _fail(prog, str(e))
 
+    if link_note is not None:
+        logger.warning("%s", link_note)
     if not under_torchrun():
-        approx_parameters = 12 * cfg.n_layer * cfg.n_embd**2 + (256 + cfg.block_size) * cfg.n_embd
         for warning in resource_warnings(
             cfg.world_size,
             parameters=approx_parameters,
@@ -285,6 +294,12 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
     except WorkerFailed as e:
         if not under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
             measured, path = failed_summary(cfg, f"worker rank {e.rank} failed: {e.error}")
+            if measured is not None:
+                print(format_failed(measured, path))
+        raise
+    except KeyboardInterrupt:
+        if not under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+            measured, path = failed_summary(cfg, "interrupted", status="interrupted")
             if measured is not None:
                 print(format_failed(measured, path))
         raise
@@ -339,7 +354,7 @@ def _build_parser() -> _Parser:
 def _add_lighthouse(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "lighthouse",
-        help="run the Lighthouse elastic replicas on several machines join",
+        help="run the Lighthouse that the replicas of an elastic job on several machines join",
         description=(
             "Run torchft's Lighthouse (lowcomm[ft]) for an elastic job whose replicas run on "
             "several machines: each joins with lowcomm train --fault-tolerance --lighthouse "
@@ -468,11 +483,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lowcomm.train.metrics import describe_os_error
 
     try:
-        return int(run(args, prog))
+        with _term_as_interrupt():
+            return int(run(args, prog))
     except WorkerFailed as e:
         where = f" (traceback: {e.traceback_path})" if e.traceback_path else ""
-        code = EXIT_OUTPUT if e.errno is not None else EXIT_WORKER_FAILED
-        return _fail(prog, f"worker rank {e.rank} failed: {e.error}{where}", code=code)
+        if e.errno is not None:
+            code = EXIT_OUTPUT
+        elif e.bad_input:
+            code = EXIT_USAGE
+        else:
+            code = EXIT_WORKER_FAILED
+        message = f"worker rank {e.rank} failed: {e.error}{where}"
+        return _fail(prog, message, code=code, help_hint=False)
     except OSError as e:  # an output that cannot be written, found after the checks
         return _fail(prog, describe_os_error(e, option=_option_for(args, e.filename)), EXIT_OUTPUT)
     except ValueError as e:  # a bad setting the command found after parsing
@@ -480,3 +502,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        if _is_signal_exception(e):  # torch elastic's handler, left installed by a launch
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        raise
+
+
+def _is_signal_exception(error: BaseException) -> bool:
+    """Whether ``error`` is torch elastic's ``SignalException`` (raised by the SIGTERM handler
+    its launcher installs, which stays installed after it returns)."""
+    return type(error).__name__ == "SignalException" and type(error).__module__.startswith(
+        "torch.distributed.elastic"
+    )
+
+
+@contextlib.contextmanager
+def _term_as_interrupt() -> Iterator[None]:
+    """While a command runs, SIGTERM (a supervisor or ``kill`` stopping it) is handled as
+    Ctrl-C: ``KeyboardInterrupt`` unwinds the command, so its workers are stopped, its run
+    records what it had measured, and it exits 130 without a traceback. (A launch in progress
+    installs torch elastic's own handler meanwhile; :func:`_is_signal_exception`.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

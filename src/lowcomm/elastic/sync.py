@@ -78,6 +78,9 @@ class FaultTolerance:
         self.heals: list[int] = []
         self.failed_syncs = 0
         self.participants: list[int] = []
+        self.quorum_wait_s = 0.0
+        """Seconds this replica's loop waited in its quorums (for the others to reach the sync,
+        for a returning replica, or for its own heal): not in the communicator's blocked time."""
         self.collective_s: list[float] = []
         """How long the collectives of the last committed syncs took (launch to done)."""
         self._healed_now = False
@@ -166,6 +169,7 @@ class FaultTolerance:
             ) from e
         finally:
             waiting.stop()
+            self.quorum_wait_s += waiting.elapsed()
         self.joined = True
         return self._healed_now
 
@@ -203,6 +207,7 @@ class FaultTolerance:
             "failed_syncs": self.failed_syncs,
             "heals": list(self.heals),
             "participants_last": self.participants[-1] if self.participants else None,
+            "quorum_wait_s": self.quorum_wait_s,
         }
 
 

@@ -7,6 +7,7 @@ measures on this machine).
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -210,6 +211,18 @@ def _run_plan(args: argparse.Namespace, prog: str) -> int:
         written.append(report.plot_candidates(result, args.plot, top))
     if written:
         print(f"{prog}: wrote {', '.join(written)}")
+    if fixed and not result.candidates:
+        # the layout asked for cannot run: a bad input, named by the rules it breaks
+        broken = (
+            result.infeasible[0].reasons
+            if result.infeasible
+            else tuple(sorted(result.rejected)) or ("no layout keeps it",)
+        )
+        print(
+            f"{prog}: error: --layout {args.layout} cannot run here: {'; '.join(broken)}",
+            file=sys.stderr,
+        )
+        return 2
     return 0 if result.candidates else 1
 
 

@@ -348,6 +348,14 @@ def plan(
                     rejected[key] = rejected.get(key, 0) + 1
                     if fix:
                         infeasible.append(cand)
+    if fix and not out and not infeasible:
+        # nothing matching could even be enumerated (a TP or PP that divides no device count):
+        # the layout asked for, with the rest at their plainest, names the rules it breaks
+        probe = _probe_layout(fix, n, flash_attention, outer, sync_every)
+        if probe is not None:
+            infeasible.append(
+                evaluate(model, precision, cluster, probe, global_batch, usable=usable)
+            )
     out.sort(key=lambda c: (-c.time.tokens_per_s, c.memory.total))
     return PlanResult(
         model=model,
@@ -358,6 +366,33 @@ def plan(
         rejected=rejected,
         infeasible=tuple(infeasible),
     )
+
+
+def _probe_layout(
+    fix: Mapping[str, object],
+    devices: int,
+    flash_attention: bool,
+    outer: Sequence[str],
+    sync_every: int | None,
+) -> Layout | None:
+    """The layout of the fields in ``fix`` with every other field at its plainest (DP the
+    devices left over, no ZeRO, micro-batch 1): what :func:`plan` evaluates to say why nothing
+    keeps ``fix``; ``None`` where the fields themselves make no layout."""
+    t = int(fix.get("tp", 1))  # type: ignore[call-overload]
+    p = int(fix.get("pp", 1))  # type: ignore[call-overload]
+    values: dict[str, Any] = {
+        "dp": max(1, devices // (t * p)),
+        "flash_attention": flash_attention,
+        **{k: v for k, v in fix.items() if k != "outer"},
+    }
+    if fix.get("outer") is not None:
+        values.update(outer=fix["outer"], sync_every=sync_every or 1)
+    elif "outer" not in fix and outer:
+        values.update(outer=None)
+    try:
+        return Layout(**values)
+    except (TypeError, ValueError):
+        return None
 
 
 def rank_of(result: PlanResult, layout: Layout) -> int | None:

@@ -36,8 +36,8 @@ applied at the step where the uninterrupted run would have applied it. A resumed
 ends with bit-identical parameters (on the same hardware, backend and thread count).
 
 Resuming (``--resume [PATH]``): ``PATH`` is a ``step-<s>`` folder, a ``checkpoints`` folder or a run
-folder (the latest complete checkpoint in it); ``--resume`` alone means the latest under
-``--out``. The settings that determine the numbers must equal the checkpoint's (every
+folder (the newest complete checkpoint in it that verifies); ``--resume`` alone means the newest
+under ``--out``. The settings that determine the numbers must equal the checkpoint's (every
 :class:`~lowcomm.train.config.TrainConfig` field but :data:`RESUME_FREE_KEYS`), and so must the
 world size; the first difference is named. The resumed run continues in ``--out`` (by default
 the run folder of ``PATH``): its ``metrics.jsonl`` is cut back to the records up to step s (in
@@ -50,6 +50,7 @@ same way from the run's latest complete checkpoint, or starts over if there is n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -79,8 +80,10 @@ __all__ = [
     "check_compatible",
     "complete_checkpoints",
     "config_difference",
+    "damage",
     "discard_after",
     "find_checkpoint",
+    "newest_intact",
     "load_rank_state",
     "publish",
     "read_manifest",
@@ -142,12 +145,20 @@ def complete_checkpoints(out: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_checkpoint(spec: str, out: str | None) -> str:
-    """The checkpoint folder ``resume`` names: ``spec`` is :data:`LATEST` (the latest complete
-    checkpoint under ``out``), a ``step-<s>`` folder, a ``checkpoints`` folder or a run folder.
+def find_checkpoint(
+    spec: str, out: str | None, *, skipped: list[tuple[str, str]] | None = None
+) -> str:
+    """The checkpoint folder ``resume`` names: ``spec`` is :data:`LATEST` (the newest complete
+    checkpoint under ``out`` that verifies), a ``step-<s>`` folder, a ``checkpoints`` folder or
+    a run folder (the newest in it that verifies).
+
+    Args:
+        skipped: where given, the damaged checkpoints passed over on the way, newest first, are
+            appended to it as ``(folder, why)``, for the caller to report.
 
     Raises:
-        ConfigError: keyed ``resume``, when there is no complete checkpoint there.
+        ConfigError: keyed ``resume``, when there is no complete checkpoint there, when the
+            ``step-<s>`` folder given is damaged, or when every one is.
     """
     if spec == LATEST:
         if out is None:
@@ -161,6 +172,18 @@ def find_checkpoint(spec: str, out: str | None) -> str:
             f"{spec!r} is not a complete checkpoint (no {MANIFEST}: it was not finished or does "
             "not exist); pass a complete one, or the run folder for its latest",
         )
+    elif os.path.isfile(spec):
+        run = os.path.dirname(os.path.abspath(spec))
+        what = (
+            "the final model of its run, not a point to resume from"
+            if os.path.basename(spec) == "checkpoint.pt"
+            else "a file"
+        )
+        raise ConfigError(
+            "resume",
+            f"{spec!r} is {what}; pass the run folder ({run!r}: its newest checkpoint under "
+            f"{CHECKPOINTS}/) or one of its {CHECKPOINTS}/step-N folders",
+        )
     else:
         where = run_folder_of(spec)
         if not os.path.exists(where):
@@ -172,7 +195,29 @@ def find_checkpoint(spec: str, out: str | None) -> str:
             f"found no complete checkpoint in {os.path.join(where, CHECKPOINTS)!r}; runs write "
             "them with checkpoint_every (--checkpoint-every N)",
         )
-    return found[-1][1]
+    folder, passed = newest_intact(where)
+    if skipped is not None:
+        skipped.extend(passed)
+    if folder is None:
+        newest, why = passed[0]
+        raise ConfigError(
+            "resume",
+            f"every complete checkpoint in {os.path.join(where, CHECKPOINTS)!r} is damaged "
+            f"(the newest, {os.path.basename(newest)}: {why}); start a new run",
+        )
+    return folder
+
+
+def newest_intact(out: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint of the run in ``out`` that :func:`damage` finds intact
+    (``None``: none is), and the damaged ones newer than it, newest first, each with why."""
+    passed: list[tuple[str, str]] = []
+    for _, folder in reversed(complete_checkpoints(out)):
+        why = damage(folder)
+        if why is None:
+            return folder, passed
+        passed.append((folder, why))
+    return None, passed
 
 
 def read_manifest(folder: str) -> dict[str, Any]:
@@ -220,7 +265,7 @@ def check_compatible(folder: str, cfg: TrainConfig, world_size: int) -> dict[str
             f"checkpoint {folder!r} was written by {saved_world} workers but this run has "
             f"{world_size}; resume with the same number of workers",
         )
-    _check_files(folder, manifest, world_size)
+    _check_files(folder)
     diff = config_difference(manifest.get("config", {}), cfg)
     if diff is not None:
         key, before, now = diff
@@ -233,34 +278,59 @@ def check_compatible(folder: str, cfg: TrainConfig, world_size: int) -> dict[str
 
 
 def _earlier(folder: str) -> str:
-    """A hint naming the complete checkpoint before ``folder``, if its run has one."""
+    """A hint naming the newest intact checkpoint before ``folder``, if its run has one."""
     run = run_folder_of(folder)
     here = os.path.normpath(folder)
-    earlier = [f for _, f in complete_checkpoints(run) if os.path.normpath(f) < here]
-    if earlier:
-        return f"resume from an earlier one: --resume {earlier[-1]}"
-    return "no earlier complete checkpoint is left: start a new run"
+    for _, f in reversed(complete_checkpoints(run)):
+        if os.path.normpath(f) < here and damage(f) is None:
+            return f"resume from an earlier one: --resume {f}"
+    return "no earlier intact checkpoint is left: start a new run"
 
 
-def _check_files(folder: str, manifest: Mapping[str, Any], world_size: int) -> None:
-    """Every rank's file is there with the size it was written with (manifests that record
-    sizes); raises :class:`ConfigError` (``resume``) naming the damaged file."""
-    sizes = manifest.get("sizes")
-    for rank in range(world_size):
+def _digest(path: str) -> str:
+    """The SHA-256 of the file at ``path``, in hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damage(folder: str) -> str | None:
+    """Why the complete checkpoint in ``folder`` cannot be resumed from as it was written, or
+    ``None`` when it verifies: its manifest unreadable, a rank file missing, of another size
+    than was written, or (manifests that record digests) with other contents."""
+    try:
+        manifest = read_manifest(folder)
+    except ConfigError as e:
+        return e.problem
+    world = manifest.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        return f"its {MANIFEST} names no world size"
+    sizes, digests = manifest.get("sizes"), manifest.get("digests")
+    for rank in range(world):
         path = _rank_file(folder, rank)
+        name = os.path.basename(path)
         if not os.path.isfile(path):
-            raise ConfigError(
-                "resume",
-                f"checkpoint {folder!r} is damaged: {os.path.basename(path)} is missing; "
-                f"{_earlier(folder)}",
-            )
+            return f"{name} is missing"
         if isinstance(sizes, list) and rank < len(sizes) and os.path.getsize(path) != sizes[rank]:
-            raise ConfigError(
-                "resume",
-                f"checkpoint {folder!r} is damaged: {os.path.basename(path)} has "
-                f"{os.path.getsize(path)} bytes but {sizes[rank]} were written; "
-                f"{_earlier(folder)}",
-            )
+            return f"{name} has {os.path.getsize(path)} bytes but {sizes[rank]} were written"
+        if isinstance(digests, list) and rank < len(digests):
+            try:
+                same = _digest(path) == digests[rank]
+            except OSError as e:
+                return f"{name} cannot be read ({e.strerror or e})"
+            if not same:
+                return f"{name} holds other bytes than were written (its SHA-256 differs)"
+    return None
+
+
+def _check_files(folder: str) -> None:
+    """Every rank's file is there as it was written (:func:`damage`); raises
+    :class:`ConfigError` (``resume``) naming the damaged file and an earlier checkpoint."""
+    why = damage(folder)
+    if why is not None:
+        raise ConfigError("resume", f"checkpoint {folder!r} is damaged: {why}; {_earlier(folder)}")
 
 
 def _rank_file(folder: str, rank: int) -> str:
@@ -298,6 +368,7 @@ def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
             "files": [os.path.basename(_rank_file(partial, r)) for r in range(world)],
             # checked before a resume starts any worker: a damaged file is refused up front
             "sizes": [os.path.getsize(_rank_file(partial, r)) for r in range(world)],
+            "digests": [_digest(_rank_file(partial, r)) for r in range(world)],
             "written": time.time(),
             "torch": torch.__version__,
             **manifest,

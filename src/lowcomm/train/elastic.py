@@ -276,8 +276,9 @@ def _event(kind: str, r: RunningReplica, t0: float, code: int | None = None) -> 
 
 
 class _TermAsExit:
-    """While the replicas run, SIGTERM to this process raises ``SystemExit(143)`` so that the
-    replicas (each in a session of its own) are stopped with it, not orphaned."""
+    """While the replicas run, SIGTERM to this process raises ``KeyboardInterrupt``, as Ctrl-C
+    does, so that the replicas (each in a session of its own) are stopped with it, not
+    orphaned, and the command exits as interrupted (130)."""
 
     def __init__(self) -> None:
         import threading
@@ -288,7 +289,7 @@ class _TermAsExit:
 
     @staticmethod
     def _raise(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        raise KeyboardInterrupt(f"signal {signum}")
 
     def restore(self) -> None:
         if self._old is not None:

@@ -27,6 +27,9 @@ class WorkerFailed(RuntimeError):
         error: its error, one line (``"ValueError: ..."``).
         traceback_path: a file holding the worker's traceback, when one could be written.
         errno: the ``errno`` of the worker's ``OSError`` (a full disk: ``ENOSPC``), if it was one.
+        bad_input: whether the worker refused something it was given (its error was a
+            ``ValueError``: a damaged or unsafe checkpoint file, a setting only the worker could
+            check), which the command line reports as a bad input (exit code 2), not a crash.
     """
 
     def __init__(
@@ -36,11 +39,13 @@ class WorkerFailed(RuntimeError):
         traceback_path: str | None = None,
         *,
         errno: int | None = None,
+        bad_input: bool = False,
     ) -> None:
         self.rank = rank
         self.error = error
         self.traceback_path = traceback_path
         self.errno = errno
+        self.bad_input = bad_input
         super().__init__(f"worker rank {rank} failed: {error}")
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "attempt",
     "describe_attempt",
     "error_line",
+    "is_bad_input",
     "is_peer_loss",
     "read_failures",
     "record_failure",
@@ -55,6 +56,14 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+def is_bad_input(error: BaseException) -> bool:
+    """Whether ``error`` refuses something the worker was given rather than reporting a crash:
+    library code raises ``ValueError`` for a user's mistake and the fix (a damaged or unsafe
+    checkpoint file, a setting only a worker can check, ranks started with different settings),
+    and ``assert`` or other errors for its own."""
+    return isinstance(error, ValueError)
+
+
 def record_failure(folder: str, rank: int, error: BaseException) -> None:
     """Record ``error`` (being handled: its traceback is the current one) as rank ``rank``'s
     failure in this attempt, in ``folder``. Best effort: a launcher that finds no record falls
@@ -66,6 +75,7 @@ def record_failure(folder: str, rank: int, error: BaseException) -> None:
         "error": error_line(error),
         "peer_lost": is_peer_loss(error),
         "errno": error.errno if isinstance(error, OSError) and error.filename else None,
+        "bad_input": is_bad_input(error),
         "traceback": traceback.format_exc(),
     }
     path = os.path.join(folder, f"failure-rank{rank}-attempt{attempt()}.json")

@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -60,10 +61,17 @@ from typing import Any
 from lowcomm.guard import mentions_peer_loss
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.errors import WorkerFailed
-from lowcomm.train.failures import error_line, read_failures, root_cause, save_traceback
+from lowcomm.train.failures import (
+    error_line,
+    is_bad_input,
+    read_failures,
+    root_cause,
+    save_traceback,
+)
 from lowcomm.train.forkserver import Parent, call_in_parent_context, preload, start_method
 from lowcomm.train.preflight import (
     check_environment,
+    check_link_time,
     check_torchrun_layout,
     prepare_output,
     resource_warnings,
@@ -75,6 +83,7 @@ __all__ = [
     "WorkerFailed",
     "WorkerProcess",
     "check_environment",
+    "check_link_time",
     "check_torchrun_layout",
     "launch",
     "launch_processes",
@@ -182,7 +191,7 @@ def launch(
             return run_worker(cfg, False) if job is None else run_worker(cfg, False, job=job)
         except Exception as e:
             path = save_traceback(traceback.format_exc(), cfg.out, 0)
-            raise WorkerFailed(0, error_line(e), path) from e
+            raise WorkerFailed(0, error_line(e), path, bad_input=is_bad_input(e)) from e
     if under_torchrun():
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0:
@@ -207,7 +216,9 @@ def launch(
         except Exception as e:  # KeyboardInterrupt and SystemExit go through unchanged
             path = save_traceback(traceback.format_exc(), cfg.out, rank)
             code = e.errno if isinstance(e, OSError) and e.filename else None
-            raise WorkerFailed(rank, error_line(e), path, errno=code) from e
+            raise WorkerFailed(
+                rank, error_line(e), path, errno=code, bad_input=is_bad_input(e)
+            ) from e
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -236,7 +247,7 @@ def launch(
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            with _quiet_launcher_logs(quiet):
+            with _quiet_launcher_logs(quiet), _own_term_handler():
                 args = (cfg, True, log_dir) if job is None else (cfg, True, log_dir, job)
                 preload()
                 results = elastic_launch(launch_config, call_in_parent_context)(
@@ -249,7 +260,8 @@ def launch(
             )
             path = save_traceback(text, cfg.out, rank)
             code = record.get("errno") if record is not None else None
-            raise WorkerFailed(rank, error, path, errno=code) from None
+            bad = bool(record.get("bad_input")) if record is not None else False
+            raise WorkerFailed(rank, error, path, errno=code, bad_input=bad) from None
         except SignalException:  # Ctrl-C / SIGTERM reached the launcher: workers are stopped
             raise KeyboardInterrupt from None
     return results.get(0)
@@ -395,7 +407,13 @@ def _raise_failure(
     if record is not None:
         rank = int(record["rank"])
         path = save_traceback(record.get("traceback"), cfg.out, rank)
-        raise WorkerFailed(rank, str(record["error"]), path, errno=record.get("errno"))
+        raise WorkerFailed(
+            rank,
+            str(record["error"]),
+            path,
+            errno=record.get("errno"),
+            bad_input=bool(record.get("bad_input")),
+        )
     if failed_rank is None:
         # Stopped by _stop: the first worker that had not finished.
         stopped = [
@@ -443,6 +461,29 @@ def _traceback_of(failure: Any) -> str | None:
         return None
     text = message.get("extraInfo", {}).get("py_callstack")
     return str(text) if text else None
+
+
+_LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""The signals torch elastic's launcher takes over while it runs (its default)."""
+
+
+@contextlib.contextmanager
+def _own_term_handler() -> Iterator[None]:
+    """Give the signals the elastic launcher takes over back to the handlers they had once it
+    returns: it installs its own (raising ``SignalException``) and leaves them in place, so a
+    Ctrl-C or SIGTERM during whatever this process does next would surface as torch's
+    exception instead of an interrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    numbers = [getattr(signal, n) for n in _LAUNCHER_SIGNALS if hasattr(signal, n)]
+    saved = {sig: signal.getsignal(sig) for sig in numbers}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # (None: a handler not installed from Python, left alone)
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

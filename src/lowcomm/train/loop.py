@@ -89,6 +89,7 @@ from lowcomm.train.model import build_gpt, inner_optimizer, zero_optimizer
 from lowcomm.train.report import divergence, run_summary
 from lowcomm.train.resume import resume_source, rng_state, set_rng_state
 from lowcomm.train.source import DataSource, check_same_job
+from lowcomm.train.summary import record_path
 from lowcomm.train.synchronisation import Synchronisation
 from lowcomm.train.topology import Topology
 from lowcomm.train.tuning import tune_to_link
@@ -199,6 +200,7 @@ class _Job:
     sync: Synchronisation
     records: Instruments
     t_start: float
+    t_attempt: float
     val_start: float
     end_step: int
     """The step the run ended after (``steps``; later with dynamic local steps)."""
@@ -286,6 +288,7 @@ class _Job:
             self.ceiling.before(self.start)
         if state is not None:
             set_rng_state(state["rng"], device)
+        self.t_attempt = time.perf_counter()  # this run's own start (t_start: step 0's)
         self.t_start = records.start(self.start, state, self.source)
         self.val_start = self.evaluate(0) if state is None else float("nan")
         if records.progress is not None and state is not None:
@@ -467,6 +470,8 @@ class _Job:
             else self.ceiling.summary(topology.tokens_per_step, ceiling_segments),
         )
         summary["steps_run"] = end
+        # a resumed run's wall time counts from step 0 over every attempt; this one's alone:
+        summary["attempt_wall_time_s"] = time.perf_counter() - self.t_attempt
         peaks = [r.get("peak_gpu_memory_bytes") for r in sorted(gathered, key=lambda r: r["rank"])]
         summary["peak_gpu_memory_bytes"] = peaks if any(p is not None for p in peaks) else None
         summary["resumed_at"] = list(progress.resumed_at)
@@ -487,7 +492,7 @@ class _Job:
         if balance is not None:
             write_json(os.path.join(self.out, "balance.json"), balance)
             summary["balance"] = balance["summary"]
-        write_json(os.path.join(self.out, "summary.json"), summary)
+        write_json(record_path(self.out, ending=True), summary)
         plot_losses(
             os.path.join(self.out, "metrics.jsonl"),
             os.path.join(self.out, "loss.png"),

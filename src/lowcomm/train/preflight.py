@@ -5,6 +5,10 @@ removal of a previous run's files with ``overwrite``."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
+import logging
 import os
 import shutil
 
@@ -17,14 +21,20 @@ from lowcomm.train.metrics import RUN_FILES, check_writable_folder, previous_run
 from lowcomm.train.worker import resolve_backend
 
 __all__ = [
+    "ATTEMPTS",
     "WORKER_BASE_BYTES",
     "WORKER_BYTES_PER_PARAMETER",
     "check_environment",
+    "check_link_time",
     "check_torchrun_layout",
+    "link_seconds",
     "prepare_output",
+    "replica_restart",
     "resource_warnings",
     "under_torchrun",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 WORKER_BASE_BYTES = 400e6
@@ -111,15 +121,25 @@ def check_environment(cfg: TrainConfig) -> None:
         found = [
             n for n in (*RUN_FILES, ckpt.CHECKPOINTS) if os.path.exists(os.path.join(cfg.out, n))
         ]
-        # A worker group torchrun restarted continues the run in this folder.
-        if found and not cfg.overwrite and cfg.resume is None and attempt() == 0:
+        # A worker group torchrun restarted continues the run in this folder, and so does a
+        # Lighthouse replica started again with its own command line.
+        restarted = attempt() > 0 or replica_restart(cfg) is not None
+        if found and not cfg.overwrite and cfg.resume is None and not restarted:
             raise ConfigError(
                 "out",
                 f"{cfg.out!r} already holds a run ({', '.join(found)}); choose another folder "
                 "or set overwrite (--overwrite) to replace it",
             )
     if cfg.resume is not None:
-        folder = ckpt.find_checkpoint(cfg.resume, cfg.out)
+        skipped: list[tuple[str, str]] = []
+        folder = ckpt.find_checkpoint(cfg.resume, cfg.out, skipped=skipped)
+        for damaged, why in skipped:
+            logger.warning(
+                "checkpoint %s is damaged (%s): resuming from %s, the newest that verifies",
+                damaged,
+                why,
+                folder,
+            )
         world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else cfg.world_size
         ckpt.check_compatible(folder, cfg, world)
     # what the workers will read: with --documents whole documents (a folder's .py files too, at
@@ -186,14 +206,174 @@ def check_torchrun_layout(cfg: TrainConfig) -> None:
         )
 
 
+LONG_LINK_S = 3600.0
+"""A job whose syncs alone take longer than this on its emulated link is told so at start-up,
+with the total (:func:`link_seconds`)."""
+
+
+def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
+    """A lower bound on the seconds the job's communication takes on its emulated ``link``
+    alone (compute not counted), for a model of ``parameters`` parameters: DDP's all-reduce
+    every step; an outer algorithm's warm start (an all-reduce every step) and one sync per
+    round, with the settings given, or, where the settings are chosen from the link, the
+    cheapest the choice can reach (int2 syncs, the shortest warm start in int2). ``None``
+    without a link, or for an algorithm whose traffic this does not bound (gossip, DeMo)."""
+    if cfg.link is None:
+        return None
+    from lowcomm.plan.tune import MIN_WARM_FRACTION, LinkProfile, sync_seconds
+    from lowcomm.registry import REGISTRY
+
+    entry = REGISTRY[cfg.algo]
+    link = LinkProfile.parse(cfg.link, emulated=True)
+    n = cfg.nodes if cfg.hierarchical else cfg.world_size
+    if n < 2:
+        return 0.0
+    payload = 4.0 * parameters
+    if cfg.algo == "ddp":
+        return cfg.steps * link.network().allreduce_time(payload, n)
+    if not entry.is_outer or entry.schedule not in ("blocking", "one-round-stale", "fragments"):
+        return None
+
+    def sync(codec: str | None) -> float:
+        if codec in (None, "none"):
+            return sync_seconds(None, payload, n, link, 1.0)
+        from lowcomm.plan.tune import _encoded_ratio
+
+        return sync_seconds(codec, payload, n, link, _encoded_ratio(codec, [(parameters,)]))
+
+    kwargs = cfg.algorithm_kwargs()
+    warm = cfg.sync_warmup_steps()
+    codec, warm_codec = kwargs.get("compression"), kwargs.get("sync_warmup_compression")
+    if cfg.tune_link != "off":  # the choice may compress further and shorten the warm start
+        if cfg.compression is None:
+            codec = "int2"
+        if cfg.sync_warmup_compression is None:
+            warm_codec = "int2"
+        if cfg.sync_warmup is None and warm:
+            warm = min(warm, max(cfg.sync_every, int(MIN_WARM_FRACTION * cfg.steps)))
+    rounds = max(0, cfg.steps - warm) // cfg.sync_every
+    return warm * sync(warm_codec) + rounds * sync(codec)
+
+
+def check_link_time(cfg: TrainConfig, parameters: int) -> str | None:
+    """Refuse a job whose communication on its emulated link alone (:func:`link_seconds`)
+    cannot end within the time :data:`~lowcomm.train.config.MAX_STEPS` steps bounds (a year),
+    as ``steps`` is refused; return a line saying how long it takes where that is over
+    :data:`LONG_LINK_S`, else ``None``."""
+    from lowcomm.train.config import FASTEST_STEP_S, MAX_STEPS
+
+    seconds = link_seconds(cfg, parameters)
+    if seconds is None or seconds <= LONG_LINK_S:
+        return None
+    hours = seconds / 3600
+    if seconds > MAX_STEPS * FASTEST_STEP_S:
+        raise ConfigError(
+            "link",
+            f"({cfg.link}) makes the job's syncs alone take at least {hours / 24 / 365.25:,.1f} "
+            "years; use a faster link, fewer steps or a longer sync_every",
+        )
+    return (
+        f"--link {cfg.link}: the job's syncs alone take at least {hours:,.1f} hours on this "
+        f"link ({parameters:,} parameters, {cfg.steps:,} steps); a faster link, fewer steps, "
+        "a longer --sync-every or --compression shortens it"
+    )
+
+
+ATTEMPTS = "attempts"
+"""The folder under a Lighthouse replica's ``out`` that keeps its earlier attempts' files
+(``attempts/0/``, ``attempts/1/``, …) when it is started again with the same command line."""
+
+
+def replica_restart(cfg: TrainConfig) -> int | None:
+    """For a replica joining a Lighthouse (``lighthouse`` given) whose ``out`` already holds
+    a run: the number of this start of it (1 for the first restart, 2, …), where that run is
+    an earlier start of the same replica with the same settings that has not finished; else
+    ``None`` (no run there, or not such a replica).
+
+    A supervisor (a shell loop, systemd) restarts a replica that died with its own command
+    line; the replica then continues in its folder and is healed from its peers at their next
+    sync, while its earlier starts' files are kept under :data:`ATTEMPTS`.
+
+    Raises:
+        ConfigError: keyed ``out``, when the run there is this replica's but finished, or of
+            other settings (named).
+    """
+    if cfg.lighthouse is None or cfg.out is None or cfg.overwrite or cfg.resume is not None:
+        return None
+    path = os.path.join(cfg.out, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("replica_id") != cfg.replica_id:
+        return None
+    diff = ckpt.config_difference(saved, cfg)
+    if diff is not None:
+        key, before, now = diff
+        raise ConfigError(
+            "out",
+            f"{cfg.out!r} holds replica {cfg.replica_id}'s run with {key}={before!r}, but this "
+            f"start has {key}={now!r}; restart a replica with the settings it was started "
+            "with, or choose another folder",
+        )
+    status = None
+    summary = os.path.join(cfg.out, "summary.json")
+    with (
+        contextlib.suppress(OSError, ValueError, AttributeError),
+        open(summary, encoding="utf-8") as f,
+    ):
+        status = json.load(f).get("status")
+    if status in ("finished", "diverged"):
+        raise ConfigError(
+            "out",
+            f"{cfg.out!r} holds replica {cfg.replica_id}'s run, which {status} "
+            "(summary.json): there is nothing to continue; choose another folder or set "
+            "overwrite (--overwrite) to start it anew",
+        )
+    root = os.path.join(cfg.out, ATTEMPTS)
+    earlier = [n for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
+    return len(earlier) + 1
+
+
+def _keep_earlier_attempt(cfg: TrainConfig, number: int) -> None:
+    """Move the files of a Lighthouse replica's previous start (number ``number`` − 1) from its
+    ``out`` into ``attempts/<number − 1>/``, and number this process's start ``number``."""
+    from lowcomm.train.replica import ATTEMPT_ENV
+
+    assert cfg.out is not None
+    if int(os.environ.get("RANK", "0") or 0) == 0:  # a node group's rank 0 writes its folder
+        keep = os.path.join(cfg.out, ATTEMPTS, str(number - 1))
+        os.makedirs(keep, exist_ok=True)
+        names = previous_run_files(cfg.out) + glob.glob(
+            os.path.join(glob.escape(cfg.out), "summary-*.json")
+        )
+        for path in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, os.path.join(keep, os.path.basename(path)))
+        logger.warning(
+            "replica %s started again (start %d): its earlier start's files are kept in %s",
+            cfg.replica_id,
+            number,
+            keep,
+        )
+    # read by this process's replica (lowcomm.train.replica.ElasticReplica) for its records
+    os.environ[ATTEMPT_ENV] = str(number)
+
+
 def prepare_output(cfg: TrainConfig) -> None:
     """With ``cfg.overwrite``, remove the files and checkpoints of a previous run from
-    ``cfg.out`` so that none is left stale; without it, do nothing (:func:`check_environment`
-    refuses such a folder).
+    ``cfg.out`` so that none is left stale; for a Lighthouse replica started again
+    (:func:`replica_restart`), keep its earlier start's files under :data:`ATTEMPTS`; else do
+    nothing (:func:`check_environment` refuses a folder that holds a run).
 
     Call it before :func:`~lowcomm.train.launcher.launch`. Under torchrun every rank may call
     it: no rank writes before all of them have joined the process group.
     """
+    number = replica_restart(cfg)
+    if number is not None:
+        _keep_earlier_attempt(cfg, number)
+        return
     if not cfg.overwrite or cfg.out is None or not os.path.isdir(cfg.out):
         return
     if attempt() > 0:  # torchrun restarted the group: the folder holds this very run

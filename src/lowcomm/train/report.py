@@ -44,7 +44,7 @@ def _work_rows(work: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 
 def format_failed(summary: dict[str, Any], path: str | None) -> str:
-    """One line of what a failed run had measured (:func:`failed_summary`)."""
+    """One line of what a failed or interrupted run had measured (:func:`failed_summary`)."""
     parts = [f"step {summary['steps_done']:,} of {summary['steps']:,} done"]
     if summary.get("train_loss_last") is not None:
         parts.append(f"training loss {summary['train_loss_last']:.3f}")
@@ -59,10 +59,11 @@ def format_failed(summary: dict[str, Any], path: str | None) -> str:
     parts.append(
         f"last complete checkpoint {checkpoint} (--resume continues from it)"
         if checkpoint
-        else "no complete checkpoint"
+        else "no complete checkpoint to resume from (--checkpoint-every N writes them)"
     )
     kept = f"kept in {path}" if path else "summary.json could not be written"
-    return f"lowcomm train: {summary.get('name')} failed; measured before ({kept}): " + ", ".join(
+    status = summary.get("status") or "failed"
+    return f"lowcomm train: {summary.get('name')} {status}; measured before ({kept}): " + ", ".join(
         parts
     )
 
@@ -190,7 +191,13 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
     hidden = comm.get("hidden_fraction")
     tps = summary.get("tokens_per_s")
     wall = f"{summary['wall_time_s']:.1f} s training loop"
-    if command_s is not None:
+    this_run = summary.get("attempt_wall_time_s")
+    if summary.get("resumed_at") and this_run is not None:
+        # the loop's time continues the stopped run's; the command's is this run's alone
+        wall += f" from step 0 over every run, {this_run:.1f} s of it in this one"
+        if command_s is not None:
+            wall += f" ({command_s:.1f} s with start-up)"
+    elif command_s is not None:
         wall += f", {command_s:.1f} s with start-up"
     layout = summary.get("layout") or {}
     hierarchical = layout.get("nodes", 1) > 1 and algo != "ddp"
@@ -229,6 +236,11 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         (f"{across}payload / worker", _mb(comm.get("payload_bytes"))),
         (f"{across}wire / worker", _mb(comm.get("wire_bytes"))),
         (f"{across}blocked / worker", f"{comm.get('blocked_s') or 0.0:.2f} s"),
+        *(
+            [("quorum wait / worker", f"{comm['quorum_wait_s']:.2f} s (waiting for a quorum)")]
+            if comm.get("quorum_wait_s") is not None
+            else []
+        ),
         ("hidden fraction", "-" if hidden is None else f"{hidden:.1%} (mean of the workers)"),
         *(
             [("intra-node wire / worker", f"{_mb(intra['wire_bytes'])} (DDP, every step)")]

@@ -33,8 +33,7 @@ def resume_source(cfg: TrainConfig, rank: int, world: int) -> str | None:
         try:
             folder = None
             if attempt() > 0:
-                found = ckpt.complete_checkpoints(cfg.out or ".")
-                folder = found[-1][1] if found else None
+                folder, _ = ckpt.newest_intact(cfg.out or ".")
             if folder is None and cfg.resume is not None:
                 folder = ckpt.find_checkpoint(cfg.resume, cfg.out)
             if folder is not None:

@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY
-from lowcomm.train.checkpoint import complete_checkpoints
+from lowcomm.train.checkpoint import newest_intact
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.metrics import write_json
 from lowcomm.train.nodes import describe_layout, node_link
 
-__all__ = ["failed_summary", "resolved_config", "run_summary"]
+__all__ = ["ENDED", "failed_summary", "record_path", "resolved_config", "run_summary"]
 
 
 def resolved_config(cfg: TrainConfig, world: int, corpus: Any) -> dict[str, Any]:
@@ -75,9 +75,10 @@ def run_summary(
         "in_flight_s",
         "hidden_fraction",
         "rounds",
+        "quorum_wait_s",
     )
     skipped = max((int(w.get("skipped_updates", 0)) for w in workers), default=0)
-    mean = {k: _mean([w[k] for w in workers]) for k in keys}
+    mean = {k: _mean([w.get(k) for w in workers]) for k in keys}
     checksums = {w.get("params_checksum") for w in workers}
     tokens_per_s = tokens / train_s if train_s > 0 else None
     entry = REGISTRY[cfg.algo]
@@ -186,12 +187,54 @@ def _layout_summary(
     }
 
 
-def failed_summary(cfg: TrainConfig, error: str) -> tuple[dict[str, Any] | None, str | None]:
-    """What a failed run had measured, from its ``metrics.jsonl``: the last step reached, its
-    training and validation losses, tokens/s, and the last complete checkpoint to resume from.
-    Written as ``summary.json`` (``"status": "failed"``) where it can be; returns the summary
-    and the path written, or ``None`` where it could not be (a full disk). ``(None, None)``
-    when the run measured nothing (it failed before its first evaluation)."""
+ENDED = ("finished", "diverged")
+"""The statuses of a run's record that a later attempt's failure never replaces."""
+
+
+def _read_record(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _free_name(out: str, status: str) -> str:
+    n = 1
+    while os.path.exists(os.path.join(out, f"summary-{status}-{n}.json")):
+        n += 1
+    return os.path.join(out, f"summary-{status}-{n}.json")
+
+
+def record_path(out: str, *, ending: bool) -> str:
+    """Where this attempt of the run in ``out`` writes its record, such that no earlier
+    attempt's record is lost: ``summary.json``, after moving an earlier failed or interrupted
+    attempt's record aside to ``summary-<status>-<n>.json``; or, where the run had already
+    ended (its record ``finished`` or ``diverged``) and this attempt does not end it again
+    (not ``ending``), ``""``: the caller writes beside it."""
+    path = os.path.join(out, "summary.json")
+    earlier = _read_record(path)
+    if earlier is None:
+        return path
+    status = str(earlier.get("status") or "unknown")
+    if status in ENDED:
+        return path if ending else ""
+    with contextlib.suppress(OSError):
+        os.replace(path, _free_name(out, status))
+    return path
+
+
+def failed_summary(
+    cfg: TrainConfig, error: str, *, status: str = "failed"
+) -> tuple[dict[str, Any] | None, str | None]:
+    """What a failed (or ``"interrupted"``) run had measured, from its ``metrics.jsonl``: the
+    last step reached, its training and validation losses, tokens/s, and the checkpoint
+    ``--resume`` continues from (the newest that verifies). Written as ``summary.json``
+    (``"status": "failed"``) where it can be, never over the record of a run that had ended
+    (then beside it, ``summary-failed-<n>.json``; :func:`record_path`); returns the summary and
+    the path written, or ``None`` where it could not be (a full disk). ``(None, None)`` when the
+    run measured nothing (it failed before its first evaluation)."""
     out = cfg.out or "."
     records = []
     try:
@@ -208,7 +251,7 @@ def failed_summary(cfg: TrainConfig, error: str) -> tuple[dict[str, Any] | None,
     last = steps[-1] if steps else None
     trained = [r for r in evals if r.get("step", 0) > 0]
     summary: dict[str, Any] = {
-        "status": "failed",
+        "status": status,
         "error": error,
         "algo": cfg.algo,
         "name": cfg.name,
@@ -226,7 +269,9 @@ def failed_summary(cfg: TrainConfig, error: str) -> tuple[dict[str, Any] | None,
         "checkpoint": _last_checkpoint(out),
     }
     try:
-        path = os.path.join(out, "summary.json")
+        path = record_path(out, ending=False) or _free_name(out, status)
+        if os.path.basename(path) != "summary.json":
+            summary["beside"] = "summary.json holds the record of the run that had ended"
         write_json(path, summary)
     except OSError:
         return summary, None
@@ -234,5 +279,5 @@ def failed_summary(cfg: TrainConfig, error: str) -> tuple[dict[str, Any] | None,
 
 
 def _last_checkpoint(out: str) -> str | None:
-    found = complete_checkpoints(out)
-    return found[-1][1] if found else None
+    """The checkpoint ``--resume`` would continue from: the newest that verifies."""
+    return newest_intact(out)[0]

@@ -225,5 +225,9 @@ class Synchronisation:
             "rounds": self.rounds,
             "skipped_updates": int(getattr(self.algo, "skipped_updates", 0)),
             **self.stats.as_dict(),
+            # an elastic replica's waits for its quorums (not collectives: not in blocked_s)
+            "quorum_wait_s": (
+                ft.quorum_wait_s if (ft := getattr(self.algo, "ft", None)) is not None else None
+            ),
             "intra_node": self.node_meter.stats.as_dict() if self.node_meter is not None else None,
         }
