@@ -456,6 +456,36 @@ def test_under_torchrun_the_worker_runs_in_process(tmp_path: Any) -> None:
     assert ckpt["algorithm"]["num_fragments"] == 2
 
 
+@pytest.mark.timeout(180)
+def test_two_torchrun_agents_on_one_machine_share_its_cores(tmp_path: Any) -> None:
+    """Two agents (``--nnodes 2``, one process each) on loopback: each agent's
+    LOCAL_WORLD_SIZE is 1, but the two processes share this machine's cores, and the tuner
+    timed its compute with the threads the training then used; its estimate and the run's
+    step time are recorded side by side."""
+    out = str(tmp_path / "agents")
+    port = _free_port()
+    job = ["--algo", "co2", *TINY, "--steps", "24", "--sync-every", "4", "--eval-every", "12"]
+    procs = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
+            "-m", "lowcomm", "train", *job, "--out", out,
+        ]  # fmt: skip
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+    outputs = [p.communicate(timeout=170) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e.decode()[-2000:] for _, e in outputs]
+    summary = read_summary(out)
+    cores = os.cpu_count() or 1
+    assert [w["threads"] for w in summary["comm_per_worker"]] == [max(1, cores // 2)] * 2
+    tuning = summary["link_tuning"]  # the processes are not all on this agent: measured
+    assert tuning["link"].startswith("measured")
+    assert "33554" not in tuning["link"]  # a bandwidth below the timer's resolution is a bound
+    assert tuning["compute_s"] > 0 and summary["step_times"]["step_s"] > 0
+
+
 @pytest.fixture
 def torchrun_rank0_of_1(monkeypatch: Any) -> Iterator[None]:
     """This process as the only rank of a torchrun job: the CLI trains in-process."""

@@ -214,10 +214,16 @@ def _tiny_overrides() -> dict:
     return {k: v for k, v in TINY_JOB.items() if k not in ("steps", "workers", "quiet")}
 
 
+def _slug(cell: str) -> str:
+    """A cell's name in its jobs' folder names."""
+    return cell.replace("/", "-").replace("@", "-")
+
+
 def test_tiny_convergence_run_end_to_end(tmp_path):
     out = tmp_path / "conv"
+    co2 = "co2/outer_lr=0.5/sync_warmup=4"
     spec = ConvergenceSpec(
-        algos=["ddp", "co2/outer_lr=0.5/sync_warmup=4"],
+        algos=["ddp", f"{co2}/tune_link=off", co2],
         workers=[2],
         seeds=[0, 1],
         steps=8,
@@ -228,16 +234,17 @@ def test_tiny_convergence_run_end_to_end(tmp_path):
     )
     notes: list[str] = []
     results = run_convergence(spec, command="test", progress=notes.append)
-    assert len(notes) == 2 * 2 + 2  # loss jobs (2 algos x 2 seeds), then timing jobs
+    assert len(notes) == 3 * 2 + 3  # loss jobs (3 cells x 2 seeds), then timing jobs
     for name in ("results.json", "convergence.md", "loss_vs_tokens.png", "loss_vs_time.png"):
         assert (out / name).stat().st_size > 0
     cells = {c["algo"]: c for c in results["cells"]}
-    co2 = "co2/outer_lr=0.5/sync_warmup=4"
-    assert set(cells) == {"ddp", co2}
+    off, tuned = f"{co2}/tune_link=off", f"{co2}@1gbit"
+    # the entry without tune_link is the job as it runs on each link: one cell per link
+    assert set(cells) == {"ddp", off, tuned}
     for algo, c in cells.items():
         finals = []
         for seed in (0, 1):
-            job = out / "jobs" / f"loss-{algo.replace('/', '-')}-w2-x1-s{seed}"
+            job = out / "jobs" / f"loss-{_slug(algo)}-w2-x1-s{seed}"
             summary = json.loads((job / "summary.json").read_text())
             assert summary["steps"] == 8 and summary["workers"] == 2
             finals.append(summary["val_loss_final"])
@@ -247,24 +254,49 @@ def test_tiny_convergence_run_end_to_end(tmp_path):
         assert [p[1] for p in c["curve"]] == [0, 4, 8]
     assert cells["ddp"]["gap"] == 0.0 and cells["ddp"]["steps_to_target"] == pytest.approx(8)
     # the warm start's steps are timed apart: the timing job warms up for 4 steps, then 4 more
-    assert cells[co2]["warm_steps"] == 4 and cells[co2]["warm_step_time_s"]["1gbit"] > 0
+    assert cells[off]["warm_steps"] == 4 and cells[off]["warm_step_time_s"]["1gbit"] > 0
     timing = json.loads(
-        (out / "jobs" / f"time-{co2.replace('/', '-')}-w2-1gbit" / "config.json").read_text()
+        (out / "jobs" / f"time-{off.replace('/', '-')}-w2-1gbit" / "config.json").read_text()
     )
     assert (timing["steps"], timing["sync_warmup"]) == (8, 4)
     assert "warm" in (out / "convergence.md").read_text()
     # a round's syncs against a round's compute, after the warm start (tiny on 1gbit)
-    assert 0 < cells[co2]["sync_to_round"]["1gbit"] < 1
+    assert 0 < cells[off]["sync_to_round"]["1gbit"] < 1
     assert "sync / round, 1gbit" in (out / "convergence.md").read_text()
     written = json.loads((out / "results.json").read_text())
     assert written["cells"][0]["val_loss_final"] == results["cells"][0]["val_loss_final"]
+
+    # the tuned cell: its first loss job chose for the link; the other and its timing job ran
+    # with that choice as given, on that link alone
+    def config(name: str) -> dict:
+        return json.loads((out / "jobs" / name / "config.json").read_text())
+
+    slug = _slug(tuned)
+    first, second = config(f"loss-{slug}-w2-x1-s0"), config(f"loss-{slug}-w2-x1-s1")
+    assert first["tune_link"] == "1gbit" and second["tune_link"] == "off"
+    chosen = cells[tuned]["chosen"]
+    first_summary = json.loads(
+        (out / "jobs" / f"loss-{slug}-w2-x1-s0" / "summary.json").read_text()
+    )
+    assert chosen == first_summary["link_tuning"]["settings"]
+    for key, value in chosen.items():
+        assert second[key] == value and config(f"time-{slug}-w2-1gbit")[key] == value
+    assert set(cells[tuned]["step_time_s"]) == {"1gbit"}
+    (row,) = results["tuned"]
+    assert row["cell"] == tuned and row["untuned"] == off
+    assert row["gap"] == pytest.approx(
+        cells[tuned]["val_loss_mean"] / cells[off]["val_loss_mean"] - 1
+    )
+    assert row["step_s"]["measured"] == cells[tuned]["step_time_s"]["1gbit"]
+    assert row["step_s"]["predicted"] == first_summary["link_tuning"]["step_s"]
+    assert "Tuned for the link against untuned" in (out / "convergence.md").read_text()
 
     # --reuse keeps the finished jobs: the same numbers, no job runs again
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*/summary.json")}
     again = run_convergence(
         ConvergenceSpec(**{**spec.__dict__, "reuse": True}), progress=notes.append
     )
-    assert all(n.endswith("(reused)") for n in notes[6:])
+    assert all(n.endswith("(reused)") for n in notes[9:])
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
     assert [c["val_loss_final"] for c in again["cells"]] == [
         c["val_loss_final"] for c in results["cells"]

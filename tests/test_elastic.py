@@ -405,3 +405,22 @@ def test_what_an_elastic_job_cannot_run_is_refused_up_front(
     assert message in str(info.value)
     with pytest.raises(ConfigError, match="needs fault_tolerance"):
         config_from_dict({"lighthouse": "http://127.0.0.1:1"}, source="test")
+
+
+def test_an_untested_torchft_is_refused_naming_both_releases(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.metadata
+
+    from lowcomm.cli import main
+    from lowcomm.elastic.replica import require_torchft
+
+    assert require_torchft("0.2.1") is not None  # the tested series
+    with pytest.raises(ValueError, match=r"tested with torchft 0\.2\.0, and torchft 0\.3\.0 is"):
+        require_torchft("0.3.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0")
+    assert main(["train", "--fault-tolerance", "--out", str(tmp_path / "r")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("lowcomm train: error: --fault-tolerance cannot run here: fault ")
+    assert "torchft 0.2.0, and torchft 0.3.0 is installed" in line
+    assert "pip install 'torchft==0.2.0'" in line

@@ -18,9 +18,13 @@ step time on the link. ``lengths`` runs the job at several multiples of its step
 1× and 4×), which says whether a gap closes or grows with training. The assembled results and
 goals are :mod:`lowcomm.bench.convergence_report`.
 
-An entry is one set of settings on every link: the job's settings from the link
-(``--tune-link``) apply only where the entry names the link to choose for
-(``co2/tune_link=10mbit``), to its loss and timing jobs alike.
+An entry is the job as ``lowcomm train`` runs it: where its algorithm is one the job tunes to
+its link and the entry gives no ``tune_link``, it is one cell per link (``co2@10mbit``), whose
+first loss job chooses the settings for that link (as the job on it would) and whose other loss
+jobs and timing job run with that choice; ``co2/tune_link=off`` is the untuned job, one set of
+settings on every link, and ``co2/tune_link=10mbit`` the job tuned for 10mbit on every link.
+The report sets each tuned cell beside its untuned entry: its loss per token against the
+untuned job's, and the time it takes on its link to the untuned job's final loss.
 
 An algorithm may carry job settings after slashes, so variants sit side by side::
 
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lowcomm.bench.convergence_spec import ConvergenceSpec
+from lowcomm.bench.convergence_spec import ConvergenceSpec, label_for
 from lowcomm.bench.variants import algo_fields
 from lowcomm.registry import REGISTRY
 
@@ -128,27 +132,48 @@ def run_convergence(
     note = progress or (lambda text: logger.info("%s", text))
     os.makedirs(spec.out, exist_ok=True)
     t_start = time.perf_counter()
-    jobs: list[tuple[str, int, int, int, str | None]] = [
-        (algo, w, seed, length, None)
+    # (entry, the link it is tuned for or None): an entry tuned per link is a cell per link
+    cells = [
+        (algo, link)
+        for algo in spec.algos
+        for link in (spec.links if spec.tuned_per_link(algo) else [None])
+    ]
+    jobs: list[tuple[str, str | None, int, int, int, str | None]] = [
+        (algo, tuned_for, w, seed, length, None)
         for length in spec.lengths
         for w in spec.workers
-        for algo in spec.algos
+        for algo, tuned_for in cells
         for seed in spec.seeds
     ]
     jobs += [
-        (algo, w, spec.seeds[0], 1, link)
+        (algo, tuned_for, w, spec.seeds[0], 1, link)
         for w in spec.workers
-        for algo in spec.algos
-        for link in spec.links
+        for algo, tuned_for in cells
+        for link in ([tuned_for] if tuned_for is not None else spec.links)
     ]
     runs: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []
-    for i, (algo, w, seed, length, link) in enumerate(jobs, 1):
-        cfg = spec.train_config(algo, w, seed, length, link)
+    chosen: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for i, (algo, tuned_for, w, seed, length, link) in enumerate(jobs, 1):
+        label = algo if tuned_for is None else label_for(algo, tuned_for)
+        settings = None
+        if tuned_for is not None:
+            settings = chosen.get((algo, tuned_for, w), {}).get("settings")
+        cfg = spec.train_config(algo, w, seed, length, link, tuned_for=tuned_for, settings=settings)
         t0 = time.perf_counter()
         summary, reused = _job(cfg, spec.reuse)
         took = "reused" if reused else f"{time.perf_counter() - t0:.0f} s"
-        row = {"algo": algo, "base": cfg.algo, "workers": w, "steps": cfg.steps}
+        if tuned_for is not None and settings is None:
+            # the cell's first job chose its settings for the link: the others take them
+            record = summary.get("link_tuning") or {"settings": {}}
+            chosen[(algo, tuned_for, w)] = record
+        row = {"algo": label, "base": cfg.algo, "workers": w, "steps": cfg.steps}
+        if tuned_for is not None:
+            record = chosen[(algo, tuned_for, w)]
+            row.update(entry=algo, tuned_for=tuned_for, chosen=record.get("settings", {}))
+            row["predicted"] = {
+                k: record.get(k) for k in ("step_s", "warm_step_s", "cost", "evidence")
+            }
         if link is None:
             row.update(seed=seed, length=length, curve=_read_curve(cfg.out))
             row["warm_steps"] = cfg.sync_warmup_steps()
@@ -161,7 +186,7 @@ def run_convergence(
             what = f"{link}: {row['step_time_s'] * 1e3:.1f} ms/step"
             if "warm_step_time_s" in row:
                 what += f" ({row['warm_step_time_s'] * 1e3:.1f} warm)"
-        note(f"[{i}/{len(jobs)}] {algo} x{w} {what} ({took})")
+        note(f"[{i}/{len(jobs)}] {label} x{w} {what} ({took})")
     results = assemble(spec, runs, timings)
     results["command"] = command
     results["elapsed_s"] = time.perf_counter() - t_start

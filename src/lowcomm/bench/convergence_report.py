@@ -70,6 +70,8 @@ def _cell(
         "step_time_s": dict(timings),
         "warm_steps": first.get("warm_steps", 0),
         "warm_step_time_s": dict(warm),
+        # a cell tuned for its link: its entry, the link, what was chosen and predicted
+        **{k: first[k] for k in ("entry", "tuned_for", "chosen", "predicted") if k in first},
     }
 
 
@@ -112,9 +114,11 @@ def assemble(
         c["time_to_target_s"] = {
             link: None if steps is None else wall_time(c, link, steps) for link in c["step_time_s"]
         }
+    tuned = tuned_against_untuned(cells)
     return {
         "kind": "convergence",
         "reference": reference,
+        "tuned": tuned,
         "settings": {
             "algos": spec.algos,
             "workers": spec.workers,
@@ -125,15 +129,143 @@ def assemble(
             "train_overrides": spec.train_overrides,
         },
         "cells": cells,
-        "goals": goals(cells, reference),
+        "goals": goals(cells, reference) + tuned_goals(tuned),
     }
 
 
+TUNED_GAP = 0.02
+"""A cell tuned for its link ends within this share of its untuned entry's loss per token (or
+below it)."""
+PREDICTION_TOLERANCE = 0.15
+"""The tuner's predicted step times are within this share of the steps the job then took."""
+
+
+def _untuned(cells: list[dict[str, Any]], c: dict[str, Any]) -> dict[str, Any] | None:
+    """The untuned entry of tuned cell ``c``: its entry's settings with ``tune_link=off``."""
+    from lowcomm.bench.variants import algo_fields
+
+    want = {**algo_fields(c["entry"]), "tune_link": "off"}
+    for u in cells:
+        if "tuned_for" in u or (u["workers"], u["length"]) != (c["workers"], c["length"]):
+            continue
+        if algo_fields(u["algo"]) == want:
+            return u
+    return None
+
+
+def tuned_against_untuned(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cell tuned for its link against its untuned entry (where the run has it): the loss
+    at equal tokens against the untuned job's (``gap``), the time each takes on the link to
+    the untuned job's final mean loss (the untuned job's own first reaching it), and the
+    tuner's predicted step times beside those the timing job measured."""
+    out = []
+    for c in cells:
+        link = c.get("tuned_for")
+        if link is None:
+            continue
+        u = _untuned(cells, c)
+        row: dict[str, Any] = {
+            "cell": c["algo"],
+            "entry": c["entry"],
+            "link": link,
+            "workers": c["workers"],
+            "length": c["length"],
+            "chosen": c.get("chosen", {}),
+            "expected_cost": (c.get("predicted") or {}).get("cost"),
+            "untuned": None if u is None else u["algo"],
+        }
+        predicted = c.get("predicted") or {}
+        measured = {
+            "step_s": c["step_time_s"].get(link),
+            "warm_step_s": c["warm_step_time_s"].get(link),
+        }
+        row["step_s"] = {"predicted": predicted.get("step_s"), "measured": measured["step_s"]}
+        row["warm_step_s"] = {
+            "predicted": predicted.get("warm_step_s") if c.get("warm_steps") else None,
+            "measured": measured["warm_step_s"],
+        }
+        if u is not None:
+            target = u["val_loss_mean"]
+            row["gap"] = c["val_loss_mean"] / target - 1
+            steps_c = interpolate_time_to_target(c["curve"], target)
+            steps_u = interpolate_time_to_target(u["curve"], target)
+            row["time_to_untuned_loss_s"] = (
+                None
+                if steps_c is None or link not in c["step_time_s"]
+                else wall_time(c, link, steps_c)
+            )
+            row["untuned_time_s"] = (
+                None
+                if steps_u is None or link not in u["step_time_s"]
+                else wall_time(u, link, steps_u)
+            )
+        out.append(row)
+    return out
+
+
+def _within(predicted: float | None, measured: float | None) -> bool | None:
+    if predicted is None or measured is None or measured <= 0:
+        return None
+    return abs(predicted / measured - 1) <= PREDICTION_TOLERANCE
+
+
+def tuned_goals(tuned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per tuned cell: within :data:`TUNED_GAP` of its untuned entry per token and no later to
+    the untuned job's final loss; its predicted step times within
+    :data:`PREDICTION_TOLERANCE` of the measured ones (warm start included)."""
+    out = []
+    for t in tuned:
+        if t.get("untuned") is not None:
+            gap = t.get("gap")
+            mine, theirs = t.get("time_to_untuned_loss_s"), t.get("untuned_time_s")
+            sooner = None if theirs is None else mine is not None and mine <= theirs
+            met = None if gap is None or sooner is None else gap <= TUNED_GAP and sooner
+            goal = (
+                f"{t['cell']}, {t['workers']} workers: within {TUNED_GAP:.0%} of "
+                f"{t['untuned']} per token and at its final loss no later"
+            )
+            out.append(_goal(goal, gap, "+.1%", met))
+        for what in ("step_s", "warm_step_s"):
+            pair = t[what]
+            ok = _within(pair["predicted"], pair["measured"])
+            if ok is None:
+                continue
+            ratio = pair["predicted"] / pair["measured"]
+            name = "step" if what == "step_s" else "warm step"
+            goal = (
+                f"{t['cell']}, {t['workers']} workers: predicted {name} within "
+                f"{PREDICTION_TOLERANCE:.0%} of the measured"
+            )
+            out.append(_goal(goal, ratio, ".2f", ok))
+    return out
+
+
 def _find(
-    cells: list[dict[str, Any]], algo: str, workers: int, length: int = 1
+    cells: list[dict[str, Any]], algo: str, workers: int, length: int = 1, link: str | None = None
 ) -> dict[str, Any] | None:
-    wanted = (algo, workers, length)
-    return next((c for c in cells if (c["algo"], c["workers"], c["length"]) == wanted), None)
+    """The cell of entry ``algo``; where the run has the entry tuned per link, its cell for
+    ``link`` (a goal on that link), else its untuned entry (``algo/tune_link=off``), else its
+    first tuned cell."""
+
+    def named(name: str) -> dict[str, Any] | None:
+        wanted = (name, workers, length)
+        return next((c for c in cells if (c["algo"], c["workers"], c["length"]) == wanted), None)
+
+    found = named(algo)
+    if found is None and link is not None:
+        found = named(f"{algo}@{link}")
+    if found is None:
+        found = named(f"{algo}/tune_link=off")
+    if found is None:
+        found = next(
+            (
+                c
+                for c in cells
+                if c.get("entry") == algo and (c["workers"], c["length"]) == (workers, length)
+            ),
+            None,
+        )
+    return found
 
 
 def _time(cell: dict[str, Any] | None, link: str) -> float | None:
@@ -158,7 +290,7 @@ def goals(cells: list[dict[str, Any]], reference: str | None) -> list[dict[str, 
             met = None if gap is None else gap <= limit
             goal = f"{algo}, {w} workers: within {limit:.0%} of DDP's loss, equal tokens"
             out.append(_goal(goal, gap, "+.1%", met))
-    co2, ddp = _find(cells, "co2", 2), _find(cells, reference or "ddp", 2)
+    co2, ddp = _find(cells, "co2", 2, link="100mbit"), _find(cells, reference or "ddp", 2)
     fast, slow_ddp = _time(co2, "100mbit"), _time(ddp, "100mbit")
     speedup = None if fast is None or slow_ddp is None or fast == 0 else slow_ddp / fast
     met = None if speedup is None else speedup >= 3
@@ -178,6 +310,7 @@ def goals(cells: list[dict[str, Any]], reference: str | None) -> list[dict[str, 
     out.append(
         _goal("co2, 2 workers, 100mbit: sooner than every blocking algorithm", value, ".2f", met)
     )
+    co2 = _find(cells, "co2", 2, link="1gbit")
     fast, slow_ddp = _time(co2, "1gbit"), _time(ddp, "1gbit")
     ratio = None if fast is None or slow_ddp is None or fast == 0 else slow_ddp / fast
     met = None if ratio is None else ratio >= 1
@@ -223,6 +356,40 @@ def format_markdown(results: dict[str, Any]) -> str:
             for link in links:
                 row.append(fmt(c.get("sync_to_round", {}).get(link), ".2f"))
             rows.append(row)
+        lines += [*table(header, rows), ""]
+    tuned = results.get("tuned") or []
+    if tuned:
+        lines += ["## Tuned for the link against untuned", ""]
+        header = ["cell", "chosen", "expected per token", "vs untuned per token"]
+        header += ["time to the untuned loss, tuned / untuned (s)", "ms a step, predicted / run"]
+        header += ["ms a warm step, predicted / run"]
+        rows = []
+        for t in tuned:
+
+            def pair(p: dict[str, Any]) -> str:
+                if p["predicted"] is None and p["measured"] is None:
+                    return "-"
+                return (
+                    f"{fmt(None if p['predicted'] is None else p['predicted'] * 1e3, '.0f')} / "
+                    f"{fmt(None if p['measured'] is None else p['measured'] * 1e3, '.0f')}"
+                )
+
+            chosen = ", ".join(f"{k} {v}" for k, v in t["chosen"].items()) or "the defaults"
+            times = "-"
+            if t.get("untuned") is not None:
+                mine = fmt(t.get("time_to_untuned_loss_s"), ".1f", "not reached")
+                times = f"{mine} / {fmt(t.get('untuned_time_s'), '.1f', 'not reached')}"
+            rows.append(
+                [
+                    f"{t['cell']} x{t['workers']}",
+                    chosen,
+                    fmt(t.get("expected_cost"), "+.1%"),
+                    fmt(t.get("gap"), "+.1%"),
+                    times,
+                    pair(t["step_s"]),
+                    pair(t["warm_step_s"]),
+                ]
+            )
         lines += [*table(header, rows), ""]
     lines += ["## Goals", ""]
     rows = [

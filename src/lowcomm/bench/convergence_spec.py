@@ -14,7 +14,7 @@ from lowcomm.bench.variants import algo_fields
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY
 
-__all__ = ["ConvergenceSpec"]
+__all__ = ["ConvergenceSpec", "label_for"]
 
 
 def _default_algos() -> list[str]:
@@ -87,31 +87,66 @@ class ConvergenceSpec:
             for length in self.lengths:
                 self.train_config(algo, self.workers[0], self.seeds[0], length)
 
+    def tuned_per_link(self, algo: str) -> bool:
+        """Whether the entry ``algo`` is the job as ``lowcomm train`` runs it on each link: no
+        ``tune_link`` given, and its algorithm one the job tunes to its link
+        (:func:`lowcomm.plan.evidence.evidence_for`). Such an entry is one cell per link, its
+        settings chosen for that link (:func:`label`); ``ALGO/tune_link=off`` is the untuned
+        job on every link."""
+        from lowcomm.plan.evidence import evidence_for
+
+        fields = algo_fields(algo)
+        entry = REGISTRY[fields["algo"]]
+        tunable = entry.is_outer and not entry.fixed and evidence_for(fields["algo"]) is not None
+        return "tune_link" not in fields and tunable and bool(self.links)
+
     def train_config(
-        self, algo: str, workers: int, seed: int, length: int = 1, link: str | None = None
+        self,
+        algo: str,
+        workers: int,
+        seed: int,
+        length: int = 1,
+        link: str | None = None,
+        *,
+        tuned_for: str | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> Any:
-        """The ``TrainConfig`` of one job: a loss job (``link`` None) or a timing job."""
+        """The ``TrainConfig`` of one job: a loss job (``link`` None) or a timing job.
+
+        ``tuned_for``: a link the entry is tuned for (:meth:`tuned_per_link`). Its first loss
+        job chooses the settings for that link (``tune_link`` that link, as the job would on
+        it); every other job of the cell runs with those ``settings`` as given."""
         from lowcomm.train.config import config_from_dict
 
         values: dict[str, Any] = {**self.train_overrides, **algo_fields(algo)}
         values.update(workers=workers, seed=seed, overwrite=True, quiet=True)
+        label = algo if tuned_for is None else label_for(algo, tuned_for)
         # an entry is one set of settings on every link: its loss jobs (no link) and timing
-        # jobs (each link) run the same ones. Settings from the link only where the entry names
-        # the link to choose for (ALGO/tune_link=10mbit), for both
+        # jobs (each link) run the same ones. Settings from the link where the entry names the
+        # link to choose for (ALGO/tune_link=10mbit), for both; an entry tuned per link takes
+        # its first loss job's choice for that link in every other job of its cell
         values.setdefault("tune_link", "off")
+        if tuned_for is not None:
+            if settings is None:
+                values["tune_link"] = tuned_for
+            else:
+                values.update(settings)
         base = config_from_dict(values, source=f"--algos {algo!r}")
         steps = (self.steps or base.steps) * length
         if link is None:
-            name = f"loss-{_slug(algo)}-w{workers}-x{length}-s{seed}"
+            name = f"loss-{_slug(label)}-w{workers}-x{length}-s{seed}"
             values.update(steps=steps, link=None)
             if self.eval_every is not None:
                 values["eval_every"] = self.eval_every
         else:
             h = base.sync_every if REGISTRY[base.algo].is_outer else 1
             timing = h * math.ceil(self.timing_steps / h)
-            name = f"time-{_slug(algo)}-w{workers}-{_slug(link)}"
+            name = f"time-{_slug(label)}-w{workers}-{_slug(link)}"
             values.update(steps=timing, link=link, eval_every=timing)
-            loss_jobs = (self.train_config(algo, workers, seed, n) for n in self.lengths)
+            loss_jobs = (
+                self.train_config(algo, workers, seed, n, tuned_for=tuned_for, settings=settings)
+                for n in self.lengths
+            )
             if any(job.sync_warmup_steps() for job in loss_jobs):
                 # a warm start of the same length first: its steps are timed apart
                 values.update(steps=2 * timing, sync_warmup=timing)
@@ -121,6 +156,11 @@ class ConvergenceSpec:
             values["eval_batches"] = self.eval_batches
         values.update(name=name, out=os.path.join(self.out, "jobs", name))
         return config_from_dict(values, source="convergence").with_paths()
+
+
+def label_for(algo: str, link: str) -> str:
+    """The cell of entry ``algo`` tuned for ``link``: ``co2@10mbit``."""
+    return f"{algo}@{link}"
 
 
 def _slug(text: str) -> str:

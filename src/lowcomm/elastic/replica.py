@@ -37,8 +37,17 @@ TORCHFT_VERSION = "0.2.0"
 """The torchft release lowcomm's elasticity is tested with (the ``lowcomm[ft]`` extra)."""
 
 
-def require_torchft() -> Any:
-    """The ``torchft`` module, or a ``ValueError`` saying how to install it."""
+TORCHFT_SERIES = "0.2."
+"""The torchft releases accepted: those of the tested one's series. Another is refused before
+anything runs: 0.3 removed ``ProcessGroup.configure``, which the replicas' process groups are
+rebuilt with at every quorum, and by its release notes processes of 0.2 and 0.3 mixed in one
+job retry forever."""
+
+
+def require_torchft(version: str | None = None) -> Any:
+    """The ``torchft`` module, or a ``ValueError`` saying how to install it, or naming the
+    installed release and the tested one where it is not of the tested series (``version``:
+    the installed release, read from the package's metadata by default)."""
     # torchft's Rust side logs every quorum at INFO to stderr unless told otherwise
     os.environ.setdefault("RUST_LOG", "warn")
     try:
@@ -48,6 +57,19 @@ def require_torchft() -> Any:
             "fault tolerance needs torchft: pip install 'lowcomm[ft]' (torchft "
             f"{TORCHFT_VERSION}, Linux)"
         ) from None
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("torchft")
+        except PackageNotFoundError:
+            version = str(getattr(torchft, "__version__", "unknown"))
+    if not version.startswith(TORCHFT_SERIES):
+        raise ValueError(
+            f"fault tolerance is tested with torchft {TORCHFT_VERSION}, and torchft {version} "
+            f"is installed; pip install 'torchft=={TORCHFT_VERSION}' (or 'lowcomm[ft]')"
+        )
     return torchft
 
 

@@ -1,38 +1,26 @@
-"""Sync settings chosen from the link: the codec and overlap τ that hide an outer algorithm's
-syncs behind compute on the link a job runs over, with the least staleness, by the cost model of
-:mod:`lowcomm.plan.cost` (``lowcomm train --tune-link``; :func:`choose_sync_settings` for your
-own loop).
+"""Sync settings chosen from the link: the codec, overlap τ, fragments and warm start that reach
+the untuned job's loss soonest on the link a job runs over, among the settings measured per token
+for its algorithm (``lowcomm train --tune-link``; :func:`choose_sync_settings` for your own loop).
 
-A sync of S bytes over bandwidth β takes about 8·S·c/β plus latency (c the codec's ratio); a
-round takes H·t (t the inner step's compute). Overlap hides τ·t of it; the rest is waited. The
-choice walks a ladder of settings, each rung costing more per token than the one before (the
-study in ``docs/studies/slow-links.md``: codecs with error feedback cost nothing measurable,
-each extra step of staleness more), and takes the first rung whose predicted step time is within
-:data:`SLACK` of the compute alone (and, when the next rung only changes the codec, whose
-syncs fit in :data:`HEADROOM` of the compute they overlap); when none hides the syncs, the rung
-with the fastest predicted step (the earlier on a tie). A rung that would change a setting the
-user gave is skipped: what is given always wins.
+Two measurements decide, one of time and one of loss:
 
-* CO2 (``overlap`` < H): fp32 τ 1, int8 τ 1, int4 τ 1, int2 τ 1, int4 τ 2; then staggered
-  fragments (``num_fragments`` 4, a fragment synced every H/4 steps and in flight until the
-  next sync point, τ = H/4): int4, int2; then one fragment again, int2 τ 2 and int2 τ 4 (for
-  models of fewer than 4 blocks or H not a multiple of 4). Codecs with error feedback cost
-  nothing measurable per token in the study; staleness does (τ 4 +1.6%, τ 2 +0.1%, τ 1 −1.5%
-  against DDP with int4), far less when a quarter of the model is stale at a time (4 fragments,
-  int4, 72-step int2 warm start: τ 3 −1.0%, τ 2 −0.6%);
-* DiLoCo, SlowMo, LocalSGD (blocking): fp32, int8, int4, int2 — a codec shortens the wait,
-  nothing hides it;
-* Streaming DiLoCo, CoCoDC: fp32, int8, int4, int2 at the job's fragments and overlap.
+* **time**, from the cost model of :mod:`lowcomm.plan.cost`: a sync of S bytes over bandwidth β
+  takes about 8·S·c/β plus latency (c the codec's ratio); a round takes H·t (t the inner
+  step's compute); overlap hides τ·t of it and the rest is waited; a warm-start step waits for
+  its gradient all-reduce beyond what backward hides. The job's predicted time is its warm
+  steps and its other steps at those rates;
+* **loss at equal tokens**, from :mod:`lowcomm.plan.evidence`: what each setting cost the
+  algorithm in its study, against its untuned job. A setting never measured for an algorithm is
+  never chosen for it, nor one that cost it more than :data:`~lowcomm.plan.evidence.MAX_COST`;
+  and the combination chosen (its settings' costs added) is never expected to end above the
+  untuned job's loss: the tuner trades no loss per token for speed, so the job tuned for its link
+  reaches the untuned job's final loss, sooner.
 
-The synchronous warm start averages gradients every step, unhidden; its codec follows the same
-rule against :data:`WARM_SLACK`: int8 (the job's default), int4, then int2 (all three with error
-feedback; in the study's 3 seeds int4 and int2 warm starts ended at or below int8's loss, while
-PowerSGD rank 4 ended 11% above DDP's). Given the job's steps, its length is cut until what it
-adds is at most :data:`WARM_BUDGET` of the job's compute, but not below
-:data:`MIN_WARM_FRACTION` of the steps; where even that floor (or a length the user gave) adds
-more than the budget, the codec goes on down the ladder to the first whose warm start fits
-(else the cheapest): a slow machine's long steps let int8 pass the slack while one round of it
-would cost twice the budget.
+Among those, it takes the combination with the least predicted time to that loss: the job's
+predicted time, less what a per-token gain saves at
+:data:`~lowcomm.plan.evidence.TOKEN_EXCHANGE` (credited up to
+:data:`~lowcomm.plan.evidence.NOISE`, the studies' seed noise); ties go to the smaller expected
+cost, then to the untuned settings. A setting the user gave is never changed.
 
 Compressed syncs travel by all-gather (every rank decodes every payload), fp32 ones by ring
 all-reduce: the times are those of :class:`~lowcomm.plan.cost.Network` for each.
@@ -41,65 +29,45 @@ Example::
 
     link = LinkProfile.parse("10mbit")
     choice = choose_sync_settings("co2", link=link, workers=2, step_time_s=0.075,
-                                  shapes=[p.shape for p in model.parameters()], sync_every=12)
-    choice.settings   # {'compression': 'int4', 'overlap': 2, ...}
+                                  shapes=[p.shape for p in model.parameters()], sync_every=12,
+                                  warm_steps=240, steps=960, max_fragments=4)
+    choice.settings   # {'compression': 'int4', 'overlap': 3, 'num_fragments': 4, ...}
+    choice.cost       # expected loss per token against the untuned job: -0.006
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 from lowcomm.plan.cost import Algorithm, Network, Workload, step_time
+from lowcomm.plan.evidence import (
+    MAX_COST,
+    NOISE,
+    TOKEN_EXCHANGE,
+    Measured,
+    evidence_for,
+)
 from lowcomm.registry import REGISTRY
 
 __all__ = [
-    "HEADROOM",
     "SLACK",
-    "WARM_SLACK",
     "LinkProfile",
     "SyncChoice",
     "choose_sync_settings",
+    "encoded_ratio",
     "sync_seconds",
+    "warm_length",
 ]
 
 SLACK = 0.1
-"""A rung hides its syncs when its predicted step time is at most this much above the compute
-(the study: a second step of staleness costs more per token than 10% of throughput)."""
-HEADROOM = 0.9
-"""An overlapped rung followed by a rung of another codec only (same τ and fragments: nothing
-more per token) is taken only when its sync fits in this share of the compute it overlaps: the
-model charges the link alone, not the codec's work or the CPU the collective takes from compute
-on the same cores (on 100mbit an int8 sync predicted at 79 ms against 77 ms of compute counted
-as hidden), and the next codec costs nothing to take."""
-WARM_SLACK = 0.5
-"""A warm-start codec is cheap enough when a warm step's all-reduce takes at most this fraction
-of the step's compute."""
-WARM_BUDGET = 0.03
-"""The warm start is shortened until what its all-reduces add is at most this share of the
-job's compute (3%, leaving room for the syncs' own waits under a 0.95 ceiling goal; the
-100mbit job measured 0.947)…"""
-MIN_WARM_FRACTION = 3 / 40
-"""…but not below this share of the steps: the shortest warm start with which the default job
-tuned for a slow link (int4 syncs in 4 staggered fragments, int2 warm start) ended below DDP's
-loss in the study (72 of 960 steps: −1.0% over 3 seeds; 48 steps: +1.7%; no warm start +30%)."""
+"""The syncs count as hidden (:attr:`SyncChoice.hidden`) where the predicted step is at most
+this much above the compute."""
 
-_CO2_LADDER: tuple[tuple[str | None, int, int], ...] = (
-    # (codec, τ, P)
-    (None, 1, 1),
-    ("int8", 1, 1),
-    ("int4", 1, 1),
-    ("int2", 1, 1),
-    ("int4", 2, 1),
-    ("int4", 0, 4),  # τ 0 here: H/P, a fragment in flight until the next sync point
-    ("int2", 0, 4),
-    ("int2", 2, 1),
-    ("int2", 4, 1),
-)
-_CODEC_LADDER: tuple[str | None, ...] = (None, "int8", "int4", "int2")
-_WARM_LADDER: tuple[str, ...] = ("int8", "int4", "int2")
+_UNTUNED = Measured(0.0, "the untuned job", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +111,10 @@ class SyncChoice:
     """What :func:`choose_sync_settings` chose, and why."""
 
     settings: dict[str, Any]
-    """The job settings to apply (``compression``, ``overlap``, ``sync_warmup_compression``);
-    empty when nothing changes."""
+    """The job settings to apply (``compression``, ``overlap``, ``num_fragments``,
+    ``sync_warmup``, ``sync_warmup_compression``): those that change; empty when none does."""
     step_s: float
-    """Predicted time of an inner step with them (compute plus what is waited)."""
+    """Predicted time of an inner step after the warm start (compute plus what is waited)."""
     compute_s: float
     """The inner step's compute, t."""
     sync_s: float
@@ -156,12 +124,21 @@ class SyncChoice:
     hidden: bool
     """Whether the syncs hide behind compute within :data:`SLACK`."""
     reason: str
+    warm_steps: int = 0
+    """The warm start's steps chosen (0: none)."""
+    job_s: float | None = None
+    """Predicted time of the job's steps (``steps`` known), warm start included."""
+    cost: float = 0.0
+    """Expected loss at equal tokens against the untuned job (the chosen settings' measured
+    costs added; -0.011: 1.1% lower)."""
+    evidence: tuple[str, ...] = ()
+    """Each chosen setting's measured cost, with the entry and the study that measured it."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _encoded_ratio(codec: str | None, shapes: Sequence[Sequence[int]]) -> float:
+def encoded_ratio(codec: str | None, shapes: Sequence[Sequence[int]]) -> float:
     """Wire bytes of ``codec`` over fp32 bytes for tensors of ``shapes`` (1 for fp32)."""
     if codec is None:
         return 1.0
@@ -201,23 +178,29 @@ class _CodecNetwork:
         return self.net.exchange_time(payload_bytes, group)
 
 
-def _rungs(algo: str, sync_every: int, max_fragments: int) -> list[dict[str, Any]]:
-    """The ladder of ``algo`` as job settings (staggered rungs, each fragment H/P steps in
-    flight, only where H splits into P fragments of more than one step and the model has P
-    blocks)."""
-    entry = REGISTRY[algo]
-    schedule = entry.schedule
-    if entry.fixed:  # co2-eager: its overlap is the whole round
-        return []
-    if schedule == "one-round-stale":
-        return [
-            {"compression": c, "overlap": tau or sync_every // p, "num_fragments": p}
-            for c, tau, p in _CO2_LADDER
-            if p == 1 or (p <= max_fragments and sync_every % p == 0 and sync_every // p > 1)
-        ]
-    if schedule in ("blocking", "fragments"):
-        return [{"compression": c} for c in _CODEC_LADDER]
-    return []
+def _resolved(settings: Mapping[str, Any], sync_every: int) -> dict[str, Any]:
+    """``settings`` with an ``overlap`` of 0 made H / ``num_fragments`` (a fragment in flight
+    until the next sync point)."""
+    out = dict(settings)
+    p = int(out.get("num_fragments") or 1)
+    if "overlap" in out and not out["overlap"]:
+        out["overlap"] = sync_every // p
+    return out
+
+
+def _fits(settings: Mapping[str, Any], sync_every: int, max_fragments: int) -> bool:
+    """Whether a measured setting applies to a job of H = ``sync_every`` on a model of
+    ``max_fragments`` blocks: P fragments of more than one step each, fewer than H steps in
+    flight."""
+    p = int(settings.get("num_fragments") or 1)
+    if p > 1 and (p > max_fragments or sync_every % p or sync_every // p <= 1):
+        return False
+    return int(settings.get("overlap") or 0) < sync_every
+
+
+def warm_length(share: Fraction, steps: int, sync_every: int) -> int:
+    """The warm start's steps for ``share`` of a job of ``steps``: whole rounds, at least one."""
+    return max(sync_every, int(share * steps) // sync_every * sync_every)
 
 
 def _algorithm(algo: str, sync_every: int, settings: dict[str, Any]) -> Algorithm:
@@ -227,6 +210,22 @@ def _algorithm(algo: str, sync_every: int, settings: dict[str, Any]) -> Algorith
         kwargs["overlap"] = int(settings.get("overlap") or 0)
         kwargs["num_fragments"] = int(settings.get("num_fragments") or 1)
     return Algorithm(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One candidate: sync settings and a warm start, with their costs and times."""
+
+    sync: dict[str, Any]
+    sync_cost: Measured
+    warm_steps: int
+    warm_codec: str | None
+    warm_cost: Measured
+    order: int
+
+    @property
+    def cost(self) -> float:
+        return self.sync_cost.cost + self.warm_cost.cost
 
 
 def choose_sync_settings(
@@ -242,6 +241,7 @@ def choose_sync_settings(
     warm_steps: int = 0,
     steps: int | None = None,
     max_fragments: int = 1,
+    codec_s: Mapping[str, float] | None = None,
 ) -> SyncChoice:
     """The sync settings of ``algo`` for ``link`` (module docstring).
 
@@ -253,146 +253,138 @@ def choose_sync_settings(
         shapes: the synchronised parameters' shapes.
         sync_every: H.
         current: the job's settings before the choice (its defaults: ``overlap``,
-            ``num_fragments``, ``compression``, ``sync_warmup_compression``).
+            ``num_fragments``, ``compression``, ``sync_warmup_compression``): the untuned job.
         given: settings the user gave (never changed).
-        warm_steps: K, the warm start's steps (0: none).
-        steps: the job's steps; with it, a warm start that would add more than
-            :data:`WARM_BUDGET` of the job's compute is shortened (to no fewer than
-            :data:`MIN_WARM_FRACTION` of the steps, in whole rounds), unless ``sync_warmup`` is
-            given.
+        warm_steps: K, the untuned job's warm-start steps (0: none).
+        steps: the job's steps (default: four times ``warm_steps``, the job's own ratio); the
+            warm start's measured lengths are shares of them.
         max_fragments: the most fragments the model splits into (its transformer blocks): CO2's
-            staggered rungs (4 fragments) need at least 4; 1 leaves them out.
+            staggered settings (4 fragments) need at least 4.
+        codec_s: the time one compressed mean of the model takes a worker's compute with each
+            codec (encoding, error feedback, decoding; measured by the job at start-up): a
+            sync adds it once a round, a warm step every step. Left out: the link alone.
     """
+    if not (step_time_s > 0 and math.isfinite(step_time_s)):
+        raise ValueError(f"step_time_s must be a finite number > 0, got {step_time_s!r}")
     current = dict(current or {})
-    if REGISTRY[algo].schedule == "one-round-stale" and current.get("num_fragments") is None:
+    entry = REGISTRY[algo]
+    if entry.schedule == "one-round-stale" and current.get("num_fragments") is None:
         current["num_fragments"] = 1  # CO2's default: one fragment
+    evidence = evidence_for(algo) if not entry.fixed else None
+    if evidence is None:
+        why = f"{algo}: not tuned (no per-token study of its settings)"
+        return SyncChoice({}, step_time_s, step_time_s, 0.0, None, True, why)
     given = set(given)
     shapes = [tuple(s) for s in shapes]
     payload = 4.0 * sum(math.prod(s) for s in shapes)
-    if not (step_time_s > 0 and math.isfinite(step_time_s)):
-        raise ValueError(f"step_time_s must be a finite number > 0, got {step_time_s!r}")
     work = Workload(parameters=max(1.0, payload / 4), tokens_per_step=1.0, step_time_s=step_time_s)
-    best: tuple[float, dict[str, Any], Any] | None = None
-    chosen: tuple[dict[str, Any], Any] | None = None
-    rungs = _rungs(algo, sync_every, max_fragments)
-    for i, rung in enumerate(rungs):
-        if any(k in given and current.get(k) != v for k, v in rung.items()):
-            continue  # it would change what the user gave
-        if int(rung.get("overlap") or 0) >= sync_every:
-            continue  # a whole round stale is another schedule (the paper's CO2), not a rung
-        settings = {**current, **rung}
-        codec = settings.get("compression")
-        ratio = _encoded_ratio(codec, shapes)
-        t = step_time(
-            _algorithm(algo, sync_every, settings), work, _CodecNetwork(link, codec, ratio), workers
-        )
-        if best is None or t.step_s < best[0] - 1e-12:
-            best = (t.step_s, rung, t)
-        later = rungs[i + 1 :]
-        free_next = bool(later) and all(
-            later[0].get(k) == rung.get(k) for k in ("overlap", "num_fragments")
-        )
-        if t.step_s <= (1 + SLACK) * step_time_s and (
-            not free_next or _fits(settings, t.comm_s * sync_every, step_time_s)
-        ):
-            chosen = (rung, t)
-            break
-    if best is None:
-        return SyncChoice({}, step_time_s, step_time_s, 0.0, None, True, f"{algo}: not tuned")
-    hidden = chosen is not None
-    rung, timing = chosen if chosen is not None else (best[1], best[2])
-    settings = {k: v for k, v in rung.items() if current.get(k) != v}
-    warm_s: float | None = None
-    if warm_steps > 0:
-        warm_codec, warm_s = _warm_choice(
-            current.get("sync_warmup_compression"),
-            "sync_warmup_compression" in given,
-            payload,
-            shapes,
-            workers,
-            link,
-            step_time_s,
-        )
-        if steps is not None:
-            n_steps = steps
+    n_steps = steps if steps is not None else 4 * warm_steps
 
-            def length(extra_s: float) -> int:  # the warm start's steps at ``extra_s`` a step
-                if "sync_warmup" in given:
-                    return warm_steps
-                return _warm_length(warm_steps, n_steps, sync_every, extra_s, step_time_s)
+    def changes_given(settings: Mapping[str, Any]) -> bool:
+        return any(k in given and current.get(k) != v for k, v in settings.items())
 
-            k = length(warm_s - step_time_s)
-            if "sync_warmup_compression" not in given:
-                warm_codec, warm_s, k = _warm_within_budget(
-                    warm_codec,
-                    warm_s,
-                    k,
-                    lambda c: _warm_step_s(c, payload, shapes, workers, link, step_time_s),
-                    length,
-                    WARM_BUDGET * steps * step_time_s,
-                    step_time_s,
-                )
-            if k != warm_steps:
-                settings["sync_warmup"] = k
-        if warm_codec != current.get("sync_warmup_compression"):
-            settings["sync_warmup_compression"] = warm_codec
+    # the untuned job's own settings first (cost 0 by definition), then every measured one that
+    # fits this job and leaves what the user gave as it is
+    keys = {k for settings, _ in evidence.sync for k in settings}
+    untuned_sync = {k: current.get(k) for k in sorted(keys)}
+    syncs: list[tuple[dict[str, Any], Measured]] = [(untuned_sync, _UNTUNED)]
+    for settings, measured in evidence.sync:
+        resolved = _resolved(settings, sync_every)
+        if resolved == untuned_sync or measured.cost > MAX_COST:
+            continue
+        if _fits(resolved, sync_every, max_fragments) and not changes_given(resolved):
+            syncs.append((resolved, measured))
+    warms: list[tuple[int, str | None, Measured]] = [
+        (warm_steps, current.get("sync_warmup_compression"), _UNTUNED)
+    ]
+    if warm_steps > 0 and n_steps > 0:
+        for share, codec, measured in evidence.warm:
+            k = warm_length(share, n_steps, sync_every)
+            if "sync_warmup" in given and k != warm_steps:
+                continue
+            if "sync_warmup_compression" in given and codec != current.get(
+                "sync_warmup_compression"
+            ):
+                continue
+            if measured.cost > MAX_COST or (k, codec) == warms[0][:2]:
+                continue
+            warms.append((k, codec, measured))
+
+    timed: dict[int, Any] = {}
+
+    def local(i: int) -> Any:  # the cost model's step after the warm start, per sync setting
+        if i not in timed:
+            settings = {**current, **syncs[i][0]}
+            codec = settings.get("compression")
+            ratio = encoded_ratio(codec, shapes)
+            timed[i] = step_time(
+                _algorithm(algo, sync_every, settings),
+                work,
+                _CodecNetwork(link, codec, ratio),
+                workers,
+            )
+        return timed[i]
+
+    codec_work = dict(codec_s or {})
+
+    def warm_step(codec: str | None) -> float:
+        link_s = _warm_step_s(codec, payload, shapes, workers, link, step_time_s)
+        return link_s + codec_work.get(codec or "", 0.0)
+
+    best: tuple[tuple[float, float, int], _Option, float, float | None] | None = None
+    order = 0
+    for i, (sync, sync_cost) in enumerate(syncs):
+        for k, warm_codec, warm_cost in warms:
+            option = _Option(sync, sync_cost, k, warm_codec, warm_cost, order)
+            order += 1
+            if option.cost > 1e-12:
+                continue  # never expected to end above the untuned job's loss
+            step_s = (
+                local(i).step_s + codec_work.get(sync.get("compression") or "", 0.0) / sync_every
+            )
+            warm_s = warm_step(warm_codec) if k > 0 else None
+            job_s = (k * (warm_s or 0.0) + max(0, n_steps - k) * step_s) if n_steps else step_s
+            credit = max(option.cost, -NOISE)
+            score = job_s * (1.0 + credit / TOKEN_EXCHANGE)
+            key = (round(score, 9), round(option.cost, 9), option.order)
+            if best is None or key < best[0]:
+                best = (key, option, job_s, warm_s)
+    assert best is not None  # the untuned settings are always a candidate
+    _, chosen, job_s, warm_s = best
+    timing = local(next(i for i, (s, _) in enumerate(syncs) if s == chosen.sync))
+    step_s = timing.step_s + codec_work.get(chosen.sync.get("compression") or "", 0.0) / sync_every
+    settings = {k: v for k, v in chosen.sync.items() if current.get(k) != v}
+    if chosen.warm_steps != warm_steps:
+        settings["sync_warmup"] = chosen.warm_steps
+    if warm_steps > 0 and chosen.warm_codec != current.get("sync_warmup_compression"):
+        settings["sync_warmup_compression"] = chosen.warm_codec
+    hidden = step_s <= (1 + SLACK) * step_time_s
     round_sync = timing.comm_s * sync_every
-    what = ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in rung.items())
-    reason = (
-        f"{what}: a round's syncs {round_sync:.3g} s against {sync_every} x {step_time_s * 1e3:.3g}"
-        f" ms of compute, "
-        + ("hidden" if hidden else f"not hidden by any setting (fastest: {what})")
+    evidence_lines = tuple(
+        f"{what}: {measured.describe()}"
+        for what, measured in (("syncs", chosen.sync_cost), ("warm start", chosen.warm_cost))
+        if measured is not _UNTUNED
     )
-    return SyncChoice(settings, timing.step_s, step_time_s, round_sync, warm_s, hidden, reason)
-
-
-def _fits(settings: dict[str, Any], round_sync_s: float, step_s: float) -> bool:
-    """Whether each sync of an overlapped rung fits in :data:`HEADROOM` of the τ steps of
-    compute it overlaps (a blocking rung, τ 0, always passes: nothing hides its sync)."""
-    tau = int(settings.get("overlap") or 0)
-    p = int(settings.get("num_fragments") or 1)
-    if tau == 0:
-        return True
-    return round_sync_s / p <= HEADROOM * tau * step_s
-
-
-def _warm_length(k: int, steps: int, h: int, extra_s: float, step_s: float) -> int:
-    """The warm start's steps: ``k``, or fewer (whole rounds) so that its ``extra_s`` a step
-    adds at most :data:`WARM_BUDGET` of ``steps`` steps' compute, but no fewer than
-    :data:`MIN_WARM_FRACTION` of the steps (at least one round)."""
-    if extra_s <= 0:
-        return k
-    budget = int(WARM_BUDGET * steps * step_s / extra_s) // h * h
-    floor = max(h, int(MIN_WARM_FRACTION * steps) // h * h)
-    return min(k, max(budget, floor))
-
-
-def _warm_within_budget(
-    codec: str | None,
-    warm_s: float,
-    k: int,
-    warm_step: Callable[[str | None], float],
-    length: Callable[[float], int],
-    budget_s: float,
-    step_s: float,
-) -> tuple[str | None, float, int]:
-    """The warm start's codec, step time and length once its cost is held to ``budget_s``:
-    when ``k`` warm steps of ``codec`` add more than the budget (its length is at its floor, or
-    given), the next codec of the ladder whose warm start (of ``length(extra)`` steps) fits,
-    else the cheapest. With error feedback a cheaper codec costs nothing measurable per token
-    (the study: int4 and int2 warm starts ended at or below int8's loss), while the warm start's
-    all-reduces are waited in full."""
-    if k * (warm_s - step_s) <= budget_s or codec not in _WARM_LADDER:
-        return codec, warm_s, k
-    best = (warm_s, codec, k)
-    for cheaper in _WARM_LADDER[_WARM_LADDER.index(codec) + 1 :]:
-        seconds = warm_step(cheaper)
-        n = length(seconds - step_s)
-        if seconds < best[0]:
-            best = (seconds, cheaper, n)
-        if n * (seconds - step_s) <= budget_s:
-            return cheaper, seconds, n
-    return best[1], best[0], best[2]
+    what = ", ".join(f"{k} {'none' if v is None else v}" for k, v in settings.items())
+    reason = (
+        f"{what or 'the untuned settings'}: a round's syncs {round_sync:.3g} s against "
+        f"{sync_every} x {step_time_s * 1e3:.3g} ms of compute, "
+        + ("hidden" if hidden else "not hidden")
+        + f"; expected loss per token {chosen.cost:+.1%} against the untuned job"
+    )
+    return SyncChoice(
+        settings,
+        step_s,
+        step_time_s,
+        round_sync,
+        warm_s if chosen.warm_steps > 0 else None,
+        hidden,
+        reason,
+        warm_steps=chosen.warm_steps,
+        job_s=job_s if n_steps else None,
+        cost=chosen.cost,
+        evidence=evidence_lines,
+    )
 
 
 def _warm_step_s(
@@ -403,35 +395,9 @@ def _warm_step_s(
     link: LinkProfile,
     step_time_s: float,
 ) -> float:
-    """A warm step's predicted time with ``codec``: the compute and the all-reduce after it."""
-    ratio = _encoded_ratio(codec, shapes)
-    return step_time_s + sync_seconds(codec, payload, workers, link, ratio)
-
-
-def _warm_choice(
-    current: str | None,
-    given: bool,
-    payload: float,
-    shapes: Sequence[Sequence[int]],
-    workers: int,
-    link: LinkProfile,
-    step_time_s: float,
-) -> tuple[str | None, float]:
-    """The warm start's codec (the given one, else the first of the ladder whose all-reduce
-    takes at most :data:`WARM_SLACK` of a step's compute, else the cheapest) and its predicted
-    step time."""
-
-    def warm_step(codec: str | None) -> float:
-        return _warm_step_s(codec, payload, shapes, workers, link, step_time_s)
-
-    if given:
-        return current, warm_step(current)
-    ladder = list(_WARM_LADDER)
-    if current is not None and current not in ladder:
-        ladder.insert(0, current)
-    timed = [(warm_step(c), c) for c in ladder]
-    for seconds, codec in timed:
-        if seconds - step_time_s <= WARM_SLACK * step_time_s:
-            return codec, seconds
-    seconds, codec = min(timed, key=lambda x: x[0])
-    return codec, seconds
+    """A warm step's predicted time with ``codec``: the compute and what backward does not hide
+    of its gradient all-reduce (launched bucket by bucket as backward produces them)."""
+    ratio = encoded_ratio(codec, shapes)
+    comm = sync_seconds(codec, payload, workers, link, ratio)
+    hidden = Workload(parameters=1.0, tokens_per_step=1.0, step_time_s=step_time_s)
+    return step_time_s + max(0.0, comm - hidden.backward_fraction * step_time_s)

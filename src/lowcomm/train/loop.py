@@ -201,6 +201,8 @@ class _Job:
     records: Instruments
     t_start: float
     t_attempt: float
+    warm_clock: float | None
+    """The training clock when the warm start ended (rank 0; ``None``: not in this run)."""
     val_start: float
     end_step: int
     """The step the run ended after (``steps``; later with dynamic local steps)."""
@@ -301,6 +303,8 @@ class _Job:
         if algo is not None:
             algo.set_total_steps(cfg.steps)  # the last round ends at the job's tokens
         step = self.start
+        warm_steps = cfg.sync_warmup_steps() if self.start == 0 else -1
+        self.warm_clock = None
         while not self.finished(step):
             step += 1
             lr = _lr_at(step if algo is None else algo.steps_done(including_next=True), cfg)
@@ -328,6 +332,10 @@ class _Job:
             records.inject(step, rank, self.gpt)
             last = self.finished(step)
             records.step(step, loss, lr, flush=step % eval_interval == 0 or last)
+            if step == warm_steps and records.progress is not None:
+                # the training clock (evaluations and ceiling segments left out) at the warm
+                # start's end: the run's warm and local step times, beside the tuner's
+                self.warm_clock = time.perf_counter() - self.t_start - records.progress.excluded_s
             if step % eval_interval == 0 and not last:
                 self.evaluate(step)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -335,6 +343,21 @@ class _Job:
             if self.ceiling is not None:
                 records.paused(self.ceiling.during(step, sync.idle))
         self.end_step = step
+
+    def step_times(self, train_s: float, end: int) -> dict[str, float | None] | None:
+        """This run's training time per step: over the warm start's steps (``warm_step_s``)
+        and over the others (``step_s``); ``None`` for a resumed run (its clock continues the
+        stopped run's)."""
+        if self.start > 0 or end <= 0:
+            return None
+        k = self.cfg.sync_warmup_steps()
+        if not k or self.warm_clock is None:
+            return {"step_s": train_s / end, "warm_step_s": None}
+        rest = end - k
+        return {
+            "step_s": (train_s - self.warm_clock) / rest if rest > 0 else None,
+            "warm_step_s": self.warm_clock / k,
+        }
 
     def finished(self, step: int) -> bool:
         """Whether the job ends after ``step``: at ``steps``; with dynamic local steps at the
@@ -428,6 +451,8 @@ class _Job:
             "nonfinite": records.watch.state_dict(),
             # this process's device memory high-water mark (None on the CPU)
             "peak_gpu_memory_bytes": peak_memory_allocated(self.device),
+            # the intra-op threads it computed with (this machine's cores over its processes)
+            "threads": torch.get_num_threads(),
         }
         if zero is not None and topology.holds_zero_root():
             # node 0 (its group rank 0 is rank 0) gathers the whole AdamW state for checkpoint.pt
@@ -470,6 +495,7 @@ class _Job:
             else self.ceiling.summary(topology.tokens_per_step, ceiling_segments),
         )
         summary["steps_run"] = end
+        summary["step_times"] = self.step_times(train_s, end)
         # a resumed run's wall time counts from step 0 over every attempt; this one's alone:
         summary["attempt_wall_time_s"] = time.perf_counter() - self.t_attempt
         peaks = [r.get("peak_gpu_memory_bytes") for r in sorted(gathered, key=lambda r: r["rank"])]

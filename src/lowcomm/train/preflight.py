@@ -112,6 +112,13 @@ def check_environment(cfg: TrainConfig) -> None:
                 f"use at most {n_gpus} workers or --backend gloo",
             )
     check_torchrun_layout(cfg)
+    if cfg.fault_tolerance:
+        from lowcomm.elastic.replica import require_torchft
+
+        try:
+            require_torchft()
+        except ValueError as e:
+            raise ConfigError("fault_tolerance", f"cannot run here: {e}") from None
     if not under_torchrun():
         start_method()  # a bad LOWCOMM_START_METHOD is a ValueError naming the choices
     _check_output(cfg)
@@ -220,7 +227,8 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     without a link, or for an algorithm whose traffic this does not bound (gossip, DeMo)."""
     if cfg.link is None:
         return None
-    from lowcomm.plan.tune import MIN_WARM_FRACTION, LinkProfile, sync_seconds
+    from lowcomm.plan.evidence import evidence_for
+    from lowcomm.plan.tune import LinkProfile, encoded_ratio, sync_seconds, warm_length
     from lowcomm.registry import REGISTRY
 
     entry = REGISTRY[cfg.algo]
@@ -237,20 +245,21 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     def sync(codec: str | None) -> float:
         if codec in (None, "none"):
             return sync_seconds(None, payload, n, link, 1.0)
-        from lowcomm.plan.tune import _encoded_ratio
-
-        return sync_seconds(codec, payload, n, link, _encoded_ratio(codec, [(parameters,)]))
+        return sync_seconds(codec, payload, n, link, encoded_ratio(codec, [(parameters,)]))
 
     kwargs = cfg.algorithm_kwargs()
     warm = cfg.sync_warmup_steps()
     codec, warm_codec = kwargs.get("compression"), kwargs.get("sync_warmup_compression")
-    if cfg.tune_link != "off":  # the choice may compress further and shorten the warm start
+    evidence = evidence_for(cfg.algo)
+    if cfg.tune_link != "off" and evidence is not None:
+        # the choice may compress further and shorten the warm start, as far as was measured
         if cfg.compression is None:
             codec = "int2"
         if cfg.sync_warmup_compression is None:
             warm_codec = "int2"
-        if cfg.sync_warmup is None and warm:
-            warm = min(warm, max(cfg.sync_every, int(MIN_WARM_FRACTION * cfg.steps)))
+        if cfg.sync_warmup is None and warm and evidence.warm:
+            shortest = min(share for share, _, _ in evidence.warm)
+            warm = min(warm, warm_length(shortest, cfg.steps, cfg.sync_every))
     rounds = max(0, cfg.steps - warm) // cfg.sync_every
     return warm * sync(warm_codec) + rounds * sync(codec)
 

@@ -20,6 +20,7 @@ __all__ = [
     "LossWatch",
     "Progress",
     "divergence",
+    "describe_choice",
     "divergence_text",
     "failed_summary",
     "format_elastic_summary",
@@ -163,19 +164,43 @@ def _nonfinite_rows(nonfinite: dict[str, Any] | None) -> list[tuple[str, str]]:
     return [("diverged", f"{divergence_text(nonfinite)}; lower --lr")]
 
 
-def _tuning_rows(tuning: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """The settings chosen from the link (``--tune-link``), if any were looked for."""
+def describe_choice(record: dict[str, Any]) -> str:
+    """The choice of a ``link_tuning`` record in one line: the settings, the predicted step
+    times, and what the settings are expected to cost per token with where that was
+    measured."""
+    chosen = ", ".join(f"{k} {'none' if v is None else v}" for k, v in record["settings"].items())
+    predicted = f"predicted {record['step_s'] * 1e3:.0f} ms a step"
+    warm = record.get("warm_step_s")
+    if warm is not None and record.get("warm_steps"):
+        predicted += f", {warm * 1e3:.0f} ms a warm step"
+    predicted += f", against {record['compute_s'] * 1e3:.0f} ms of compute"
+    expected = ""
+    if record.get("cost") is not None:
+        studies = sorted(
+            {line.rsplit(", ", 1)[-1].rstrip(")") for line in record.get("evidence", [])}
+        )
+        where = f", measured in {' and '.join(studies)}" if studies else ""
+        expected = f"; expected loss per token {record['cost']:+.1%} against the untuned job{where}"
+    return f"{chosen or 'the defaults'} ({predicted}{expected})"
+
+
+def _tuning_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The settings chosen from the link (``--tune-link``), if any were looked for, and the
+    step times predicted for them beside those the run measured."""
+    tuning = summary.get("link_tuning")
     if not tuning:
         return []
-    chosen = ", ".join(
-        f"{k.replace('_', ' ')} {'none' if v is None else v}"
-        for k, v in tuning.get("settings", {}).items()
-    )
-    predicted = (
-        f"predicted {tuning['step_s'] * 1e3:.0f} ms a step against {tuning['compute_s'] * 1e3:.0f}"
-        " ms of compute"
-    )
-    return [("tuned to link", f"{tuning['link']}: {chosen or 'the defaults'} ({predicted})")]
+    rows = [("tuned to link", f"{tuning['link']}: {describe_choice(tuning)}")]
+    measured = summary.get("step_times") or {}
+    parts = []
+    if measured.get("step_s") is not None:
+        parts.append(f"{tuning['step_s'] * 1e3:.0f} / {measured['step_s'] * 1e3:.0f} ms a step")
+    if measured.get("warm_step_s") is not None and tuning.get("warm_step_s") is not None:
+        predicted, run = tuning["warm_step_s"] * 1e3, measured["warm_step_s"] * 1e3
+        parts.append(f"{predicted:.0f} / {run:.0f} ms a warm step")
+    if parts:
+        rows.append(("predicted / run", ", ".join(parts)))
+    return rows
 
 
 def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -> str:
@@ -220,7 +245,7 @@ def format_summary(summary: dict[str, Any], *, command_s: float | None = None) -
         *_layout_rows(layout or None),
         ("link", link),
         ("compression", compression),
-        *_tuning_rows(summary.get("link_tuning")),
+        *_tuning_rows(summary),
         ("steps", f"{summary['steps']:,} ({summary['tokens']:,} tokens)"),
         *_work_rows(summary.get("work")),
         *_resume_rows(summary),

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.device import collective_device, synchronize
+from lowcomm.plan.evidence import evidence_for
 from lowcomm.plan.tune import LinkProfile, choose_sync_settings
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
@@ -52,6 +53,9 @@ TUNED_KEYS = (
 
 _TUNABLE_SCHEDULES = ("one-round-stale", "blocking", "fragments")
 
+TUNED_CODECS = ("int8", "int4", "int2")
+"""The codecs whose CPU time a tuned job measures at start-up (:func:`_codec_seconds`)."""
+
 
 def _tunable(cfg: TrainConfig) -> str | None:
     """Why ``cfg`` is not tuned, or ``None`` when it is."""
@@ -60,6 +64,8 @@ def _tunable(cfg: TrainConfig) -> str | None:
         return "off"
     if not entry.is_outer or entry.schedule not in _TUNABLE_SCHEDULES or entry.fixed:
         return f"{cfg.algo} is not tuned"
+    if evidence_for(cfg.algo) is None:
+        return f"{cfg.algo} is not tuned: its settings were never measured per token"
     if cfg.fault_tolerance:
         return "elastic syncs are not compressed"
     if cfg.shard_outer_state:
@@ -105,8 +111,12 @@ def measure_link(group: Any, *, payload_bytes: int, repeats: int = 3) -> LinkPro
     small = best(256)
     large = best(max(256, payload_bytes // 4))
     wire = 2 * (n - 1) / max(n, 1) * 8.0 * payload_bytes
-    bandwidth = wire / max(large - small, 1e-6)
-    return LinkProfile(bandwidth, small, "measured", False)
+    # a link so fast that the large all-reduce takes about as long as the small one (loopback,
+    # NVLink): its bandwidth is beyond what this payload resolves; say so, with the bound
+    floor = max(1e-6, 0.05 * small)
+    if large - small < floor:
+        return LinkProfile(wire / floor, small, "measured (at least)", False)
+    return LinkProfile(wire / (large - small), small, "measured", False)
 
 
 def _step_time(
@@ -128,6 +138,49 @@ def _step_time(
     slowest = torch.tensor([seconds / steps], dtype=torch.float64, device=collective_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
+
+
+def _codec_seconds(
+    gpt: nn.Module, device: torch.device, codecs: list[str], world: int
+) -> dict[str, float]:
+    """This rank's CPU (or host and device) time for one compressed mean of the model with each
+    of ``codecs``, over a group of this rank alone: the encoding, error feedback, the
+    all-gather's copies and the decoding (of ``world`` payloads, the others' scaled from its
+    own), which a sync adds to the compute it shares a core (or a stream) with. The slowest
+    rank's figures; every rank takes part (the one-rank groups are made collectively)."""
+    from lowcomm.buckets import FlatBuckets
+    from lowcomm.comm import Communicator
+    from lowcomm.compress.feedback import Compressor
+
+    rank = dist.get_rank()
+    own = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r])
+        if r == rank:
+            own = group
+    comm = Communicator(own)
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    shapes = [p.shape for p in params]
+    buckets = FlatBuckets(shapes, device=device)
+    seconds = torch.zeros(len(codecs), dtype=torch.float64)
+    with torch.no_grad():
+        for i, codec in enumerate(codecs):
+            compressor = Compressor(codec, shapes, rank=rank, device=device, stream=99)
+            times = []
+            for _ in range(3):  # the first untimed
+                buckets.copy_from([p.detach() for p in params])
+                synchronize(device)
+                t0 = time.perf_counter()
+                comm.compressed_mean_async(buckets, compressor).wait()
+                synchronize(device)
+                times.append(time.perf_counter() - t0)
+            seconds[i] = min(times[1:])
+    # decoding grows with the payloads: the others' on top of this rank's own (about a third of
+    # the work; measured on the default model)
+    seconds *= 1.0 + (world - 1) / 3.0
+    seconds = seconds.to(collective_device())
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return {c: float(v) for c, v in zip(codecs, seconds.cpu())}
 
 
 def tune_to_link(
@@ -153,9 +206,10 @@ def tune_to_link(
     if profile is None:
         return cfg, None
     step_s = _step_time(cfg, gpt, corpus, topology.rank, device)
+    workers = cfg.nodes if cfg.hierarchical else topology.world
+    codec_s = _codec_seconds(gpt, device, list(TUNED_CODECS), workers)
     record: list[Any] = [None]
     if topology.is_main:
-        workers = cfg.nodes if cfg.hierarchical else topology.world
         choice = choose_sync_settings(
             cfg.algo,
             link=profile,
@@ -169,18 +223,15 @@ def tune_to_link(
             warm_steps=cfg.sync_warmup_steps(),
             steps=cfg.steps,
             max_fragments=cfg.n_layer,
+            codec_s=codec_s,
         )
         record[0] = {"link": profile.describe(), **choice.as_dict()}
     dist.broadcast_object_list(record, src=0)
     tuned = _apply(cfg, record[0])
     if topology.is_main:
-        logger.info(
-            "settings from the link %s: %s (predicted %.0f ms a step against %.0f ms of compute)",
-            record[0]["link"],
-            _describe(record[0]["settings"]) or "the defaults",
-            record[0]["step_s"] * 1e3,
-            record[0]["compute_s"] * 1e3,
-        )
+        from lowcomm.train.report import describe_choice
+
+        logger.info("settings from the link %s: %s", record[0]["link"], describe_choice(record[0]))
     return tuned, record[0]
 
 

@@ -181,6 +181,9 @@ def _run_worker(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+        # torchrun's LOCAL_WORLD_SIZE counts one agent's processes; several agents on one
+        # machine (--nnodes 2 on loopback) share its cores all the same
+        torch.set_num_threads(_threads_per_process())
     try:
         summary = job(cfg, device=device)
         # Leave together: a rank tearing down its process group while rank 0 is still writing
@@ -189,6 +192,15 @@ def _run_worker(
         return summary
     finally:
         dist.destroy_process_group()
+
+
+def _threads_per_process() -> int:
+    """This machine's cores over the job's processes on it, counted by host name over the
+    default group (every rank takes part)."""
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    here = max(1, names.count(socket.gethostname()))
+    return max(1, (os.cpu_count() or 1) // here)
 
 
 def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:

@@ -1,0 +1,159 @@
+"""What each setting the link tuner may choose costs an algorithm per token, as measured: the
+evidence :func:`lowcomm.plan.tune.choose_sync_settings` chooses from.
+
+Every figure is the validation loss at equal tokens of the default ``lowcomm train`` job (the
+0.83 M-parameter GPT, 2 workers, 960 steps, H = 12), mean of seeds 0, 1, 2, with the setting
+against the same algorithm's untuned job (its defaults: fp32 syncs, a warm start of a quarter
+of the steps in int8), from one ``lowcomm bench --convergence`` entry per row; the study that
+ran it is named with each. A setting measured only together with another (CO2's staggered
+fragments with a 72-step int2 warm start) carries the whole combination's cost: the tuner adds
+the costs of the settings it combines, which counts such a cost twice rather than not at all.
+
+An algorithm without an entry here is not tuned: its settings were never measured per token,
+and a codec or a shorter warm start chosen for its speed alone can cost it far more loss than it
+saves time (DiLoCo lost 19% per token with a warm start cut to 72 steps where CO2 lost 0.5%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+__all__ = [
+    "EVIDENCE",
+    "MAX_COST",
+    "NOISE",
+    "TOKEN_EXCHANGE",
+    "AlgorithmEvidence",
+    "Measured",
+    "evidence_for",
+]
+
+MAX_COST = 0.02
+"""A setting that costs an algorithm more than this share of loss per token in its study is
+never chosen for it."""
+
+NOISE = 0.01
+"""Differences of loss per token within this share are within the studies' seed-to-seed noise
+(three seeds of the default job): a setting measured better than the untuned job is credited
+with at most this much when the tuner weighs loss against time."""
+
+TOKEN_EXCHANGE = 0.07
+"""How many loss points (as a share) one share more tokens buys on the default job: DDP's
+validation loss went from 1.405 at 960 steps to 1.273 at 3,840 (``docs/studies/convergence.md``,
+"The 4× job"), ln(1.405 / 1.273) / ln 4 = 0.071. The tuner prices a setting's per-token gain
+with it: 1% lower loss is worth about 14% of the tokens."""
+
+_SLOW = "docs/studies/slow-links.md"
+_TUNING = "docs/studies/tuning.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One setting's measured loss at equal tokens against its algorithm's untuned job."""
+
+    cost: float
+    """Relative change of the final validation loss (+0.005: 0.5% higher, worse)."""
+    entry: str
+    """The ``lowcomm bench --convergence`` entry that measured it."""
+    study: str
+    """The page that holds the measurement."""
+
+    def describe(self) -> str:
+        return f"{self.cost:+.1%} ({self.entry}, {self.study})"
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEvidence:
+    """The measured settings of one algorithm."""
+
+    untuned: str
+    """What the untuned job is (what ``cost`` is measured against)."""
+    sync: tuple[tuple[Mapping[str, Any], Measured], ...]
+    """Sync settings (``compression`` and, for CO2, ``overlap`` and ``num_fragments``; an
+    ``overlap`` of 0 stands for H / ``num_fragments``: a fragment in flight until the next sync
+    point), each with its cost, in the order the tuner prefers among equals."""
+    warm: tuple[tuple[Fraction, str, Measured], ...]
+    """Warm starts: the share of the job's steps (whole rounds) and the codec of its gradient
+    all-reduce, each with its cost."""
+
+
+def _m(cost: float, entry: str, study: str) -> Measured:
+    return Measured(cost, entry, study)
+
+
+def _codecs(algo: str, costs: Mapping[str, tuple[float, str]]) -> tuple[Any, ...]:
+    return tuple(({"compression": c}, _m(v, e, _TUNING)) for c, (v, e) in costs.items())
+
+
+EVIDENCE: dict[str, AlgorithmEvidence] = {
+    # the job's CO2 1.464, 1.352, 1.335 (mean 1.384) at d860e77; settings at d860e77 and
+    # 2a27a08 (docs/studies/slow-links.md, first table)
+    "co2": AlgorithmEvidence(
+        untuned="co2: fp32 syncs one step stale, a warm start of steps/4 in int8",
+        sync=(
+            ({"compression": None, "overlap": 1, "num_fragments": 1}, _m(0.0, "co2", _SLOW)),
+            (
+                {"compression": "int8", "overlap": 1, "num_fragments": 1},
+                _m(0.0, "co2+int8", _SLOW),
+            ),
+            (
+                {"compression": "int4", "overlap": 1, "num_fragments": 1},
+                _m(0.0, "co2+int4", _SLOW),
+            ),
+            (
+                {"compression": "int4", "overlap": 0, "num_fragments": 4},
+                _m(
+                    0.005,
+                    "co2+int4/num_fragments=4/overlap=3/sync_warmup=72/sync_warmup_compression=int2",
+                    _SLOW,
+                ),
+            ),
+            (
+                {"compression": "int4", "overlap": 2, "num_fragments": 1},
+                _m(0.017, "co2+int4/overlap=2/sync_warmup_compression=int4", _SLOW),
+            ),
+            (
+                {"compression": "int2", "overlap": 2, "num_fragments": 1},
+                _m(
+                    0.026,
+                    "co2+int2/overlap=2/sync_warmup=48/sync_warmup_compression=int2",
+                    _SLOW,
+                ),
+            ),
+            (
+                {"compression": "int4", "overlap": 4, "num_fragments": 1},
+                _m(0.031, "co2+int4/overlap=4/sync_warmup_compression=int4", _SLOW),
+            ),
+        ),
+        warm=(
+            (Fraction(1, 4), "int8", _m(0.0, "co2", _SLOW)),
+            (Fraction(1, 4), "int4", _m(0.006, "co2/sync_warmup_compression=int4", _SLOW)),
+            (Fraction(1, 4), "int2", _m(-0.023, "co2/sync_warmup_compression=int2", _SLOW)),
+            (
+                Fraction(1, 8),
+                "int2",
+                _m(-0.011, "co2+int8/sync_warmup=120/sync_warmup_compression=int2", _SLOW),
+            ),
+            (
+                Fraction(1, 10),
+                "int2",
+                _m(-0.003, "co2/sync_warmup=96/sync_warmup_compression=int2", _SLOW),
+            ),
+            (
+                Fraction(1, 20),
+                "int2",
+                _m(0.015, "co2/sync_warmup=48/sync_warmup_compression=int2", _SLOW),
+            ),
+            (Fraction(1, 8), "int8", _m(0.030, "co2/sync_warmup=120", _SLOW)),
+        ),
+    ),
+}
+"""The measured settings of every algorithm the tuner tunes, by ``--algo``."""
+
+
+def evidence_for(algo: str) -> AlgorithmEvidence | None:
+    """The measured settings of ``algo`` (``None``: not measured, not tuned)."""
+    return EVIDENCE.get(algo)
