@@ -195,10 +195,10 @@ def test_supervisors_restart_a_killed_replica_which_is_healed(tmp_path: Path) ->
         assert summary["elastic"]["attempt"] == 1
     # the second start of each was healed from the other, and both ended with one model
     assert all(s["elastic"]["heal_times"] for s in summaries), [s["elastic"] for s in summaries]
-    # each waited at a sync for the other to come back: counted as the quorum's wait, apart
-    # from the time blocked in collectives
-    assert all(s["comm_mean"]["quorum_wait_s"] > 1.0 for s in summaries), [
-        (s["comm_mean"]["quorum_wait_s"], s["comm_mean"]["blocked_s"]) for s in summaries
-    ]
+    # replica_0's second start waited at a sync for replica_1 to come back (its restart: a
+    # fresh interpreter, then its heal): counted as the quorum's wait, apart from the time
+    # blocked in collectives
+    waits = [(s["comm_mean"]["quorum_wait_s"], s["comm_mean"]["blocked_s"]) for s in summaries]
+    assert waits[0][0] > 1.0 and waits[0][0] > waits[0][1], waits
     checksums = {s["comm_per_worker"][0]["params_checksum"] for s in summaries}
     assert len(checksums) == 1

@@ -84,10 +84,6 @@ def _m(cost: float, entry: str, study: str) -> Measured:
     return Measured(cost, entry, study)
 
 
-def _codecs(algo: str, costs: Mapping[str, tuple[float, str]]) -> tuple[Any, ...]:
-    return tuple(({"compression": c}, _m(v, e, _TUNING)) for c, (v, e) in costs.items())
-
-
 EVIDENCE: dict[str, AlgorithmEvidence] = {
     # the job's CO2 1.464, 1.352, 1.335 (mean 1.384) at d860e77; settings at d860e77 and
     # 2a27a08 (docs/studies/slow-links.md, first table)
@@ -148,6 +144,40 @@ EVIDENCE: dict[str, AlgorithmEvidence] = {
                 _m(0.015, "co2/sync_warmup=48/sync_warmup_compression=int2", _SLOW),
             ),
             (Fraction(1, 8), "int8", _m(0.030, "co2/sync_warmup=120", _SLOW)),
+        ),
+    ),
+    # the job's DiLoCo 1.434, 1.351, 1.321 (mean 1.369) at 9bea18a; docs/studies/tuning.md
+    "diloco": AlgorithmEvidence(
+        untuned="diloco: fp32 syncs, a warm start of steps/4 in int8",
+        sync=(
+            ({"compression": "int8"}, _m(0.000, "diloco+int8", _TUNING)),
+            ({"compression": "int4"}, _m(0.002, "diloco+int4", _TUNING)),
+        ),
+        warm=(
+            (Fraction(1, 4), "int2", _m(-0.010, "diloco/sync_warmup_compression=int2", _TUNING)),
+            (
+                Fraction(1, 8),
+                "int2",
+                _m(0.001, "diloco/sync_warmup=120/sync_warmup_compression=int2", _TUNING),
+            ),
+        ),
+    ),
+    # the job's Streaming DiLoCo (2 fragments, each 2 steps in flight) 1.449, 1.348, 1.329
+    # (mean 1.376) at 87ac8bc; docs/studies/tuning.md
+    "streaming": AlgorithmEvidence(
+        untuned="streaming: fp32 syncs of 2 fragments, a warm start of steps/4 in int8",
+        sync=(({"compression": "int4"}, _m(-0.0005, "streaming+int4", _TUNING)),),
+        warm=(
+            (
+                Fraction(1, 4),
+                "int2",
+                _m(-0.0013, "streaming/sync_warmup_compression=int2", _TUNING),
+            ),
+            (
+                Fraction(1, 8),
+                "int2",
+                _m(0.0011, "streaming/sync_warmup=120/sync_warmup_compression=int2", _TUNING),
+            ),
         ),
     ),
 }
