@@ -17,7 +17,16 @@ DEV_STAMP  := $(VENV)/.lowcomm-dev
 DOCS_STAMP := $(VENV)/.lowcomm-docs
 DEMO_ARGS  ?=
 
-.PHONY: setup demo test docs docs-serve lint format clean
+# The smoke subset on a second PyTorch (the newest pip installs here, 2.14.1): the numerical
+# equivalence and resume tests, in an environment of its own (.venv-torch) with lowcomm and its
+# `test` extra; .ci/run runs it.
+SMOKE_VENV  ?= .venv-torch
+SMOKE_TORCH ?= torch==2.14.1
+SMOKE_TESTS ?= tests/test_equivalence.py tests/test_resume.py
+SMOKE_EXTRA ?= test
+SMOKE_PY    := $(SMOKE_VENV)/bin/python
+
+.PHONY: setup demo test smoke-torch docs docs-serve lint format clean
 
 setup: $(DEV_STAMP)
 
@@ -41,6 +50,13 @@ demo: $(RUN_STAMP)
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
 
+smoke-torch:
+	test -x $(SMOKE_PY) || $(PYTHON) -m venv $(SMOKE_VENV)
+	$(SMOKE_PY) -m pip install "$(SMOKE_TORCH)"
+	$(SMOKE_PY) -m pip install -e ".[$(SMOKE_EXTRA)]"
+	$(SMOKE_PY) -c "import torch; print('smoke tests on torch', torch.__version__)"
+	$(SMOKE_PY) -m pytest -q -p no:cacheprovider $(SMOKE_TESTS)
+
 # The documentation site into site/; strict: a broken link or anchor, a page missing from the
 # navigation or an API reference that does not resolve fails the build.
 docs: $(DOCS_STAMP)
@@ -59,4 +75,4 @@ format: $(DEV_STAMP)
 	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) runs site .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(SMOKE_VENV) runs site .pytest_cache .ruff_cache .mypy_cache

@@ -288,7 +288,20 @@ def test_tiny_convergence_run_end_to_end(tmp_path):
         cells[tuned]["val_loss_mean"] / cells[off]["val_loss_mean"] - 1
     )
     assert row["step_s"]["measured"] == cells[tuned]["step_time_s"]["1gbit"]
-    assert row["step_s"]["predicted"] == first_summary["link_tuning"]["step_s"]
+    # the timing job predicted its own steps: the tuner ran at its start-up on its link with
+    # every tuned setting given, so it kept them all and timed its own compute
+    timed = config(f"time-{slug}-w2-1gbit")
+    assert timed["tune_link"] == "auto" and timed["link"] == "1gbit"
+    for key in ("compression", "overlap", "num_fragments", "sync_warmup"):
+        assert timed[key] is not None, key
+    timed_summary = json.loads(
+        (out / "jobs" / f"time-{slug}-w2-1gbit" / "summary.json").read_text()
+    )
+    own = timed_summary["link_tuning"]
+    assert own["settings"] == {}
+    assert row["step_s"]["predicted"] == own["step_s"]
+    assert row["warm_step_s"]["predicted"] == own["warm_step_s"]
+    assert row["expected_cost"] == first_summary["link_tuning"]["cost"]
     assert "Tuned for the link against untuned" in (out / "convergence.md").read_text()
 
     # --reuse keeps the finished jobs: the same numbers, no job runs again

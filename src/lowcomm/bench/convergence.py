@@ -24,7 +24,10 @@ first loss job chooses the settings for that link (as the job on it would) and w
 jobs and timing job run with that choice; ``co2/tune_link=off`` is the untuned job, one set of
 settings on every link, and ``co2/tune_link=10mbit`` the job tuned for 10mbit on every link.
 The report sets each tuned cell beside its untuned entry: its loss per token against the
-untuned job's, and the time it takes on its link to the untuned job's final loss.
+untuned job's, the time it takes on its link to the untuned job's final loss, and the step
+times the tuner predicted beside those run. The timing job makes its own prediction: its tuner
+runs at start-up with every tuned setting given, so it keeps the cell's choice and predicts
+from the compute it measures itself.
 
 An algorithm may carry job settings after slashes, so variants sit side by side::
 
@@ -106,7 +109,10 @@ def _job(cfg: Any, reuse: bool) -> tuple[dict[str, Any], bool]:
         with open(summary_path, encoding="utf-8") as f:
             summary = json.load(f)
         # the job's name carries its algorithm, settings, workers, length and seed
-        if (summary.get("steps"), summary.get("workers")) == (cfg.steps, cfg.workers):
+        # (and a timing job that predicts its steps holds that prediction)
+        predicts = cfg.link is not None and cfg.tune_link != "off"
+        same = (summary.get("steps"), summary.get("workers")) == (cfg.steps, cfg.workers)
+        if same and (summary.get("link_tuning") is not None or not predicts):
             return summary, True
     summary = launch(cfg)
     assert summary is not None
@@ -181,6 +187,9 @@ def run_convergence(
             runs.append(row)
             what = f"seed {seed}, {length}x: val {row['val_loss_final']:.3f}"
         else:
+            own = summary.get("link_tuning") if tuned_for is not None else None
+            if own is not None:  # the timing job's own prediction (its compute, its link)
+                row["predicted"].update(step_s=own["step_s"], warm_step_s=own["warm_step_s"])
             row.update(link=link, **_step_times(cfg, summary), sync_to_round=sync_to_round(cfg))
             timings.append(row)
             what = f"{link}: {row['step_time_s'] * 1e3:.1f} ms/step"

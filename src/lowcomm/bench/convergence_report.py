@@ -100,6 +100,15 @@ def assemble(
     ]
     for c in cells:
         c["sync_to_round"] = dict(ratios.get((c["algo"], c["workers"]), {}))
+        for t in timings:
+            if (t["algo"], t["workers"], t.get("link")) == (
+                c["algo"],
+                c["workers"],
+                c.get("tuned_for"),
+            ):
+                # the timing job's own prediction, from its start-up (the loss job's is of
+                # another process on a machine perhaps busier or quieter)
+                c["predicted"] = {**c.get("predicted", {}), **t.get("predicted", {})}
     bases = {r["algo"]: r["base"] for r in runs}
     reference = next((a for a in spec.algos if bases.get(a) == "ddp"), None)
     for c in cells:

@@ -152,10 +152,33 @@ class ConvergenceSpec:
                 values.update(steps=2 * timing, sync_warmup=timing)
             elif REGISTRY[base.algo].is_outer:
                 values["sync_warmup"] = 0  # not the job's default for these few steps
+            if tuned_for is not None and settings is not None:
+                _predicting(values, base)
         if self.eval_batches is not None:
             values["eval_batches"] = self.eval_batches
         values.update(name=name, out=os.path.join(self.out, "jobs", name))
         return config_from_dict(values, source="convergence").with_paths()
+
+
+def _predicting(values: dict[str, Any], base: Any) -> None:
+    """A tuned cell's timing job predicts its own steps: the tuner runs at its start-up on the
+    job's link with every setting it tunes given (``values``, else ``base``'s resolved value),
+    so it keeps them all and records its predicted step times from the compute it measures
+    in that job, beside the steps the job then takes."""
+    from lowcomm.train.outer_keys import OUTER_KEYS
+    from lowcomm.train.tuning import TUNED_KEYS
+
+    values["tune_link"] = "auto"
+    kwargs = base.algorithm_kwargs()
+    for key in TUNED_KEYS:
+        if key in values or key not in OUTER_KEYS[base.algo]:
+            continue
+        if key.endswith("compression") and kwargs.get(key) is None:
+            values[key] = "none"  # fp32, given
+        elif key == "num_fragments" and kwargs.get(key) is None:
+            values[key] = 1  # the whole model at once
+        elif key in kwargs:
+            values[key] = kwargs[key]
 
 
 def label_for(algo: str, link: str) -> str:

@@ -233,7 +233,8 @@ def tune_to_link(
             max_fragments=cfg.n_layer,
             codec_s=codec_s,
         )
-        record[0] = {"link": profile.describe(), **choice.as_dict()}
+        # the codecs' measured work goes with the choice it entered (a reader can redo it)
+        record[0] = {"link": profile.describe(), **choice.as_dict(), "codec_s": codec_s}
     dist.broadcast_object_list(record, src=0)
     tuned = _apply(cfg, record[0])
     if topology.is_main:
