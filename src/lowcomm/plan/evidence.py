@@ -5,9 +5,8 @@ Every figure is the validation loss at equal tokens of the default ``lowcomm tra
 0.83 M-parameter GPT, 2 workers, 960 steps, H = 12), mean of seeds 0, 1, 2, with the setting
 against the same algorithm's untuned job (its defaults: fp32 syncs, a warm start of a quarter
 of the steps in int8), from one ``lowcomm bench --convergence`` entry per row; the study that
-ran it is named with each. A setting measured only together with another (CO2's staggered
-fragments with a 72-step int2 warm start) carries the whole combination's cost: the tuner adds
-the costs of the settings it combines, which counts such a cost twice rather than not at all.
+ran it is named with each. Settings measured together in one job (``combined``) are priced by
+that job; a combination never measured as a whole by its settings' costs added.
 
 An algorithm without an entry here is not tuned: its settings were never measured per token,
 and a codec or a shorter warm start chosen for its speed alone can cost it far more loss than it
@@ -25,6 +24,7 @@ __all__ = [
     "EVIDENCE",
     "MAX_COST",
     "NOISE",
+    "RESOLUTION",
     "TOKEN_EXCHANGE",
     "AlgorithmEvidence",
     "Measured",
@@ -40,13 +40,17 @@ NOISE = 0.01
 (three seeds of the default job): a setting measured better than the untuned job is credited
 with at most this much when the tuner weighs loss against time."""
 
+RESOLUTION = 0.001
+"""Gains per token under this share are not credited at all: the figures' last digit (int8
+syncs measured 0.01% better than fp32 on CO2, which is no reason to encode them on a fast
+link)."""
+
 TOKEN_EXCHANGE = 0.07
 """How many loss points (as a share) one share more tokens buys on the default job: DDP's
 validation loss went from 1.405 at 960 steps to 1.273 at 3,840 (``docs/studies/convergence.md``,
 "The 4× job"), ln(1.405 / 1.273) / ln 4 = 0.071. The tuner prices a setting's per-token gain
 with it: 1% lower loss is worth about 14% of the tokens."""
 
-_SLOW = "docs/studies/slow-links.md"
 _TUNING = "docs/studies/tuning.md"
 
 
@@ -78,6 +82,12 @@ class AlgorithmEvidence:
     warm: tuple[tuple[Fraction, str, Measured], ...]
     """Warm starts: the share of the job's steps (whole rounds) and the codec of its gradient
     all-reduce, each with its cost."""
+    combined: tuple[tuple[Mapping[str, Any], Fraction, str, Measured], ...] = ()
+    """Sync settings and a warm start (share, codec) measured together in one job: the tuner
+    takes such a combination's own cost instead of adding its settings' costs (which need not
+    add: an int2 warm start moved CO2's three seeds by -5%, +1% and +2%, and a codec's few
+    tenths of a percent fall differently on each), and may choose a setting measured only in
+    such a combination, with it only."""
 
 
 def _m(cost: float, entry: str, study: str) -> Measured:
@@ -85,65 +95,69 @@ def _m(cost: float, entry: str, study: str) -> Measured:
 
 
 EVIDENCE: dict[str, AlgorithmEvidence] = {
-    # the job's CO2 1.464, 1.352, 1.335 (mean 1.384) at d860e77; settings at d860e77 and
-    # 2a27a08 (docs/studies/slow-links.md, first table)
+    # the job's CO2 1.429, 1.355, 1.330 (mean 1.372) at 611a02a; every setting at cad2bd6 (no
+    # change to training between them); docs/studies/tuning.md, "CO2, setting by setting"
     "co2": AlgorithmEvidence(
         untuned="co2: fp32 syncs one step stale, a warm start of steps/4 in int8",
         sync=(
-            ({"compression": None, "overlap": 1, "num_fragments": 1}, _m(0.0, "co2", _SLOW)),
             (
                 {"compression": "int8", "overlap": 1, "num_fragments": 1},
-                _m(0.0, "co2+int8", _SLOW),
+                _m(-0.0001, "co2+int8/tune_link=off", _TUNING),
             ),
             (
                 {"compression": "int4", "overlap": 1, "num_fragments": 1},
-                _m(0.0, "co2+int4", _SLOW),
+                _m(0.0018, "co2+int4/tune_link=off", _TUNING),
             ),
             (
                 {"compression": "int4", "overlap": 0, "num_fragments": 4},
-                _m(
-                    0.005,
-                    "co2+int4/num_fragments=4/overlap=3/sync_warmup=72/sync_warmup_compression=int2",
-                    _SLOW,
-                ),
-            ),
-            (
-                {"compression": "int4", "overlap": 2, "num_fragments": 1},
-                _m(0.017, "co2+int4/overlap=2/sync_warmup_compression=int4", _SLOW),
-            ),
-            (
-                {"compression": "int2", "overlap": 2, "num_fragments": 1},
-                _m(
-                    0.026,
-                    "co2+int2/overlap=2/sync_warmup=48/sync_warmup_compression=int2",
-                    _SLOW,
-                ),
-            ),
-            (
-                {"compression": "int4", "overlap": 4, "num_fragments": 1},
-                _m(0.031, "co2+int4/overlap=4/sync_warmup_compression=int4", _SLOW),
+                _m(0.0092, "co2+int4/num_fragments=4/overlap=3/tune_link=off", _TUNING),
             ),
         ),
         warm=(
-            (Fraction(1, 4), "int8", _m(0.0, "co2", _SLOW)),
-            (Fraction(1, 4), "int4", _m(0.006, "co2/sync_warmup_compression=int4", _SLOW)),
-            (Fraction(1, 4), "int2", _m(-0.023, "co2/sync_warmup_compression=int2", _SLOW)),
             (
+                Fraction(1, 4),
+                "int4",
+                _m(0.0128, "co2/sync_warmup_compression=int4/tune_link=off", _TUNING),
+            ),
+            (
+                Fraction(1, 4),
+                "int2",
+                _m(-0.0074, "co2/sync_warmup_compression=int2/tune_link=off", _TUNING),
+            ),
+        ),
+        combined=(
+            (
+                {"compression": "int8", "overlap": 1, "num_fragments": 1},
+                Fraction(1, 4),
+                "int2",
+                _m(-0.0074, "co2+int8/sync_warmup_compression=int2/tune_link=off", _TUNING),
+            ),
+            (
+                {"compression": "int4", "overlap": 1, "num_fragments": 1},
+                Fraction(1, 4),
+                "int2",
+                _m(-0.0075, "co2+int4/sync_warmup_compression=int2/tune_link=off", _TUNING),
+            ),
+            (
+                {"compression": "int4", "overlap": 1, "num_fragments": 1},
                 Fraction(1, 8),
                 "int2",
-                _m(-0.011, "co2+int8/sync_warmup=120/sync_warmup_compression=int2", _SLOW),
+                _m(
+                    0.0052,
+                    "co2+int4/sync_warmup=120/sync_warmup_compression=int2/tune_link=off",
+                    _TUNING,
+                ),
             ),
             (
-                Fraction(1, 10),
+                {"compression": "int4", "overlap": 0, "num_fragments": 4},
+                Fraction(1, 4),
                 "int2",
-                _m(-0.003, "co2/sync_warmup=96/sync_warmup_compression=int2", _SLOW),
+                _m(
+                    0.0004,
+                    "co2+int4/num_fragments=4/overlap=3/sync_warmup_compression=int2/tune_link=off",
+                    _TUNING,
+                ),
             ),
-            (
-                Fraction(1, 20),
-                "int2",
-                _m(0.015, "co2/sync_warmup=48/sync_warmup_compression=int2", _SLOW),
-            ),
-            (Fraction(1, 8), "int8", _m(0.030, "co2/sync_warmup=120", _SLOW)),
         ),
     ),
     # the job's DiLoCo 1.434, 1.351, 1.321 (mean 1.369) at 9bea18a; docs/studies/tuning.md

@@ -107,13 +107,18 @@ def _members(units: tuple[int, ...], size: int, stride: int) -> tuple[int, ...]:
 def group_levels(cluster: Cluster, size: int, stride: int) -> list[TierLevel]:
     """The tiers a group of ``size`` devices, ``stride`` apart, spans, as
     :class:`~lowcomm.plan.cost.TierLevel` s for a collective every such group runs at once."""
+    return list(_group_levels(cluster, size, stride))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_levels(cluster: Cluster, size: int, stride: int) -> tuple[TierLevel, ...]:
     units = tuple(cluster.unit_sizes())
     members = _members(units, size, stride)
     levels = []
     for i, tier in enumerate(cluster.tiers):
         share = 1 if i == 0 else units[i - 1]
         levels.append(TierLevel(members[i], tier.bandwidth_bps, tier.latency_s, share=share))
-    return levels
+    return tuple(levels)
 
 
 def dp_stride(layout: Layout) -> int:
@@ -135,6 +140,7 @@ def outer_split(cluster: Cluster, layout: Layout) -> tuple[int | None, int]:
     return top, inner
 
 
+@functools.lru_cache(maxsize=4096)
 def p2p_link(cluster: Cluster, stages: int, stride: int) -> tuple[int, int]:
     """(tier index, devices sharing its uplink) of the slowest link between consecutive
     pipeline stages ``stride`` devices apart."""
@@ -203,6 +209,25 @@ def layer_gemms(
     return fwd + core, bwd + core_bwd, core, [head_fwd], head_bwd
 
 
+@functools.lru_cache(maxsize=4096)
+def _gemm_times(
+    model: ModelSpec,
+    tp: int,
+    micro_batch: int,
+    flash: bool,
+    peak_flops: float,
+    efficiency: float,
+    overhead_s: float,
+    k_half: float,
+) -> tuple[float, ...]:
+    """The seconds of each group of :func:`layer_gemms` (a search prices the same TP and
+    micro-batch for many layouts: computed once each)."""
+    return tuple(
+        sum(gemm_time(g, peak_flops, efficiency, overhead_s=overhead_s, k_half=k_half) for g in gs)
+        for gs in layer_gemms(model, tp, micro_batch, flash=flash)
+    )
+
+
 def iteration_time(
     model: ModelSpec,
     precision: Precision,
@@ -216,20 +241,15 @@ def iteration_time(
     m = global_batch // (d * b)
     e = precision.activation_bytes
 
-    def run(gemms: list[Gemm]) -> float:
-        return sum(
-            gemm_time(
-                g,
-                cluster.peak_flops,
-                cluster.gemm_efficiency,
-                overhead_s=cluster.gemm_overhead_s,
-                k_half=cluster.gemm_k_half,
-            )
-            for g in gemms
-        )
-
-    fwd_l, bwd_l, core_l, fwd_h, bwd_h = (
-        run(gs) for gs in layer_gemms(model, t, b, flash=layout.flash_attention)
+    fwd_l, bwd_l, core_l, fwd_h, bwd_h = _gemm_times(
+        model,
+        t,
+        b,
+        layout.flash_attention,
+        cluster.peak_flops,
+        cluster.gemm_efficiency,
+        cluster.gemm_overhead_s,
+        cluster.gemm_k_half,
     )
 
     def stage(layers: float, logits: bool) -> tuple[float, float, float, float]:

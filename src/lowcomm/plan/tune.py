@@ -12,15 +12,17 @@ Two measurements decide, one of time and one of loss:
 * **loss at equal tokens**, from :mod:`lowcomm.plan.evidence`: what each setting cost the
   algorithm in its study, against its untuned job. A setting never measured for an algorithm is
   never chosen for it, nor one that cost it more than :data:`~lowcomm.plan.evidence.MAX_COST`;
-  and the combination chosen (its settings' costs added) is never expected to end above the
-  untuned job's loss: the tuner trades no loss per token for speed, so the job tuned for its link
-  reaches the untuned job's final loss, sooner.
+  and the combination chosen (its own cost where it was measured as a whole, else its
+  settings' costs added) is never expected to end above the untuned job's loss: the tuner
+  trades no loss per token for speed, so the job tuned for its link reaches the untuned job's
+  final loss, sooner.
 
 Among those, it takes the combination with the least predicted time to that loss: the job's
 predicted time, less what a per-token gain saves at
 :data:`~lowcomm.plan.evidence.TOKEN_EXCHANGE` (credited up to
-:data:`~lowcomm.plan.evidence.NOISE`, the studies' seed noise); ties go to the smaller expected
-cost, then to the untuned settings. A setting the user gave is never changed.
+:data:`~lowcomm.plan.evidence.NOISE`, the studies' seed noise, and not at all under
+:data:`~lowcomm.plan.evidence.RESOLUTION`); ties go to the larger credited gain, then to the
+untuned settings. A setting the user gave is never changed.
 
 Compressed syncs travel by all-gather (every rank decodes every payload), fp32 ones by ring
 all-reduce: the times are those of :class:`~lowcomm.plan.cost.Network` for each.
@@ -31,8 +33,8 @@ Example::
     choice = choose_sync_settings("co2", link=link, workers=2, step_time_s=0.075,
                                   shapes=[p.shape for p in model.parameters()], sync_every=12,
                                   warm_steps=240, steps=960, max_fragments=4)
-    choice.settings   # {'compression': 'int4', 'overlap': 3, 'num_fragments': 4, ...}
-    choice.cost       # expected loss per token against the untuned job: -0.006
+    choice.settings   # {'compression': 'int4', 'sync_warmup_compression': 'int2'}
+    choice.cost       # expected loss per token against the untuned job: -0.0075
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from lowcomm.plan.cost import Algorithm, Network, Workload, step_time
 from lowcomm.plan.evidence import (
     MAX_COST,
     NOISE,
+    RESOLUTION,
     TOKEN_EXCHANGE,
     Measured,
     evidence_for,
@@ -68,6 +71,7 @@ SLACK = 0.1
 this much above the compute."""
 
 _UNTUNED = Measured(0.0, "the untuned job", "")
+_PART = Measured(math.inf, "measured only together with another setting", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,10 +226,24 @@ class _Option:
     warm_codec: str | None
     warm_cost: Measured
     order: int
+    together: Measured | None = None
+    """The combination's own measurement, where it was measured as a whole."""
 
     @property
     def cost(self) -> float:
+        if self.together is not None:
+            return self.together.cost
         return self.sync_cost.cost + self.warm_cost.cost
+
+    def measurements(self) -> tuple[tuple[str, Measured], ...]:
+        """What the expected cost rests on, each with what it measured."""
+        if self.together is not None:
+            return (("syncs and warm start together", self.together),)
+        return tuple(
+            (what, measured)
+            for what, measured in (("syncs", self.sync_cost), ("warm start", self.warm_cost))
+            if measured is not _UNTUNED
+        )
 
 
 def choose_sync_settings(
@@ -310,6 +328,36 @@ def choose_sync_settings(
                 continue
             warms.append((k, codec, measured))
 
+    # the settings of combinations measured only as a whole are candidates too, each part
+    # priced at its combination only
+    for settings, share, codec, _ in evidence.combined:
+        resolved = _resolved(settings, sync_every)
+        known = any({**untuned_sync, **s} == {**untuned_sync, **resolved} for s, _ in syncs)
+        fits = _fits(resolved, sync_every, max_fragments)
+        if not known and fits and not changes_given(resolved):
+            syncs.append((resolved, _PART))
+        if warm_steps > 0 and n_steps > 0:
+            k = warm_length(share, n_steps, sync_every)
+            if all((k, codec) != w[:2] for w in warms) and not (
+                ("sync_warmup" in given and k != warm_steps)
+                or (
+                    "sync_warmup_compression" in given
+                    and codec != current.get("sync_warmup_compression")
+                )
+            ):
+                warms.append((k, codec, _PART))
+
+    def combination(sync: Mapping[str, Any], k: int, codec: str | None) -> Measured | None:
+        whole = {**untuned_sync, **sync}
+        for settings, share, warm_codec, measured in evidence.combined:
+            if (
+                n_steps > 0
+                and {**untuned_sync, **_resolved(settings, sync_every)} == whole
+                and (warm_length(share, n_steps, sync_every), warm_codec) == (k, codec)
+            ):
+                return measured
+        return None
+
     timed: dict[int, Any] = {}
 
     def local(i: int) -> Any:  # the cost model's step after the warm start, per sync setting
@@ -335,7 +383,8 @@ def choose_sync_settings(
     order = 0
     for i, (sync, sync_cost) in enumerate(syncs):
         for k, warm_codec, warm_cost in warms:
-            option = _Option(sync, sync_cost, k, warm_codec, warm_cost, order)
+            together = combination(sync, k, warm_codec)
+            option = _Option(sync, sync_cost, k, warm_codec, warm_cost, order, together)
             order += 1
             if option.cost > 1e-12:
                 continue  # never expected to end above the untuned job's loss
@@ -344,9 +393,9 @@ def choose_sync_settings(
             )
             warm_s = warm_step(warm_codec) if k > 0 else None
             job_s = (k * (warm_s or 0.0) + max(0, n_steps - k) * step_s) if n_steps else step_s
-            credit = max(option.cost, -NOISE)
+            credit = max(option.cost, -NOISE) if option.cost <= -RESOLUTION else 0.0
             score = job_s * (1.0 + credit / TOKEN_EXCHANGE)
-            key = (round(score, 9), round(option.cost, 9), option.order)
+            key = (round(score, 9), round(credit, 9), option.order)
             if best is None or key < best[0]:
                 best = (key, option, job_s, warm_s)
     assert best is not None  # the untuned settings are always a candidate
@@ -360,11 +409,7 @@ def choose_sync_settings(
         settings["sync_warmup_compression"] = chosen.warm_codec
     hidden = step_s <= (1 + SLACK) * step_time_s
     round_sync = timing.comm_s * sync_every
-    evidence_lines = tuple(
-        f"{what}: {measured.describe()}"
-        for what, measured in (("syncs", chosen.sync_cost), ("warm start", chosen.warm_cost))
-        if measured is not _UNTUNED
-    )
+    evidence_lines = tuple(f"{what}: {m.describe()}" for what, m in chosen.measurements())
     what = ", ".join(f"{k} {'none' if v is None else v}" for k, v in settings.items())
     reason = (
         f"{what or 'the untuned settings'}: a round's syncs {round_sync:.3g} s against "

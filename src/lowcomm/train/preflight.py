@@ -257,8 +257,10 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
             codec = "int2"
         if cfg.sync_warmup_compression is None:
             warm_codec = "int2"
-        if cfg.sync_warmup is None and warm and evidence.warm:
-            shortest = min(share for share, _, _ in evidence.warm)
+        shares = [share for share, _, _ in evidence.warm]
+        shares += [share for _, share, _, _ in evidence.combined]
+        if cfg.sync_warmup is None and warm and shares:
+            shortest = min(shares)
             warm = min(warm, warm_length(shortest, cfg.steps, cfg.sync_every))
     rounds = max(0, cfg.steps - warm) // cfg.sync_every
     return warm * sync(warm_codec) + rounds * sync(codec)
