@@ -84,7 +84,10 @@ def test_the_warm_start_is_chosen_by_time_to_the_untuned_loss() -> None:
     assert slow.settings == {"compression": "int4", "sync_warmup_compression": "int2"}
     assert slow.cost == pytest.approx(-0.0075) and slow.warm_steps == 240
     int2 = _net("10mbit").allgather_time(_wire("int2"), 2)
-    assert slow.warm_step_s == pytest.approx(0.075 + max(0.0, int2 - 0.05))
+    # backward (2/3 of the compute) hides the warm all-reduce only after its first 1 MB bucket
+    # (of the model's 3.3 MB) is full
+    after_first = 1 - 2**20 / (4 * sum(torch.Size(s).numel() for s in SHAPES))
+    assert slow.warm_step_s == pytest.approx(0.075 + max(0.0, int2 - 0.05 * after_first))
     int4 = _net("10mbit").allgather_time(_wire("int4"), 2)
     assert slow.step_s == pytest.approx(0.075 + (int4 - 0.075) / 12)
     assert slow.job_s == pytest.approx(240 * slow.warm_step_s + 720 * slow.step_s)

@@ -441,8 +441,13 @@ def _warm_step_s(
     step_time_s: float,
 ) -> float:
     """A warm step's predicted time with ``codec``: the compute and what backward does not hide
-    of its gradient all-reduce (launched bucket by bucket as backward produces them)."""
+    of its gradient all-reduce, launched bucket by bucket as backward produces them
+    (:data:`~lowcomm.outer.warm.WARM_BUCKET_MB` each): nothing leaves before the first bucket
+    is full, so backward hides the all-reduce only for the share of it that comes after."""
+    from lowcomm.outer.warm import WARM_BUCKET_MB
+
     ratio = encoded_ratio(codec, shapes)
     comm = sync_seconds(codec, payload, workers, link, ratio)
-    hidden = Workload(parameters=1.0, tokens_per_step=1.0, step_time_s=step_time_s)
-    return step_time_s + max(0.0, comm - hidden.backward_fraction * step_time_s)
+    backward = Workload(parameters=1.0, tokens_per_step=1.0, step_time_s=step_time_s)
+    after_first = max(0.0, 1.0 - WARM_BUCKET_MB * 1024 * 1024 / payload) if payload else 0.0
+    return step_time_s + max(0.0, comm - backward.backward_fraction * after_first * step_time_s)
