@@ -301,6 +301,12 @@ def choose_sync_settings(
     def changes_given(settings: Mapping[str, Any]) -> bool:
         return any(k in given and current.get(k) != v for k, v in settings.items())
 
+    def keeps_given_warm(k: int, codec: str | None) -> bool:
+        return ("sync_warmup" not in given or k == warm_steps) and (
+            "sync_warmup_compression" not in given
+            or codec == current.get("sync_warmup_compression")
+        )
+
     # the untuned job's own settings first (cost 0 by definition), then every measured one that
     # fits this job and leaves what the user gave as it is
     keys = {k for settings, _ in evidence.sync for k in settings}
@@ -318,11 +324,7 @@ def choose_sync_settings(
     if warm_steps > 0 and n_steps > 0:
         for share, codec, measured in evidence.warm:
             k = warm_length(share, n_steps, sync_every)
-            if "sync_warmup" in given and k != warm_steps:
-                continue
-            if "sync_warmup_compression" in given and codec != current.get(
-                "sync_warmup_compression"
-            ):
+            if not keeps_given_warm(k, codec):
                 continue
             if measured.cost > MAX_COST or (k, codec) == warms[0][:2]:
                 continue
@@ -338,13 +340,7 @@ def choose_sync_settings(
             syncs.append((resolved, _PART))
         if warm_steps > 0 and n_steps > 0:
             k = warm_length(share, n_steps, sync_every)
-            if all((k, codec) != w[:2] for w in warms) and not (
-                ("sync_warmup" in given and k != warm_steps)
-                or (
-                    "sync_warmup_compression" in given
-                    and codec != current.get("sync_warmup_compression")
-                )
-            ):
+            if all((k, codec) != w[:2] for w in warms) and keeps_given_warm(k, codec):
                 warms.append((k, codec, _PART))
 
     def combination(sync: Mapping[str, Any], k: int, codec: str | None) -> Measured | None:
