@@ -86,8 +86,10 @@ class FlatBuckets:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The views ← ``tensors`` (one ``_foreach_copy_``, casting to the buckets' dtype)."""
         assert len(tensors) == len(self.views)
-        torch._foreach_copy_(self.views, [t.detach() for t in tensors])
+        with torch.no_grad():
+            torch._foreach_copy_(self.views, list(tensors))
 
     def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
         assert len(tensors) == len(self.views)

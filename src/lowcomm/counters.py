@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lowcomm.device import device_future, host_wait
 
 __all__ = [
+    "BlockedTimer",
     "CommStats",
     "DDPCommMeter",
     "all_gather_wire_bytes",
@@ -96,6 +97,48 @@ class _LinkSchedule(Protocol):
     def schedule(self, now: float, wire_bytes: int) -> float: ...
 
 
+class BlockedTimer:
+    """The time a step is blocked at the end of backward: from the last bucket's launch until
+    backward returns. On the CPU the host's clock (it waits there). On a GPU the host does not
+    wait (backward only queues work): the device's time from the launch to the end of what
+    backward queued, by CUDA events that are read once complete — at a later step, or at
+    :meth:`settle` — never waited for inside a step."""
+
+    def __init__(self) -> None:
+        self._launch: float | None = None
+        self._event: torch.cuda.Event | None = None
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def launched(self, device: torch.device) -> None:
+        """A bucket was launched (the last one of a step is what counts)."""
+        self._launch = time.perf_counter()
+        if device.type == "cuda":
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record(torch.cuda.current_stream(device))
+
+    def backward_done(self, stats: CommStats) -> None:
+        """Backward returned: count the time since the last launch into ``stats``."""
+        if self._event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._event, end))
+            self._event = self._launch = None
+            self._count(stats, wait=False)
+        elif self._launch is not None:
+            stats.blocked_s += max(0.0, time.perf_counter() - self._launch)
+            self._launch = None
+
+    def settle(self, stats: CommStats) -> None:
+        """Count every step's time still measured on the device (waits for it)."""
+        self._count(stats, wait=True)
+
+    def _count(self, stats: CommStats, *, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0][1].query()):
+            start, end = self._pending.popleft()
+            end.synchronize()
+            stats.blocked_s += max(0.0, start.elapsed_time(end) / 1e3)
+
+
 class DDPCommMeter:
     """Counts the gradient all-reduces of a ``DistributedDataParallel`` model, for comparison.
 
@@ -113,7 +156,7 @@ class DDPCommMeter:
     def __init__(self, *, link: _LinkSchedule | None = None) -> None:
         self.stats = CommStats()
         self.link = link
-        self._last_launch: float | None = None
+        self._blocked = BlockedTimer()
         self._world_size = 1
         self._group: dist.ProcessGroup | None = None
         self._queue: deque[tuple[dist.Work, torch.Tensor, float, float, torch.futures.Future]]
@@ -138,7 +181,7 @@ class DDPCommMeter:
         meter.stats.wire_bytes += ring_wire_bytes(payload, n)
         tensor.div_(n)
         t_launch = time.perf_counter()
-        meter._last_launch = t_launch
+        meter._blocked.launched(tensor.device)
         done_at = None
         if meter.link is not None:
             done_at = meter.link.schedule(time.monotonic(), ring_wire_bytes(payload, n))
@@ -187,9 +230,10 @@ class DDPCommMeter:
                 fut.set_exception(e)
 
     def backward_done(self) -> None:
-        """Record the time blocked at the end of this step's backward."""
-        if self._last_launch is not None:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()  # NCCL: wait for the real end
-            self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
-            self._last_launch = None
+        """Record the time blocked at the end of this step's backward (:class:`BlockedTimer`:
+        on a GPU by events, read later; nothing waits here)."""
+        self._blocked.backward_done(self.stats)
+
+    def settle(self) -> None:
+        """Count the blocked time still measured on the device (before reading ``stats``)."""
+        self._blocked.settle(self.stats)

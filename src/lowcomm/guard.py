@@ -30,6 +30,7 @@ from lowcomm.hparams import HyperparameterError
 
 __all__ = [
     "CollectiveError",
+    "HostFlags",
     "NAN_POLICIES",
     "NonFiniteError",
     "all_finite",
@@ -39,6 +40,7 @@ __all__ = [
     "check_same_across_ranks",
     "describe_tensors",
     "explain_lost_collectives",
+    "finite_flag",
     "first_line",
     "is_peer_loss",
     "mentions_peer_loss",
@@ -159,6 +161,59 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     if not tensors or not all(t.is_cuda for t in tensors):
         return all(_finite(t) for t in _regions(tensors))
     return _all_finite_one_read(tensors)
+
+
+def finite_flag(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether every value of ``tensors`` is finite, as a 0-dim bool tensor on their device,
+    without reading it: one ``aminmax`` per tensor (pass a bucket's flat buffers, not its
+    views, for a fixed number of operations per bucket), then one reduction. A NaN makes both
+    the minimum and the maximum NaN, an Inf one of them. Read it with :class:`HostFlags`."""
+    pairs = [torch.stack(torch.aminmax(t.detach().reshape(-1))) for t in tensors if t.numel()]
+    if not pairs:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.isfinite(torch.cat(pairs) if len(pairs) > 1 else pairs[0]).all()
+
+
+class HostFlags:
+    """Boolean verdicts computed on the device (:func:`finite_flag`), brought to host memory
+    without waiting: on CUDA a copy into pinned memory queued on the current stream, and an
+    event; :meth:`read` waits for that event only, at the point where the caller already waits
+    (a sync's apply, after its collective) or long after the copy was queued (the next inner
+    step), never draining the queue at the launch that made them. On the CPU the values are
+    already there. No ``.item()``: the host reads host memory.
+
+    Example::
+
+        verdict = HostFlags(finite_flag(send.buffers))   # at launch, nothing waits
+        ...
+        (own_ok,) = verdict.read()                        # later: one read, cached
+    """
+
+    def __init__(self, *flags: torch.Tensor) -> None:
+        values = torch.stack([f.reshape(()) for f in flags])
+        self._event: torch.cuda.Event | None = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
+            values = host
+        self._host = values
+        self._read: list[bool] | None = None
+
+    @staticmethod
+    def known(*values: bool) -> HostFlags:
+        """Verdicts already known on the host (a restored sync's)."""
+        return HostFlags(*(torch.tensor(bool(v)) for v in values))
+
+    def read(self) -> list[bool]:
+        """The verdicts, in order (the first call waits for the copy; later calls are free)."""
+        if self._read is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._read = [bool(v) for v in self._host.numpy()]
+        return self._read
 
 
 def _regions(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

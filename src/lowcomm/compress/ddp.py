@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from lowcomm.compress.collectives import CompressedHandle
 from lowcomm.compress.feedback import Compressor
 from lowcomm.compress.formats import Codec
 from lowcomm.compress.lgreco import LGreCo
+from lowcomm.counters import BlockedTimer
 from lowcomm.device import device_future
 
 __all__ = ["DDPCompressionState", "ddp_hook"]
@@ -55,7 +55,7 @@ class DDPCompressionState:
         self.error_feedback = error_feedback
         self.compressors: dict[int, Compressor] = {}
         self._restore: dict[int, dict[str, Any]] = {}
-        self._last_launch: float | None = None
+        self._blocked = BlockedTimer()
         self._deferred: tuple[CompressedHandle, torch.futures.Future, torch.Tensor] | None = None
 
     @property
@@ -84,12 +84,13 @@ class DDPCompressionState:
     def backward_done(self) -> None:
         """Record the time blocked at the end of this step's backward (call right after
         ``backward()`` returns): from the last bucket's launch until then, as
-        :class:`~lowcomm.comm.DDPCommMeter` measures it."""
-        if self._last_launch is not None:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()
-            self.stats.blocked_s += max(0.0, time.perf_counter() - self._last_launch)
-            self._last_launch = None
+        :class:`~lowcomm.comm.DDPCommMeter` measures it (on a GPU by events read later:
+        nothing waits here)."""
+        self._blocked.backward_done(self.stats)
+
+    def settle(self) -> None:
+        """Count the blocked time still measured on the device (before reading ``stats``)."""
+        self._blocked.settle(self.stats)
 
     def state_dict(self) -> dict[str, Any]:
         """Every bucket's compressor state (residuals, warm starts), by bucket index."""
@@ -133,7 +134,7 @@ def _hook(state, bucket):
     else:
         handle.advance()
         _deliver(handle, fut, buffer)
-    state._last_launch = time.perf_counter()  # waiting in advance() is already counted
+    state._blocked.launched(buffer.device)  # waiting in advance() is already counted
     return fut
 
 

@@ -56,24 +56,34 @@ class DelayedNesterov(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, beta, n = float(group["lr"]), float(group["momentum"]), int(group["delay"])
+            # the tensors at each step count (one, unless some went without a gradient),
+            # stepped together: a fixed number of _foreach operations whatever their number
+            by_step: dict[int, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
                     state["momentum_buffer"] = torch.zeros_like(p)
                     state["grad_sum"] = torch.zeros_like(p)
-                m, total = state["momentum_buffer"], state["grad_sum"]
-                total.add_(g)
-                direct = g if n == 1 else g / n
-                if (state["step"] + 1) % n == 0:
-                    m.mul_(beta).add_(total, alpha=1.0 / n)
-                    total.zero_()
+                by_step.setdefault(int(state["step"]), []).append(p)
+            for step, params in by_step.items():
+                grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+                ms = [self.state[p]["momentum_buffer"] for p in params]
+                totals = [self.state[p]["grad_sum"] for p in params]
+                torch._foreach_add_(totals, grads)
+                direct = grads if n == 1 else torch._foreach_div(grads, n)
+                if (step + 1) % n == 0:
+                    torch._foreach_mul_(ms, beta)
+                    torch._foreach_add_(ms, totals, alpha=1.0 / n)
+                    torch._foreach_zero_(totals)
                     # one add of (g/N + β·m), as torch's Nesterov SGD adds (g + β·m)
-                    p.add_(direct.add(m, alpha=beta), alpha=-lr)
+                    torch._foreach_add_(
+                        params, torch._foreach_add(direct, ms, alpha=beta), alpha=-lr
+                    )
                 else:
-                    p.add_(direct, alpha=-lr)
-                state["step"] += 1
+                    torch._foreach_add_(params, direct, alpha=-lr)
+                for p in params:
+                    self.state[p]["step"] += 1
         return loss

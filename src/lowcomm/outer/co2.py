@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lowcomm.buckets import FlatBuckets
 from lowcomm.compress.codecs import PowerSGD, parse_compression
 from lowcomm.hparams import (
     HyperparameterError,
@@ -320,6 +321,7 @@ class CO2(OuterAlgorithm):
         self._snapshots = (
             [f.anchor.like() for f in self.fragments] if self._keeps_progress() else []
         )
+        self._eager_out: dict[int, FlatBuckets] = {}  # eager: the outer input, per fragment
 
     def _overlap(self) -> int:
         return self.sync_every if self.config.overlap is None else int(self.config.overlap)
@@ -369,15 +371,29 @@ class CO2(OuterAlgorithm):
                 return list(torch._foreach_div(t, float(self.world_size)))
             return list(torch._foreach_mul(t, float(w)))
 
+        # this rank's fresh part, in a buffer of the fragment's layout: w·Δᵢᵗ where Δᵢᵗ was
+        # finite, else 0 (decided on the device: nothing waits for the launch's verdict)
+        out = self._eager_out.get(id(frag))
+        if out is None:
+            out = self._eager_out[id(frag)] = frag.anchor.like()
         fresh = frag.pending[-1] if frag.pending else None
-        if fresh is not None and fresh.step == self.local_step and fresh.own_ok:
-            out = list(scale(frag.own(fresh)))
+        if fresh is not None and fresh.step == self.local_step and hasattr(frag, "own_buckets"):
+            own = frag.own_buckets(fresh)
+            ok = fresh.own_flag
+            if ok is None:  # restored from a checkpoint: decided on the host
+                ok = torch.tensor(fresh.own_ok, device=out.device)
+            for o, b in zip(out.buffers, own.buffers):
+                if w is None:
+                    torch.div(b, float(self.world_size), out=o)
+                else:
+                    torch.mul(b, float(w), out=o)
+                o.masked_fill_(ok.logical_not(), 0.0)
         else:
-            out = [torch.zeros_like(v) for v in frag.anchor.views]
+            torch._foreach_zero_(out.buffers)
         if sync is not None and avg is not None:
             others = torch._foreach_sub(avg, scale(frag.own(sync)))
-            torch._foreach_add_(out, others)
-        return out
+            torch._foreach_add_(out.views, others)
+        return out.views
 
     def _after_finish(self, drained: bool) -> None:
         if self.config.eager and drained:

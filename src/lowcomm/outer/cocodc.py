@@ -105,7 +105,7 @@ class CoCoDC(StreamingDiLoCo):
             scores = torch.zeros(self.num_fragments, dtype=torch.float64, device=device)
             for g in free:
                 frag = self.fragments[g]
-                drift = torch._foreach_sub(frag.anchor.views, [p.float() for p in frag.params])
+                drift = torch._foreach_sub(frag.anchor.views, list(frag.params))
                 rms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(drift)))
                 # float64 arithmetic as on floats: the same bits as float(rms) / √n * wait
                 scores[g] = rms.double() / math.sqrt(frag.numel) * waits[g]

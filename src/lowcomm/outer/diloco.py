@@ -98,7 +98,11 @@ class OuterSGDConfig(CompressionConfig):
             from lowcomm.optim.delayed_nesterov import DelayedNesterov
 
             return partial(DelayedNesterov, lr=lr, momentum=momentum, delay=self.nesterov_every)
-        return partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=self.nesterov)
+        # foreach: one operation over every anchor tensor on the CPU too (torch's default there
+        # is a loop over them); the same arithmetic, bit for bit
+        return partial(
+            torch.optim.SGD, lr=lr, momentum=momentum, nesterov=self.nesterov, foreach=True
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +152,7 @@ class SlowMo(DiLoCo):
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         slow_lr, momentum = float(self.config.outer_lr), float(self.config.outer_momentum)
-        sgd = partial(torch.optim.SGD, lr=slow_lr, momentum=momentum, nesterov=False)
+        sgd = partial(torch.optim.SGD, lr=slow_lr, momentum=momentum, nesterov=False, foreach=True)
 
         def scale(avg_delta: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
             gamma = float(self.inner.param_groups[0]["lr"])

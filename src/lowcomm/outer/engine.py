@@ -51,11 +51,10 @@ from lowcomm.comm import Communicator, Handle
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.device import CommStream, collective_device
 from lowcomm.elastic.sync import ManagedCommunicator
-from lowcomm.guard import Description, all_finite, describe_tensors, explain_lost_collectives
+from lowcomm.guard import Description, HostFlags, describe_tensors, explain_lost_collectives
 from lowcomm.hparams import HyperparameterError, describe, signature
 from lowcomm.outer.fault_tolerance import FaultTolerant
 from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState, ShardedFragment, Sync
-from lowcomm.outer.functional import pseudo_gradient_norm
 from lowcomm.outer.guards import Guards
 from lowcomm.outer.hparams import OuterConfig
 from lowcomm.outer.pace import DynamicSteps, Pace
@@ -150,6 +149,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         self._profile_tag = f"lowcomm::{self.name}"
         self._to_advance: list[tuple[int, Sync]] = []
         self._pg_norm: torch.Tensor | None = None  # ‖A − θᵢ‖ of the fragment launched last
+        self._unread_own: list[Sync] = []  # launched syncs whose own verdict is not read yet
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
         self.overlap = self._overlap()
         """τ: inner steps between a fragment's launch and its apply."""
@@ -355,6 +355,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
             if phase <= 0:
                 self._warm_step()
                 return
+            if self._unread_own:
+                self._read_own()  # the last launch's verdict on this rank, a step later
             if self._to_advance:
                 self._advance_due(self.local_step)
             try:
@@ -396,7 +398,6 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         with record_function(f"{self._profile_tag}::launch"):
             self._before_launch(f)
             frag = self.fragments[f]
-            self._pg_norm = pseudo_gradient_norm(frag.anchor.views, frag.params)
             rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
             label = f"fragment {f}" if self.num_fragments > 1 else f"round {rnd}"
             scale = 1.0
@@ -405,6 +406,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 if (k * self.interval) % self.sync_every == 0:  # applied at a round boundary
                     self.pace.measure(k)  # (before the sync: first on the link)
             sync = frag.launch(label, self.local_step, scale=scale)
+            self._pg_norm = sync.norm
+            self._unread_own.append(sync)
             # the second phase (PowerSGD's Q, a sharded update) goes out halfway to the apply
             if self.overlap > 0 and sync.handle.needs_advance:
                 self._to_advance.append((self.local_step + max(1, self.overlap // 2), sync))
@@ -420,6 +423,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         f = self._in_flight.pop(k)
         frag = self.fragments[f]
         with record_function(f"{self._profile_tag}::outer"):
+            if self._unread_own:
+                self._read_own()  # (a sync launched at this very step: τ = 0)
             if self.ft is not None and not self._commit(frag):
                 # not committed: the round is dropped. An outer step goes back to its anchor;
                 # LocalSGD, whose anchor was the send buffer (now undefined), keeps its θ
@@ -443,11 +448,12 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         sync: Sync,
         anchor: list[torch.Tensor],
         avg: list[torch.Tensor],
-        finite: bool | None,
+        finite: HostFlags,
     ) -> bool:
-        """A sync's average has arrived (``finite``: already decided, else checked here):
-        step the update rule on ``anchor``; returns whether it was applied."""
-        if not (all_finite(avg) if finite is None else finite):
+        """A sync's average has arrived (``finite``: whether it is finite, decided on the
+        device; the host reads it here, where it has just waited for the collective): step
+        the update rule on ``anchor``; returns whether it was applied."""
+        if not finite.read()[0]:
             self._on_non_finite(frag, sync)
             return False
         self._update(frag, sync, avg, anchor)
@@ -478,6 +484,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
             if self._unchecked is not None:
                 self._check_consistency()
             with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
+                if self._unread_own:
+                    self._read_own()
                 drained = bool(self._in_flight)
                 for k in sorted(self._in_flight):
                     self._apply(k)

@@ -32,8 +32,8 @@ from lowcomm.compress.codecs import Codec
 from lowcomm.compress.feedback import Compressor, load_compression_state
 from lowcomm.compress.lgreco import LGreCo
 from lowcomm.device import CommStream, Launch
-from lowcomm.guard import optimizer_settings, optimizer_state_tensors
-from lowcomm.outer.functional import pseudo_gradient_
+from lowcomm.guard import HostFlags, finite_flag, optimizer_settings, optimizer_state_tensors
+from lowcomm.outer.functional import flat_norm, pseudo_gradient_, pseudo_gradient_norm
 from lowcomm.params import load_tensors
 
 __all__ = [
@@ -128,8 +128,9 @@ class Sync:
     """What the numeric guard calls it (``round 3``, ``fragment 1``)."""
     step: int
     """The inner step it was launched at."""
-    own_ok: bool
-    """Whether this rank's own contribution was finite at launch."""
+    own: HostFlags
+    """Whether this rank's own contribution was finite at launch, decided on the device and
+    read by the host later (:attr:`own_ok`)."""
     slot: int = 0
     """Which send buffer it uses."""
     handle: Any = None
@@ -140,18 +141,27 @@ class Sync:
     launched: Launch | None = None
     """Its launch on the engine's :class:`~lowcomm.device.CommStream` (``None``: restored
     from a checkpoint, or launched on the compute stream)."""
+    own_flag: torch.Tensor | None = None
+    """The same verdict as a 0-dim bool tensor on the device (``None``: restored), for
+    decisions taken on the device."""
+    norm: torch.Tensor | None = None
+    """‖A − θᵢ‖ of this rank at the launch (0-dim, on the device; ``None``: restored)."""
+
+    @property
+    def own_ok(self) -> bool:
+        """Whether this rank's own contribution was finite at launch (the host reads the
+        device's verdict once, on first use)."""
+        return self.own.read()[0]
 
 
 class Engine(Protocol):
     """What a fragment asks of the engine that owns it
-    (:class:`~lowcomm.outer.engine.OuterAlgorithm`): its communicator, the check of this rank's
-    own contribution at launch, the collective of an uncompressed sync, and what to do with an
-    average once it has arrived; its side stream, on which syncs are launched."""
+    (:class:`~lowcomm.outer.engine.OuterAlgorithm`): its communicator, the collective of an
+    uncompressed sync, and what to do with an average once it has arrived (``finite``: the
+    average's verdict, decided on the device); its side stream, on which syncs are launched."""
 
     comm: Communicator
     comm_stream: CommStream
-
-    def check_own(self, delta: Sequence[torch.Tensor]) -> bool: ...
 
     def mean_async(self, buffers: list[torch.Tensor]) -> Handle: ...
 
@@ -161,7 +171,7 @@ class Engine(Protocol):
         sync: Sync,
         anchor: list[torch.Tensor],
         avg: list[torch.Tensor],
-        finite: bool | None,
+        finite: HostFlags,
     ) -> bool: ...
 
 
@@ -236,8 +246,12 @@ class Fragment:
     def own(self, sync: Sync) -> list[torch.Tensor]:
         """This rank's own contribution to ``sync`` (``keep_own``), ready on the current
         stream (eager CO2 reads it at the step that launched it)."""
+        return self.own_buckets(sync).views
+
+    def own_buckets(self, sync: Sync) -> FlatBuckets:
+        """:meth:`own` as the flat buckets that hold it."""
         self.engine.comm_stream.wait_for(sync.launched)
-        return self._own[sync.slot].views
+        return self._own[sync.slot]
 
     def launch(self, label: str, step: int, *, scale: float = 1.0) -> Sync:
         """Launch this rank's pseudo-gradient (or parameters) times ``scale`` (the weight of
@@ -251,31 +265,34 @@ class Fragment:
             self.wait_in_flight()
         slot, self._next = self._next, (self._next + 1) % len(self._sends)
         send = self._sends[slot]
-        own = self._own[slot] if self._own else None
+        own_buf = self._own[slot] if self._own else None
         # LocalSGD's send buffer is its anchor, read until the next launch refills it
         writes = [] if self.outer is None else send.buffers
-        writes = writes + (own.buffers if own is not None else [])
+        writes = writes + (own_buf.buffers if own_buf is not None else [])
         with self.engine.comm_stream.launch(writes=writes) as launched:
             if self.send_params:
+                norm = pseudo_gradient_norm(self.anchor.views, self.params)
                 send.copy_from(self.params)
             else:
                 pseudo_gradient_(send.views, self.anchor.views, self.params)
+                norm = flat_norm(send.buffers)
             if scale != 1.0:
-                torch._foreach_mul_(send.views, scale)
-            # one read of the device, after the fill; a rank that is not finite recovers θ,
-            # its inner-optimizer state and residuals here, before its encoding (on the side
-            # stream: the compute stream then waits for the whole launch, not only the fill)
-            own_ok = self.engine.check_own(send.views)
-            if own_ok:
-                launched.inputs_read()  # θ and A are read: the next inner step may write θ
+                torch._foreach_mul_(send.buffers, scale)
+            # this rank's verdict on its own contribution, decided on the device and read by
+            # the host a step later (the engine recovers a diverged rank then): nothing here
+            # waits for the device
+            own = finite_flag(send.buffers)
+            launched.inputs_read()  # θ and A are read: the next inner step may write θ
             if self.compressor is not None:
                 # eager: this rank's decoded contribution is what the others will receive
-                handle = self.comm.compressed_mean_async(send, self.compressor, own=own)
+                handle = self.comm.compressed_mean_async(send, self.compressor, own=own_buf)
             else:
-                if own is not None:
-                    torch._foreach_copy_(own.views, send.views)
+                if own_buf is not None:
+                    torch._foreach_copy_(own_buf.buffers, send.buffers)
                 handle = self.engine.mean_async(send.buffers)
-        sync = Sync(label, step, own_ok, slot, handle, launched=launched)
+        sync = Sync(
+            label, step, HostFlags(own), slot, handle, launched=launched, own_flag=own, norm=norm
+        )
         self.pending.append(sync)
         return sync
 
@@ -311,8 +328,9 @@ class Fragment:
         sync = self.pending.popleft()
         self._settle(sync)
         sync.handle.wait()
-        avg = self._sends[sync.slot].views
-        return self.engine.on_average(self, sync, self.anchor.views, avg, None)
+        send = self._sends[sync.slot]
+        finite = HostFlags(finite_flag(send.buffers))
+        return self.engine.on_average(self, sync, self.anchor.views, send.views, finite)
 
     def state_tensors(self) -> list[torch.Tensor]:
         if self.outer is None:
@@ -361,7 +379,8 @@ class Fragment:
                 load_tensors(state, "pending_own_delta", self._own[0].views)
             handle = self.comm.completed(self._sends[0].buffers)
             label = state.get("pending_label", "the sync in flight")
-            self.pending.append(Sync(label, int(state.get("pending_step", 0)), True, 0, handle))
+            step = int(state.get("pending_step", 0))
+            self.pending.append(Sync(label, step, HostFlags.known(True), 0, handle))
             self._next = 1 % len(self._sends)
 
 
@@ -420,17 +439,18 @@ class ShardedFragment:
         # the snapshot, reduced chunks and flag are shared: the sync before must have advanced
         for earlier in self.pending:
             earlier.handle.advance()
+        norm = pseudo_gradient_norm(self.anchor.views, self.params)
         self.snapshot.copy_from(self.params)
         if scale != 1.0:  # the weighted mean of θ: A minus it is the weighted mean of Δ
-            torch._foreach_mul_(self.snapshot.views, scale)
-        own_ok = self.engine.check_own(self.snapshot.views)
-        self._flag.fill_(0.0 if own_ok else 1.0)
+            torch._foreach_mul_(self.snapshot.buffers, scale)
+        own = finite_flag(self.snapshot.buffers)
+        self._flag.copy_(own.logical_not())  # 1 where this rank is not finite
         self._reduce = self.comm.reduce_scatter_mean_async(self.snapshot.buffers, self.reduced)
         # a count of ranks (SUM), not a mean
         self._flag_handle = Handle(
             [self.comm.all_reduce_sum_async(self._flag)], [self._flag], 1, self.comm.stats
         )
-        sync = Sync(label, step, own_ok)
+        sync = Sync(label, step, HostFlags(own), own_flag=own, norm=norm)
         sync.handle = _ShardedPhases(lambda: self.second_phase(sync))
         self.pending.append(sync)
         return sync
@@ -440,7 +460,8 @@ class ShardedFragment:
         rank's chunks and the outer update; then (skipped or not) all-gather the anchor."""
         assert self._reduce is not None and self._flag_handle is not None
         self._reduce.wait()
-        finite = round(float(self._flag_handle.wait()[0])) == 0
+        # no rank's contribution was non-finite (a count of ranks, exact in fp32)
+        finite = HostFlags(self._flag_handle.wait()[0] < 0.5)
         self._reduce = self._flag_handle = None
         # -(θ̄ − A), bitwise A − θ̄, as pseudo_gradient_ computes it
         torch._foreach_sub_(self.reduced, self.shard if self.reference is None else self.reference)
@@ -524,9 +545,9 @@ class ShardedFragment:
         self.pending.clear()
         if state.get("pending"):
             applied = bool(state.get("pending_applied", True))
-            self.pending.append(
-                Sync("the sync in flight", 0, True, handle=_ShardedPhases(None), applied=applied)
-            )
+            restored = Sync("the sync in flight", 0, HostFlags.known(True), applied=applied)
+            restored.handle = _ShardedPhases(None)
+            self.pending.append(restored)
 
 
 def _sharding_mismatch(saved_sharded: bool, engine: Engine) -> str:

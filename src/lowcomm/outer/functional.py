@@ -15,6 +15,7 @@ __all__ = [
     "clip_momentum_",
     "co2_outer_update_",
     "delay_compensation_",
+    "flat_norm",
     "gap_aware_penalty",
     "noloco_groups",
     "noloco_outer_update_",
@@ -34,20 +35,27 @@ GAP_STAT_NEW = 0.1
 
 def pseudo_gradient_(out: Tensors, anchor: Tensors, params: Tensors) -> None:
     """Δᵢ = A − θᵢ into ``out`` (fp32; ``params`` may be bf16, cast by the copy), computed as
-    ``−(θ − A)``, bitwise equal to ``A − θ`` in IEEE arithmetic."""
-    torch._foreach_copy_(list(out), [p.detach() for p in params])
-    torch._foreach_sub_(list(out), list(anchor))
-    torch._foreach_neg_(list(out))
+    ``−(θ − A)``, bitwise equal to ``A − θ`` in IEEE arithmetic: three ``_foreach`` operations
+    whatever the number of tensors."""
+    with torch.no_grad():
+        torch._foreach_copy_(list(out), list(params))
+        torch._foreach_sub_(list(out), list(anchor))
+        torch._foreach_neg_(list(out))
 
 
 def pseudo_gradient_norm(anchor: Tensors, params: Tensors) -> torch.Tensor:
-    """‖A − θ‖ over all tensors (fp32, on the device: reading it is the caller's sync), one
-    tensor's difference allocated at a time."""
-    squares = [
-        torch.linalg.vector_norm(a - p.detach().to(a.dtype)).square()
-        for a, p in zip(anchor, params)
-    ]
-    return torch.stack(squares).sum().sqrt()
+    """‖A − θ‖ over all tensors (fp32, on the device: reading it is the caller's sync), in a
+    fixed number of ``_foreach`` operations (the differences are allocated at once)."""
+    with torch.no_grad():
+        diff = torch._foreach_sub(list(anchor), list(params))
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff)))
+
+
+def flat_norm(buffers: Tensors) -> torch.Tensor:
+    """The L2 norm of the values of flat ``buffers`` together (a bucket's: one reduction per
+    buffer, none per tensor), as a 0-dim tensor on their device."""
+    norms = [torch.linalg.vector_norm(b) for b in buffers]
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def gap_aware_penalty(
@@ -141,18 +149,20 @@ def delay_compensation_(
 ) -> None:
     """CoCoDC's merge of one fragment, per tensor, in place on ``params`` (θ_now), with θ_s
     the ``snapshot`` at launch and Â the ``new_anchor``: g = θ_s − θ_now, D = Â − θ_s,
-    h = g ⊙ g ⊙ D, λ = λ₀·‖g‖/‖h‖ (0 when h = 0), θ ← Â − (g + λ·h)."""
-    for p, a, s in zip(params, new_anchor, snapshot):
-        now = p.detach().float()
-        g = s - now
-        out = a - g
-        if lambda0 != 0.0:
-            h = g * g * (a - s)
-            h_norm = torch.linalg.vector_norm(h)
-            if h_norm > 0:
-                lam = lambda0 * torch.linalg.vector_norm(g) / h_norm
-                out -= lam * h
-        p.detach().copy_(out)
+    h = g ⊙ g ⊙ D, λ = λ₀·‖g‖/‖h‖ (0 when h = 0), θ ← Â − (g + λ·h). Every tensor's λ is
+    formed on the device (``_foreach`` operations and one ``where``, nothing read by the host)."""
+    with torch.no_grad():
+        g = torch._foreach_sub(list(snapshot), list(params))
+        out = torch._foreach_sub(list(new_anchor), g)
+        if lambda0 != 0.0 and g:
+            h = torch._foreach_mul(g, g)
+            torch._foreach_mul_(h, torch._foreach_sub(list(new_anchor), list(snapshot)))
+            h_norm = torch.stack(torch._foreach_norm(h))
+            g_norm = torch.stack(torch._foreach_norm(g))
+            lam = torch.where(h_norm > 0, lambda0 * g_norm / h_norm, torch.zeros_like(h_norm))
+            torch._foreach_mul_(h, list(lam.unbind()))
+            torch._foreach_sub_(out, h)
+        torch._foreach_copy_(list(params), out)
 
 
 def noloco_groups(world_size: int, group_size: int, step: int, seed: int = 0) -> list[list[int]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -78,6 +77,7 @@ class Guards:
     local_step: int
     skipped_updates: int
     _own_non_finite: int
+    _unread_own: list[Sync]
     _unchecked: Description | None
 
     # -- guards --------------------------------------------------------------------------------
@@ -144,24 +144,27 @@ class Guards:
                 f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
             )
 
-    def check_own(self, delta: Sequence[torch.Tensor]) -> bool:
-        """At launch: whether this rank's own contribution is finite. If not, this rank
-        diverged: log it and recover its local state now, so that it trains correctly from
-        the anchor while the poisoned average is on its way (every rank will skip it)."""
-        if all_finite(delta):
-            return True
-        fixed = self._recover_local()
-        self._own_non_finite += 1
-        log_repeated(
-            self._own_non_finite,
-            "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
-            "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
-            type(self).__name__,
-            self.comm.rank,
-            self.local_step,
-            fixed,
-        )
-        return False
+    def _read_own(self) -> None:
+        """Read this rank's verdicts on its own contributions launched since the last read
+        (decided on the device at launch, read here: a step later, or at the sync's apply when
+        that comes first). One that was not finite means this rank diverged: log it and
+        recover its local state now, so that it trains correctly from the anchor while the
+        poisoned average is on its way (every rank will skip it)."""
+        unread, self._unread_own = self._unread_own, []
+        for sync in unread:
+            if sync.own_ok:
+                continue
+            fixed = self._recover_local()
+            self._own_non_finite += 1
+            log_repeated(
+                self._own_non_finite,
+                "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
+                "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
+                type(self).__name__,
+                self.comm.rank,
+                sync.step,
+                fixed,
+            )
 
     def _recover_local(self) -> int:
         """Zero the non-finite values of this rank's inner-optimizer state and error-feedback

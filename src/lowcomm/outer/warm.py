@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from lowcomm.comm import Communicator, FlatBuckets, Handle
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
-from lowcomm.guard import NonFiniteError, all_finite
+from lowcomm.guard import HostFlags, NonFiniteError, finite_flag
 from lowcomm.outer.fragment import AnyFragment
 from lowcomm.outer.guards import log_repeated
 from lowcomm.outer.hparams import OuterConfig
@@ -260,7 +260,8 @@ class WarmStart:
             for handle in handles:
                 handle.wait()
             self._waited_since(t0)
-            if not all(all_finite(buf.views) for buf in bufs):
+            # one verdict for every mean, read where the host has just waited for them
+            if not HostFlags(finite_flag([b for buf in bufs for b in buf.buffers])).read()[0]:
                 self._skip_warm_step()
                 return
             for frag, buf, g in zip(self.fragments, bufs, grads):
@@ -289,15 +290,19 @@ class WarmStart:
                     "in an inner step); leave the warm start at the optimizer's step for loops "
                     "that accumulate gradients"
                 )
-            if not all(all_finite(b.buf.views) for b in self._warm_buckets):
+            means = [b for bucket in self._warm_buckets for b in bucket.buf.buffers]
+            if not HostFlags(finite_flag(means)).read()[0]:
                 self._skip_warm_step()
                 return
+            grads, views = [], []
             for bucket in self._warm_buckets:
                 for p, mean in zip(bucket.params, bucket.buf.views):
                     if p.grad is None:
                         p.grad = mean.clone()
                     else:
-                        p.grad.copy_(mean)
+                        grads.append(p.grad)
+                        views.append(mean)
+            torch._foreach_copy_(grads, views)
 
     def _waited_since(self, t0: float) -> None:
         """Dynamic local steps: the time since ``t0`` was spent waiting for a warm-start mean,

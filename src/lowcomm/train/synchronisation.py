@@ -191,6 +191,7 @@ class Synchronisation:
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint (waits for in-flight all-reduces, not applying
         them, before the counters are read)."""
+        self.settle()
         return {
             "algorithm": self.algo.state_dict() if self.algo is not None else None,
             "ddp_hook": (
@@ -209,6 +210,14 @@ class Synchronisation:
             self.algo.finish()
         if self.demo is not None:
             self.demo.finish()
+        self.settle()
+
+    def settle(self) -> None:
+        """Count the DDP meters' time blocked still measured on the device (GPU events read
+        once, before the counters are read or saved)."""
+        for meter in (self.meter, self.node_meter):
+            if meter is not None:
+                meter.settle()
 
     def steps_done(self, step: int) -> float:
         """Inner steps per worker done after ``step`` (with dynamic local steps, all workers'

@@ -430,6 +430,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
     train_s = time.perf_counter() - t0 - eval_s
     if zo is not None and world > 1:
         zo.check_replicas()
+    if meter is not None:
+        meter.settle()  # (a GPU's blocked time, measured by events)
     per_rank = {"rank": rank, "peak_rss_bytes": _peak_rss_bytes(), **stats.metrics()}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, per_rank)

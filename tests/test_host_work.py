@@ -1,0 +1,219 @@
+"""The sync path's host work, seen on the CPU with torch.profiler (a structural check of what the
+host asks of the device, not a timing).
+
+On a GPU every host read of a device value (``.item()``, ``bool(tensor)``, ``nonzero``) waits for
+the queue the outer algorithm exists to keep full, and every operation dispatched per parameter
+tensor is host time a model of many tensors pays on each sync. Here, on a real one-rank gloo
+group (the codecs, error feedback and collectives run as in a world of two):
+
+* (a) the ``step()`` calls of a whole round, its launch and apply included, contain no
+  ``aten::_local_scalar_dense``, ``aten::item`` or ``aten::nonzero`` event, for every outer
+  algorithm of the registry, every codec, the warm start (fp32 and through a codec) and DeMo's
+  step. The guards' verdicts are decided on the device and read from host memory
+  (:class:`lowcomm.guard.HostFlags`): a copy queued on the device, no ``.item()``;
+* (b) the number of aten operations lowcomm dispatches in a round's ``step()`` calls does not
+  grow with the number of parameter tensors: a model of 4 tensors against one of 64 with the
+  same total size, equal counts, for every outer algorithm's uncompressed sync and the
+  uncompressed warm start. Operations are counted at the top level: a ``_foreach_`` operation
+  over many tensors counts once (on CUDA it launches one kernel per few dozen tensors; on the
+  CPU torch runs it as a loop of per-tensor operations, which are its children here).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import lowcomm
+from lowcomm.registry import REGISTRY
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+
+H = 4
+NUMEL = 4096
+HOST_READS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero")
+
+OUTER = {name: entry for name, entry in REGISTRY.items() if entry.cls is not None}
+CODECS = ("int8", "int4", "int2", "int4:sr", "sign", "topk:0.1", "powersgd:2", "bf16", "lgreco:int")
+
+
+def _model(tensors: int) -> torch.nn.ParameterList:
+    """``tensors`` parameter tensors of ``NUMEL`` values in all."""
+    g = torch.Generator().manual_seed(0)
+    per = NUMEL // tensors
+    return torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.randn(per // 8, 8, generator=g)) for _ in range(tensors)]
+    )
+
+
+def _build(name: str, model: torch.nn.ParameterList, **extra: Any) -> lowcomm.OuterAlgorithm:
+    entry = OUTER[name]
+    assert entry.cls is not None
+    kwargs: dict[str, Any] = {"sync_every": H, **entry.fixed, **extra}
+    if entry.schedule == "fragments":
+        half = len(model) // 2
+        kwargs.update(fragments=[list(model)[:half], list(model)[half:]], overlap=1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    return entry.cls(model, inner, **kwargs)
+
+
+def _inner_step(model: torch.nn.ParameterList, algo: lowcomm.OuterAlgorithm, g: Any) -> None:
+    for p in model:
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+    algo.before_inner_step()
+    algo.inner.step()
+
+
+def _round_events(algo: lowcomm.OuterAlgorithm, model: torch.nn.ParameterList) -> list[Any]:
+    """The profiler's events of the ``step()`` calls of one round (a launch and an apply),
+    after the warm start and two rounds."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(algo.warmup + 2 * H):
+        _inner_step(model, algo, g)
+        algo.step()
+    events: list[Any] = []
+    for _ in range(H):
+        _inner_step(model, algo, g)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            algo.step()
+        events += list(prof.events())
+    algo.finish()
+    return events
+
+
+def _warm_events(model: torch.nn.ParameterList, compression: str | None) -> list[Any]:
+    """The events of one warm-start step (the mean before the inner step, and ``step()``)."""
+    algo = _build("co2", model, sync_warmup=8, sync_warmup_compression=compression)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        _inner_step(model, algo, g)
+        algo.step()
+    for p in model:
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        algo.before_inner_step()
+        algo.inner.step()
+        algo.step()
+    return list(prof.events())
+
+
+def host_reads(events: list[Any]) -> dict[str, list[str]]:
+    """Each host read among ``events``, with the calls it was made under."""
+    out: dict[str, list[str]] = collections.defaultdict(list)
+    for e in events:
+        if e.name in HOST_READS:
+            chain, parent = [], e.cpu_parent
+            while parent is not None and len(chain) < 6:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            out[e.name].append(" <- ".join(chain))
+    return dict(out)
+
+
+def top_level_ops(events: list[Any], *, skip: Callable[[Any], bool] | None = None) -> int:
+    """aten operations not dispatched by another aten operation (see the module docstring);
+    ``skip``: events whose operations are not lowcomm's (the inner optimizer's step)."""
+
+    def counted(e: Any) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::") or (skip is not None and skip(parent)):
+                return False
+            parent = parent.cpu_parent
+        return not (skip is not None and skip(e))
+
+    return sum(1 for e in events if e.name.startswith("aten::") and counted(e))
+
+
+def _cases() -> Iterator[Any]:
+    for name, entry in OUTER.items():
+        assert entry.cls is not None
+        yield pytest.param(name, None, id=f"{name}-none")
+        if entry.compressible:
+            for codec in CODECS:
+                try:  # (a codec the algorithm refuses: eager CO2 and PowerSGD's two phases)
+                    entry.cls.validate(sync_every=H, compression=codec, **entry.fixed)
+                except ValueError:
+                    continue
+                yield pytest.param(name, codec, id=f"{name}-{codec}")
+
+
+@pytest.mark.parametrize("name,codec", list(_cases()))
+def test_a_round_reads_nothing_back_from_the_device(name: str, codec: str | None) -> None:
+    model = _model(16)
+    extra = {} if codec is None else {"compression": codec}
+    reads = host_reads(_round_events(_build(name, model, **extra), model))
+    assert not reads, f"{name} with {codec}: host reads in a round: {reads}"
+
+
+@pytest.mark.parametrize("compression", [None, "int8", "int2"])
+def test_the_warm_start_reads_nothing_back_but_its_verdict(compression: str | None) -> None:
+    reads = host_reads(_warm_events(_model(16), compression))
+    assert not reads, f"warm start ({compression}): host reads: {reads}"
+
+
+def test_demo_steps_without_host_reads() -> None:
+    model = _model(16)
+    opt = lowcomm.DeMo(model.parameters(), lr=1e-3, compression_topk=4, compression_chunk=8)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in model:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    opt.finish()
+    assert not host_reads(list(prof.events()))
+
+
+@pytest.mark.parametrize("name", list(OUTER))
+def test_a_round_dispatches_as_many_operations_for_64_tensors_as_for_4(name: str) -> None:
+    counts = {}
+    for tensors in (4, 64):
+        model = _model(tensors)
+        counts[tensors] = top_level_ops(_round_events(_build(name, model), model))
+    assert counts[4] == counts[64], f"{name}: {counts}"
+
+
+def test_the_warm_start_dispatches_as_many_operations_for_64_tensors_as_for_4() -> None:
+    def inner_step(e: Any) -> bool:  # the inner optimizer's own step is not lowcomm's
+        return str(e.name).startswith("Optimizer.step#")
+
+    counts = {n: top_level_ops(_warm_events(_model(n), None), skip=inner_step) for n in (4, 64)}
+    assert counts[4] == counts[64], counts
+
+
+def test_the_checks_see_a_read_put_back_on_the_launch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checks above would fail on a launch that reads a value (``.item()``) or loops over
+    the tensors: both put back into the launch of DiLoCo, both seen."""
+    import lowcomm.outer.fragment as fragment
+
+    norm = fragment.flat_norm
+
+    def reading(buffers: list[torch.Tensor]) -> torch.Tensor:
+        out = norm(buffers)
+        out.item()
+        return out
+
+    monkeypatch.setattr(fragment, "flat_norm", reading)
+    model = _model(16)
+    assert host_reads(_round_events(_build("diloco", model), model))
+    monkeypatch.undo()
+
+    def per_tensor(out: Any, anchor: Any, params: Any) -> None:
+        for o, a, p in zip(out, anchor, params):
+            o.copy_(a - p)
+
+    monkeypatch.setattr(fragment, "pseudo_gradient_", per_tensor)
+    counts = []
+    for tensors in (4, 64):
+        model = _model(tensors)
+        counts.append(top_level_ops(_round_events(_build("diloco", model), model)))
+    assert counts[1] > counts[0]
