@@ -250,8 +250,11 @@ _BUCKET_SPECS = [
     "int2:block=6",
     "int2:block=5",
     "int4:sr",
+    "int4:block=7:sr",
     "sign",
+    "sign:block=5",
     "topk:0.1",
+    "topk:0.5",
     "bf16",
 ]
 
@@ -285,63 +288,81 @@ def _bucket_input(shapes: list[tuple[int, ...]], kinds: list[str], seed: int) ->
 def test_a_bucket_encodes_and_decodes_as_its_tensors_do_one_by_one(
     tensors: list[tuple[tuple[int, ...], str, str]], world: int, seed: int
 ) -> None:
-    # the grouped path writes each tensor's own payload, in order, and decodes, sums in rank
-    # order and divides exactly as decoding tensor by tensor does: bit for bit
-    from lowcomm.compress.grouped import GroupLayout
+    # the flat path sends each tensor's own bytes (a bucket's sections one after the other)
+    # and decodes, sums in rank order and divides exactly as decoding tensor by tensor does:
+    # bit for bit (stochastic rounding: one sr codec per bucket, its noise drawn over its
+    # tensors in bucket order)
+    from lowcomm.compress.flat import FlatLayout
 
     shapes = [t[0] for t in tensors]
     codecs = []
+    sr = None
     for shape, spec, _ in tensors:
         codec = parse_compression(spec)
+        if codec.stochastic:
+            sr = sr or codec
+            codec = sr
         codecs.append(codec if codec.compresses(shape) else Raw())
     xs = _bucket_input(shapes, [t[2] for t in tensors], seed)
-    layout = GroupLayout(codecs, shapes, "cpu")
-    g_grouped, g_alone = (torch.Generator().manual_seed(seed) for _ in range(2))
-    payload, contributions, errors = layout.encode(xs, generator=g_grouped, residuals=True)
+    layout = FlatLayout(codecs, shapes, "cpu")
+    g_flat, g_alone = (torch.Generator().manual_seed(seed) for _ in range(2))
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    payload, mine = layout.encode(flat, generator=g_flat)
     alone = [c.encode(x, generator=g_alone if c.stochastic else None) for c, x in zip(codecs, xs)]
-    assert torch.equal(payload, torch.cat(alone))
-    assert errors is not None
-    for codec, x, p, c, e in zip(codecs, xs, alone, contributions, errors):
-        decoded = codec.decode(p, x.shape)
-        assert torch.equal(c, decoded)
-        assert torch.equal(e, torch.nan_to_num(x - decoded, 0.0, 0.0, 0.0))
-    others = [
-        torch.cat([c.encode(x * (r + 2)) for c, x in zip(codecs, xs)]) for r in range(world - 1)
-    ]
-    gathered = torch.cat([payload, *others])
-    means = layout.decode_mean(gathered, world)
-    for j, (codec, (a, b)) in enumerate(zip(codecs, layout.spans)):
-        total = codec.decode(gathered[a:b], shapes[j])
+    assert payload.numel() == layout.size == sum(p.numel() for p in alone)
+    assert torch.equal(payload.sort().values, torch.cat(alone).sort().values)  # the same bytes
+    if len(xs) == 1:
+        assert torch.equal(payload, alone[0])
+    decoded = torch.cat([c.decode(p, x.shape).reshape(-1) for c, x, p in zip(codecs, xs, alone)])
+    torch.testing.assert_close(mine, decoded, rtol=0, atol=0, equal_nan=True)
+    # the other ranks' payloads: theirs for x·(r + 2), and their means decoded one by one
+    others, rank_payloads = [], [payload]
+    for r in range(world - 1):
+        g_one, g_all = (torch.Generator().manual_seed(seed + 1 + r) for _ in range(2))
+        scaled = [x * (r + 2) for x in xs]
+        others.append(
+            [c.encode(x, generator=g_one if c.stochastic else None) for c, x in zip(codecs, scaled)]
+        )
+        theirs, _ = layout.encode(torch.cat([x.reshape(-1) for x in scaled]), generator=g_all)
+        rank_payloads.append(theirs)
+    means = torch.empty_like(flat)
+    layout.decode_mean(torch.cat(rank_payloads), world, out=means)
+    off = 0
+    for j, (codec, x) in enumerate(zip(codecs, xs)):
+        total = codec.decode(alone[j], x.shape)
         for r in range(1, world):
-            total.add_(codec.decode(gathered[r * layout.size + a : r * layout.size + b], shapes[j]))
+            total.add_(codec.decode(others[r - 1][j], x.shape))
         if world > 1:
             total.div_(float(world))
-        assert torch.equal(means[j], total)
+        n = total.numel()
+        torch.testing.assert_close(
+            means[off : off + n], total.reshape(-1), rtol=0, atol=0, equal_nan=True
+        )
+        off += n
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_a_bucket_with_non_finite_values_decodes_as_its_tensors_do(bits: int) -> None:
-    # a NaN or Inf makes its block's scale non-finite: the codes are whatever the conversion
-    # makes of NaN, the same in both paths, and so is every decoded value (NaN where NaN)
-    from lowcomm.compress.grouped import GroupLayout
+    # a NaN or Inf makes its block's scale non-finite: every decoded value of that block is
+    # NaN or infinite in both paths (the contribution is then not fed back: the residual is
+    # zeroed there, and the average is skipped alike), and every other one is bit for bit
+    from lowcomm.compress.flat import FlatLayout
 
     codec = Quantize(bits=bits)
     xs = [_x((300,)), _x((50,), 1), _x((4, 40), 2)]
     xs[0][3], xs[0][200], xs[1][7], xs[2][1, 5] = math.nan, math.inf, -math.inf, math.nan
-    layout = GroupLayout([codec] * 3, [x.shape for x in xs], "cpu")
-    payload, contributions, errors = layout.encode(xs, generator=None, residuals=True)
+    layout = FlatLayout([codec] * 3, [x.shape for x in xs], "cpu")
+    payload, mine = layout.encode(torch.cat([x.reshape(-1) for x in xs]), generator=None)
     alone = [codec.encode(x) for x in xs]
-    assert torch.equal(payload, torch.cat(alone))
-    assert errors is not None
-    means = layout.decode_mean(torch.cat([payload, payload]), 2)
-    for x, p, c, e, mean in zip(xs, alone, contributions, errors, means):
-        decoded = codec.decode(p, x.shape)
-        torch.testing.assert_close(c, decoded, rtol=0, atol=0, equal_nan=True)
-        assert torch.isfinite(e).all()
-        torch.testing.assert_close(
-            mean, decoded.add(decoded).div_(2.0), rtol=0, atol=0, equal_nan=True
-        )
-        assert not torch.isfinite(mean).all()
+    assert payload.numel() == sum(p.numel() for p in alone)
+    means = torch.empty_like(mine)
+    layout.decode_mean(torch.cat([payload, payload]), 2, out=means)
+    decoded = torch.cat([codec.decode(p, x.shape).reshape(-1) for x, p in zip(xs, alone)])
+    finite = torch.isfinite(decoded)
+    assert torch.equal(torch.isfinite(mine), finite) and torch.equal(torch.isfinite(means), finite)
+    assert torch.equal(mine[finite], decoded[finite])
+    assert torch.equal(means[finite], decoded.add(decoded).div_(2.0)[finite])
+    assert not finite.all()
 
 
 # -- PowerSGD -----------------------------------------------------------------------------------

@@ -242,6 +242,8 @@ class CompressedLauncher(Protocol):
         groups: Sequence[Sequence[int]],
         *,
         own: Sequence[torch.Tensor] | None = None,
+        flat: Sequence[torch.Tensor] | None = None,
+        own_flat: Sequence[torch.Tensor] | None = None,
     ) -> Handle: ...
 
 
@@ -417,7 +419,11 @@ class Communicator:
         rank's error-feedback residuals. ``own``, if given, receives this rank's decoded
         contribution (eager updates). Counted in :attr:`stats` with the compressed bytes."""
         return compressor.launch(
-            self, buckets.views, buckets.groups(), own=None if own is None else own.views
+            self,
+            buckets.views,
+            buckets.groups(),
+            flat=buckets.buffers,
+            own_flat=None if own is None else own.buffers,
         )
 
     def completed(self, buffers: list[torch.Tensor]) -> Handle:

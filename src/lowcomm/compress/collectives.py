@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lowcomm.comm import Communicator, DoneWork, Handle
+from lowcomm.compress.flat import FlatLayout
 from lowcomm.compress.formats import PowerSGD, orthogonalize
-from lowcomm.compress.grouped import GroupLayout
 from lowcomm.device import CollectiveTimer, host_wait
 
 __all__ = ["CompressedHandle", "ErrorFeedback"]
@@ -75,10 +75,13 @@ class GatherGroup:
     """One bucket sent by all-gather: tensor indices and their payload layout."""
 
     index: list[int]
-    layout: GroupLayout  # codecs, and the byte range of each tensor in one rank's payload
+    layout: FlatLayout  # codecs, and the byte range of each tensor in one rank's payload
     payload: torch.Tensor  # this rank's bytes
     gathered: torch.Tensor  # N × payload, rank order
     work: Work | None = None
+    out: torch.Tensor | None = None  # the bucket's flat fp32 values the mean is decoded into
+    target: torch.Tensor | None = None  # a flat bucket of another dtype it is then cast into
+    copy_back: bool = False  # the mean is copied back into the views (not one bucket)
 
 
 @dataclass
@@ -261,8 +264,14 @@ class CompressedHandle(Handle):
             return self.views
 
     def _decode_gather(self, g: GatherGroup, n: int) -> None:
-        means = g.layout.decode_mean(g.gathered, n)
-        torch._foreach_copy_([self.views[i] for i in g.index], means)
+        assert g.out is not None
+        g.layout.decode_mean(g.gathered, n, out=g.out)
+        if g.target is not None:
+            g.target.copy_(g.out)
+        elif g.copy_back:
+            views = [self.views[i] for i in g.index]
+            parts = g.out.split([v.numel() for v in views])
+            torch._foreach_copy_(views, [p.view_as(v) for p, v in zip(parts, views)])
 
     def _decode_low_rank(self, g: LowRankGroup, n: int) -> None:
         if not g.compressed:

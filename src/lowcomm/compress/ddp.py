@@ -120,8 +120,9 @@ def _deliver(handle: CompressedHandle, fut: torch.futures.Future, buffer: torch.
 def _hook(state, bucket):
     grads = bucket.gradients()  # views into bucket.buffer(), in order
     comp = state.compressor(bucket.index(), grads)
-    handle = comp.launch(state.comm, grads, [list(range(len(grads)))])
     buffer = bucket.buffer()
+    flat = [buffer] if buffer.numel() == sum(g.numel() for g in grads) else None
+    handle = comp.launch(state.comm, grads, [list(range(len(grads)))], flat=flat)
     # on a GPU the future holds a CUDA bucket: it must be made for its device
     fut = device_future(buffer)
     if state._deferred is not None:

@@ -30,8 +30,8 @@ from torch.profiler import record_function
 from lowcomm.comm import Communicator
 from lowcomm.compress.codecs import parse_codec, parse_compression
 from lowcomm.compress.collectives import CompressedHandle, GatherGroup, LowRankGroup, time_launch
+from lowcomm.compress.flat import FlatLayout
 from lowcomm.compress.formats import Codec, ElementwiseCodec, PowerSGD, Raw
-from lowcomm.compress.grouped import GroupLayout
 from lowcomm.compress.lgreco import LGreCo, candidate_errors, decide
 from lowcomm.device import CollectiveTimer, collective_device
 from lowcomm.guard import all_finite, zero_non_finite_
@@ -121,7 +121,14 @@ class Compressor:
             self.low_rank = isinstance(setting, PowerSGD)
             self.eligible = []
             self.assignment = [setting if setting.compresses(s) else RAW for s in self.shapes]
-        self.residuals = [torch.zeros(s, device=self.device) for s in self.shapes]
+        numels = [s.numel() for s in self.shapes]
+        self._offsets = [sum(numels[:i]) for i in range(len(numels))]
+        # one flat buffer: a bucket's residuals are one slice of it (views per tensor)
+        self._residual_flat = torch.zeros(sum(numels), device=self.device)
+        self.residuals = [
+            self._residual_flat.narrow(0, off, n).view(s)
+            for off, n, s in zip(self._offsets, numels, self.shapes)
+        ]
         self.q: dict[int, torch.Tensor] = {}
         """PowerSGD's warm-start Q per tensor index (the previous round's mean Q)."""
         self.generator = worker_generator(self.rank, self.stream, self.device)
@@ -130,7 +137,7 @@ class Compressor:
         self.decisions = 0
         """L-GreCo decisions taken so far."""
         self._pending: CompressedHandle | None = None
-        self._layouts: dict[tuple[tuple[int, ...], tuple[Codec, ...]], GroupLayout] = {}
+        self._layouts: dict[tuple[tuple[int, ...], tuple[Codec, ...]], FlatLayout] = {}
 
     @property
     def spec(self) -> str:
@@ -149,24 +156,34 @@ class Compressor:
         groups: Sequence[Sequence[int]],
         *,
         own: Sequence[torch.Tensor] | None = None,
+        flat: Sequence[torch.Tensor] | None = None,
+        own_flat: Sequence[torch.Tensor] | None = None,
     ) -> CompressedHandle:
         """Compress ``views`` (with error feedback) and launch one collective per group (two
         for PowerSGD); the handle's ``wait()`` writes the mean over ranks into ``views``.
 
-        ``own``, if given, receives this rank's decoded contribution at once (single-phase
+        ``flat``, if given, holds one buffer per group whose first elements are that group's
+        views one after the other (a bucket: :class:`~lowcomm.buckets.FlatBuckets`, DDP's
+        bucket): a single-phase codec then encodes, feeds back and decodes the bucket as a
+        whole (:class:`~lowcomm.compress.flat.FlatLayout`), a fixed number of operations
+        whatever the number of tensors. ``own`` (views) or ``own_flat`` (buffers like
+        ``flat``), if given, receive this rank's decoded contribution at once (single-phase
         codecs only)."""
         if self._pending is not None:
             self._pending.wait()
-        if own is not None and self.low_rank:
+        if (own is not None or own_flat is not None) and self.low_rank:
             raise ValueError(
                 f"{self.spec!r} decodes this rank's contribution only after its second "
                 "all-reduce, which eager updates cannot wait for; use eager=False or a "
                 "single-phase codec such as 'int8'"
             )
         assert len(views) == len(self.shapes)
-        x = [v.detach().float() for v in views]
-        m = list(torch._foreach_add(x, self.residuals)) if self.error_feedback else x
-        if isinstance(self.setting, LGreCo) and self.launches % self.setting.every == 0:
+        deciding = isinstance(self.setting, LGreCo) and self.launches % self.setting.every == 0
+        m: list[torch.Tensor] = []
+        if self.low_rank or deciding:  # per tensor: PowerSGD's matrices, L-GreCo's table
+            x = [v.detach().float() for v in views]
+            m = list(torch._foreach_add(x, self.residuals)) if self.error_feedback else x
+        if deciding:
             self._decide(comm, m)
         gather: list[GatherGroup] = []
         low_rank: list[LowRankGroup] = []
@@ -174,15 +191,18 @@ class Compressor:
         # each collective marked as it goes out, the next group's encoding queued after it
         timer = CollectiveTimer(views[0].device if views else self.device)
         with record_function("lowcomm::compress::encode"):
-            for idx in groups:
+            for b, idx in enumerate(groups):
                 if not idx:
                     continue
                 if self.low_rank:
                     low_rank.append(self._launch_low_rank(comm, list(idx), m))
                     time_launch(timer, low_rank[-1].work_p)
                 else:
-                    gather.append(self._launch_gather(comm, list(idx), m, own))
-                    time_launch(timer, gather[-1].work)
+                    into = None if flat is None else flat[b]
+                    own_into = None if own_flat is None else own_flat[b]
+                    group = self._launch_gather(comm, list(idx), views, into, own, own_into)
+                    gather.append(group)
+                    time_launch(timer, group.work)
         self.launches += 1
         handle = CompressedHandle(
             comm, self, views, gather, low_rank, t_launch=t_launch, timer=timer
@@ -203,24 +223,44 @@ class Compressor:
         self,
         comm: Communicator,
         idx: list[int],
-        m: list[torch.Tensor],
+        views: Sequence[torch.Tensor],
+        flat: torch.Tensor | None,
         own: Sequence[torch.Tensor] | None,
+        own_flat: torch.Tensor | None,
     ) -> GatherGroup:
         layout = self._layout(idx)
-        payload, contributions, errors = layout.encode(
-            [m[i] for i in idx], generator=self.generator, residuals=self.error_feedback
-        )
-        if errors is not None:
-            torch._foreach_copy_([self.residuals[i] for i in idx], errors)
-        if own is not None:
-            torch._foreach_copy_([own[i] for i in idx], contributions)
+        n = layout.numel
+        start = self._offsets[idx[0]]
+        target: torch.Tensor | None = None
+        if flat is not None and flat.dtype == torch.float32:
+            out = flat[:n]  # the mean is decoded into the bucket itself
+            x = out.detach()
+        elif flat is not None:  # (a bf16 DDP bucket: decoded in fp32, then cast into it)
+            target = flat[:n]
+            out = x = target.detach().float()
+        else:  # views that are not one bucket: gathered into one, the mean copied back
+            out = x = torch.cat([views[i].detach().reshape(-1).float() for i in idx])
+        residual = self._residual_flat.narrow(0, start, n)
+        m = residual.add_(x) if self.error_feedback else x  # M = x + e, in e's memory
+        payload, mine = layout.encode(m, generator=self.generator)
+        if self.error_feedback:  # e ← M − C(M); a NaN or Inf is not carried over: 0
+            torch.sub(m, mine, out=residual)
+            torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
+        if own_flat is not None:
+            own_flat[:n].copy_(mine)
+        elif own is not None:
+            parts = mine.split([self.shapes[i].numel() for i in idx])
+            torch._foreach_copy_(
+                [own[i] for i in idx], [p.view_as(own[i]) for p, i in zip(parts, idx)]
+            )
         gathered = torch.empty(
             payload.numel() * comm.world_size, dtype=torch.uint8, device=payload.device
         )
         work = comm.all_gather_async(payload, gathered)
-        return GatherGroup(idx, layout, payload, gathered, work)
+        copy_back = flat is None
+        return GatherGroup(idx, layout, payload, gathered, work, out, target, copy_back)
 
-    def _layout(self, idx: list[int]) -> GroupLayout:
+    def _layout(self, idx: list[int]) -> FlatLayout:
         """The payload layout of the bucket of tensors ``idx`` under the current assignment
         (kept while it holds: L-GreCo may change it)."""
         codecs = []
@@ -231,9 +271,14 @@ class Compressor:
         key = (tuple(idx), tuple(codecs))
         layout = self._layouts.get(key)
         if layout is None:
+            if idx != list(range(idx[0], idx[0] + len(idx))):
+                raise ValueError(
+                    f"a compressed group must be consecutive tensors (a bucket's), got {idx}; "
+                    "pass groups such as FlatBuckets.groups() gives"
+                )
             if len(self._layouts) >= _LAYOUTS_KEPT:  # L-GreCo's earlier assignments
                 self._layouts.clear()
-            layout = GroupLayout(codecs, [self.shapes[i] for i in idx], self.device)
+            layout = FlatLayout(codecs, [self.shapes[i] for i in idx], self.device)
             self._layouts[key] = layout
         return layout
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "divisor",
     "BF16",
     "DEFAULT_BLOCK",
     "RAW_BYTES",
@@ -142,6 +143,13 @@ def _uniform(like: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     device = like.device if generator is None else generator.device
     u = torch.rand(like.shape, generator=generator, device=device, dtype=like.dtype)
     return u.to(like.device)
+
+
+def divisor(value: int, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim fp32 tensor on ``device`` (a fill there, no copy from the host): a
+    divisor the GPU divides by exactly, where it multiplies by a Python number's fp32
+    reciprocal (a last bit apart for about half of int4's scales and 1 in 20 of int8's)."""
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True)
@@ -282,7 +290,7 @@ class Quantize(ElementwiseCodec):
         n = flat.numel()
         blocks = self._blocks(flat)
         qmax = self.qmax
-        scale = blocks.abs().amax(dim=1) / qmax
+        scale = blocks.abs().amax(dim=1).div_(divisor(qmax, blocks.device))
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         y = blocks / safe.unsqueeze(1)
         q = torch.floor_(y.add_(_uniform(y, generator))) if self.stochastic else y.round_()
