@@ -101,6 +101,7 @@ _SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {
 }
 _METAVARS = {
     "backend": "{auto,gloo,nccl}",
+    "device": "{auto,cpu,cuda}",
     "clip_mode": "{value,norm}",
     "lr_schedule": "{cosine,constant}",
     "optimizer": "{adamw,muon}",
@@ -221,13 +222,13 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         resource_warnings,
         under_torchrun,
     )
+    from lowcomm.train.preflight import local_placement
     from lowcomm.train.report import (
         divergence_text,
         failed_summary,
         format_failed,
         format_summary,
     )
-    from lowcomm.train.worker import resolve_backend
 
     explicit = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "config"}
     sources: dict[str, str] = {}
@@ -258,7 +259,7 @@ def _run_train(args: argparse.Namespace, prog: str) -> int:
         for warning in resource_warnings(
             cfg.world_size,
             parameters=approx_parameters,
-            cpu_workers=resolve_backend(cfg.backend) != "nccl",
+            cpu_workers=not local_placement(cfg).on_gpu,
             flag=_describe_key("workers", sources) if "workers" in sources else "--workers",
         ):
             logger.warning("%s", warning)

@@ -3,8 +3,12 @@
 Everything here is a no-op (or the plain CPU operation) when the tensors are on the CPU, so the
 CPU path stays bit for bit what it was; the CUDA behaviour is what each docstring says.
 
-* :func:`collective_device`: the device a process group's collectives need their tensors on
-  (NCCL takes CUDA tensors only, gloo CPU ones).
+* :func:`collective_device`: the device a process group's control tensors go on (NCCL takes
+  CUDA tensors only; gloo takes CPU tensors, and CUDA ones through pinned host memory);
+  :func:`completes_on_device`: whether its collectives on CUDA tensors complete on the device
+  (NCCL) or on the host (gloo).
+* :func:`canonical_device`, :func:`same_device`: devices compared by type and index (a bare
+  ``cuda`` is the current CUDA device, as the tensors made on it report).
 * :class:`CommStream`: an outer algorithm's own CUDA stream. A sync's send buffer is filled and
   its collective launched on it, so that the encoding (and whatever the collective waits for)
   overlaps the next inner steps; the compute stream waits for it only where it must.
@@ -47,12 +51,15 @@ __all__ = [
     "CommStream",
     "HostStaging",
     "Launch",
+    "canonical_device",
     "collective_device",
+    "completes_on_device",
     "device_clock",
     "device_future",
     "host_wait",
     "peak_memory_allocated",
     "pinned_like",
+    "same_device",
     "synchronize",
     "to_device",
 ]
@@ -64,22 +71,73 @@ def _is_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-def collective_device(group: Any = None) -> torch.device:
-    """The device tensors handed to collectives on ``group`` must live on: the current CUDA
-    device when its backend is NCCL alone (NCCL refuses CPU tensors), else the CPU.
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the current CUDA device
+    (``cuda:{torch.cuda.current_device()}``), which is what the tensors made on it report;
+    any other device as it is."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
-    ``group`` is a process group (``None``: WORLD) or anything with a ``group`` attribute
-    holding one (a :class:`~lowcomm.comm.Communicator`). Without an initialised process group
-    the answer is the CPU. Small control tensors (counts, step times, scores) are made here
-    so that the same code runs on gloo and on NCCL.
-    """
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether ``a`` and ``b`` are the same device, by type and index (:func:`canonical_device`):
+    ``cuda`` and ``cuda:0`` are where the current device is 0, though their objects differ."""
+    return canonical_device(a) == canonical_device(b)
+
+
+def _group_backend(group: Any) -> str | None:
+    """The backend string of ``group`` (a process group, ``None`` for WORLD, or anything with
+    a ``group`` attribute holding one), lower case; ``None`` without a process group."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = getattr(group, "group", None)
     if not dist.is_available() or not dist.is_initialized():
-        return _CPU
+        return None
     try:
-        backend = str(dist.get_backend(group)).lower()
+        return str(dist.get_backend(group)).lower()
     except (RuntimeError, ValueError):
+        return None
+
+
+def _cuda_backend(backend: str) -> str:
+    """The backend that runs a group's collectives on CUDA tensors: ``nccl`` for ``nccl`` and
+    ``cpu:gloo,cuda:nccl``, ``gloo`` for ``gloo``."""
+    if ":" not in backend:
+        return backend
+    for part in backend.split(","):
+        kind, _, name = part.partition(":")
+        if kind.strip() == "cuda":
+            return name.strip()
+    return ""
+
+
+def completes_on_device(group: Any = None) -> bool:
+    """Whether collectives on CUDA tensors over ``group`` (``None``: WORLD) complete on the
+    device, asynchronously to the host: NCCL's, whose handle's ``wait()`` only makes the
+    current stream wait. Not gloo's: gloo copies CUDA tensors to pinned host memory, runs the
+    collective on its own threads and copies the result back, and its ``wait()`` blocks the
+    host until that is done (its future completes when the collective has). ``False`` without
+    a process group."""
+    backend = _group_backend(group)
+    return backend is not None and _cuda_backend(backend) == "nccl"
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device for the small control tensors of collectives on ``group`` (counts, step
+    times, scores, digests): the current CUDA device when its backend is NCCL alone (NCCL
+    refuses CPU tensors), else the CPU.
+
+    ``group`` is a process group (``None``: WORLD) or anything with a ``group`` attribute
+    holding one (a :class:`~lowcomm.comm.Communicator`). Without an initialised process group
+    the answer is the CPU. On gloo it is the CPU even when the job's tensors live on a GPU
+    (workers sharing GPUs over gloo): the host reads every control tensor right after its
+    collective, and gloo runs CPU tensors directly, while a CUDA tensor costs it a copy to
+    pinned host memory and one back. The buckets, payloads and gradients themselves go to
+    gloo on their own device.
+    """
+    backend = _group_backend(group)
+    if backend is None:
         return _CPU
     # a group with a CPU backend too ("cpu:gloo,cuda:nccl") takes CPU tensors as before
     if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
@@ -279,8 +337,10 @@ class CollectiveTimer:
     the transfer, and the "in flight" time a counter sums from it is about zero. Here an event
     is recorded on the launching stream at the launch (the collective starts when that stream
     reaches it) and another on a stream of its own that waits for the collective's end; their
-    distance is the time in flight. On the CPU :meth:`seconds` is ``None`` (the caller keeps
-    timing by the handle's future, which gloo completes when the collective has).
+    distance is the time in flight. On the CPU, and for gloo on CUDA tensors
+    (:func:`completes_on_device` of ``group``), :meth:`seconds` is ``None``: the caller keeps
+    timing by the handle's future, which gloo completes when the collective has, and a gloo
+    handle's ``wait()`` here would block the host at the launch.
 
     Call :meth:`launched` right after starting the collectives, on the stream that started
     them, and :meth:`seconds` once they are complete (after a wait that blocked the host).
@@ -288,20 +348,27 @@ class CollectiveTimer:
     launch to the end of the last collective.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, group: Any = None) -> None:
         self.device = torch.device(device)
+        self.group = group
+        """The process group the collectives run on (``None``: WORLD): whether they complete
+        on the device is its backend's (:func:`completes_on_device`)."""
         self._start: torch.cuda.Event | None = None
         self._end: torch.cuda.Event | None = None
         self._untimed = False
 
     def launched(self, works: Iterable[Any]) -> None:
-        """Mark the launch of ``works`` (the process group's own handles; anything else, such
-        as an emulated link's handle, which completes on the host, is not timed here, and
-        then :meth:`seconds` is ``None``)."""
+        """Mark the launch of ``works`` (the process group's own handles on NCCL; anything
+        else, such as an emulated link's handle or gloo's, which complete on the host, is not
+        timed here, and then :meth:`seconds` is ``None``)."""
         works = list(works)
         if not works:
             return
-        if self.device.type != "cuda" or not all(isinstance(w, dist.Work) for w in works):
+        if (
+            self.device.type != "cuda"
+            or not all(isinstance(w, dist.Work) for w in works)
+            or not completes_on_device(self.group)
+        ):
             self._untimed = True
             return
         if self._start is None:

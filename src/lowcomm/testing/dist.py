@@ -1,5 +1,6 @@
 """Run a function on N real processes joined by a process group on 127.0.0.1 (gloo; NCCL with
-one GPU per process)."""
+one GPU per process; gloo with the processes sharing the GPUs, as ``lowcomm train`` runs more
+workers than GPUs)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def _entry(
     timeout_s: float,
     barrier: bool,
     backend: str,
+    cuda: bool,
 ) -> None:
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        if "nccl" in backend:
-            torch.cuda.set_device(rank)  # one GPU per rank, before NCCL binds to one
+        if cuda:
+            # before the process group binds to a device: rank r on GPU r mod G (one GPU per
+            # rank on NCCL, which run_workers checked; shared on gloo)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         dist.init_process_group(
             backend,
@@ -63,10 +67,13 @@ def run_workers(
     collective_timeout_s: float | None = None,
     barrier: bool = True,
     backend: str = "gloo",
+    cuda: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo
     WORLD group bound to 127.0.0.1 (``backend="nccl"``: an NCCL one, rank r on GPU r, the
-    current CUDA device); return the per-rank results (saved with ``torch.save``:
+    current CUDA device; ``cuda=True`` with gloo: rank r's current CUDA device is GPU r mod G,
+    so that ranks share the G visible GPUs; ``cuda`` unset: with NCCL alone); return the
+    per-rank results (saved with ``torch.save``:
     tensors, numbers, strings and plain containers, which the parent loads with
     ``weights_only=True``). Collectives time out after ``collective_timeout_s`` (default:
     ``timeout_s``); with ``barrier`` every rank waits for the others after ``fn`` (leave it off
@@ -76,6 +83,20 @@ def run_workers(
     ``RuntimeError`` with that rank's traceback; processes still running after ``timeout_s``
     are terminated (only the ones started here) and ``TimeoutError`` is raised.
     """
+    if cuda is None:
+        cuda = "nccl" in backend
+    if cuda:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise ValueError(
+                f"run_workers(backend={backend!r}, cuda=True) needs a CUDA device and none is "
+                "available; use backend='gloo' with cuda=False"
+            )
+        if "nccl" in backend and world_size > gpus:
+            raise ValueError(
+                f"backend={backend!r} needs a GPU per rank: {world_size} ranks, {gpus} GPU(s); "
+                "use backend='gloo', cuda=True (the ranks then share the GPUs) or fewer ranks"
+            )
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # workers are forked from a server process that imported torch and lowcomm once and runs
     # nothing else (clean, like spawn's fresh interpreters, without importing torch again per
@@ -96,6 +117,7 @@ def run_workers(
                     timeout_s if collective_timeout_s is None else collective_timeout_s,
                     barrier,
                     backend,
+                    cuda,
                 ),
                 daemon=True,
             )

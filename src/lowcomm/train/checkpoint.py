@@ -115,6 +115,7 @@ RESUME_FREE_KEYS = frozenset(
         "link",
         "tune_link",  # the settings it chose are restored from the checkpoint
         "backend",
+        "device",  # (a CPU checkpoint resumes on GPUs and the other way round)
         "checkpoint_every",
         "keep_checkpoints",
         "resume",

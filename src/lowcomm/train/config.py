@@ -54,6 +54,7 @@ from lowcomm.train.errors import ConfigError, check_float, check_int, check_stri
 from lowcomm.train.fields import (
     ALGORITHM_CHOICES,
     DEFAULT_WORKERS,
+    DEVICES,
     NO_OUTER_ALGORITHM,
     NODE_SHARDING,
     OPTIMIZERS,
@@ -178,6 +179,14 @@ class TrainConfig(ConfigChecks):
         if self.backend not in _BACKENDS:
             raise ConfigError(
                 "backend", f"must be one of {', '.join(_BACKENDS)}, got {self.backend!r}"
+            )
+        if self.device not in DEVICES:
+            raise ConfigError("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ConfigError(
+                "backend",
+                "'nccl' needs the workers on GPUs, and device is 'cpu'; use gloo or auto "
+                "(or device cuda)",
             )
         for key in ("overwrite", "quiet"):
             if not isinstance(getattr(self, key), bool):

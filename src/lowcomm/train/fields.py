@@ -15,6 +15,7 @@ from lowcomm.train.outer_keys import with_outer_fields
 __all__ = [
     "ALGORITHM_CHOICES",
     "DEFAULT_WORKERS",
+    "DEVICES",
     "NODE_SHARDING",
     "NO_OUTER_ALGORITHM",
     "OPTIMIZERS",
@@ -35,6 +36,10 @@ NODE_SHARDING = ("none", "zero")
 
 DEFAULT_WORKERS = 2
 """Worker processes when neither ``workers`` nor ``procs_per_node`` is set (one node)."""
+
+DEVICES = ("auto", "cpu", "cuda")
+"""Values of ``--device``: where the workers compute
+(:func:`lowcomm.train.worker.place_workers`)."""
 
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("fp32", "bf16")
@@ -73,9 +78,13 @@ class TrainFields:
     seed: int = 0
     """Seed for the model initialisation (same on every rank) and the data order (per rank)."""
     backend: str = "auto"
-    """torch.distributed backend: auto (nccl when CUDA is available, else gloo), gloo or nccl
-    (GPU collectives on NCCL, the few CPU control tensors on gloo: process groups
-    cpu:gloo,cuda:nccl)."""
+    """torch.distributed backend: auto (nccl when every local worker has a GPU of its own, else
+    gloo), gloo or nccl (GPU collectives on NCCL, the few CPU control tensors on gloo: process
+    groups cpu:gloo,cuda:nccl). With fewer GPUs than workers, or gloo, worker k runs on GPU
+    k mod G and gloo carries its CUDA tensors (through pinned host memory)."""
+    device: str = "auto"
+    """Where the workers compute: auto (the GPUs when CUDA is available, else the CPU), cuda
+    or cpu (CPU workers on a machine with GPUs)."""
     bucket_cap_mb: float = 25.0
     """Size of the flat communication buckets, in MiB (one collective per bucket)."""
 

@@ -12,13 +12,11 @@ import logging
 import os
 import shutil
 
-import torch
-
 import lowcomm.train.checkpoint as ckpt
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.failures import attempt
 from lowcomm.train.metrics import RUN_FILES, check_writable_folder, previous_run_files
-from lowcomm.train.worker import resolve_backend
+from lowcomm.train.worker import Placement, place_workers
 
 __all__ = [
     "ATTEMPTS",
@@ -28,6 +26,7 @@ __all__ = [
     "check_link_time",
     "check_torchrun_layout",
     "link_seconds",
+    "local_placement",
     "prepare_output",
     "replica_restart",
     "resource_warnings",
@@ -81,6 +80,17 @@ def resource_warnings(
     return out
 
 
+def local_placement(cfg: TrainConfig) -> Placement:
+    """Where the job's workers on this machine compute, and over which backend
+    (:func:`~lowcomm.train.worker.place_workers`): ``workers`` processes on a local launch,
+    torchrun's ``LOCAL_WORLD_SIZE`` under torchrun. Raises :class:`ConfigError` for a backend
+    or device this machine cannot give them."""
+    local = cfg.world_size
+    if under_torchrun():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return place_workers(cfg.backend, local, device=cfg.device)
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun (or another torch elastic agent)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
@@ -99,18 +109,20 @@ def check_environment(cfg: TrainConfig) -> None:
     from lowcomm.data import load_corpus
     from lowcomm.train.forkserver import start_method
 
-    if cfg.backend == "nccl" and not torch.cuda.is_available():
+    # nccl without GPUs, nccl with more workers than GPUs, cuda without CUDA: refused here,
+    # before any worker starts (each worker places itself by the same rule)
+    placement = local_placement(cfg)
+    if cfg.algo == "noloco" and placement.on_gpu and placement.backend == "gloo":
+        # gloo's send and recv hand the tensor's memory to its transport as host memory: they
+        # take no CUDA tensors (its collectives copy them through the host, its point-to-point
+        # operations do not)
         raise ConfigError(
-            "backend", "'nccl' needs CUDA GPUs and none is available; use gloo or auto"
+            "algo",
+            "noloco exchanges its groups' parameters point to point (send and recv), which "
+            "gloo cannot do on CUDA tensors, and here the workers are on GPUs over gloo; give "
+            f"every worker a GPU of its own (at most {placement.gpus} workers, backend auto or "
+            "nccl) or run the workers on the CPU (--device cpu)",
         )
-    if resolve_backend(cfg.backend) == "nccl" and not under_torchrun():
-        n_gpus = torch.cuda.device_count()
-        if cfg.world_size > n_gpus:
-            raise ConfigError(
-                "workers",
-                f"({cfg.world_size}) exceeds the {n_gpus} CUDA device(s) nccl can use; "
-                f"use at most {n_gpus} workers or --backend gloo",
-            )
     check_torchrun_layout(cfg)
     if cfg.fault_tolerance:
         from lowcomm.elastic.replica import require_torchft

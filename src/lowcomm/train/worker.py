@@ -6,17 +6,23 @@ process: it reads torch elastic's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_S
 the process group with a bounded collective timeout, runs :func:`lowcomm.train.loop.train`, and
 records an exception for the launcher (:mod:`lowcomm.train.failures`) before it propagates.
 
-On GPUs (``nccl``) each worker uses the GPU of its local rank, and its process group runs
+Where the workers of a machine compute, and over which backend, is :func:`place_workers`'s
+rule: with a GPU for every local worker, worker k uses ``cuda:k`` and its process group runs
 collectives on CUDA tensors on NCCL and those on CPU tensors on gloo
-(:func:`process_group_backend`).
+(:func:`process_group_backend`); with fewer GPUs than workers (or ``backend = "gloo"``), worker
+k uses ``cuda:(k mod G)`` and every collective runs on gloo, which takes CUDA tensors (it
+copies them through pinned host memory); without CUDA (or ``device = "cpu"``), the workers run
+on the CPU over gloo.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -28,19 +34,155 @@ import torch.distributed as dist
 
 from lowcomm.comm import host_store
 from lowcomm.train.config import TrainConfig, config_from_dict
+from lowcomm.train.errors import ConfigError
 from lowcomm.train.failures import attempt, describe_attempt, is_peer_loss, record_failure
+from lowcomm.train.fields import DEVICES
 from lowcomm.train.loop import train
 
-__all__ = ["host_loopback_store", "main", "process_group_backend", "resolve_backend", "run_worker"]
+__all__ = [
+    "Placement",
+    "host_loopback_store",
+    "main",
+    "place_workers",
+    "process_group_backend",
+    "resolve_backend",
+    "run_worker",
+    "usable_cores",
+    "visible_gpus",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_backend(backend: str) -> str:
-    """``auto`` -> ``nccl`` when CUDA is available, else ``gloo``."""
+def visible_gpus() -> int:
+    """The CUDA devices this process may use (``CUDA_VISIBLE_DEVICES`` applied); 0 without
+    CUDA. Safe before the workers start: it does not create a CUDA context."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (a container's or
+    ``taskset``'s share of the machine), else every core; at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the workers of one machine compute and the backend that joins them
+    (:func:`place_workers`)."""
+
+    backend: str
+    """``"nccl"`` or ``"gloo"``."""
+    gpus: int
+    """The CUDA devices the workers use (``cuda:0`` ... ``cuda:gpus-1``); 0: the CPU."""
+    workers: int
+    """The worker processes on this machine."""
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the workers compute on GPUs."""
+        return self.gpus > 0
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether some GPU holds more than one worker (then every collective runs on gloo)."""
+        return self.on_gpu and self.workers > self.gpus
+
+    def device(self, local_rank: int) -> torch.device:
+        """The device of the worker of local rank ``local_rank``: ``cuda:(local_rank mod G)``
+        on GPUs, else the CPU."""
+        if not self.on_gpu:
+            return torch.device("cpu")
+        return torch.device("cuda", local_rank % self.gpus)
+
+    def threads(self, cores: int | None = None) -> int:
+        """Intra-op threads for each worker: the ``cores`` this machine gives the job (default
+        :func:`usable_cores`) shared among its workers, at least 1. The same share on GPUs:
+        the workers' host work (the Python loop, gloo's copies and transfers) runs there."""
+        return max(1, (usable_cores() if cores is None else cores) // max(1, self.workers))
+
+    def describe(self) -> str:
+        """One line for the start-up log: ``"2 workers share 1 GPU over gloo (worker k on
+        cuda:k mod 1)"``."""
+        n = f"{self.workers} worker{'s' if self.workers != 1 else ''}"
+        if not self.on_gpu:
+            return f"{n} on the CPU over {self.backend}"
+        gpus = f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}"
+        if self.shares_gpus:
+            most = math.ceil(self.workers / self.gpus)
+            return (
+                f"{n} share {gpus} over {self.backend} (worker k on cuda:k mod {self.gpus}, "
+                f"up to {most} a GPU)"
+            )
+        return f"{n}, one GPU each (worker k on cuda:k), over {self.backend}"
+
+
+def place_workers(
+    backend: str, workers: int, *, device: str = "auto", gpus: int | None = None
+) -> Placement:
+    """Where ``workers`` worker processes on this machine compute, and over which backend.
+
+    With G GPUs visible (``gpus``; default :func:`visible_gpus`):
+
+    * ``device`` ``"cpu"``, or ``"auto"`` with G = 0: every worker on the CPU, over gloo;
+    * ``backend`` ``"auto"``: NCCL when every worker has a GPU of its own (``workers`` <= G,
+      worker k on ``cuda:k``), else gloo with worker k on ``cuda:(k mod G)``: NCCL refuses
+      two ranks on one device, gloo takes CUDA tensors (through pinned host memory);
+    * ``"nccl"``: worker k on ``cuda:k``; more workers than GPUs is refused;
+    * ``"gloo"``: worker k on ``cuda:(k mod G)`` (the GPUs are used; ``device = "cpu"`` keeps
+      the workers on the CPU).
+
+    Every worker of a machine computes the same placement, and under torchrun every machine
+    must see as many GPUs for the same ``workers`` (``LOCAL_WORLD_SIZE``), or ``auto`` may
+    choose a different backend there: give ``backend`` explicitly on mixed machines.
+
+    Raises:
+        ConfigError: keyed by the setting to change: ``nccl`` without GPUs (or with
+            ``device = "cpu"``), ``nccl`` with more workers than GPUs, ``device = "cuda"``
+            without CUDA.
+    """
+    visible = visible_gpus() if gpus is None else gpus
+    if device not in DEVICES:
+        raise ConfigError("device", f"must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu":
+        if backend == "nccl":
+            raise ConfigError(
+                "backend",
+                "'nccl' needs the workers on GPUs, and device is 'cpu'; use gloo or auto "
+                "(or device cuda)",
+            )
+        return Placement("gloo", 0, workers)
+    if visible == 0:
+        if device == "cuda":
+            raise ConfigError(
+                "device",
+                "'cuda' needs a CUDA device and none is available (torch.cuda.is_available() "
+                "is False); use cpu or auto",
+            )
+        if backend == "nccl":
+            raise ConfigError(
+                "backend", "'nccl' needs CUDA GPUs and none is available; use gloo or auto"
+            )
+        return Placement("gloo", 0, workers)
+    if backend == "nccl" and workers > visible:
+        raise ConfigError(
+            "workers",
+            f"({workers}) exceeds the {visible} CUDA device(s) on this machine, and nccl puts "
+            f"one worker on each GPU (it refuses two on one device); use --backend gloo (the "
+            f"workers then share the GPUs: worker k on cuda:k mod {visible}) or at most "
+            f"{visible} workers",
+        )
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
+        backend = "nccl" if workers <= visible else "gloo"
+    return Placement(backend, visible, workers)
+
+
+def resolve_backend(backend: str, workers: int = 1, *, device: str = "auto") -> str:
+    """The backend :func:`place_workers` chooses for ``workers`` local workers: ``auto`` is
+    ``nccl`` when every worker has a GPU of its own, else ``gloo``."""
+    return place_workers(backend, workers, device=device).backend
 
 
 def process_group_backend(backend: str) -> str:
@@ -101,7 +243,7 @@ def run_worker(
         job: what the worker runs, ``job(cfg, device=device)``: by default the training loop
             (:func:`lowcomm.train.loop.train`); ``lowcomm finetune`` passes its own job and
             config (any object with the fields this function reads: ``quiet``, ``backend``,
-            ``collective_timeout``).
+            ``collective_timeout``, and ``device`` if it has one).
 
     Returns:
         The run summary on global rank 0, ``None`` elsewhere.
@@ -129,19 +271,20 @@ def _run_worker(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     _setup_worker_logging(rank, cfg.quiet)
+    placement = place_workers(cfg.backend, local_world, device=getattr(cfg, "device", "auto"))
     # Workers on one machine share its cores; oversubscribing them slows everyone down.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-
-    backend = resolve_backend(cfg.backend)
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        # NCCL for CUDA tensors (every bucket, gradient and payload), gloo for the few CPU
-        # tensors of the control path (step counts, tables, gathered objects), which NCCL
-        # refuses
-        backend = process_group_backend(backend)
-    else:
-        device = torch.device("cpu")
+    torch.set_num_threads(placement.threads())
+    device = placement.device(local_rank)
+    if device.type == "cuda":
+        # before the process group and the model: every CUDA tensor made without an index
+        # (and gloo's and NCCL's own streams) lands on this worker's GPU
+        torch.cuda.set_device(device)
+    # nccl: NCCL for CUDA tensors (every bucket, gradient and payload), gloo for the few CPU
+    # tensors of the control path (step counts, tables, gathered objects), which NCCL refuses;
+    # gloo: both, CUDA tensors through pinned host memory
+    backend = process_group_backend(placement.backend)
+    if rank == 0 and placement.on_gpu:
+        logger.info("lowcomm train: %s", placement.describe())
     if launched_locally and "gloo" in backend:
         lo = _loopback_interface()
         if lo is not None:
@@ -195,12 +338,12 @@ def _run_worker(
 
 
 def _threads_per_process() -> int:
-    """This machine's cores over the job's processes on it, counted by host name over the
-    default group (every rank takes part)."""
+    """This machine's usable cores over the job's processes on it, counted by host name over
+    the default group (every rank takes part)."""
     names: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     here = max(1, names.count(socket.gethostname()))
-    return max(1, (os.cpu_count() or 1) // here)
+    return max(1, usable_cores() // here)
 
 
 def _loopback_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
