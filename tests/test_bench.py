@@ -331,3 +331,116 @@ def test_a_real_link_cell_chooses_its_settings_as_its_emulated_twin_does(tmp_pat
     )
     pair = [given.train_config(c, given.out) for c in _validation_cells(given, True)]
     assert {c.tune_link for c in pair} == {"off"}
+
+
+# --- the codec row: each codec against a clone of its buckets ----------------------------------
+
+
+def test_gpt_layout_is_whole_blocks_of_lowcomm_gpt():
+    from lowcomm.bench.codec import gpt_shapes, single_shapes
+    from lowcomm.models.gpt import Block, GPTConfig
+
+    shapes = gpt_shapes(85_000_000)  # GPT-2 small's 12 blocks of width 768
+    block = Block(GPTConfig(vocab_size=1, n_layer=1, n_head=1, n_embd=768))
+    assert shapes == [p.shape for p in block.parameters()] * 12
+    assert sum(s.numel() for s in shapes) == 85_054_464
+    # the widest width (a multiple of 128, no quantiser block padded) within 5% of N
+    for n, width, blocks in ((1_000_000, 128, 5), (10_000_000, 640, 2)):
+        shapes = gpt_shapes(n)
+        assert len(shapes) == 12 * blocks and shapes[-1] == (width,)
+        assert abs(sum(s.numel() for s in shapes) - n) < 0.05 * n
+        assert all(s.numel() % 128 == 0 for s in shapes)
+    assert single_shapes(10_000) == [(10, 1024)]
+
+
+def test_codec_row_times_each_codec_against_a_clone():
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from lowcomm.bench import measure_codecs
+
+    threads = torch.get_num_threads()
+    row = measure_codecs(["int8", "topk:0.01"], [0.01], repeats=2, threads=1)
+    assert not dist.is_initialized() and torch.get_num_threads() == threads  # left as found
+    assert row["threads"] == 1 and row["max_repeats"] == 2
+    rows = {(r["codec"], r["layout"]): r for r in row["rows"]}
+    assert list(rows) == [("int8", "gpt"), ("topk:0.01", "gpt"), ("int8", "single"),
+                          ("topk:0.01", "single")]  # fmt: skip
+    for r in rows.values():
+        for key in ("clone_s", "copy_s", "codec_s", "launch_s", "wait_s"):
+            assert r[key] > 0 and math.isfinite(r[key]), key
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["ratio_to_copy"] > 0
+        assert r["codec_s"] == pytest.approx(r["launch_s"] + r["wait_s"], rel=0.5)
+        assert 1 <= r["repeats"] <= 2 and r["buckets"] == 1
+        assert 0 < r["payload_bytes"] < 4 * r["parameters"]  # compressed
+    assert (rows["int8", "gpt"]["parameters"], rows["int8", "gpt"]["tensors"]) == (12_704, 12)
+    assert (rows["int8", "single"]["parameters"], rows["int8", "single"]["tensors"]) == (10_240, 1)
+
+
+def test_codec_goal_takes_the_worst_goal_codec_at_10m():
+    from lowcomm.bench.report import format_codec
+    from lowcomm.bench.results import codec_goal
+
+    def entry(codec, layout, size, ratio):
+        return {"codec": codec, "layout": layout, "size_m": size, "ratio": ratio,
+                "ratio_to_copy": 2 * ratio, "codec_s": ratio * 1e-3, "clone_s": 1e-3,
+                "copy_s": 5e-4}  # fmt: skip
+
+    rows = [
+        entry("int8", "gpt", 1.0, 30.0),  # another size: not the goal's
+        entry("int8", "gpt", 10.0, 7.0),
+        entry("topk:0.01", "gpt", 10.0, 9.5),
+        entry("sign", "gpt", 10.0, 40.0),  # not a goal codec
+        entry("int4", "single", 10.0, 20.0),  # not the goal's layout
+    ]
+    row = {"threads": 1, "bucket_cap_mb": 25.0, "max_repeats": 5}
+    goal = codec_goal({**row, "rows": rows})
+    assert goal["value"] == 9.5 and goal["met"] is False
+    assert "(int8, topk:0.01; worst)" in goal["goal"]
+    assert codec_goal({**row, "rows": rows[1:2]})["met"] is True
+    assert codec_goal(None)["value"] is None  # not measured
+    text = "\n".join(format_codec({**row, "rows": rows}))
+    assert "| codec | layout | 1 M | 10 M |" in text
+    assert "| topk:0.01 | gpt | - | 9.5x / 19.0x (9.50 ms) |" in text
+    assert "| *clone (ms)* | gpt | 1.00 | 1.00 |" in text
+
+
+def test_codec_only_run_writes_the_row_and_its_goal(tmp_path, capsys):
+    out = tmp_path / "codec"
+    argv = ["bench", "--codec-only", "--codecs", "int8,topk:0.01", "--codec-sizes", "0.01",
+            "--codec-repeats", "1", "--workers", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "| int8 | gpt |" in printed.out and "codec topk:0.01, 0.01 M" in printed.err
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["codec"] for r in saved["codec"]["rows"]] == ["int8", "topk:0.01"] * 2
+    assert saved["goals"][0]["met"] is None  # no 10 M entry
+    assert "lowcomm bench --codec-only" in (out / "codec.md").read_text()
+    assert main(argv) == 2  # results already there
+    assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--codec-only", "--codec-sizes", "0"], "codec_sizes: 0.0 is not a size in millions"),
+        (["--codec-only", "--codec-sizes", "ten"], "comma-separated numbers such as 1,10,85"),
+        (["--codec-only", "--codecs", "int9"], "codecs: unknown compression 'int9'"),
+        (["--codec-only", "--codecs", "none"], "give at least one codec, e.g. --codecs int8"),
+        (["--codec-only", "--codec-repeats", "0"], "must be an integer >= 1 (--codec-repeats)"),
+        (["--codec-only", "--links", "1gbit"], "--links is not a flag of --codec-only"),
+        (["--codec-only", "--workers", "2,4"], "one worker's share of the cores: --workers N"),
+        (["--codec-only", "--quick"], "--codec-only is a run of its own"),
+        (["--codec-only", "--no-codec"], "drop --no-codec"),
+        (["--no-codec", "--codec-sizes", "1"], "--codec-sizes is a flag of the codec row"),
+        (["--codecs", "int9"], "codecs: unknown compression 'int9'"),
+        (["--balance", "--codecs", "int8"], "--codecs is not a flag of --balance"),
+        (["--convergence", "--codec-sizes", "1"], "--codec-sizes is a flag of the bench matrix"),
+    ],
+)
+def test_codec_flags_are_checked_before_anything_runs(tmp_path, argv, message, capsys):
+    assert main(["bench", *argv, "--out", str(tmp_path / "b")]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "b")

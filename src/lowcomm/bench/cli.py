@@ -6,6 +6,8 @@ lowcomm bench --algos co2,ddp --links 1gbit,100mbit --workers 2,4 --steps 120
 lowcomm bench --convergence                    # loss and time to DDP's loss, 3 seeds
 lowcomm bench --balance                        # length-aware balancing of documents, 4 workers
 lowcomm bench --cost-model                     # fit and check the cost model on this device
+lowcomm bench --codec-only --codec-sizes 1,10,85  # each codec's time against a clone of its buckets
+lowcomm bench --ddp-parity-only                # --algo ddp against plain torch DDP, 2 workers
 """
 
 from __future__ import annotations
@@ -14,38 +16,25 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 __all__ = ["add_subcommand"]
 
 
-def _split_top(text: str) -> list[str]:
-    """``text`` split at the commas outside brackets: ``co2/speeds=[1,0.5],ddp`` is two."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    return [*items, text[start:]]
-
-
-def _csv(text: str) -> list[str]:
-    items = [t.strip() for t in _split_top(text) if t.strip()]
-    if text.strip().lower() == "none":
-        return []
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-    return items
-
-
-def _int_csv(text: str) -> list[int]:
-    try:
-        return [int(t) for t in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers such as 2,4, got {text!r}"
-        ) from None
+from lowcomm.bench.argtypes import csv_list as _csv
+from lowcomm.bench.argtypes import int_csv as _int_csv
+from lowcomm.bench.sections import (
+    CODEC_KEYS,
+    DDP_PARITY_KEYS,
+    add_section_arguments,
+    codec_settings,
+    ddp_parity_settings,
+    note,
+    run_codec_only,
+    run_ddp_parity_only,
+    worker_threads,
+)
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -56,8 +45,9 @@ def add_subcommand(subparsers: Any) -> None:
         description=(
             "Run a matrix of lowcomm train jobs (algorithms x link profiles x worker counts, "
             "same data, steps and seed) plus the no-sync ceiling measured in the same run, "
-            "an emulated-against-real link check (root, tc) and a hook-overhead "
-            "micro-benchmark; write results.json, results.md, throughput.png and "
+            "an emulated-against-real link check (root, tc), a hook-overhead "
+            "micro-benchmark, a memory report and the codec row (each codec's time against a "
+            "clone of the same buckets); write results.json, results.md, throughput.png and "
             "loss_vs_time.png to --out. Flags given with --quick override its preset."
         ),
         argument_default=argparse.SUPPRESS,
@@ -272,6 +262,7 @@ def add_subcommand(subparsers: Any) -> None:
         metavar="N,M",
         help="group sizes of the memory report (default 2,4)",
     )
+    add_section_arguments(p)
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: embedded)")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
     p.add_argument(
@@ -293,7 +284,7 @@ def _run_convergence(args: argparse.Namespace) -> int:
 
     given = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     flags = {"quick", "convergence", "long", "lengths", "reuse", "overwrite", "data", "balance"}
-    flags |= {"cost_model", "chaos"}
+    flags |= {"cost_model", "chaos", "codec_only", "ddp_parity_only"}
     wrong = sorted(k for k in given if k not in _CONVERGENCE_KEYS and k not in flags)
     if wrong:
         raise ValueError(
@@ -327,7 +318,8 @@ def _run_convergence(args: argparse.Namespace) -> int:
 _BALANCE_KEYS = {"algos", "workers", "cycles", "sync_every", "seed", "data", "out", "assignments"}
 _BALANCE_KEYS |= {"block_size", "batch_size", "split_block_size", "splitting", "busy_wait"}
 _BALANCE_KEYS |= {"n_layer", "n_embd", "n_head", "corpus"}
-_SWITCHES = ("quick", "convergence", "balance", "cost_model", "long", "reuse", "overwrite", "chaos")
+_SWITCHES: tuple[str, ...] = ("quick", "convergence", "balance", "cost_model", "long", "reuse")
+_SWITCHES += ("overwrite", "chaos", "codec_only", "ddp_parity_only")
 _CHAOS_KEYS = {"algos", "workers", "steps", "targeted_steps", "mtbf", "faults", "seed", "out"}
 _CHAOS_KEYS |= {"data"}
 
@@ -425,11 +417,30 @@ def _run_cost_model(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace, prog: str) -> int:
-    """``lowcomm bench``'s run: the cost model, the balancing benchmark, the convergence
-    harness or the matrix."""
+    """``lowcomm bench``'s run: the codec row alone, the cost model, the balancing benchmark,
+    the convergence harness or the matrix."""
     from lowcomm.bench.matrix import BenchSpec, run_bench
-    from lowcomm.bench.report import format_markdown
+    from lowcomm.bench.report import format_markdown, write_report
 
+    t0 = time.perf_counter()
+    alone = [
+        f
+        for f, on in (
+            ("--codec-only", args.codec_only),
+            ("--ddp-parity-only", args.ddp_parity_only),
+        )
+        if on
+    ]
+    others = (args.balance, args.convergence, args.quick, args.cost_model, args.chaos)
+    if alone and (any(others) or len(alone) > 1):
+        raise ValueError(
+            f"{alone[0]} is a run of its own: drop --quick, --convergence, --balance, --chaos, "
+            "--cost-model and the other ...-only flag"
+        )
+    if args.codec_only:
+        return run_codec_only(args, _given(args))
+    if args.ddp_parity_only:
+        return run_ddp_parity_only(args, _given(args))
     if args.balance and (args.convergence or args.quick or args.cost_model):
         raise ValueError("--balance is a run of its own: drop --quick, --convergence, --cost-model")
     if args.chaos:
@@ -458,11 +469,23 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
         for k, v in vars(args).items()
         if not k.startswith("_")
         and k not in ("quick", "overwrite", "data", "convergence", "long", "lengths", "reuse")
-        and k not in ("balance", "cost_model", "chaos")
+        and k not in ("balance", "cost_model", "chaos", "codec_only", "ddp_parity_only")
+        and k not in (*CODEC_KEYS, *DDP_PARITY_KEYS)
     }
     if getattr(args, "data", None) is not None:
         values["train_overrides"] = {"data": args.data}
     spec = BenchSpec.quick_preset(**values) if args.quick else BenchSpec(**values)
+    given = _given(args)
+    codec_on = given.get("codec", not args.quick)  # (the row takes a minute: not in --quick)
+    for key in [k for k in CODEC_KEYS[1:] if k in given and not codec_on]:
+        raise ValueError(f"--{key.replace('_', '-')} is a flag of the codec row; add --codec")
+    # as the overhead micro-benchmark: a worker's share of the cores in the first worker count
+    codecs = codec_settings(given, worker_threads(spec.workers[0])) if codec_on else {}
+    parity = None
+    if given.get("ddp_parity", False):
+        parity = ddp_parity_settings({**given, "workers": [max(2, spec.workers[0])]})
+    elif "ddp_parity_steps" in given:
+        raise ValueError("--ddp-parity-steps is a flag of DDP parity; add --ddp-parity")
     results_path = os.path.join(spec.out, "results.json")
     if os.path.exists(results_path) and not args.overwrite:
         raise ValueError(
@@ -470,11 +493,22 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
             "--overwrite"
         )
     command = "lowcomm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_bench(spec, command=command, progress=note)
+    if codec_on:
+        from lowcomm.bench.codec import measure_codecs
+        from lowcomm.bench.results import codec_goal
 
-    def progress(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+        note(f"codec row: {', '.join(codecs['codecs'])}")
+        results["codec"] = measure_codecs(**codecs, progress=note)
+        results["goals"].append(codec_goal(results["codec"]))
+    if parity is not None:
+        from lowcomm.bench.ddp_parity import measure_ddp_parity
 
-    results = run_bench(spec, command=command, progress=progress)
+        note(f"DDP parity: {parity['workers']} workers, {parity['steps']} pairs of steps")
+        results["ddp_parity"] = measure_ddp_parity(**parity)
+    if codec_on or parity is not None:
+        results["elapsed_s"] = time.perf_counter() - t0
+        write_report(results, spec.out)  # again, with the sections
     print(format_markdown(results))
     print(f"results: {results_path} (+ results.md, throughput.png, loss_vs_time.png)")
     return 0

@@ -21,22 +21,43 @@ Reported per algorithm, all medians over the timed steps:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["measure_overhead"]
+__all__ = ["measure_overhead", "one_rank_group"]
 
 logger = logging.getLogger(__name__)
 
 
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+@contextlib.contextmanager
+def one_rank_group(threads: int | None) -> Iterator[int]:
+    """A single-rank gloo group for a measurement (made here when none is initialised, and
+    destroyed afterwards; the existing default group otherwise), with torch's intra-op
+    threads set to ``threads`` (``None``: as they are) and restored; yields the threads."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        created = True
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if created:
+            dist.destroy_process_group()
+        torch.set_num_threads(saved)
 
 
 def measure_overhead(
@@ -62,23 +83,11 @@ def measure_overhead(
         ``{"threads", "steps_per_algorithm", "algorithms": [per-algorithm dict]}``; see the
         module docstring for the keys.
     """
-    saved_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    used_threads = torch.get_num_threads()
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        created = True
-    try:
+    with one_rank_group(threads) as used_threads:
         rows = [
             _measure_one(algo, rounds, sync_every, seed, dict(train_overrides or {}))
             for algo in algos
         ]
-    finally:
-        if created:
-            dist.destroy_process_group()
-        torch.set_num_threads(saved_threads)
     return {
         "threads": used_threads,
         "steps_per_algorithm": rounds * sync_every,

@@ -1,19 +1,30 @@
 """Write a ``lowcomm bench`` run's results: ``results.json`` (everything, see
 :func:`lowcomm.bench.run_bench`), ``results.md`` (the tables) and two plots,
 ``throughput.png`` (tokens/s against link bandwidth, the ceiling as a line) and
-``loss_vs_time.png`` (validation loss against training time, a panel per link)."""
+``loss_vs_time.png`` (validation loss against training time, a panel per link); and a
+``lowcomm bench --codec-only`` run's ``results.json`` and ``codec.md``."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import statistics
 from collections.abc import Iterable
 from typing import Any
 
 from lowcomm.train.metrics import json_safe, write_text
 
-__all__ = ["fmt", "format_markdown", "pyplot", "table", "write_report"]
+__all__ = [
+    "fmt",
+    "format_codec",
+    "format_codec_report",
+    "format_markdown",
+    "pyplot",
+    "table",
+    "write_codec_report",
+    "write_report",
+]
 
 _FILES = ("results.json", "results.md", "throughput.png", "loss_vs_time.png")
 
@@ -56,7 +67,8 @@ def _link_label(row: dict[str, Any]) -> str:
 
 def format_markdown(results: dict[str, Any]) -> str:
     """The report as Markdown: settings, ceiling and noise, the matrix table, the emulator
-    validation pairs, the overhead micro-benchmark and the goals."""
+    validation pairs, the overhead micro-benchmark, the memory report, the codec row and the
+    goals."""
     s = results["settings"]
     lines = ["# lowcomm bench" + (" --quick" if results.get("quick") else ""), ""]
     if results.get("command"):
@@ -275,9 +287,24 @@ def format_markdown(results: dict[str, Any]) -> str:
             rows,
         )
 
-    lines += ["", "## Goals", ""]
+    codec = results.get("codec")
+    if codec:
+        lines += ["", *format_codec(codec)]
+    parity = results.get("ddp_parity")
+    if parity:
+        from lowcomm.bench.ddp_parity import parity_table
+
+        lines += ["", "## DDP parity", "", parity_table(parity)]
+
+    lines += ["", *_format_goals(results.get("goals", []))]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _format_goals(goals: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Goals", ""]
     goal_rows = []
-    for g in results.get("goals", []):
+    for g in goals:
         value, noise = g["value"], g.get("noise")
         measured = fmt(value, g["format"])
         if value is None:
@@ -290,9 +317,98 @@ def format_markdown(results: dict[str, Any]) -> str:
             if noise is not None and abs(gap) < noise:
                 verdict += " (within the ceiling's noise)"
         goal_rows.append([g["goal"], measured, verdict])
-    lines += table(["goal", "measured", "verdict"], goal_rows)
-    lines.append("")
+    return lines + table(["goal", "measured", "verdict"], goal_rows)
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    ms = seconds * 1e3
+    return format(ms, ".3f" if ms < 1 else ".2f" if ms < 10 else ".1f" if ms < 100 else ",.0f")
+
+
+def format_codec(codec: dict[str, Any]) -> list[str]:
+    """The codec row (:func:`lowcomm.bench.codec.measure_codecs`) as Markdown lines: per codec
+    and layout, codec time / clone time and codec time / copy time at each size (the codec's
+    own milliseconds beside), and the clone and the copy the entries were timed against
+    (medians over the entries)."""
+    rows = codec["rows"]
+    sizes = list(dict.fromkeys(r["size_m"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    codecs = list(dict.fromkeys(r["codec"] for r in rows))
+    at = {(r["codec"], r["layout"], r["size_m"]): r for r in rows}
+    lines = [
+        "## The codec's cost against a clone",
+        "",
+        "Encode + decode + error feedback of one compressed mean (lowcomm's path: "
+        "`Compressor` with error feedback through a `Communicator` on a one-rank gloo group, "
+        "then the handle's `wait()`), against a `clone()` of the same fp32 buckets "
+        f"({fmt(codec['bucket_cap_mb'], 'g')} MB each at most) timed in turn with it; "
+        f"{codec['threads']} thread{'s' if codec['threads'] != 1 else ''}, medians of up to "
+        f"{codec['max_repeats']} repeats. "
+        "Cells: codec time / clone time, codec time / copy time (the codec's milliseconds). "
+        "Layouts: `gpt`, whole "
+        "transformer blocks (12 tensors each: weights, biases, LayerNorms); `single`, one "
+        "matrix of N/1024 x 1024.",
+        "",
+    ]
+    header = ["codec", "layout", *(f"{size:g} M" for size in sizes)]
+    body = []
+    for layout in layouts:
+        for name in codecs:
+            cells = []
+            for size in sizes:
+                r = at.get((name, layout, size))
+                cells.append(
+                    "-"
+                    if r is None
+                    else f"{fmt(r['ratio'], '.1f')}x / {fmt(r.get('ratio_to_copy'), '.1f')}x "
+                    f"({_ms(r['codec_s'])} ms)"
+                )
+            body.append([name, layout, *cells])
+        for label, key in (("clone (ms)", "clone_s"), ("copy (ms)", "copy_s")):
+            cells = []
+            for size in sizes:
+                times = [r[key] for r in rows if r["layout"] == layout and r["size_m"] == size]
+                cells.append(_ms(statistics.median(times)) if times else "-")
+            body.append([f"*{label}*", layout, *cells])
+    lines += table(header, body)
+    lines += [
+        "",
+        "Copy: `copy_` into buffers allocated once, the memory traffic alone; a clone also "
+        "allocates, and an allocation beyond glibc's mmap threshold (at most 32 MB) gets fresh "
+        "pages whose faults can cost two more copies.",
+    ]
+    return lines
+
+
+def format_codec_report(results: dict[str, Any]) -> str:
+    """A ``lowcomm bench --codec-only`` run as Markdown: the command, the machine, the codec
+    row and its goal."""
+    lines = ["# lowcomm bench --codec-only", ""]
+    if results.get("command"):
+        lines += [f"Command: `{results['command']}`", ""]
+    m = results["machine"]
+    lines += [
+        f"Run {results['created']} on {m['cpu_count']} CPU cores ({m['processor']}), torch "
+        f"{m['torch']}; {fmt(results.get('elapsed_s'), '.0f')} s in all.",
+        "",
+        *format_codec(results["codec"]),
+        "",
+        *_format_goals(results.get("goals", [])),
+        "",
+    ]
     return "\n".join(lines)
+
+
+def write_codec_report(results: dict[str, Any], out: str) -> list[str]:
+    """Write a ``--codec-only`` run's ``results.json`` and ``codec.md`` to ``out``; return
+    their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, "results.json"), os.path.join(out, "codec.md")]
+    write_text(paths[0], json.dumps(json_safe(results), indent=1) + "\n")
+    write_text(paths[1], format_codec_report(results))
+    return paths
 
 
 def pyplot() -> Any:

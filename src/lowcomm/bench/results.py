@@ -23,9 +23,26 @@ import torch
 if TYPE_CHECKING:
     from lowcomm.bench.matrix_spec import BenchSpec
 
-__all__ = ["RESULTS_VERSION", "assemble_results", "interpolate_time_to_target"]
+__all__ = [
+    "CODEC_GOAL",
+    "RESULTS_VERSION",
+    "assemble_codec_results",
+    "assemble_results",
+    "codec_goal",
+    "interpolate_time_to_target",
+]
 
 RESULTS_VERSION = 1
+
+CODEC_GOAL: dict[str, Any] = {
+    "size_m": 10.0,
+    "layout": "gpt",
+    "limit": 8.0,
+    "codecs": ["int8", "int4", "int2", "topk:0.01"],
+}
+"""Issue 54's target for the codec row (:mod:`lowcomm.bench.codec`): at 10 M parameters (the
+``gpt`` layout), encode + decode + error feedback within 8 clones on the CPU, for each of these
+codecs."""
 
 
 def interpolate_time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:
@@ -211,3 +228,42 @@ def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list
         }
     )
     return goals
+
+
+def codec_goal(codec: dict[str, Any] | None) -> dict[str, Any]:
+    """The codec row's goal (issue 54): at its size and layout (10 M parameters, ``gpt``),
+    the worst ratio to a clone of the goal's codecs that the row measured, at most its limit
+    (8); ``None`` (not measured) when the row has none of them at that size. ``codec``: the
+    :func:`lowcomm.bench.codec.measure_codecs` result, or ``None``."""
+    goal = CODEC_GOAL
+    measured = [
+        r
+        for r in (codec or {}).get("rows", [])
+        if r["codec"] in goal["codecs"]
+        and r["layout"] == goal["layout"]
+        and r["size_m"] == goal["size_m"]
+    ]
+    names = sorted({r["codec"] for r in measured}, key=goal["codecs"].index) or goal["codecs"]
+    worst = max((r["ratio"] for r in measured), default=None)
+    return {
+        "goal": f"codec encode + decode + error feedback at {goal['size_m']:g} M parameters "
+        f"<= {goal['limit']:g}x a clone ({', '.join(names)}; worst)",
+        "value": worst,
+        "limit": goal["limit"],
+        "format": ".1f",
+        "met": None if worst is None else worst <= goal["limit"],
+        "kind": "max",
+    }
+
+
+def assemble_codec_results(codec: dict[str, Any]) -> dict[str, Any]:
+    """The ``results.json`` of a ``lowcomm bench --codec-only`` run: the codec row
+    (:func:`lowcomm.bench.codec.measure_codecs`), the machine and the row's goal. The caller
+    adds ``command`` and ``elapsed_s``."""
+    return {
+        "version": RESULTS_VERSION,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "codec": codec,
+        "goals": [codec_goal(codec)],
+    }
