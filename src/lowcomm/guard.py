@@ -179,8 +179,8 @@ class HostFlags:
     """Boolean verdicts computed on the device (:func:`finite_flag`), brought to host memory
     without waiting: on CUDA a copy into pinned memory queued on the current stream, and an
     event; :meth:`read` waits for that event only, at the point where the caller already waits
-    (a sync's apply, after its collective) or long after the copy was queued (the next inner
-    step), never draining the queue at the launch that made them. On the CPU the values are
+    (a sync's apply, after its collective, which went out after the copy) or long after the
+    copy was queued (the next sync point), never draining the queue. On the CPU the values are
     already there. No ``.item()``: the host reads host memory.
 
     Example::

@@ -70,14 +70,8 @@ def format_markdown(results: dict[str, Any]) -> str:
     validation pairs, the overhead micro-benchmark, the memory report, the codec row and the
     goals."""
     s = results["settings"]
-    lines = ["# lowcomm bench" + (" --quick" if results.get("quick") else ""), ""]
-    if results.get("command"):
-        lines += [f"Command: `{results['command']}`", ""]
-    m = results["machine"]
+    lines = _head(results, "# lowcomm bench" + (" --quick" if results.get("quick") else ""))
     lines += [
-        f"Run {results['created']} on {m['cpu_count']} CPU cores, torch {m['torch']}; "
-        f"{fmt(results.get('elapsed_s'), '.0f')} s in all.",
-        "",
         f"Every cell: GPT {s['n_layer']}x{s['n_embd']} "
         f"({fmt(results['model']['parameters'], ',')} parameters), {s['steps']} steps per "
         f"worker of {s['batch_size']}x{s['block_size']} tokens, seed {s['seed']}, "
@@ -382,17 +376,26 @@ def format_codec(codec: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_codec_report(results: dict[str, Any]) -> str:
-    """A ``lowcomm bench --codec-only`` run as Markdown: the command, the machine, the codec
-    row and its goal."""
-    lines = ["# lowcomm bench --codec-only", ""]
+def _head(results: dict[str, Any], title: str, *, processor: bool = False) -> list[str]:
+    """A report's title, command and run line (when, the machine, torch, how long)."""
+    lines = [title, ""]
     if results.get("command"):
         lines += [f"Command: `{results['command']}`", ""]
     m = results["machine"]
-    lines += [
-        f"Run {results['created']} on {m['cpu_count']} CPU cores ({m['processor']}), torch "
-        f"{m['torch']}; {fmt(results.get('elapsed_s'), '.0f')} s in all.",
+    cores = f"{m['cpu_count']} CPU cores" + (f" ({m['processor']})" if processor else "")
+    elapsed = fmt(results.get("elapsed_s"), ".0f")
+    return [
+        *lines,
+        f"Run {results['created']} on {cores}, torch {m['torch']}; {elapsed} s in all.",
         "",
+    ]
+
+
+def format_codec_report(results: dict[str, Any]) -> str:
+    """A ``lowcomm bench --codec-only`` run as Markdown: the command, the machine, the codec
+    row and its goal."""
+    lines = _head(results, "# lowcomm bench --codec-only", processor=True)
+    lines += [
         *format_codec(results["codec"]),
         "",
         *_format_goals(results.get("goals", [])),

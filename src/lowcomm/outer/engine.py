@@ -355,8 +355,6 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
             if phase <= 0:
                 self._warm_step()
                 return
-            if self._unread_own:
-                self._read_own()  # the last launch's verdict on this rank, a step later
             if self._to_advance:
                 self._advance_due(self.local_step)
             try:
@@ -396,6 +394,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         f = self._choose_fragment(k)
         assert f not in self._in_flight.values() or self.overlap >= self.sync_every
         with record_function(f"{self._profile_tag}::launch"):
+            if self._unread_own:  # earlier launches' verdicts: this rank recovers before its Δ
+                self._read_own(before=self.local_step)
             self._before_launch(f)
             frag = self.fragments[f]
             rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
@@ -423,8 +423,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         f = self._in_flight.pop(k)
         frag = self.fragments[f]
         with record_function(f"{self._profile_tag}::outer"):
-            if self._unread_own:
-                self._read_own()  # (a sync launched at this very step: τ = 0)
+            applied = frag.pending[0] if frag.pending else None
             if self.ft is not None and not self._commit(frag):
                 # not committed: the round is dropped. An outer step goes back to its anchor;
                 # LocalSGD, whose anchor was the send buffer (now undefined), keeps its θ
@@ -436,6 +435,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 self._merge(f)
             else:
                 frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
+            if self._unread_own:  # (its collective, waited for, went out after its verdict)
+                self._read_own(before=self.local_step, applied=applied)
         self.sync_points += 1
         if self.pace is not None:
             self.pace.applied(k, self.local_step)

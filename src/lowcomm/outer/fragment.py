@@ -279,8 +279,8 @@ class Fragment:
             if scale != 1.0:
                 torch._foreach_mul_(send.buffers, scale)
             # this rank's verdict on its own contribution, decided on the device and read by
-            # the host a step later (the engine recovers a diverged rank then): nothing here
-            # waits for the device
+            # the host at this sync's apply or the next launch (the engine recovers a diverged
+            # rank then): nothing here waits for the device
             own = finite_flag(send.buffers)
             launched.inputs_read()  # θ and A are read: the next inner step may write θ
             if self.compressor is not None:

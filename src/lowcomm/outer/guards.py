@@ -144,13 +144,20 @@ class Guards:
                 f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
             )
 
-    def _read_own(self) -> None:
-        """Read this rank's verdicts on its own contributions launched since the last read
-        (decided on the device at launch, read here: a step later, or at the sync's apply when
-        that comes first). One that was not finite means this rank diverged: log it and
-        recover its local state now, so that it trains correctly from the anchor while the
-        poisoned average is on its way (every rank will skip it)."""
-        unread, self._unread_own = self._unread_own, []
+    def _read_own(self, before: int | None = None, applied: Sync | None = None) -> None:
+        """Read this rank's verdicts on its own contributions (decided on the device at launch)
+        where reading them does not wait for the device: ``applied``, the sync whose
+        collective the host has just waited for (which went out after its verdict), and those
+        launched before inner step ``before`` (at a later sync point: its queue ran long ago);
+        ``None``: every one (at :meth:`finish`). One that was not finite means this rank
+        diverged: log it and recover its local state now, so that it trains correctly from the
+        anchor while the poisoned average is on its way (every rank will skip it)."""
+        unread: list[Sync] = []
+        kept: list[Sync] = []
+        for sync in self._unread_own:
+            due = before is None or sync.step < before or sync is applied
+            (unread if due else kept).append(sync)
+        self._unread_own = kept
         for sync in unread:
             if sync.own_ok:
                 continue
