@@ -68,10 +68,7 @@ def tensor_by_tensor(
 
 
 def as_a_whole(layout: FlatLayout, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    m = x + residual
-    payload, mine = layout.encode(m, generator=None)
-    torch.sub(m, mine, out=residual)
-    torch.nan_to_num_(residual, 0.0, 0.0, 0.0)
+    payload = layout.encode_feedback(x, residual=residual, generator=None)
     out = torch.empty_like(x)
     layout.decode_mean(torch.cat([payload] * WORLD), WORLD, out=out)
     return out

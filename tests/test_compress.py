@@ -21,7 +21,7 @@ from lowcomm.compress import (
     TopK,
     parse_compression,
 )
-from lowcomm.compress.formats import pack_bits, unpack_bits
+from lowcomm.compress.formats import ElementwiseCodec, pack_bits, unpack_bits
 from lowcomm.outer import CO2, CoCoDC, DiLoCo, StreamingDiLoCo
 from lowcomm.testing.reference import RefCompression
 
@@ -259,6 +259,20 @@ _BUCKET_SPECS = [
 ]
 
 
+def _bucket_codecs(tensors: list[tuple[tuple[int, ...], str, str]]) -> list[ElementwiseCodec]:
+    """The codec of each (shape, spec, kind): raw where the codec does not compress the shape,
+    the first stochastic codec for every stochastic one (one generator per bucket)."""
+    codecs: list[ElementwiseCodec] = []
+    sr = None
+    for shape, spec, _ in tensors:
+        codec = parse_compression(spec)
+        if codec.stochastic:
+            sr = sr or codec
+            codec = sr
+        codecs.append(codec if codec.compresses(shape) else Raw())
+    return codecs
+
+
 def _bucket_input(shapes: list[tuple[int, ...]], kinds: list[str], seed: int) -> list[torch.Tensor]:
     out = []
     for i, (shape, kind) in enumerate(zip(shapes, kinds)):
@@ -295,14 +309,7 @@ def test_a_bucket_encodes_and_decodes_as_its_tensors_do_one_by_one(
     from lowcomm.compress.flat import FlatLayout
 
     shapes = [t[0] for t in tensors]
-    codecs = []
-    sr = None
-    for shape, spec, _ in tensors:
-        codec = parse_compression(spec)
-        if codec.stochastic:
-            sr = sr or codec
-            codec = sr
-        codecs.append(codec if codec.compresses(shape) else Raw())
+    codecs = _bucket_codecs(tensors)
     xs = _bucket_input(shapes, [t[2] for t in tensors], seed)
     layout = FlatLayout(codecs, shapes, "cpu")
     g_flat, g_alone = (torch.Generator().manual_seed(seed) for _ in range(2))
@@ -339,6 +346,72 @@ def test_a_bucket_encodes_and_decodes_as_its_tensors_do_one_by_one(
             means[off : off + n], total.reshape(-1), rtol=0, atol=0, equal_nan=True
         )
         off += n
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([(128,), (256,), (640,), (8, 128), (129,), (40, 5)]),
+            st.sampled_from(
+                ["int8", "int4", "int2", "int4:sr", "int2:block=8", "sign", "topk:0.1"]
+            ),
+            st.sampled_from(["normal", "normal", "zero", "large", "nan"]),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.sampled_from([128, 256, 1 << 18]),
+    st.booleans(),
+    st.integers(0, 1000),
+)
+def test_encoding_with_feedback_in_chunks_is_encoding_then_subtracting(
+    tensors: list[tuple[tuple[int, ...], str, str]], chunk: int, feedback: bool, seed: int
+) -> None:
+    # encode_feedback (M = x + e in e's memory, on the CPU a few rows of blocks at a time)
+    # gives the payload, contribution and residual of encoding M whole and subtracting after,
+    # and decoding chunk by chunk the mean of decoding whole: bit for bit, NaN and Inf included
+    import lowcomm.compress.blocked as blocked
+    from lowcomm.compress.flat import FlatLayout
+
+    shapes = [t[0] for t in tensors]
+    codecs = _bucket_codecs(tensors)
+    kinds = [t[2] for t in tensors]
+    xs = _bucket_input(shapes, [k if k != "nan" else "normal" for k in kinds], seed)
+    for x, kind in zip(xs, kinds):
+        if kind == "nan":
+            x.view(-1)[seed % x.numel()] = math.nan
+            x.view(-1)[(seed * 7) % x.numel()] = -math.inf
+    x = torch.cat([t.reshape(-1) for t in xs])
+    e = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 5)) * 0.1
+    whole = FlatLayout(codecs, shapes, "cpu")
+    m = x + e if feedback else x.clone()
+    payload, own = whole.encode(m, generator=torch.Generator().manual_seed(seed))
+    own = own.clone()
+    left = torch.nan_to_num(m - own, nan=0.0, posinf=0.0, neginf=0.0)
+    saved = blocked.CPU_CHUNK
+    blocked.CPU_CHUNK = chunk
+    try:
+        chunked = FlatLayout(codecs, shapes, "cpu")
+        residual, mine = e.clone(), torch.full_like(x, 7.0)
+        data = chunked.encode_feedback(
+            x,
+            residual=residual if feedback else None,
+            mine=mine,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        if "nan" not in kinds:  # (a non-finite block's codes are any bytes: its scale is not)
+            assert torch.equal(data, payload)
+        torch.testing.assert_close(mine, own, rtol=0, atol=0, equal_nan=True)
+        if feedback:
+            assert torch.equal(residual, left) and residual.isfinite().all()
+        theirs = whole.encode(m * 3, generator=None)[0]
+        means, expected = torch.empty_like(x), torch.empty_like(x)
+        chunked.decode_mean(torch.cat([data, theirs]), 2, out=means)
+    finally:
+        blocked.CPU_CHUNK = saved
+    FlatLayout(codecs, shapes, "cpu").decode_mean(torch.cat([payload, theirs]), 2, out=expected)
+    torch.testing.assert_close(means, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

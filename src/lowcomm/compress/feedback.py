@@ -240,15 +240,18 @@ class Compressor:
             out = x = target.detach().float()
         else:  # views that are not one bucket: gathered into one, the mean copied back
             out = x = torch.cat([views[i].detach().reshape(-1).float() for i in idx])
-        residual = self._residual_flat.narrow(0, start, n)
-        m = residual.add_(x) if self.error_feedback else x  # M = x + e, in e's memory
-        payload, mine = layout.encode(m, generator=self.generator)
-        if self.error_feedback:  # e ← M − C(M); a NaN or Inf is not carried over: 0
-            torch.sub(m, mine, out=residual)
-            torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
-        if own_flat is not None:
+        residual = self._residual_flat.narrow(0, start, n) if self.error_feedback else None
+        mine = None
+        if own_flat is not None and own_flat.dtype == torch.float32:
+            mine = own_flat[:n]
+        elif own_flat is not None or own is not None:
+            mine = torch.empty_like(x)
+        # M = x + e in e's memory, encoded; e ← M − C(M) (a NaN or Inf is not carried over: 0)
+        payload = layout.encode_feedback(x, residual=residual, mine=mine, generator=self.generator)
+        if own_flat is not None and mine is not None and mine.dtype != own_flat.dtype:
             own_flat[:n].copy_(mine)
-        elif own is not None:
+        elif own is not None and own_flat is None:
+            assert mine is not None
             parts = mine.split([self.shapes[i].numel() for i in idx])
             torch._foreach_copy_(
                 [own[i] for i in idx], [p.view_as(own[i]) for p, i in zip(parts, idx)]
