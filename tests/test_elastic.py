@@ -21,7 +21,7 @@ pytest.importorskip("torchft")
 
 from lowcomm.elastic import Lighthouse, replica_manager  # noqa: E402
 
-SYNCS = 24
+SYNCS = 12
 
 
 def _spawn(

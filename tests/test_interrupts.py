@@ -81,7 +81,7 @@ def test_sigterm_during_a_real_link_cell_of_bench_exits_130(tmp_path: Path) -> N
         pytest.skip(reason)
     out = tmp_path / "bench"
     argv = ["bench", "--algos", "co2", "--links", "100mbit", "--workers", "2"]
-    argv += ["--steps", "36", "--eval-every", "36", "--eval-batches", "1", "--ceiling-steps", "2"]
+    argv += ["--steps", "12", "--eval-every", "12", "--eval-batches", "1", "--ceiling-steps", "2"]
     argv += ["--real-links", "100mbit", "--real-algos", "co2", "--no-overhead", "--no-memory"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowcomm", *argv, "--out", str(out)],

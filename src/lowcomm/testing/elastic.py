@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - closed at the end
 
     def write(**record: Any) -> None:
-        log.write(json.dumps({"replica": args.replica_id, **record}) + "\n")
+        log.write(json.dumps({"replica": args.replica_id, "t": time.time(), **record}) + "\n")
         log.flush()
 
     # the donor's state as it sends it, checked by the joiner against its own after the heal
