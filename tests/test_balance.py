@@ -33,8 +33,8 @@ from lowcomm.balance import (
 )
 from lowcomm.balance.documents import DocumentSampler
 from lowcomm.models.gpt import Packed
+from lowcomm.procs.workers import run_workers
 from lowcomm.testing.balance import balance_scenarios, synthetic_corpus, tiny_doc_model
-from lowcomm.testing.dist import run_workers
 
 COST = CostModel(a=1e-5, b=1e-7, d=1e-4)
 

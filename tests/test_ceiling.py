@@ -119,7 +119,7 @@ def _unaligned_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_middle_segments_do_not_line_the_ranks_up() -> None:
-    from lowcomm.testing.dist import run_workers
+    from lowcomm.procs.workers import run_workers
 
     ahead, behind = run_workers(_unaligned_worker, 2)
     # the rank ahead runs its segment at once instead of waiting 0.5 s for the other; what

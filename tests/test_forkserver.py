@@ -1,4 +1,4 @@
-"""How the local launcher starts its workers (lowcomm.train.forkserver): forked from a server
+"""How the local launcher starts its workers (lowcomm.procs.forkserver): forked from a server
 that imported torch once, yet with this process's environment and output as they are when the
 job starts, as a spawned worker would have them."""
 
@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from lowcomm.cli import main
+from lowcomm.procs.forkserver import START_METHOD_ENV, ForkedCommand, preload, start_method
 from lowcomm.testing.jobs import TINY_JOB, TINY_JOB_ARGS
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.forkserver import START_METHOD_ENV, ForkedCommand, preload, start_method
 from lowcomm.train.launcher import launch
+from lowcomm.train.worker import main as worker_main
 
 pytestmark = pytest.mark.skipif(
     "forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here"
@@ -118,21 +119,23 @@ def test_a_forked_command_runs_as_a_session_leader_with_the_given_environment_an
     config.write_text(json.dumps(cfg.with_paths().to_dict()))
     log = tmp_path / "process.log"
     log.write_text("")
-    p = ForkedCommand([str(config)], _worker_env(_free_port()), str(log))
+    p = ForkedCommand(worker_main, [str(config)], _worker_env(_free_port()), str(log))
     assert os.getsid(p.pid) == p.pid and os.getpgid(p.pid) == p.pid  # killpg reaches it
     assert p.wait(timeout=120) == 0 and p.poll() == 0 and p.returncode == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps_run"] == 8
 
     # a failure: its exit code, and the error in its log (output and error both go there)
-    bad = ForkedCommand([str(tmp_path / "missing.json")], _worker_env(_free_port()), str(log))
+    bad = ForkedCommand(
+        worker_main, [str(tmp_path / "missing.json")], _worker_env(_free_port()), str(log)
+    )
     assert bad.wait(timeout=60) == 1
     assert "missing.json" in log.read_text()
 
     # killed as the launcher kills a replica: the whole session, and the signal as the code
     cfg = TrainConfig(**{**TINY_JOB, "workers": 1, "steps": 10_000}, out=str(tmp_path / "long"))
     config.write_text(json.dumps(cfg.with_paths().to_dict()))
-    p = ForkedCommand([str(config)], _worker_env(_free_port()), str(log))
+    p = ForkedCommand(worker_main, [str(config)], _worker_env(_free_port()), str(log))
     with pytest.raises(subprocess.TimeoutExpired):
         p.wait(timeout=0.5)
     os.killpg(p.pid, signal.SIGKILL)

@@ -168,3 +168,55 @@ def test_package_has_no_cycles_or_private_imports() -> None:
     edges, private = _graph()
     assert _cycles(edges) == []
     assert private == []
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _reaching(edges: dict[str, set[str]], target: str, *, outside: str) -> list[str]:
+    """The imports of a module of ``target`` (a package or module) by modules outside
+    ``outside``."""
+    return sorted(
+        f"{m} -> {t}"
+        for m, ts in edges.items()
+        if not _within(m, outside)
+        for t in ts
+        if _within(t, target)
+    )
+
+
+FLOORS = ("lowcomm.runfiles", "lowcomm.procs")
+"""Modules every command and the job stand on, that import nothing of lowcomm outside
+themselves: the run-folder I/O and the process runner."""
+
+
+def test_package_rules_hold() -> None:
+    edges, _ = _graph()
+    # shipping code does not import the test harness (the harness may import anything)
+    assert _reaching(edges, "lowcomm.testing", outside="lowcomm.testing") == []
+    for floor in FLOORS:
+        above = [t for m in edges if _within(m, floor) for t in edges[m] if not _within(t, floor)]
+        assert above == [], f"{floor} imports {above}"
+    # the checker sees a rule broken
+    broken = {"lowcomm.bench.x": {"lowcomm.testing.y"}, "lowcomm.testing.y": set()}
+    assert _reaching(broken, "lowcomm.testing", outside="lowcomm.testing") == [
+        "lowcomm.bench.x -> lowcomm.testing.y"
+    ]
+
+
+def test_importing_the_run_folder_io_loads_few_lowcomm_modules() -> None:
+    # the package face and the job's package import their names when first used
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lowcomm.runfiles, lowcomm.train.metrics, lowcomm.procs.workers; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lowcomm'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=SRC
+    ).stdout
+    loaded = ast.literal_eval(out.strip())
+    assert "lowcomm.outer" not in loaded and "lowcomm.train.loop" not in loaded, loaded
+    assert len(loaded) <= 15, loaded

@@ -72,7 +72,7 @@ def _train_recording_dtypes(rank: int, world: int, values: dict[str, Any]) -> li
 def test_the_loop_computes_in_the_precision_asked_for(
     precision: str, dtypes: list[str], tmp_path: Any
 ) -> None:
-    from lowcomm.testing.dist import run_workers
+    from lowcomm.procs.workers import run_workers
     from lowcomm.testing.jobs import TINY_JOB
 
     values = {**TINY_JOB, "workers": 2, "algo": "co2", "precision": precision}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lowcomm.balance.remap import Remap, attention_owners, exchange_bytes, token_bounds
-from lowcomm.testing.dist import run_workers
+from lowcomm.procs.workers import run_workers
 
 LENGTHS = [37, 5, 64, 12, 90, 3, 20, 41]
 

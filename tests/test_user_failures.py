@@ -22,11 +22,8 @@ import torch
 
 import lowcomm
 from lowcomm.cli import main
-from lowcomm.testing.dist import run_workers
-from lowcomm.testing.jobs import TINY_JOB_ARGS, read_summary, tiny_job_args
-from lowcomm.train import checkpoint as ckpt
-from lowcomm.train.launcher import resource_warnings
-from lowcomm.train.metrics import (
+from lowcomm.procs.workers import run_workers
+from lowcomm.runfiles import (
     CheckpointError,
     atomic_write,
     describe_os_error,
@@ -34,6 +31,9 @@ from lowcomm.train.metrics import (
     save_checkpoint,
     smoothed,
 )
+from lowcomm.testing.jobs import TINY_JOB_ARGS, read_summary, tiny_job_args
+from lowcomm.train import checkpoint as ckpt
+from lowcomm.train.launcher import resource_warnings
 
 # The documented exit codes (lowcomm --help, docs/train.md "When something goes wrong"), as
 # numbers: a test that imported them from the code under test would pass whatever they became.

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from lowcomm.testing.dist import run_workers
+from lowcomm.procs.workers import run_workers
 from lowcomm.testing.zo import (
     mezo_reference,
     sharded_reference,

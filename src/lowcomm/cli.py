@@ -480,8 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         return _fail(prog, f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging()
+    from lowcomm.runfiles import describe_os_error
     from lowcomm.train.errors import WorkerFailed
-    from lowcomm.train.metrics import describe_os_error
 
     try:
         with _term_as_interrupt():

@@ -383,7 +383,7 @@ def run_chaos(
 ) -> dict[str, Any]:
     """Run the chaos benchmark (module docstring); writes ``results.json`` and ``chaos.md`` to
     ``spec.out`` and returns the results."""
-    from lowcomm.train.metrics import write_json, write_text
+    from lowcomm.runfiles import write_json, write_text
 
     os.makedirs(spec.out, exist_ok=True)
     runs: list[dict[str, Any]] = []

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lowcomm.bench.report import fmt, pyplot, table
 from lowcomm.bench.results import interpolate_time_to_target
 from lowcomm.registry import REGISTRY
-from lowcomm.train.metrics import json_safe, write_text
+from lowcomm.runfiles import json_safe, write_text
 
 if TYPE_CHECKING:
     from lowcomm.bench.convergence_spec import ConvergenceSpec

@@ -95,7 +95,7 @@ def measure_ddp_parity(
         settings (``workers``, ``threads``, ``warmup``, ``seed``, ``torch_bucket_cap_mb``,
         ``model``).
     """
-    from lowcomm.testing import run_workers
+    from lowcomm.procs.workers import run_workers
     from lowcomm.train.config import config_from_dict
     from lowcomm.train.worker import usable_cores
 

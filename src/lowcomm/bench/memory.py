@@ -85,7 +85,7 @@ def measure_memory(
     ``buffer_bytes``, ``model_bytes``, the ratios to the model and, for sharded rows,
     ``state_vs_unsharded`` (sharded state ÷ unsharded state, ideally 1/N).
     """
-    from lowcomm.testing import run_workers
+    from lowcomm.procs.workers import run_workers
 
     rows: list[dict[str, Any]] = []
     for n in workers:

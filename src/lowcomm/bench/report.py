@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from lowcomm.train.metrics import json_safe, write_text
+from lowcomm.runfiles import json_safe, write_text
 
 __all__ = [
     "fmt",

@@ -149,7 +149,7 @@ def run_ddp_parity_only(args: argparse.Namespace, given: dict[str, Any]) -> int:
     import json
 
     from lowcomm.bench.ddp_parity import measure_ddp_parity, parity_table
-    from lowcomm.train.metrics import json_safe, write_text
+    from lowcomm.runfiles import json_safe, write_text
 
     wrong = sorted(k for k in given if k not in _DDP_PARITY_ONLY_KEYS)
     if wrong:

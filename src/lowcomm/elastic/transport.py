@@ -5,7 +5,7 @@ torchft's own transports unpickle what a peer sends (``PGTransport`` its metadat
 ``pickle.loads``) or listen on every network interface (``HTTPTransport``). This one sends the
 bytes ``torch.save`` writes — one length, then one byte tensor — and the receiver loads them as
 every other file lowcomm loads: tensors, numbers, strings and plain containers only
-(:func:`lowcomm.train.metrics.load_checkpoint`'s rule). It opens no listener and is synchronous:
+(:func:`lowcomm.runfiles.load_checkpoint`'s rule). It opens no listener and is synchronous:
 the donor has sent everything when its ``start_quorum`` returns, so it may change its state
 straight after.
 """

@@ -32,7 +32,7 @@ from lowcomm.integrations.loggers import MetricsLogger, merged_metrics
 from lowcomm.integrations.torchtitan import resolve_aliases
 from lowcomm.optim import DeMo
 from lowcomm.registry import REGISTRY, outer_names
-from lowcomm.train.metrics import load_checkpoint, save_checkpoint
+from lowcomm.runfiles import load_checkpoint, save_checkpoint
 
 __all__ = ["STATE_FOLDER", "Driver", "state_path", "unwrap_optimizer"]
 

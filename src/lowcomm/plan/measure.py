@@ -413,7 +413,7 @@ def measure_peak_memory(
 ) -> list[dict[str, Any]]:
     """Measure every case on ``world`` gloo processes; one row per case with the largest peak
     over the ranks, the model's prediction and their ratio."""
-    from lowcomm.testing import run_workers
+    from lowcomm.procs.workers import run_workers
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an integer >= 2 (ZeRO shards over ranks), got {world!r}")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowcomm.plan.search import Candidate, PlanResult, rank_of
-from lowcomm.train.metrics import write_text
+from lowcomm.runfiles import write_text
 
 __all__ = [
     "format_candidates",

@@ -6,7 +6,7 @@ Two submodules are imported on their own, as they load the ``lowcomm train`` job
 :mod:`lowcomm.testing.jobs` (the tiny job's flags, per algorithm, and running a job in this
 process) and :mod:`lowcomm.testing.runs` (comparing two run folders bit for bit)."""
 
-from lowcomm.testing.dist import run_workers
+from lowcomm.procs.workers import run_workers
 from lowcomm.testing.recording import RecordingCommunicator
 from lowcomm.testing.reference import (
     ReferenceRun,

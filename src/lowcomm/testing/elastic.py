@@ -154,6 +154,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from lowcomm.train.forkserver import exit_now
+    from lowcomm.procs.forkserver import exit_now
 
     exit_now(main())  # as `python -m lowcomm.train`: gloo's threads can abort finalisation

@@ -66,7 +66,7 @@ def _run(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
 
 
 def pace_runs(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> list[dict]:
-    """Every scenario on this rank (run by :func:`lowcomm.testing.dist.run_workers`)."""
+    """Every scenario on this rank (run by :func:`lowcomm.procs.workers.run_workers`)."""
     return [_run(rank, sc) for sc in scenarios]
 
 

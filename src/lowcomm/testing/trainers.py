@@ -1,5 +1,5 @@
 """Real Hugging Face ``Trainer`` and ``lightning.Trainer`` runs with lowcomm, on the ranks of
-:func:`lowcomm.testing.dist.run_workers`: the scenarios ``tests/test_integrations.py`` checks,
+:func:`lowcomm.procs.workers.run_workers`: the scenarios ``tests/test_integrations.py`` checks,
 run in one pair of processes so the libraries are imported once.
 
 Each scenario trains a tiny ``LlamaForCausalLM`` (built from its config, seeded) on fixed

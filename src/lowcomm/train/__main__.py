@@ -2,7 +2,7 @@
 :func:`lowcomm.train.launcher.launch_processes` started (:func:`lowcomm.train.worker.main`).
 Users start jobs with ``lowcomm train``; this is the command the launcher runs for them."""
 
-from lowcomm.train.forkserver import exit_now
+from lowcomm.procs.forkserver import exit_now
 from lowcomm.train.worker import main
 
 if __name__ == "__main__":

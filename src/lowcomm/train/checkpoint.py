@@ -62,14 +62,8 @@ from typing import Any
 
 import torch
 
+from lowcomm.runfiles import atomic_write, fsync_dir, load_checkpoint, save_checkpoint, write_json
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.metrics import (
-    atomic_write,
-    fsync_dir,
-    load_checkpoint,
-    save_checkpoint,
-    write_json,
-)
 from lowcomm.train.paths import CHECKPOINTS, LATEST, STEP_FOLDER, run_folder_of, step_folder_name
 
 __all__ = [

@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from lowcomm.procs.forkserver import ForkedCommand, start_method
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.forkserver import ForkedCommand, start_method
 from lowcomm.train.replica import ATTEMPT_ENV, ElasticReplica, replica_generator, replica_index
 from lowcomm.train.report import format_elastic_summary
 
@@ -69,7 +69,7 @@ for it at their next sync, so this is what one fault costs them."""
 
 class ReplicaProcess(Protocol):
     """A process of a replica: a :class:`subprocess.Popen` (``LOWCOMM_START_METHOD=spawn``) or
-    a :class:`~lowcomm.train.forkserver.ForkedCommand`, in its own session either way."""
+    a :class:`~lowcomm.procs.forkserver.ForkedCommand`, in its own session either way."""
 
     pid: int
 
@@ -168,13 +168,15 @@ def _start(
     args = [config_path, "--failure-dir", scratch]
     os.makedirs(folder, exist_ok=True)
     forked = start_method() == "forkserver"
+    if forked:
+        from lowcomm.train.worker import main as worker_main  # (loads the training stack)
     processes: list[ReplicaProcess] = []
     for j in range(procs):
         log_name = "process.log" if j == 0 else f"process.{j}.log"
         own_env = {**env, "RANK": str(j), "LOCAL_RANK": str(j)}
         with open(os.path.join(folder, log_name), "wb") as log:
-            if forked:  # without importing torch again (see lowcomm.train.forkserver)
-                processes.append(ForkedCommand(args, own_env, log.name))
+            if forked:  # without importing torch again (see lowcomm.procs.forkserver)
+                processes.append(ForkedCommand(worker_main, args, own_env, log.name))
                 continue
             processes.append(
                 subprocess.Popen(
@@ -327,8 +329,8 @@ def launch_replicas(
         lowcomm.train.errors.WorkerFailed: no replica finished the job.
     """
     from lowcomm.elastic import Lighthouse
+    from lowcomm.runfiles import write_json
     from lowcomm.train.errors import WorkerFailed
-    from lowcomm.train.metrics import write_json
 
     assert cfg.out is not None and cfg.name is not None
     os.makedirs(cfg.out, exist_ok=True)

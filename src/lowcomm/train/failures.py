@@ -49,7 +49,7 @@ def error_line(error: BaseException) -> str:
     """``"Type: first line of the message"``: how a worker's failure is reported; an output that
     could not be written (an ``OSError`` naming its file) says which and how to fix it."""
     if isinstance(error, OSError) and error.filename and error.errno is not None:
-        from lowcomm.train.metrics import describe_os_error
+        from lowcomm.runfiles import describe_os_error
 
         return describe_os_error(error, option="--out")
     first = first_line(error)

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.integrations.loggers import EveryStep, MetricsLogger
+from lowcomm.runfiles import write_json
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.failures import attempt
 from lowcomm.train.faults import inject_fault
-from lowcomm.train.metrics import write_json
 from lowcomm.train.report import LossWatch, Progress, resolved_config
 from lowcomm.train.source import DataSource
 from lowcomm.train.synchronisation import Synchronisation

@@ -4,7 +4,7 @@ Three ways, one worker function (:func:`lowcomm.train.worker.run_worker`):
 
 * **Local** (the default): ``workers`` processes on this machine through torch's own elastic
   launcher (``elastic_launch``, c10d rendezvous on ``127.0.0.1`` at a free port; workers forked
-  from a server that imported torch once, :mod:`lowcomm.train.forkserver`). The
+  from a server that imported torch once, :mod:`lowcomm.procs.forkserver`). The
   rendezvous store listens on ``127.0.0.1`` only and gloo is bound to the loopback interface,
   so nothing of the job is reachable from other machines. With ``max_restarts`` K > 0 the
   elastic agent restarts the whole group after a failure, up to K times, and the restarted
@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lowcomm.guard import mentions_peer_loss
+from lowcomm.procs.forkserver import Parent, call_in_parent_context, preload, start_method
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.errors import WorkerFailed
 from lowcomm.train.failures import (
@@ -68,7 +69,6 @@ from lowcomm.train.failures import (
     root_cause,
     save_traceback,
 )
-from lowcomm.train.forkserver import Parent, call_in_parent_context, preload, start_method
 from lowcomm.train.preflight import (
     check_environment,
     check_link_time,

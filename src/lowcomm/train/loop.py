@@ -79,12 +79,13 @@ import lowcomm.train.checkpoint as ckpt
 from lowcomm.comm import set_busy_wait
 from lowcomm.device import device_clock, peak_memory_allocated
 from lowcomm.guard import checksum
+from lowcomm.runfiles import plot_losses, save_checkpoint, write_json
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.failures import attempt
 from lowcomm.train.faults import FAULT_ENV
 from lowcomm.train.instruments import Instruments
-from lowcomm.train.metrics import CHECKPOINT_NOTE, plot_losses, save_checkpoint, write_json
+from lowcomm.train.metrics import CHECKPOINT_NOTE
 from lowcomm.train.model import build_gpt, inner_optimizer, zero_optimizer
 from lowcomm.train.report import divergence, run_summary
 from lowcomm.train.resume import resume_source, rng_state, set_rng_state

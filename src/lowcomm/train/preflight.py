@@ -13,9 +13,10 @@ import os
 import shutil
 
 import lowcomm.train.checkpoint as ckpt
+from lowcomm.runfiles import check_writable_folder
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.failures import attempt
-from lowcomm.train.metrics import RUN_FILES, check_writable_folder, previous_run_files
+from lowcomm.train.metrics import RUN_FILES, previous_run_files
 from lowcomm.train.worker import Placement, place_workers
 
 __all__ = [
@@ -107,7 +108,7 @@ def check_environment(cfg: TrainConfig) -> None:
     """
     from lowcomm.balance import load_documents
     from lowcomm.data import load_corpus
-    from lowcomm.train.forkserver import start_method
+    from lowcomm.procs.forkserver import start_method
 
     # nccl without GPUs, nccl with more workers than GPUs, cuda without CUDA: refused here,
     # before any worker starts (each worker places itself by the same rule)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from lowcomm.runfiles import MetricsWriter
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.metrics import MetricsWriter
 
 __all__ = ["EXPLODED", "LONG_ETA_S", "LossWatch", "Progress", "divergence"]
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from lowcomm.link import EmulatedLink
 from lowcomm.registry import REGISTRY
+from lowcomm.runfiles import write_json
 from lowcomm.train.checkpoint import newest_intact
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.metrics import write_json
 from lowcomm.train.nodes import describe_layout, node_link
 
 __all__ = ["ENDED", "failed_summary", "record_path", "resolved_config", "run_summary"]

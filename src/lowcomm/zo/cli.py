@@ -52,8 +52,8 @@ def add_subcommand(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:
+    from lowcomm.runfiles import check_writable_folder
     from lowcomm.train.launcher import launch
-    from lowcomm.train.metrics import check_writable_folder
     from lowcomm.zo.finetune import FinetuneConfig, check_init, finetune
 
     values = {k: v for k, v in vars(args).items() if not k.startswith("_")}

@@ -44,7 +44,7 @@ from lowcomm.comm import CommStats, DDPCommMeter
 from lowcomm.data import ByteTokenizer, get_batch, make_generator
 from lowcomm.device import to_device
 from lowcomm.models.gpt import GPT, GPTConfig
-from lowcomm.train.metrics import CheckpointError, MetricsWriter, load_checkpoint, write_json
+from lowcomm.runfiles import CheckpointError, MetricsWriter, load_checkpoint, write_json
 from lowcomm.zo.mezo import MODES, MeZO
 
 __all__ = [

@@ -8,13 +8,13 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
+from lowcomm.runfiles import write_json
 from lowcomm.train.launcher import (
     WorkerProcess,
     check_environment,
     launch_processes,
     prepare_output,
 )
-from lowcomm.train.metrics import write_json
 
 if TYPE_CHECKING:
     from lowcomm.bench.netshape.network import ShapedNetwork

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lowcomm.train.forkserver import preload
+from lowcomm.procs.forkserver import preload
 
 __all__ = ["run_workers"]
 

@@ -1,7 +1,7 @@
 """Worker processes forked from a server that imported the training stack once.
 
 The local launcher (:func:`lowcomm.train.launcher.launch`), the elastic launcher's replicas
-(:class:`ForkedCommand`) and the test helper :func:`lowcomm.testing.dist.run_workers` start
+(:class:`ForkedCommand`) and the test helper :func:`lowcomm.procs.workers.run_workers` start
 their processes with ``multiprocessing``'s ``forkserver`` method where the platform has it
 (Linux, macOS; elsewhere ``spawn``): a server
 process imports :data:`PRELOAD` (torch, its compiler front end that the optimizers import on
@@ -60,11 +60,13 @@ PRELOAD = (
     "torch.distributed",
     "torch._dynamo",
     "matplotlib.pyplot",
-    "lowcomm.train.forkserver",
+    "lowcomm.procs.forkserver",
     "lowcomm.train.worker",
 )
-"""What the fork server imports before it forks any worker. ``torch._dynamo``: torch's
-optimizers import it on construction (two seconds a process on a 2-core machine);
+"""What the fork server imports before it forks any worker (names, imported there: the
+worker of ``lowcomm train`` among them, whose forked processes then start at once).
+``torch._dynamo``: torch's optimizers import it on construction (two seconds a process on a
+2-core machine);
 ``matplotlib.pyplot``: rank 0 draws the run's loss plot (the backend is chosen when it draws)."""
 
 _ELASTIC_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
@@ -194,21 +196,33 @@ STARTED_WITHIN_S = 60.0
 
 
 class ForkedCommand:
-    """``python -m lowcomm.train ARGS`` as ``subprocess.Popen(..., start_new_session=True)``
-    runs it (its own session, ``env`` as its whole environment, standard input from
-    ``os.devnull``, output and error appended to ``log``), but forked from the server: the
-    elastic launcher's replicas start without importing torch again (a replica that restarts
-    heals sooner). The part of ``Popen``'s interface the launcher uses: ``pid``, :meth:`poll`,
-    :meth:`wait`, ``returncode`` (negative: the signal that ended it). The process is in its
-    own session when the constructor returns, so ``os.killpg(pid, …)`` reaches it."""
+    """``python -m MODULE ARGS`` (``main``: the module's entry point; by default MODULE is
+    ``lowcomm.train``, whose entry point is :func:`lowcomm.train.worker.main`) as
+    ``subprocess.Popen(..., start_new_session=True)`` runs it (its own session, ``env`` as its
+    whole environment, standard input from ``os.devnull``, output and error appended to
+    ``log``), but forked from the server: the elastic launcher's replicas start without
+    importing torch again (a replica that restarts heals sooner). The part of ``Popen``'s
+    interface the launcher uses: ``pid``, :meth:`poll`, :meth:`wait`, ``returncode``
+    (negative: the signal that ended it). The process is in its own session when the
+    constructor returns, so ``os.killpg(pid, …)`` reaches it."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str], log: str) -> None:
+    def __init__(
+        self,
+        main: Callable[[list[str]], int],
+        args: Sequence[str],
+        env: dict[str, str],
+        log: str,
+        *,
+        module: str = "lowcomm.train",
+    ) -> None:
         preload()
         ctx = multiprocessing.get_context("forkserver")
         started = ctx.Event()
-        self.args = [sys.executable, "-m", "lowcomm.train", *args]
+        self.args = [sys.executable, "-m", module, *args]
         self._process = ctx.Process(
-            target=_train_main, args=(list(args), dict(env), log, started), daemon=False
+            target=_command_main,
+            args=(main, module, list(args), dict(env), log, started),
+            daemon=False,
         )
         self._process.start()
         if not started.wait(STARTED_WITHIN_S) and self._process.is_alive():
@@ -240,9 +254,16 @@ class ForkedCommand:
             self._process.kill()
 
 
-def _train_main(args: list[str], env: dict[str, str], log: str, started: Any) -> None:
-    """In the forked process: what ``python -m lowcomm.train ARGS`` does, set up as
-    :class:`ForkedCommand` describes."""
+def _command_main(
+    main: Callable[[list[str]], int],
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    log: str,
+    started: Any,
+) -> None:
+    """In the forked process: what ``python -m MODULE ARGS`` does (``main(args)``, the module's
+    entry point), set up as :class:`ForkedCommand` describes."""
     os.setsid()
     started.set()
     out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -253,9 +274,7 @@ def _train_main(args: list[str], env: dict[str, str], log: str, started: Any) ->
     os.close(null)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = ["python -m lowcomm.train", *args]
-    from lowcomm.train.worker import main
-
+    sys.argv = [f"python -m {module}", *args]
     exit_now(main(args))
 
 
