@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lowcomm.comm import CommStats
-from lowcomm.integrations.loggers import EveryStep, MetricsLogger
-from lowcomm.integrations.torchtitan import from_torchtitan, resolve_aliases
+from lowcomm.loggers import EveryStep, MetricsLogger
 from lowcomm.procs.workers import run_workers
 from lowcomm.registry import outer_names
+from lowcomm.torchtitan import from_torchtitan, resolve_aliases
 from lowcomm.train.config import load_toml
 from lowcomm.train.errors import ConfigError
 

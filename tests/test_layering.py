@@ -195,6 +195,13 @@ def test_package_rules_hold() -> None:
     edges, _ = _graph()
     # shipping code does not import the test harness (the harness may import anything)
     assert _reaching(edges, "lowcomm.testing", outside="lowcomm.testing") == []
+    # the job reads torchtitan's keys and the loggers from leaves, not from the trainer
+    # integrations (which stand on the job)
+    assert _reaching(edges, "lowcomm.integrations", outside="lowcomm.integrations") == [
+        f"lowcomm.testing.trainers -> lowcomm.integrations.{m}" for m in ("hf", "lightning")
+    ]
+    for leaf in ("lowcomm.loggers", "lowcomm.torchtitan"):
+        assert not any(_within(t, "lowcomm.train") for t in edges[leaf]), leaf
     for floor in FLOORS:
         above = [t for m in edges if _within(m, floor) for t in edges[m] if not _within(t, floor)]
         assert above == [], f"{floor} imports {above}"

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowcomm.integrations.loggers import MetricsLogger, merged_metrics
-from lowcomm.integrations.torchtitan import resolve_aliases
+from lowcomm.loggers import MetricsLogger, merged_metrics
 from lowcomm.optim import DeMo
 from lowcomm.registry import REGISTRY, outer_names
 from lowcomm.runfiles import load_checkpoint, save_checkpoint
+from lowcomm.torchtitan import resolve_aliases
 
 __all__ = ["STATE_FOLDER", "Driver", "state_path", "unwrap_optimizer"]
 
@@ -77,7 +77,7 @@ class Driver:
     """One rank's lowcomm inside a trainer (module docstring). ``algorithm``: a registry name
     (``co2``, ``diloco``, ``streaming``, …, or ``demo``); ``options``: its keywords (those of
     :class:`lowcomm.CO2` and the rest, torchtitan's names accepted); ``tensorboard`` /
-    ``jsonl``: where rank 0 writes lowcomm's scalars (:mod:`lowcomm.integrations.loggers`)."""
+    ``jsonl``: where rank 0 writes lowcomm's scalars (:mod:`lowcomm.loggers`)."""
 
     def __init__(
         self,

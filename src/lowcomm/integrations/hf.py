@@ -22,7 +22,7 @@ of the registry (with ``compression`` and ``shard_outer_state`` where the algori
 * merges lowcomm's metrics (``lowcomm/outer_step``, ``lowcomm/pseudo_grad_norm``, bytes sent and
   received, time blocked, hidden fraction, skipped updates) into the Trainer's logs, and with
   ``tensorboard=`` writes them with the outer step as x-axis
-  (:mod:`lowcomm.integrations.loggers`);
+  (:mod:`lowcomm.loggers`);
 * warns when ``save_steps`` or ``eval_steps`` are not multiples of ``sync_every``.
 
 Not supported, refused with an error: DeepSpeed and FSDP (they shard parameters, gradients and

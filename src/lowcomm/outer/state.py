@@ -57,7 +57,7 @@ class EngineState:
         def _end_warmup(self) -> None: ...
 
     def metrics(self) -> dict[str, float | int | None]:
-        """This rank's numbers for loggers (:mod:`lowcomm.integrations.loggers`):
+        """This rank's numbers for loggers (:mod:`lowcomm.loggers`):
 
         * ``outer_step``: syncs applied (the x-axis of lowcomm's scalars), ``inner_step``:
           inner steps taken, ``rounds``: rounds of H completed;

@@ -44,8 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lowcomm import torchtitan
 from lowcomm.hparams import HyperparameterError, field_docstrings
-from lowcomm.integrations import torchtitan
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.registry import REGISTRY
@@ -425,7 +425,7 @@ def read_toml(path: str) -> dict[str, Any]:
     :class:`ConfigError` (unknown keys are left to :func:`config_from_dict`).
 
     A torchtitan file (one with a ``[fault_tolerance]`` table) is understood where its keys mean
-    what ours do (:mod:`lowcomm.integrations.torchtitan`: ``sync_steps``,
+    what ours do (:mod:`lowcomm.torchtitan`: ``sync_steps``,
     ``fragment_sync_delay``, ``fragment_update_alpha``, ``num_fragments``,
     ``semi_sync_method``); its other tables and keys are ignored, with a warning naming them.
     torchtitan's names are also accepted as flat keys."""

@@ -4,7 +4,7 @@ configuration and the other parts (:meth:`Instruments.create`).
 Rank 0 writes ``config.json`` and ``metrics.jsonl`` (:class:`~lowcomm.train.report.Progress`:
 the step and evaluation records, an elastic replica's sync and heal records, the progress bar)
 and, with ``--tensorboard``, lowcomm's scalars
-(:class:`~lowcomm.integrations.loggers.MetricsLogger`: once per outer step, or every
+(:class:`~lowcomm.loggers.MetricsLogger`: once per outer step, or every
 ``log_every`` steps for ddp and none). Every rank watches its own training loss for non-finite
 values (:class:`~lowcomm.train.report.LossWatch`) and, in tests and benchmarks, injects the
 fault :data:`~lowcomm.train.faults.FAULT_ENV` names for it.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowcomm.integrations.loggers import EveryStep, MetricsLogger
+from lowcomm.loggers import EveryStep, MetricsLogger
 from lowcomm.runfiles import write_json
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.failures import attempt
