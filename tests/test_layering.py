@@ -10,7 +10,7 @@ edge to its parent package.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -186,6 +186,26 @@ def _reaching(edges: dict[str, set[str]], target: str, *, outside: str) -> list[
     )
 
 
+TOOLS = (
+    "lowcomm.__main__",
+    "lowcomm.cli",
+    "lowcomm.train",
+    "lowcomm.bench",
+    "lowcomm.plan",
+    "lowcomm.zo",
+    "lowcomm.integrations",
+    "lowcomm.testing",
+)
+"""The commands, the job and the harnesses; everything else is the library they stand on."""
+
+
+def _between(edges: dict[str, set[str]], sources: list[str], targets: Sequence[str]) -> list[str]:
+    """The imports by ``sources`` (modules) of a module within one of ``targets``."""
+    return sorted(
+        f"{m} -> {t}" for m in sources for t in edges[m] if any(_within(t, x) for x in targets)
+    )
+
+
 FLOORS = ("lowcomm.runfiles", "lowcomm.procs")
 """Modules every command and the job stand on, that import nothing of lowcomm outside
 themselves: the run-folder I/O and the process runner."""
@@ -200,6 +220,12 @@ def test_package_rules_hold() -> None:
     assert _reaching(edges, "lowcomm.integrations", outside="lowcomm.integrations") == [
         f"lowcomm.testing.trainers -> lowcomm.integrations.{m}" for m in ("hf", "lightning")
     ]
+    # the library imports no tool, and the job none of the other tools (it tunes its link
+    # through lowcomm.tune, not lowcomm plan)
+    library = [m for m in edges if not any(_within(m, t) for t in TOOLS)]
+    assert _between(edges, library, TOOLS) == []
+    job = [m for m in edges if _within(m, "lowcomm.train")]
+    assert _between(edges, job, [t for t in TOOLS if t != "lowcomm.train"]) == []
     for leaf in ("lowcomm.loggers", "lowcomm.torchtitan"):
         assert not any(_within(t, "lowcomm.train") for t in edges[leaf]), leaf
     for floor in FLOORS:
@@ -209,6 +235,9 @@ def test_package_rules_hold() -> None:
     broken = {"lowcomm.bench.x": {"lowcomm.testing.y"}, "lowcomm.testing.y": set()}
     assert _reaching(broken, "lowcomm.testing", outside="lowcomm.testing") == [
         "lowcomm.bench.x -> lowcomm.testing.y"
+    ]
+    assert _between({"lowcomm.train.x": {"lowcomm.plan.y"}}, ["lowcomm.train.x"], TOOLS) == [
+        "lowcomm.train.x -> lowcomm.plan.y"
     ]
 
 

@@ -27,18 +27,18 @@ from lowcomm.plan import (
     plan,
     rank_of,
 )
-from lowcomm.plan.cost import (
+from lowcomm.plan.gemm import H100_POINTS, Gemm, gemm_time
+from lowcomm.plan.memory import stage_layers, stage_parameters
+from lowcomm.plan.spec import parse_layout
+from lowcomm.plan.timing import layer_gemms
+from lowcomm.plan.validate import validate_frontier, validate_megatron, validate_published
+from lowcomm.tune.cost import (
     TierLevel,
     hierarchical_allreduce_time,
     p2p_time,
     ring_allreduce_time,
     tiered_allreduce_time,
 )
-from lowcomm.plan.gemm import H100_POINTS, Gemm, gemm_time
-from lowcomm.plan.memory import stage_layers, stage_parameters
-from lowcomm.plan.spec import parse_layout
-from lowcomm.plan.timing import layer_gemms
-from lowcomm.plan.validate import validate_frontier, validate_megatron, validate_published
 
 # the Megatron and Frontier validations (seconds of search each) are read by two tests: run once
 _megatron = functools.cache(validate_megatron)

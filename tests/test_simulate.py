@@ -443,8 +443,8 @@ def test_lowcomm_command_runs_simulate_and_reports_errors_in_one_line(
 def test_simulate_shows_what_the_job_would_choose_from_the_link() -> None:
     from lowcomm.bench.simulate.model import Scenario
     from lowcomm.bench.simulate.report import format_link_choices
-    from lowcomm.plan.cost import Algorithm, Network, Workload
-    from lowcomm.plan.tune import LinkProfile, choose_sync_settings
+    from lowcomm.tune.choose import LinkProfile, choose_sync_settings
+    from lowcomm.tune.cost import Algorithm, Network, Workload
 
     def scenario(bandwidth: float) -> Scenario:
         return Scenario(

@@ -1,5 +1,5 @@
-"""Settings from the link (``lowcomm.plan.tune``, ``lowcomm train --tune-link``): the choice
-against the cost model's own figures and the per-token evidence of ``lowcomm.plan.evidence``,
+"""Settings from the link (``lowcomm.tune.choose``, ``lowcomm train --tune-link``): the choice
+against the cost model's own figures and the per-token evidence of ``lowcomm.tune.evidence``,
 what the user gives winning, and the job applying every chosen setting, recording and restoring
 the choice."""
 
@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 from lowcomm.compress.codecs import parse_codec
 from lowcomm.models.gpt import GPT, GPTConfig
-from lowcomm.plan.cost import Network
-from lowcomm.plan.evidence import EVIDENCE, MAX_COST, Measured
-from lowcomm.plan.tune import LinkProfile, choose_sync_settings, warm_length
 from lowcomm.testing.jobs import tiny_job_args
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.tuning import TUNED_KEYS, tune_to_link
+from lowcomm.tune.choose import LinkProfile, choose_sync_settings, warm_length
+from lowcomm.tune.cost import Network
+from lowcomm.tune.evidence import EVIDENCE, MAX_COST, Measured
 
 # the default job's GPT (4 layers, width 128, vocabulary 256): 834,304 parameters, 3.3 MB
 SHAPES = [(256, 128), (64, 128)] + [(384, 128), (128, 128), (512, 128), (128, 512)] * 4

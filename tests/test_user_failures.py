@@ -470,9 +470,9 @@ def test_a_link_too_slow_for_the_job_is_told_and_refused_past_a_year(
 ) -> None:
     """The total time of the job's syncs on its emulated link is checked as ``--steps`` is:
     over a year refused (exit 2), over an hour said before the workers start."""
-    from lowcomm.plan.cost import Network
     from lowcomm.train.config import TrainConfig
     from lowcomm.train.preflight import check_link_time, link_seconds
+    from lowcomm.tune.cost import Network
 
     argv = ["train", "--link", "1kbit:1ms", "--steps", "9600000", "--out", str(tmp_path / "r")]
     assert main(argv) == EXIT_USAGE

@@ -90,10 +90,10 @@ class ConvergenceSpec:
     def tuned_per_link(self, algo: str) -> bool:
         """Whether the entry ``algo`` is the job as ``lowcomm train`` runs it on each link: no
         ``tune_link`` given, and its algorithm one the job tunes to its link
-        (:func:`lowcomm.plan.evidence.evidence_for`). Such an entry is one cell per link, its
+        (:func:`lowcomm.tune.evidence.evidence_for`). Such an entry is one cell per link, its
         settings chosen for that link (:func:`label`); ``ALGO/tune_link=off`` is the untuned
         job on every link."""
-        from lowcomm.plan.evidence import evidence_for
+        from lowcomm.tune.evidence import evidence_for
 
         fields = algo_fields(algo)
         entry = REGISTRY[fields["algo"]]

@@ -4,8 +4,8 @@ The parallelism planner of the Frontier study (Dash et al. 2023, arXiv 2312.1270
 slow link as a first-class tier: where the data-parallel group crosses a slow tier (between
 regions, over the internet), lowcomm's outer algorithms replace the synchronous all-reduce.
 
-* :mod:`~lowcomm.plan.cost`: the α-β cost model of collectives and the algorithms' overlap
-  rules, shared with ``lowcomm simulate``;
+* the α-β cost model of collectives and the algorithms' overlap rules, shared with
+  ``lowcomm simulate`` and the job's link tuning, is :mod:`lowcomm.tune`;
 * :mod:`~lowcomm.plan.spec`: :class:`ModelSpec`, :class:`Precision`, :class:`Cluster` of
   :class:`Tier` s, :class:`Layout`;
 * :mod:`~lowcomm.plan.memory` and :mod:`~lowcomm.plan.timing`: peak memory and iteration time of

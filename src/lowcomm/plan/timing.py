@@ -22,7 +22,7 @@ With m = global batch / (d · b) micro-batches per pipeline, on the stage with t
 A micro-batch's slot is their sum; the pipeline takes ``(m + (p − 1) / v) · slot``, the
 ``(p − 1) / v`` slots being the bubble. Then:
 
-* **Data parallel**, priced over the tiers the group spans (:func:`~lowcomm.plan.cost.
+* **Data parallel**, priced over the tiers the group spans (:func:`~lowcomm.tune.cost.
   tiered_allreduce_time`): ZeRO 0/1 one all-reduce (or reduce-scatter + all-gather) of the
   gradients per iteration, hidden behind the last micro-batch's backward without pipelining (as
   DDP's buckets do) and exposed after a pipeline flush, unless the layout overlaps it there too
@@ -33,7 +33,7 @@ A micro-batch's slot is their sum; the pipeline takes ``(m + (p − 1) / v) · s
 * **Outer algorithm** across the slowest tier the data-parallel group crosses: the synchronous
   all-reduce stays inside that tier's units, and the algorithm's own all-reduce of the fp32
   parameters (every H iterations) goes over the whole group, overlapped by its schedule's rule
-  (:func:`~lowcomm.plan.cost.step_time`, the rule ``lowcomm simulate`` uses).
+  (:func:`~lowcomm.tune.cost.step_time`, the rule ``lowcomm simulate`` uses).
 * **Optimizer step**: reading and writing the weights, gradients and optimizer state of the
   device's shard at memory bandwidth.
 
@@ -47,11 +47,11 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lowcomm.plan.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
-from lowcomm.plan.cost import tiered_allreduce_time as _tiered
 from lowcomm.plan.gemm import Gemm, gemm_time
 from lowcomm.plan.memory import activation_bytes_per_layer, stage_layers, stage_parameters
 from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision
+from lowcomm.tune.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
+from lowcomm.tune.cost import tiered_allreduce_time as _tiered
 
 __all__ = [
     "TimeBreakdown",
@@ -106,7 +106,7 @@ def _members(units: tuple[int, ...], size: int, stride: int) -> tuple[int, ...]:
 
 def group_levels(cluster: Cluster, size: int, stride: int) -> list[TierLevel]:
     """The tiers a group of ``size`` devices, ``stride`` apart, spans, as
-    :class:`~lowcomm.plan.cost.TierLevel` s for a collective every such group runs at once."""
+    :class:`~lowcomm.tune.cost.TierLevel` s for a collective every such group runs at once."""
     return list(_group_levels(cluster, size, stride))
 
 
@@ -155,7 +155,7 @@ def p2p_link(cluster: Cluster, stages: int, stride: int) -> tuple[int, int]:
 
 
 class _GroupNetwork:
-    """The data-parallel group as :func:`~lowcomm.plan.cost.step_time` sees a network."""
+    """The data-parallel group as :func:`~lowcomm.tune.cost.step_time` sees a network."""
 
     def __init__(self, levels: list[TierLevel]) -> None:
         self.levels = levels

@@ -240,9 +240,9 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     without a link, or for an algorithm whose traffic this does not bound (gossip, DeMo)."""
     if cfg.link is None:
         return None
-    from lowcomm.plan.evidence import evidence_for
-    from lowcomm.plan.tune import LinkProfile, encoded_ratio, sync_seconds, warm_length
     from lowcomm.registry import REGISTRY
+    from lowcomm.tune.choose import LinkProfile, encoded_ratio, sync_seconds, warm_length
+    from lowcomm.tune.evidence import evidence_for
 
     entry = REGISTRY[cfg.algo]
     link = LinkProfile.parse(cfg.link, emulated=True)

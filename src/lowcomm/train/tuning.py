@@ -1,7 +1,7 @@
 """Settings from the link (``--tune-link``): at start-up a ``lowcomm train`` job learns its link
-and its inner step time and lets :func:`lowcomm.plan.tune.choose_sync_settings` pick the outer
+and its inner step time and lets :func:`lowcomm.tune.choose.choose_sync_settings` pick the outer
 sync's codec, overlap and fragments and the warm start's length and codec, among the settings
-measured per token for its algorithm (:mod:`lowcomm.plan.evidence`), for every such setting the
+measured per token for its algorithm (:mod:`lowcomm.tune.evidence`), for every such setting the
 user did not give.
 
 * **The link**: the emulated ``--link`` (its own bandwidth and latency; with node groups each
@@ -36,11 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.device import collective_device, synchronize
-from lowcomm.plan.evidence import evidence_for
-from lowcomm.plan.tune import LinkProfile, choose_sync_settings
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.topology import Topology
+from lowcomm.tune.choose import LinkProfile, choose_sync_settings
+from lowcomm.tune.evidence import evidence_for
 
 __all__ = ["TUNED_KEYS", "measure_link", "tune_to_link"]
 

@@ -1,7 +1,7 @@
 """``lowcomm simulate``'s projection: the shared α-β cost model taken to N workers.
 
 The cost model itself (collectives, :class:`Workload`, :class:`Network`, each algorithm's overlap
-rule :func:`step_time`) lives in :mod:`lowcomm.plan.cost`, shared with ``lowcomm plan``; its
+rule :func:`step_time`) lives in :mod:`lowcomm.tune.cost`, shared with ``lowcomm plan``; its
 docstring has the formulas. Here: the projection to N = 8 … 1024 workers (:func:`project`) and
 the scenarios with their published figures. Nothing here reads files or prints.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lowcomm.plan.cost import (
+from lowcomm.tune.cost import (
     ALGORITHMS,
     Algorithm,
     CostModel,

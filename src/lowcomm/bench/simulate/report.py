@@ -144,10 +144,10 @@ def format_calibration_table(report: SimulateReport) -> str:
 
 
 def format_link_choices(s: Scenario) -> str:
-    """A table of what :func:`lowcomm.plan.tune.choose_sync_settings` chooses for each tunable
+    """A table of what :func:`lowcomm.tune.choose.choose_sync_settings` chooses for each tunable
     outer algorithm of ``s`` on its (slow) link, at its fewest workers above one (for a model of at
     least 4 transformer blocks: CO2's staggered rungs apply); ``""`` when none is tunable."""
-    from lowcomm.plan.tune import LinkProfile, choose_sync_settings
+    from lowcomm.tune.choose import LinkProfile, choose_sync_settings
 
     n = min((w for w in s.workers if w > 1), default=2)
     net = s.network
@@ -205,7 +205,7 @@ def format_markdown(report: SimulateReport) -> str:
         parts += [
             "## Settings from the link",
             "",
-            "What `lowcomm train --tune-link` would choose on this link (lowcomm.plan.tune), "
+            "What `lowcomm train --tune-link` would choose on this link (lowcomm.tune.choose), "
             "for the algorithms' settings not given:",
             "",
             choices,

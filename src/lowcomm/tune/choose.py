@@ -4,14 +4,14 @@ for its algorithm (``lowcomm train --tune-link``; :func:`choose_sync_settings` f
 
 Two measurements decide, one of time and one of loss:
 
-* **time**, from the cost model of :mod:`lowcomm.plan.cost`: a sync of S bytes over bandwidth β
+* **time**, from the cost model of :mod:`lowcomm.tune.cost`: a sync of S bytes over bandwidth β
   takes about 8·S·c/β plus latency (c the codec's ratio); a round takes H·t (t the inner
   step's compute); overlap hides τ·t of it and the rest is waited; a warm-start step waits for
   its gradient all-reduce beyond what backward hides. The job's predicted time is its warm
   steps and its other steps at those rates;
-* **loss at equal tokens**, from :mod:`lowcomm.plan.evidence`: what each setting cost the
+* **loss at equal tokens**, from :mod:`lowcomm.tune.evidence`: what each setting cost the
   algorithm in its study, against its untuned job. A setting never measured for an algorithm is
-  never chosen for it, nor one that cost it more than :data:`~lowcomm.plan.evidence.MAX_COST`;
+  never chosen for it, nor one that cost it more than :data:`~lowcomm.tune.evidence.MAX_COST`;
   and the combination chosen (its own cost where it was measured as a whole, else its
   settings' costs added) is never expected to end above the untuned job's loss: the tuner
   trades no loss per token for speed, so the job tuned for its link reaches the untuned job's
@@ -19,13 +19,13 @@ Two measurements decide, one of time and one of loss:
 
 Among those, it takes the combination with the least predicted time to that loss: the job's
 predicted time, less what a per-token gain saves at
-:data:`~lowcomm.plan.evidence.TOKEN_EXCHANGE` (credited up to
-:data:`~lowcomm.plan.evidence.NOISE`, the studies' seed noise, and not at all under
-:data:`~lowcomm.plan.evidence.RESOLUTION`); ties go to the larger credited gain, then to the
+:data:`~lowcomm.tune.evidence.TOKEN_EXCHANGE` (credited up to
+:data:`~lowcomm.tune.evidence.NOISE`, the studies' seed noise, and not at all under
+:data:`~lowcomm.tune.evidence.RESOLUTION`); ties go to the larger credited gain, then to the
 untuned settings. A setting the user gave is never changed.
 
 Compressed syncs travel by all-gather (every rank decodes every payload), fp32 ones by ring
-all-reduce: the times are those of :class:`~lowcomm.plan.cost.Network` for each.
+all-reduce: the times are those of :class:`~lowcomm.tune.cost.Network` for each.
 
 Example::
 
@@ -45,8 +45,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
-from lowcomm.plan.cost import Algorithm, Network, Workload, step_time
-from lowcomm.plan.evidence import (
+from lowcomm.registry import REGISTRY
+from lowcomm.tune.cost import Algorithm, Network, Workload, step_time
+from lowcomm.tune.evidence import (
     MAX_COST,
     NOISE,
     RESOLUTION,
@@ -54,7 +55,6 @@ from lowcomm.plan.evidence import (
     Measured,
     evidence_for,
 )
-from lowcomm.registry import REGISTRY
 
 __all__ = [
     "SLACK",
@@ -165,8 +165,8 @@ def sync_seconds(
 
 
 class _CodecNetwork:
-    """A :class:`~lowcomm.plan.cost.Network` whose all-reduces carry a codec's payload by
-    all-gather (what a compressed sync does), for :func:`~lowcomm.plan.cost.step_time`."""
+    """A :class:`~lowcomm.tune.cost.Network` whose all-reduces carry a codec's payload by
+    all-gather (what a compressed sync does), for :func:`~lowcomm.tune.cost.step_time`."""
 
     def __init__(self, link: LinkProfile, codec: str | None, ratio: float) -> None:
         self.link, self.codec, self.ratio = link, codec, ratio

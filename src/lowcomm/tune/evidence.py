@@ -1,5 +1,5 @@
 """What each setting the link tuner may choose costs an algorithm per token, as measured: the
-evidence :func:`lowcomm.plan.tune.choose_sync_settings` chooses from.
+evidence :func:`lowcomm.tune.choose.choose_sync_settings` chooses from.
 
 Every figure is the validation loss at equal tokens of the default ``lowcomm train`` job (the
 0.83 M-parameter GPT, 2 workers, 960 steps, H = 12), mean of seeds 0, 1, 2, with the setting

@@ -93,7 +93,8 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from lowcomm.outer.cocodc import CoCoDC
-from lowcomm.plan.collective_cost import (
+from lowcomm.registry import REGISTRY, AlgorithmEntry, names
+from lowcomm.tune.collective_cost import (
     TierLevel,
     allgather_time,
     emulated_allreduce_time,
@@ -103,7 +104,6 @@ from lowcomm.plan.collective_cost import (
     ring_allreduce_time,
     tiered_allreduce_time,
 )
-from lowcomm.registry import REGISTRY, AlgorithmEntry, names
 
 __all__ = [
     "ALGORITHMS",

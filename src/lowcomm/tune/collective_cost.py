@@ -1,4 +1,4 @@
-"""The α-β (Hockney) time of each collective the cost model prices (:mod:`lowcomm.plan.cost`,
+"""The α-β (Hockney) time of each collective the cost model prices (:mod:`lowcomm.tune.cost`,
 whose docstring gives the formulas): ring, emulated, hierarchical and tiered all-reduce,
 all-gather, point-to-point and the group exchange."""
 
