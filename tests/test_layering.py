@@ -224,6 +224,9 @@ def test_package_rules_hold() -> None:
     # through lowcomm.tune, not lowcomm plan)
     library = [m for m in edges if not any(_within(m, t) for t in TOOLS)]
     assert _between(edges, library, TOOLS) == []
+    # the test harness runs the job through its own command, not the command line
+    harness = [m for m in edges if _within(m, "lowcomm.testing")]
+    assert _between(edges, harness, ["lowcomm.cli", "lowcomm.__main__"]) == []
     job = [m for m in edges if _within(m, "lowcomm.train")]
     assert _between(edges, job, [t for t in TOOLS if t != "lowcomm.train"]) == []
     for leaf in ("lowcomm.loggers", "lowcomm.torchtitan"):

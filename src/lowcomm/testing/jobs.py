@@ -98,14 +98,15 @@ def read_summary(out: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def run_train_job(out: str | os.PathLike[str], *argv: str) -> dict[str, Any]:
-    """Run ``lowcomm train ARGV --out OUT`` in this process (:func:`lowcomm.cli.main`, which
-    starts the workers) and return the run's ``summary.json``.
+    """Run ``lowcomm train ARGV --out OUT`` in this process (:func:`lowcomm.train.cli.
+    run_command`, which starts the workers) and return the run's ``summary.json``.
 
-    Raises ``AssertionError`` naming the exit code where the command does not succeed.
+    Raises what the command raises (``ValueError`` for a bad flag or setting, ``WorkerFailed``,
+    ``TrainingDiverged``), and ``AssertionError`` naming a non-zero exit code.
     """
-    from lowcomm.cli import main  # the CLI imports the training stack: only when a job runs
+    from lowcomm.train.cli import run_command  # the training stack: only when a job runs
 
-    code = main(["train", *argv, "--out", str(out)])
+    code = run_command([*argv, "--out", str(out)])
     if code != 0:
         raise AssertionError(f"lowcomm train {' '.join(argv)} --out {out} exited with {code}")
     return read_summary(out)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError", "WorkerFailed", "check_float", "check_int", "check_string"]
+__all__ = [
+    "ConfigError",
+    "TrainingDiverged",
+    "WorkerFailed",
+    "check_float",
+    "check_int",
+    "check_string",
+]
 
 
 class ConfigError(ValueError):
@@ -17,6 +24,11 @@ class ConfigError(ValueError):
         self.key = key
         self.problem = problem
         super().__init__(f"{key} {problem}" if key else problem)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and the fix (the command
+    line's exit code 3)."""
 
 
 class WorkerFailed(RuntimeError):
