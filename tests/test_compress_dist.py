@@ -195,7 +195,7 @@ def _schedule_job(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _resume_job(rank: int, world_size: int, algo_name: str, spec: str, cut: int) -> bool:
-    from lowcomm.outer import ALGORITHMS
+    from lowcomm.registry import ALGORITHMS
     from lowcomm.testing import inner_step, make_inner, toy_model
 
     def build() -> tuple:

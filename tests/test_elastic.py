@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("torchft")
 
+import lowcomm  # noqa: E402
 from lowcomm.elastic import Lighthouse, replica_manager  # noqa: E402
 
 SYNCS = 12
@@ -182,6 +183,30 @@ LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, as v4 
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
+class _Fixed(lowcomm.DiLoCo):
+    """An algorithm whose class says its syncs need a fixed group."""
+
+    elastic = False
+
+
+def test_the_job_runs_elastic_what_the_registry_says() -> None:
+    # one description: an entry is elastic where its class is (NoLoCo's is not) and the entry
+    # does not say otherwise (co2-eager); the job and the chaos bench take that list
+    from lowcomm.bench.chaos import ELASTIC_ALGOS
+    from lowcomm.registry import ELASTIC, REGISTRY
+    from lowcomm.train.config import ConfigError, config_from_dict
+
+    assert set(ELASTIC) == {"co2", "diloco", "streaming", "cocodc", "localsgd", "slowmo"}
+    assert ELASTIC_ALGOS == ELASTIC and not REGISTRY["noloco"].cls.elastic  # type: ignore[union-attr]
+    for name in REGISTRY:
+        values = {"fault_tolerance": True, "algo": name, "sync_every": 4, "steps": 8}
+        if name in ELASTIC:
+            config_from_dict(values, source="test")
+        else:
+            with pytest.raises(ConfigError, match=f"algo '{name}' does not run with"):
+                config_from_dict(values, source="test")
+
+
 def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
     import lowcomm
 
@@ -204,6 +229,7 @@ def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
                     "shard_outer_state",
                 ),
                 (lowcomm.NoLoCo, {"sync_every": 4}, "gossip groups"),
+                (_Fixed, {"sync_every": 4}, "_Fixed's syncs do not run elastic"),
             ]
             for cls, kwargs, why in cases:
                 with pytest.raises(ValueError, match="with fault_tolerance") as info:

@@ -496,7 +496,7 @@ def _resume_worker(
     they then have in flight."""
     import io
 
-    from lowcomm.outer import ALGORITHMS
+    from lowcomm.registry import ALGORITHMS
     from lowcomm.testing import inner_step, make_inner, toy_model
 
     def build() -> tuple:
@@ -724,7 +724,7 @@ def _warm_start_worker(rank: int, world_size: int) -> dict:
     """The first K steps of an algorithm with ``sync_warmup=K`` against torch DDP."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from lowcomm.outer import ALGORITHMS
+    from lowcomm.registry import ALGORITHMS
     from lowcomm.testing import inner_step, make_inner, toy_model
 
     ddp_model = toy_model(4)

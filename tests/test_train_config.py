@@ -128,7 +128,7 @@ def test_streaming_keys_are_checked_by_the_algorithm(
 
 
 def test_streaming_and_co2_eager_kwargs() -> None:
-    from lowcomm.outer import ALGORITHMS
+    from lowcomm.registry import ALGORITHMS
 
     cfg = TrainConfig(algo="streaming", num_fragments=2, overlap=1, mix=0.25, sync_warmup=0)
     assert cfg.algorithm_class() is ALGORITHMS["streaming"]
@@ -313,8 +313,6 @@ def test_outer_keys_table_matches_choices() -> None:
 
 
 def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> None:
-    import lowcomm.outer as outer
-
     seen: list[dict[str, Any]] = []
 
     class Fake:
@@ -324,7 +322,7 @@ def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> 
             if kwargs.get("outer_lr") == 123.0:
                 raise ValueError("outer_lr 123 is silly; e.g. outer_lr=0.7")
 
-    monkeypatch.setitem(outer.ALGORITHMS, "slowmo", Fake)
+    monkeypatch.setattr(TrainConfig, "algorithm_class", lambda self: Fake)
     cfg = TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
     assert seen == [
         {
@@ -343,14 +341,12 @@ def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> 
 
 
 def test_algorithm_error_about_no_field_has_no_key(monkeypatch: Any) -> None:
-    import lowcomm.outer as outer
-
     class Fake:
         @classmethod
         def validate(cls, **kwargs: Any) -> None:
             raise ValueError("inner_optimizer must be an optimizer")
 
-    monkeypatch.setitem(outer.ALGORITHMS, "diloco", Fake)
+    monkeypatch.setattr(TrainConfig, "algorithm_class", lambda self: Fake)
     with pytest.raises(ConfigError) as info:
         TrainConfig(algo="diloco")
     assert info.value.key is None
@@ -358,9 +354,10 @@ def test_algorithm_error_about_no_field_has_no_key(monkeypatch: Any) -> None:
 
 
 def test_ddp_does_not_consult_the_outer_algorithms(monkeypatch: Any) -> None:
-    import lowcomm.outer as outer
+    def refuse(self: TrainConfig) -> None:
+        raise AssertionError("ddp asked for an outer algorithm's class")
 
-    monkeypatch.setattr(outer, "ALGORITHMS", {})
+    monkeypatch.setattr(TrainConfig, "algorithm_class", refuse)
     TrainConfig(algo="ddp")
 
 

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from lowcomm.comm import CommStats, Communicator
     from lowcomm.optim import DeMo
     from lowcomm.outer import (
-        ALGORITHMS,
         CO2,
         CoCoDC,
         DiLoCo,
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
         SlowMo,
         StreamingDiLoCo,
     )
+    from lowcomm.registry import ALGORITHMS
 
 _FACE = {
     "compress": "lowcomm.compress",
@@ -28,9 +28,9 @@ _FACE = {
     "CommStats": "lowcomm.comm",
     "Communicator": "lowcomm.comm",
     "DeMo": "lowcomm.optim",
+    "ALGORITHMS": "lowcomm.registry",
     **dict.fromkeys(
         (
-            "ALGORITHMS",
             "CO2",
             "CoCoDC",
             "DiLoCo",

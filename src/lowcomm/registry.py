@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from lowcomm.outer.engine import OuterAlgorithm
 
 __all__ = [
+    "ALGORITHMS",
     "BASELINES",
+    "ELASTIC",
     "REGISTRY",
     "SCHEDULES",
     "AlgorithmEntry",
@@ -64,7 +66,7 @@ class AlgorithmEntry:
     """One ``--algo`` value."""
 
     name: str
-    """The name users type (``--algo NAME``, ``lowcomm.outer.ALGORITHMS[NAME]``)."""
+    """The name users type (``--algo NAME``; its class is ``ALGORITHMS[cls.name]``)."""
     summary: str
     """One line for help texts and tables."""
     cls: type[OuterAlgorithm] | None = None
@@ -75,6 +77,9 @@ class AlgorithmEntry:
     """One of :data:`SCHEDULES`."""
     compressible: bool = False
     """Whether ``--compression`` applies to it."""
+    elastic: bool = False
+    """Whether ``lowcomm train --fault-tolerance`` runs it: its class runs under torchft
+    (``cls.elastic``) and the entry does not say otherwise."""
     options: type[Hyperparameters] | None = None
     """The hyperparameters of an entry that is no outer algorithm (``demo``)."""
 
@@ -94,7 +99,12 @@ class AlgorithmEntry:
 
 
 def _outer(
-    cls: type[OuterAlgorithm], summary: str, suffix: str = "", **fixed: Any
+    cls: type[OuterAlgorithm],
+    summary: str,
+    suffix: str = "",
+    *,
+    elastic: bool = True,
+    **fixed: Any,
 ) -> AlgorithmEntry:
     return AlgorithmEntry(
         name=f"{cls.name}-{suffix}" if suffix else cls.name,
@@ -103,12 +113,19 @@ def _outer(
         fixed=fixed,
         schedule=cls.schedule,
         compressible=any(f.name == "compression" for f in dataclasses.fields(cls.Config)),
+        elastic=cls.elastic and elastic,
     )
 
 
 _ENTRIES = (
     _outer(CO2, "CO2: one-round-stale outer updates, fully overlapped"),
-    _outer(CO2, "CO2 with eager updates (own fresh delta, others' stale)", "eager", eager=True),
+    _outer(
+        CO2,
+        "CO2 with eager updates (own fresh delta, others' stale)",
+        "eager",
+        elastic=False,  # (the job runs CO2 elastic without them)
+        eager=True,
+    ),
     _outer(DiLoCo, "DiLoCo: Nesterov outer SGD on averaged pseudo-gradients"),
     _outer(StreamingDiLoCo, "Streaming DiLoCo: fragments synced in turn, overlapped"),
     _outer(CoCoDC, "CoCoDC: Streaming DiLoCo with delay compensation"),
@@ -134,6 +151,14 @@ _ENTRIES = (
 
 REGISTRY: Mapping[str, AlgorithmEntry] = MappingProxyType({e.name: e for e in _ENTRIES})
 """Every ``--algo`` value, in the order help texts list them."""
+
+ALGORITHMS: Mapping[str, type[OuterAlgorithm]] = MappingProxyType(
+    dict(sorted({e.cls.name: e.cls for e in _ENTRIES if e.cls is not None}.items()))
+)
+"""The library's algorithm classes by their names (``lowcomm.ALGORITHMS``), from the entries."""
+
+ELASTIC = tuple(e.name for e in _ENTRIES if e.elastic)
+"""The entries ``lowcomm train --fault-tolerance`` runs."""
 
 BASELINES = tuple(e.name for e in _ENTRIES if not e.is_outer)
 """The entries that are no outer algorithm (``ddp``, ``demo``, ``none``): no rounds, no

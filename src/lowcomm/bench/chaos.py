@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lowcomm.registry import ELASTIC
 from lowcomm.train.elastic import HEARTBEAT_TIMEOUT_S, RunningReplica, read_replica_records
 
 __all__ = ["CHAOS_KINDS", "ChaosSpec", "format_chaos", "run_chaos"]
@@ -53,8 +54,8 @@ logger = logging.getLogger(__name__)
 CHAOS_KINDS = ("sync", "donor", "stall", "below-min", "never-returns")
 """The targeted faults (module docstring)."""
 
-ELASTIC_ALGOS = ("diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc")
-"""The algorithms an elastic job runs."""
+ELASTIC_ALGOS = ELASTIC
+"""The algorithms an elastic job runs (:data:`lowcomm.registry.ELASTIC`)."""
 
 
 @dataclasses.dataclass

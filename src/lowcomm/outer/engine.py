@@ -84,6 +84,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
     name: ClassVar[str] = "outer"
     Config: ClassVar[type[OuterConfig]] = OuterConfig  # the constructor's keywords
     schedule: ClassVar[str] = "blocking"  # how it communicates (lowcomm.registry.SCHEDULES)
+    elastic: ClassVar[bool] = True  # whether its syncs run under torchft (fault_tolerance=)
     # finish() drops (and warns of) the steps since the last round boundary
     _discards_partial_round: ClassVar[bool] = True
     # syncs average θ itself, not Δ (LocalSGD: the anchor is the average)

@@ -25,6 +25,7 @@ class FaultTolerant:
     """Fault tolerance, over the engine's state (see the module docstring)."""
 
     schedule: ClassVar[str]
+    elastic: ClassVar[bool]
     ft: FaultTolerance | None
     inner: torch.optim.Optimizer
     params: list[torch.Tensor]
@@ -82,6 +83,7 @@ class FaultTolerant:
                 "torchft's Manager): leave it off",
             ),
             (self.schedule == "gossip", "gossip groups (NoLoCo's pairs need a fixed group)"),
+            (not type(self).elastic, f"{name}'s syncs do not run elastic (its class says so)"),
             (
                 self.pace is not None,
                 "local_steps='dynamic' (its plans assume a fixed group of ranks): use 'fixed'",

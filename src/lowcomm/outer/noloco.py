@@ -124,6 +124,7 @@ class NoLoCo(OuterAlgorithm):
     name = "noloco"
     Config: ClassVar[type[OuterConfig]] = NoLoCoConfig
     schedule = "gossip"
+    elastic = False  # its gossip pairs need a fixed group
     config: NoLoCoConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

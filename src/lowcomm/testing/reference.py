@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from lowcomm.optim.delayed_nesterov import DelayedNesterov
-from lowcomm.outer import ALGORITHMS
 from lowcomm.outer.functional import GAP_EPS, GAP_STAT_DECAY, GAP_STAT_NEW, noloco_groups
 from lowcomm.outer.warm import WARM_STREAM
+from lowcomm.registry import ALGORITHMS
 from lowcomm.testing.ref_compression import RefCompression, rank_order_mean
 from lowcomm.testing.toy import (
     distributed_run,

@@ -96,7 +96,7 @@ def distributed_run(rank: int, world_size: int, scenarios: list[dict[str, Any]])
     """Worker function for :func:`lowcomm.testing.run_workers`: run each scenario with the real
     algorithm class on this rank and return, per scenario, the parameters after every round,
     after ``finish()``, the schedule of the recording communicator and the counters."""
-    from lowcomm.outer import ALGORITHMS
+    from lowcomm.registry import ALGORITHMS
     from lowcomm.testing.recording import RecordingCommunicator
 
     results = []

@@ -180,7 +180,8 @@ class ConfigChecks(TrainFields):
                 f"({self.min_replicas}) is more than the {self.replicas} replicas started "
                 f"({flag}); use at most {self.replicas}",
             )
-        supported = ("diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc")
+        from lowcomm.registry import ELASTIC as supported
+
         if self.algo not in supported:
             raise ConfigError(
                 "algo",

@@ -285,12 +285,10 @@ class TrainConfig(ConfigChecks):
         return [k for k in self.outer_keys_set() if k not in applies]
 
     def algorithm_class(self) -> type[OuterAlgorithm]:
-        """The ``lowcomm.outer.ALGORITHMS`` class that runs ``algo`` (not for ``ddp``)."""
-        from lowcomm import outer
-
+        """The class that runs ``algo`` (its registry entry's; not for ``ddp``)."""
         entry = REGISTRY[self.algo]
         assert entry.cls is not None, f"{self.algo} runs no outer algorithm"
-        return outer.ALGORITHMS[entry.cls.name]
+        return entry.cls
 
     def algorithm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``algorithm_class()(model, inner, **kwargs)``.
