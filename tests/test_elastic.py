@@ -229,7 +229,7 @@ def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
                     "shard_outer_state",
                 ),
                 (lowcomm.NoLoCo, {"sync_every": 4}, "gossip groups"),
-                (_Fixed, {"sync_every": 4}, "_Fixed's syncs do not run elastic"),
+                (_Fixed, {"sync_every": 4}, "its class sets elastic = False"),
             ]
             for cls, kwargs, why in cases:
                 with pytest.raises(ValueError, match="with fault_tolerance") as info:

@@ -43,14 +43,16 @@ def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ABORT not in proc.stderr
     restarted = str(tmp_path / "restarted")
-    # rank 1 is SIGKILLed after step 10; the group restarts and resumes from step 9
+    # rank 1 is SIGKILLed after step 10; the group restarts and resumes from the newest
+    # complete checkpoint: step 9's, or step 6's where rank 0 had not yet finished step 9's
+    # (nothing holds rank 1 back between the two: on a loaded machine it can be a step ahead)
     proc = _train(restarted, "--checkpoint-every", "3", "--max-restarts", "1", fault="1:10")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worker group restarted (restart 1) after a failure" in proc.stderr
     assert ABORT not in proc.stderr
-    assert_same_run(clean, restarted, resumed_at=[9])
     resumes = [r for r in read_records(restarted) if r["kind"] == "resume"]
-    assert [(r["step"], r["restart"]) for r in resumes] == [(9, 1)]
+    assert [(r["step"], r["restart"]) for r in resumes] in ([(9, 1)], [(6, 1)]), resumes
+    assert_same_run(clean, restarted, resumed_at=[resumes[0]["step"]])
     # tokens/s counts the whole job: the steps redone after the restart and the restart itself
     summary = read_summary(restarted)
     lost = summary["lost_to_restarts_s"]

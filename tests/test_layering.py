@@ -206,9 +206,9 @@ def _between(edges: dict[str, set[str]], sources: list[str], targets: Sequence[s
     )
 
 
-FLOORS = ("lowcomm.runfiles", "lowcomm.procs")
+FLOORS = ("lowcomm.runfiles", "lowcomm.procs", "lowcomm.lazy")
 """Modules every command and the job stand on, that import nothing of lowcomm outside
-themselves: the run-folder I/O and the process runner."""
+themselves: the run-folder I/O, the process runner and the lazy package face."""
 
 
 def test_package_rules_hold() -> None:
@@ -251,11 +251,20 @@ def test_importing_the_run_folder_io_loads_few_lowcomm_modules() -> None:
 
     code = (
         "import sys, lowcomm.runfiles, lowcomm.train.metrics, lowcomm.procs.workers; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lowcomm'))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lowcomm'))\n"
+        # names and submodules still come when asked for
+        "import lowcomm\n"
+        "print(lowcomm.DiLoCo.__name__, lowcomm.optim.DeMo.__name__, "
+        "lowcomm.train.TrainConfig.__name__, lowcomm.train.config.__name__)\n"
+        "try:\n    lowcomm.nothing_of_that_name\nexcept AttributeError as e:\n    print(e)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=SRC
-    ).stdout
-    loaded = ast.literal_eval(out.strip())
+    ).stdout.splitlines()
+    loaded = ast.literal_eval(out[0].strip())
     assert "lowcomm.outer" not in loaded and "lowcomm.train.loop" not in loaded, loaded
     assert len(loaded) <= 15, loaded
+    assert out[1:] == [
+        "DiLoCo DeMo TrainConfig lowcomm.train.config",
+        "module 'lowcomm' has no attribute 'nothing_of_that_name'",
+    ]

@@ -4,8 +4,9 @@ Workers train locally and exchange model deltas rarely and in the background. Th
 (``docs/``, built by ``make docs``) has the algorithms and the ``lowcomm train`` job.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lowcomm.lazy import face
 
 if TYPE_CHECKING:
     from lowcomm import compress, zo
@@ -46,19 +47,7 @@ _FACE = {
 first used (``import lowcomm.runfiles`` loads no algorithm, ``lowcomm.DiLoCo`` loads them)."""
 
 
-def __getattr__(name: str) -> Any:
-    where = _FACE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'lowcomm' has no attribute {name!r}")
-    module = importlib.import_module(where)
-    value = module if where.rsplit(".", 1)[-1] == name else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_FACE})
-
+__getattr__, __dir__ = face(__name__, _FACE, globals())
 
 __version__ = "0.1.0"
 

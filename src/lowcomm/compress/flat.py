@@ -117,7 +117,9 @@ class FlatLayout:
         self, flat: torch.Tensor, *, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's payload for ``flat`` (its fp32 values, :attr:`numel`), and this rank's
-        decoded contribution C(x) in the bucket's layout (what every rank decodes from it)."""
+        decoded contribution C(x) in the bucket's layout (what every rank decodes from it). On
+        the CPU the contribution may be a view of the layout's working memory, which the next
+        encoding of the layout overwrites: clone it to keep it."""
         if self._whole:  # one section, the whole bucket: its contribution as it comes
             data, mine = self.sections[0].encode(flat, generator)
             return data.reshape(-1), mine

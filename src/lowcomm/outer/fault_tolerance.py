@@ -83,7 +83,10 @@ class FaultTolerant:
                 "torchft's Manager): leave it off",
             ),
             (self.schedule == "gossip", "gossip groups (NoLoCo's pairs need a fixed group)"),
-            (not type(self).elastic, f"{name}'s syncs do not run elastic (its class says so)"),
+            (
+                not type(self).elastic,
+                "its class sets elastic = False (its syncs need a fixed group)",
+            ),
             (
                 self.pace is not None,
                 "local_steps='dynamic' (its plans assume a fixed group of ranks): use 'fixed'",

@@ -3,8 +3,9 @@
 The names below are imported when first used: importing a module of the job (its run-folder
 layout, :mod:`lowcomm.train.metrics`) loads nothing else."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lowcomm.lazy import face
 
 if TYPE_CHECKING:
     from lowcomm.train.config import ConfigError, TrainConfig, load_toml
@@ -21,14 +22,4 @@ _FACE = {
 __all__ = ["ConfigError", "TrainConfig", "WorkerFailed", "launch", "load_toml"]
 
 
-def __getattr__(name: str) -> Any:
-    where = _FACE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'lowcomm.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_FACE})
+__getattr__, __dir__ = face(__name__, _FACE, globals())
