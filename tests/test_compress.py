@@ -642,3 +642,19 @@ def test_compressor_state_dict_round_trip(single_rank_group: None) -> None:
         assert all(torch.equal(a, b) for a, b in zip(straight, head + run(second, range(2, 4))))
         with pytest.raises(ValueError, match="resume with the same compression"):
             Compressor("int8", shapes).load_state_dict(first.state_dict())
+
+
+def test_every_codec_is_parsed_by_its_class_through_the_name_table() -> None:
+    # one table of spec names; each class parses its own options and prints a spec that parses
+    # back to it
+    from lowcomm.compress.codecs import CODECS
+
+    examples = {"topk": "topk:0.05", "powersgd": "powersgd:2:warm=0", "int4": "int4:block=64:sr"}
+    for name, cls in CODECS.items():
+        codec = parse_compression(examples.get(name, name))
+        assert type(codec) is cls, name
+        assert parse_compression(codec.spec) == codec, name
+    with pytest.raises(ValueError, match="bf16 takes no options"):
+        parse_compression("bf16:3")
+    with pytest.raises(ValueError, match="unknown compression 'int3'"):
+        parse_compression("int3")

@@ -14,11 +14,12 @@ for no compression.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from lowcomm.compress.formats import (
     BF16,
-    DEFAULT_BLOCK,
     Codec,
     ElementwiseCodec,
     PowerSGD,
@@ -30,16 +31,13 @@ from lowcomm.compress.formats import (
 )
 from lowcomm.compress.lgreco import LGreCo, parse_lgreco
 from lowcomm.compress.options import (
-    flag_option,
-    float_option,
-    int_option,
-    reject_unknown,
     split_options,
 )
 from lowcomm.hparams import HyperparameterError
 
 __all__ = [
     "BF16",
+    "CODECS",
     "Codec",
     "ElementwiseCodec",
     "PowerSGD",
@@ -60,65 +58,31 @@ _SPEC_HELP = (
 )
 
 
+CODECS: Mapping[str, type[Codec]] = MappingProxyType(
+    {
+        "fp32": Raw,
+        "bf16": BF16,
+        "int8": Quantize,
+        "int4": Quantize,
+        "int2": Quantize,
+        "sign": Sign,
+        "topk": TopK,
+        "powersgd": PowerSGD,
+    }
+)
+"""Every codec's spec name and its class, which parses the rest of the spec
+(:meth:`~lowcomm.compress.formats.Codec.from_spec`): a new codec is its class and a line here."""
+
+
 def parse_codec(spec: str) -> Codec:
     """A fixed codec from its spec string (not ``lgreco``, not ``none``)."""
     name, *rest = spec.strip().split(":")
     name = name.strip().lower()
     positional, keyed = split_options(rest)
-    if name in ("fp32", "bf16"):
-        reject_unknown(spec, keyed, ())
-        if positional:
-            raise ValueError(f"compression {spec!r}: {name} takes no options")
-        return Raw() if name == "fp32" else BF16()
-    if name in ("int8", "int4", "int2"):
-        reject_unknown(spec, keyed, ("block", "sr"))
-        block, sr = DEFAULT_BLOCK, False
-        for p in positional:
-            if p == "sr":
-                sr = True
-            elif p.isdigit():
-                block = int(p)
-            else:
-                raise ValueError(
-                    f"compression {spec!r}: unknown option {p!r}; e.g. 'int4:block=64:sr'"
-                )
-        if "block" in keyed:
-            block = int_option(spec, "block", keyed["block"])
-        if "sr" in keyed:
-            sr = flag_option(spec, "sr", keyed["sr"])
-        if block < 1:
-            raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'int4:block=128'")
-        return Quantize(bits=int(name[3:]), block=block, stochastic=sr)
-    if name == "sign":
-        reject_unknown(spec, keyed, ("block",))
-        if len(positional) > 1 or (positional and not positional[0].isdigit()):
-            raise ValueError(f"compression {spec!r}: sign takes one option, e.g. 'sign:block=64'")
-        block = int_option(
-            spec, "block", keyed.get("block", positional[0] if positional else str(DEFAULT_BLOCK))
-        )
-        if block < 1:
-            raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'sign:block=128'")
-        return Sign(block=block)
-    if name == "topk":
-        reject_unknown(spec, keyed, ("density",))
-        if len(positional) > 1:
-            raise ValueError(f"compression {spec!r}: top-k takes one density, e.g. 'topk:0.01'")
-        raw = keyed.get("density", positional[0] if positional else None)
-        if raw is None:
-            raise ValueError(f"compression {spec!r} needs a density, e.g. 'topk:0.01'")
-        return TopK(density=float_option(spec, "density", raw))
-    if name == "powersgd":
-        reject_unknown(spec, keyed, ("rank", "warm", "seed", "always"))
-        if len(positional) > 1:
-            raise ValueError(f"compression {spec!r}: PowerSGD takes one rank, e.g. 'powersgd:4'")
-        rank = int_option(spec, "rank", keyed.get("rank", positional[0] if positional else "4"))
-        return PowerSGD(
-            rank=rank,
-            warm_start=flag_option(spec, "warm", keyed.get("warm", "1")),
-            seed=int_option(spec, "seed", keyed.get("seed", "0")),
-            only_if_smaller=not flag_option(spec, "always", keyed.get("always", "0")),
-        )
-    raise ValueError(f"unknown compression {spec!r}; {_SPEC_HELP}")
+    codec = CODECS.get(name)
+    if codec is None:
+        raise ValueError(f"unknown compression {spec!r}; {_SPEC_HELP}")
+    return codec.from_spec(spec, name, positional, keyed)
 
 
 def parse_compression(spec: str | Codec | LGreCo | None) -> Codec | LGreCo | None:

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowcomm.compress.options import flag_option, float_option, int_option, reject_unknown
+
 __all__ = [
     "divisor",
     "BF16",
@@ -102,6 +104,16 @@ class Codec(ABC):
 
     def __str__(self) -> str:
         return self.spec
+
+    @classmethod
+    def from_spec(cls, spec: str, name: str, positional: list[str], keyed: dict[str, str]) -> Codec:
+        """The codec of the spec string ``spec``: its ``name`` and its options, split into
+        ``positional`` and ``keyed`` (:func:`~lowcomm.compress.codecs.parse_codec` calls it
+        through its name table). By default a codec that takes no options."""
+        reject_unknown(spec, keyed, ())
+        if positional:
+            raise ValueError(f"compression {spec!r}: {name} takes no options")
+        return cls()
 
 
 class ElementwiseCodec(Codec):
@@ -272,6 +284,29 @@ class Quantize(ElementwiseCodec):
             s += ":sr"
         return s
 
+    @classmethod
+    def from_spec(
+        cls, spec: str, name: str, positional: list[str], keyed: dict[str, str]
+    ) -> Quantize:
+        reject_unknown(spec, keyed, ("block", "sr"))
+        block, sr = DEFAULT_BLOCK, False
+        for p in positional:
+            if p == "sr":
+                sr = True
+            elif p.isdigit():
+                block = int(p)
+            else:
+                raise ValueError(
+                    f"compression {spec!r}: unknown option {p!r}; e.g. 'int4:block=64:sr'"
+                )
+        if "block" in keyed:
+            block = int_option(spec, "block", keyed["block"])
+        if "sr" in keyed:
+            sr = flag_option(spec, "sr", keyed["sr"])
+        if block < 1:
+            raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'int4:block=128'")
+        return cls(bits=int(name[3:]), block=block, stochastic=sr)
+
     def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         n = _numel(shape)
         return -(-n * self.bits // 8) + 4 * -(-n // self.block)
@@ -327,6 +362,18 @@ class Sign(ElementwiseCodec):
     def spec(self) -> str:
         return "sign" if self.block == DEFAULT_BLOCK else f"sign:block={self.block}"
 
+    @classmethod
+    def from_spec(cls, spec: str, name: str, positional: list[str], keyed: dict[str, str]) -> Sign:
+        reject_unknown(spec, keyed, ("block",))
+        if len(positional) > 1 or (positional and not positional[0].isdigit()):
+            raise ValueError(f"compression {spec!r}: sign takes one option, e.g. 'sign:block=64'")
+        block = int_option(
+            spec, "block", keyed.get("block", positional[0] if positional else str(DEFAULT_BLOCK))
+        )
+        if block < 1:
+            raise ValueError(f"compression {spec!r}: block must be >= 1; e.g. 'sign:block=128'")
+        return cls(block=block)
+
     def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         n = _numel(shape)
         return -(-n // 8) + 4 * -(-n // self.block)
@@ -372,6 +419,16 @@ class TopK(ElementwiseCodec):
     def k(self, n: int) -> int:
         """Elements kept of a tensor of ``n``: max(1, ⌈density·n⌉), at most n."""
         return min(n, max(1, math.ceil(self.density * n)))
+
+    @classmethod
+    def from_spec(cls, spec: str, name: str, positional: list[str], keyed: dict[str, str]) -> TopK:
+        reject_unknown(spec, keyed, ("density",))
+        if len(positional) > 1:
+            raise ValueError(f"compression {spec!r}: top-k takes one density, e.g. 'topk:0.01'")
+        raw = keyed.get("density", positional[0] if positional else None)
+        if raw is None:
+            raise ValueError(f"compression {spec!r} needs a density, e.g. 'topk:0.01'")
+        return cls(density=float_option(spec, "density", raw))
 
     def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         return 8 * self.k(_numel(shape))
@@ -436,6 +493,21 @@ class PowerSGD(Codec):
     def effective_rank(self, shape: torch.Size | tuple[int, ...]) -> int:
         n0, m = self.matrix_shape(shape)
         return min(self.rank, n0, m)
+
+    @classmethod
+    def from_spec(
+        cls, spec: str, name: str, positional: list[str], keyed: dict[str, str]
+    ) -> PowerSGD:
+        reject_unknown(spec, keyed, ("rank", "warm", "seed", "always"))
+        if len(positional) > 1:
+            raise ValueError(f"compression {spec!r}: PowerSGD takes one rank, e.g. 'powersgd:4'")
+        rank = int_option(spec, "rank", keyed.get("rank", positional[0] if positional else "4"))
+        return cls(
+            rank=rank,
+            warm_start=flag_option(spec, "warm", keyed.get("warm", "1")),
+            seed=int_option(spec, "seed", keyed.get("seed", "0")),
+            only_if_smaller=not flag_option(spec, "always", keyed.get("always", "0")),
+        )
 
     def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         n0, m = self.matrix_shape(shape)
