@@ -54,9 +54,6 @@ logger = logging.getLogger(__name__)
 CHAOS_KINDS = ("sync", "donor", "stall", "below-min", "never-returns")
 """The targeted faults (module docstring)."""
 
-ELASTIC_ALGOS = ELASTIC
-"""The algorithms an elastic job runs (:data:`lowcomm.registry.ELASTIC`)."""
-
 
 @dataclasses.dataclass
 class ChaosSpec:
@@ -82,11 +79,11 @@ class ChaosSpec:
     """A run still going after this long is stopped and reported as such."""
 
     def __post_init__(self) -> None:
-        unknown = [a for a in self.algos if a not in ELASTIC_ALGOS]
+        unknown = [a for a in self.algos if a not in ELASTIC]
         if not self.algos or unknown:
             raise ValueError(
                 f"--algos: {unknown[0] if unknown else '(none)'!r} does not run elastic; use "
-                f"some of {', '.join(ELASTIC_ALGOS)}"
+                f"some of {', '.join(ELASTIC)}"
             )
         wrong = [k for k in self.faults if k not in CHAOS_KINDS]
         if wrong:

@@ -124,9 +124,7 @@ class FlatLayout:
             data, mine = self.sections[0].encode(flat, generator)
             return data.reshape(-1), mine
         mine = torch.empty_like(flat)
-        outputs = [s.encode_into(flat, mine, generator).reshape(-1) for s in self.sections]
-        payload = torch.cat(outputs) if outputs else flat.new_zeros(0, dtype=torch.uint8)
-        return payload, mine
+        return self.encode_feedback(flat, residual=None, mine=mine, generator=generator), mine
 
     def encode_feedback(
         self,

@@ -86,15 +86,6 @@ class Section:
         every rank's section bytes)."""
         raise NotImplementedError
 
-    def encode_into(
-        self, flat: torch.Tensor, mine: torch.Tensor, generator: torch.Generator | None
-    ) -> torch.Tensor:
-        """:meth:`encode` of the section's elements of the bucket ``flat``, its contribution
-        into those of ``mine``; returns the bytes."""
-        data, contribution = self.encode(self.take(flat), generator)
-        self.put(mine, contribution)
-        return data
-
     def decode_into(self, flat: torch.Tensor, data: torch.Tensor, world: int) -> None:
         """:meth:`decode` into the section's elements of the bucket ``flat``."""
         self.put(flat, self.decode(data, world))
@@ -204,17 +195,6 @@ class TopKSection(Section):
     def _bytes(self, indices: list[torch.Tensor], kept: list[torch.Tensor]) -> torch.Tensor:
         wire = [i.to(torch.int32).view(-1).view(torch.uint8) for i in indices]
         return torch.cat(wire + [v.reshape(-1).view(torch.uint8) for v in kept])
-
-    def encode_into(
-        self, flat: torch.Tensor, mine: torch.Tensor, generator: torch.Generator | None
-    ) -> torch.Tensor:
-        indices, kept = [], []
-        for rows, own in zip(self._views(flat), self._views(mine)):
-            idx, values = self._select(rows)
-            own.zero_().scatter_(1, idx, values)
-            indices.append(idx)
-            kept.append(values)
-        return self._bytes(indices, kept)
 
     def encode_feedback(
         self,
