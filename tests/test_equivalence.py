@@ -636,7 +636,7 @@ def _warm_overlap_worker(rank: int, world_size: int, codec: str | None) -> dict:
         algo = CO2(model, inner, sync_every=3, sync_warmup=6, sync_warmup_compression=codec)
         if overlap:
             algo.warm_start_during_backward(bucket_cap_mb=120 / 2**20)
-            out["buckets"] = len(algo._warm_buckets)
+            out["buckets"] = len(algo.warm.buckets)
         launched_in_backward = []
         for step in range(1, 10):
             before = algo.stats.collectives
@@ -745,7 +745,7 @@ def _warm_start_worker(rank: int, world_size: int) -> dict:
             runs.append([p.detach().clone() for p in model.parameters()])
         out["warm"].append(runs)
         out["anchor"].append([v.clone() for v in algo.anchor_views])
-        out.setdefault("hooked_after", []).append(algo._warm_hook is not None)
+        out.setdefault("hooked_after", []).append(algo.warm.hook is not None)
         out.setdefault("payload", []).append(algo.stats.payload_bytes)
     # the same warm start with its all-reduce compressed to int8 (error feedback)
     model = toy_model(4)

@@ -1,4 +1,5 @@
-"""The package's shape: no source file over 600 lines, and no import circle between modules.
+"""The package's shape: no source file over 900 lines (one concept may take that many), and no
+import circle between modules.
 
 The import graph is read from the source with ``ast`` (nothing is imported, torch included):
 
@@ -39,7 +40,7 @@ from pathlib import Path
 # the import reader test_layering.py holds the transport's layering rules with
 from test_layering import SRC, _absolute, _imports, _module_files
 
-MAX_LINES = 600
+MAX_LINES = 900
 
 
 def _python_files() -> list[Path]:
@@ -149,7 +150,7 @@ def test_checker_reads_imports_as_python_does(tmp_path: Path) -> None:
     assert typed["lowcomm.outer.engine"] == edges["lowcomm.outer.engine"] | {"lowcomm.outer.guards"}
 
 
-def test_no_source_file_over_600_lines() -> None:
+def test_no_source_file_over_900_lines() -> None:
     too_long = []
     for path in _python_files():
         with path.open(encoding="utf-8") as f:

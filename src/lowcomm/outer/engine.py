@@ -25,11 +25,12 @@ H as its measured speed allows, the average weighted by the steps taken
 
 Subclasses set their ``Config`` dataclass (the constructor's keywords) and override a few
 hooks (``_outer_state``, ``_merge``, ``_choose_fragment``, ``_outer_input``, ``mean_async``
-(the collective: NoLoCo's group exchange), …). The guards every
-algorithm has are :mod:`lowcomm.outer.guards`; the engine's other bases hold its warm start
-(:mod:`lowcomm.outer.warm`), elastic syncs (:mod:`lowcomm.outer.fault_tolerance`), the loop's
-side of dynamic local steps (:mod:`lowcomm.outer.pace`) and its state and reports
-(:mod:`lowcomm.outer.state`).
+(the collective: NoLoCo's group exchange), …). The engine holds its features as objects, each
+with its own state: ``fragments`` (:mod:`lowcomm.outer.fragment`), ``guards``
+(:mod:`lowcomm.outer.guards`), ``warm`` (the warm start, :mod:`lowcomm.outer.warm`), ``pace``
+(dynamic local steps, :mod:`lowcomm.outer.pace`) and ``elastic_syncs`` (fault tolerance,
+:mod:`lowcomm.outer.fault_tolerance`); what it keeps and reports (``state_dict()``,
+``memory_report()``, ``metrics()``) is at the end of this module.
 """
 
 from __future__ import annotations
@@ -47,18 +48,18 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lowcomm.comm import Communicator, Handle
+from lowcomm.comm import Communicator, Handle, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
+from lowcomm.compress.feedback import Compressor
 from lowcomm.device import CommStream, collective_device
 from lowcomm.elastic.sync import ManagedCommunicator
-from lowcomm.guard import Description, HostFlags, describe_tensors, explain_lost_collectives
+from lowcomm.guard import HostFlags, describe_tensors, explain_lost_collectives
 from lowcomm.hparams import HyperparameterError, describe, signature
-from lowcomm.outer.fault_tolerance import FaultTolerant
+from lowcomm.outer.fault_tolerance import ElasticSyncs
 from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState, ShardedFragment, Sync
 from lowcomm.outer.guards import Guards
 from lowcomm.outer.hparams import OuterConfig
-from lowcomm.outer.pace import DynamicSteps, Pace
-from lowcomm.outer.state import EngineState
+from lowcomm.outer.pace import Pace
 from lowcomm.outer.warm import WARM_BUCKET_MB, WARM_STREAM, WarmStart
 from lowcomm.params import check_partition, collect_params, split_by_blocks
 
@@ -75,7 +76,7 @@ class _Healed(Exception):  # noqa: N818 - a signal, not an error
     the step continues from there (:meth:`OuterAlgorithm._continue_healed`)."""
 
 
-class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards):
+class OuterAlgorithm:
     """The engine (see the module docstring); not used directly. Every algorithm takes an
     ``nn.Module`` or iterable of parameters, the inner optimizer whose ``step()`` drives the
     schedule, its ``Config``'s keywords, and ``process_group`` (``None``: WORLD; a subgroup runs
@@ -125,11 +126,11 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 f"{type(inner_optimizer).__name__}; pass the optimizer you call .step() on"
             )
         self.inner = inner_optimizer
-        self.ft: FaultTolerance | None = None
-        """The torchft Manager this replica's syncs go through (``fault_tolerance``)."""
+        self.elastic_syncs: ElasticSyncs | None = None
+        """The elastic syncs (``fault_tolerance``: :mod:`lowcomm.outer.fault_tolerance`)."""
         if fault_tolerance is not None:
-            self.ft = self._fault_tolerance(fault_tolerance, process_group)
-            self.comm: Communicator = ManagedCommunicator(self.ft)
+            self.elastic_syncs = ElasticSyncs(self, fault_tolerance, process_group)
+            self.comm: Communicator = ManagedCommunicator(self.elastic_syncs.ft)
         else:
             group = process_group
             self.comm = group if isinstance(group, Communicator) else Communicator(group)
@@ -137,20 +138,18 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         self.warmup = int(self.config.sync_warmup)
         """K: the first K inner steps average θ after every step (``sync_warmup``)."""
         self.nan_policy = self.config.nan_policy
-        self._warm_hook: RemovableHandle | None = None
         self._peak_lr = 0.0
         self.compression = parse_compression(getattr(self.config, "compression", None))
         self.shard_outer_state = bool(getattr(self.config, "shard_outer_state", False))
-        # inner steps taken; rounds of H completed; syncs applied; updates skipped (NaN/Inf)
-        self.local_step = self.rounds = self.sync_points = self.skipped_updates = 0
-        self._own_non_finite = 0  # times this rank's own pseudo-gradient was not finite
+        # inner steps taken; rounds of H completed; syncs applied
+        self.local_step = self.rounds = self.sync_points = 0
         self._steps_checked = -1  # the step count finish() last compared across the ranks
         self._hook: RemovableHandle | None = None
         self._warned_partial_at = -1
-        self._profile_tag = f"lowcomm::{self.name}"
+        self.profile_tag = f"lowcomm::{self.name}"
+        """The prefix of the engine's torch.profiler ranges."""
         self._to_advance: list[tuple[int, Sync]] = []
         self._pg_norm: torch.Tensor | None = None  # ‖A − θᵢ‖ of the fragment launched last
-        self._unread_own: list[Sync] = []  # launched syncs whose own verdict is not read yet
         self._in_flight: dict[int, int] = {}  # sync point k -> fragment index
         self.overlap = self._overlap()
         """τ: inner steps between a fragment's launch and its apply."""
@@ -167,16 +166,17 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         """The dynamic local steps (``local_steps="dynamic"``: :mod:`lowcomm.outer.pace`)."""
         if self.config.local_steps == "dynamic":
             self.pace = Pace(self.comm, self.sync_every, self.num_fragments, device=device)
-        # The model as built, compared across ranks at the first step (values hashed now).
-        self._unchecked: Description | None = None
-        if self.config.check_consistency and self.ft is None:
-            # (with fault tolerance a joiner takes its donor's model and settings are checked
-            # by the job; replicas have no fixed group to compare over)
-            self._unchecked = describe_tensors(named)
-        self._init_warm_start()
-        if self.ft is not None:
-            self._check_fault_tolerance()
-            self.ft.register("lowcomm", self._heal_state, self._load_heal_state)
+        # The model as built, compared across ranks at the first step (values hashed now);
+        # with fault tolerance a joiner takes its donor's model and settings are checked by
+        # the job (replicas have no fixed group to compare over)
+        compare = self.config.check_consistency and self.elastic_syncs is None
+        self.guards = Guards(self, describe_tensors(named) if compare else None)
+        """Consistency at start and the numeric guard (:mod:`lowcomm.outer.guards`)."""
+        warm_codec = parse_compression(self.config.sync_warmup_compression)
+        self.warm = WarmStart(self, self.warmup, warm_codec)
+        """The warm start (``sync_warmup``: :mod:`lowcomm.outer.warm`)."""
+        if self.elastic_syncs is not None:
+            self.elastic_syncs.attach()
 
     # -- what an algorithm chooses -------------------------------------------------------------
 
@@ -301,6 +301,10 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
     def _after_finish(self, drained: bool) -> None:
         """Called by :meth:`finish` after applying what was in flight (``drained``: any)."""
 
+    def _on_non_finite(self, frag: AnyFragment, sync: Sync) -> None:
+        """The average of ``sync`` holds NaN or Inf (decided alike on every rank)."""
+        self.guards.skip(sync.label)
+
     # -- driving -------------------------------------------------------------------------------
 
     stats = property(lambda self: self.comm.stats, doc="This worker's communication counters.")
@@ -316,6 +320,20 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         return self.fragments[0]
 
     anchor = property(lambda self: self.fragment.anchor)
+
+    @property
+    def ft(self) -> FaultTolerance | None:
+        """The torchft Manager this replica's syncs go through (``fault_tolerance``)."""
+        return None if self.elastic_syncs is None else self.elastic_syncs.ft
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped because their average held NaN or Inf (the numeric guard)."""
+        return self.guards.skipped
+
+    def compressors(self) -> list[Compressor]:
+        """The fragments' compressors (their error-feedback residuals)."""
+        return [f.compressor for f in self.fragments if f.compressor is not None]
 
     @property
     def anchor_views(self) -> list[torch.Tensor]:
@@ -341,20 +359,20 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
         return self.local_step % self.sync_every == 0
 
     def _step(self) -> None:
-        if self.ft is not None and not self.ft.joined and self.ft.join():
+        ft = self.ft
+        if ft is not None and not ft.joined and ft.join():
             self._continue_healed()
             return
         if self.pace is not None:
             # (first: a rank that passes a warm-start position takes its optimizer step here,
             # where the others took theirs before step(); the consistency check comes after)
-            self._pace_position(self.pace, self.local_step + 1)
-        if self._unchecked is not None:
-            self._check_consistency()
+            self.pace.position(self.local_step + 1, self.inner, self.warmup)
+        self.guards.check_consistency()
         self.local_step += 1
         phase = self.local_step - self.warmup  # the schedule starts after the warm start
         with torch.no_grad():
             if phase <= 0:
-                self._warm_step()
+                self.warm.after_step()
                 return
             if self._to_advance:
                 self._advance_due(self.local_step)
@@ -363,6 +381,23 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
             except _Healed:
                 self._continue_healed()
                 return
+        if phase % self.sync_every == 0:
+            self.rounds += 1
+
+    def _quorum(self) -> bool:
+        """With fault tolerance, before a sync is launched: join its quorum; returns whether
+        this replica was healed in it (:meth:`ElasticSyncs.quorum
+        <lowcomm.outer.fault_tolerance.ElasticSyncs.quorum>`)."""
+        return self.elastic_syncs is not None and self.elastic_syncs.quorum()
+
+    def _continue_healed(self) -> None:
+        """Right after this replica was healed at its first step: it stands where its donor
+        stood, inside the step that launches the sync (its inner step just taken is dropped:
+        its parameters are the donor's); finish that step as the donor does, without a second
+        quorum."""
+        phase = self.local_step - self.warmup
+        with torch.no_grad():
+            self._on_step(phase, quorum=False)
         if phase % self.sync_every == 0:
             self.rounds += 1
 
@@ -386,7 +421,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 self._apply(k)
             elif self._apply_unlaunched and not self._keeps_progress():
                 # the first sync points of an overlapped schedule launched before step 1
-                with record_function(f"{self._profile_tag}::outer"):
+                with record_function(f"{self.profile_tag}::outer"):
                     frag = self.fragments[self._choose_fragment(k)]
                     self._update(frag, None, None)
                     frag.anchor.copy_to(frag.params)
@@ -394,9 +429,9 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
     def _launch(self, k: int) -> None:
         f = self._choose_fragment(k)
         assert f not in self._in_flight.values() or self.overlap >= self.sync_every
-        with record_function(f"{self._profile_tag}::launch"):
-            if self._unread_own:  # earlier launches' verdicts: this rank recovers before its Δ
-                self._read_own(before=self.local_step)
+        with record_function(f"{self.profile_tag}::launch"):
+            # earlier launches' verdicts: this rank recovers before its Δ
+            self.guards.read_own(before=self.local_step)
             self._before_launch(f)
             frag = self.fragments[f]
             rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
@@ -408,7 +443,7 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                     self.pace.measure(k)  # (before the sync: first on the link)
             sync = frag.launch(label, self.local_step, scale=scale)
             self._pg_norm = sync.norm
-            self._unread_own.append(sync)
+            self.guards.launched(sync)
             # the second phase (PowerSGD's Q, a sharded update) goes out halfway to the apply
             if self.overlap > 0 and sync.handle.needs_advance:
                 self._to_advance.append((self.local_step + max(1, self.overlap // 2), sync))
@@ -423,9 +458,9 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
     def _apply(self, k: int) -> None:
         f = self._in_flight.pop(k)
         frag = self.fragments[f]
-        with record_function(f"{self._profile_tag}::outer"):
+        with record_function(f"{self.profile_tag}::outer"):
             applied = frag.pending[0] if frag.pending else None
-            if self.ft is not None and not self._commit(frag):
+            if self.elastic_syncs is not None and not self.elastic_syncs.commit(frag):
                 # not committed: the round is dropped. An outer step goes back to its anchor;
                 # LocalSGD, whose anchor was the send buffer (now undefined), keeps its θ
                 if self._averages_params:
@@ -436,8 +471,8 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 self._merge(f)
             else:
                 frag.anchor.copy_to(frag.params)  # skipped: back to the unchanged anchor
-            if self._unread_own:  # (its collective, waited for, went out after its verdict)
-                self._read_own(before=self.local_step, applied=applied)
+            # (its collective, waited for, went out after its verdict)
+            self.guards.read_own(before=self.local_step, applied=applied)
         self.sync_points += 1
         if self.pace is not None:
             self.pace.applied(k, self.local_step)
@@ -483,11 +518,9 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
             message += "since the last round boundary; make the number of steps a multiple of "
             warnings.warn(f"{message}sync_every={self.sync_every} to keep them", stacklevel=2)
         with explain_lost_collectives(type(self).__name__, "finish()", lambda: self.local_step):
-            if self._unchecked is not None:
-                self._check_consistency()
-            with torch.no_grad(), record_function(f"{self._profile_tag}::finish"):
-                if self._unread_own:
-                    self._read_own()
+            self.guards.check_consistency()
+            with torch.no_grad(), record_function(f"{self.profile_tag}::finish"):
+                self.guards.read_own()
                 drained = bool(self._in_flight)
                 for k in sorted(self._in_flight):
                     self._apply(k)
@@ -520,6 +553,72 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
                 f"{type(self).__name__}.finish(): the ranks called step() a different number "
                 f"of times ({listed}); every rank must call step() once after every inner step"
             )
+
+    # -- the warm start and dynamic local steps, for the loop ----------------------------------
+
+    def warm_start_by_caller(self) -> None:
+        """For loops whose ``optimizer.step()`` may not run on every rank (a ``GradScaler``
+        skips it on a rank whose gradients overflowed): the warm start's gradient mean is no
+        longer taken in a step pre-hook of the inner optimizer, but by
+        :meth:`before_inner_step`, which the loop then calls before every inner step on every
+        rank. The trainer integrations do this."""
+        self.warm.by_caller()
+
+    def warm_start_during_backward(self, bucket_cap_mb: float = WARM_BUCKET_MB) -> None:
+        """Launch the warm start's gradient means during backward, a bucket as soon as its
+        gradients are accumulated (buckets of ``bucket_cap_mb`` in reverse parameter order, the
+        order backward produces them, as DDP's; the last ``bucket_cap_mb`` of them in smaller
+        ones: :func:`~lowcomm.outer.warm.warm_buckets`), instead of all at the optimizer's
+        step, which then only waits: the link carries the first buckets while backward
+        computes the rest. The same means bit for bit (every codec encodes each tensor on its
+        own), except that stochastic rounding draws per bucket. Only for loops that run exactly
+        one backward per inner step and leave the gradients alone between it and
+        ``optimizer.step()`` (no gradient accumulation, no clipping); call before
+        :meth:`load_state_dict`. A no-op without a warm start."""
+        self.warm.during_backward(bucket_cap_mb)
+
+    def before_inner_step(self) -> None:
+        """Inside the warm start (``sync_warmup``), average the gradients over the ranks (see
+        :meth:`warm_start_by_caller`); a no-op after it."""
+        self.warm.before_inner_step()
+
+    def takes_step(self) -> bool:
+        """Whether this rank takes an inner step before its next :meth:`step` call: always with
+        ``local_steps="fixed"``; with ``"dynamic"``, at H_j of each round's H positions
+        (:mod:`lowcomm.outer.pace`). A loop with dynamic local steps asks before every step::
+
+            if algo.takes_step():
+                loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+            algo.step()
+        """
+        return self.pace is None or self.pace.steps_here(self.local_step + 1)
+
+    def steps_done(self, *, including_next: bool = False) -> float:
+        """Inner steps per rank taken so far (``including_next``: once the next position's are
+        taken too): the step count with fixed local steps; with dynamic ones every rank's steps
+        since the start over N — what a learning-rate schedule that follows the tokens reads,
+        equal to the step count, exactly, when every rank steps at every position."""
+        if self.pace is None:
+            return float(self.local_step + int(including_next))
+        pace = self.pace
+        work = pace.work_through(self.local_step + 1) if including_next else sum(pace.taken)
+        return work / self.world_size
+
+    def set_total_steps(self, steps: int) -> None:
+        """With dynamic local steps, the job's length: ``steps`` inner steps per rank at equal
+        speeds, i.e. steps × N taken by all ranks together; the plan of the round that reaches
+        it is cut to what is left (each rank in proportion), so that the job ends at a round
+        boundary with exactly that many tokens. A no-op with fixed local steps."""
+        if self.pace is not None:
+            self.pace.budget = int(steps) * self.world_size
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps this rank took (with dynamic local steps, fewer than :meth:`step` calls
+        on a slower rank)."""
+        if self.pace is None:
+            return self.local_step
+        return self.pace.taken[self.comm.rank]
 
     # -- hook form -----------------------------------------------------------------------------
 
@@ -569,3 +668,147 @@ class OuterAlgorithm(WarmStart, DynamicSteps, FaultTolerant, EngineState, Guards
             cls.Config(**kwargs)
         except TypeError as e:
             raise HyperparameterError(None, f"{cls.__name__}: {e}") from None
+
+    # -- what it keeps and reports ---------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """This rank's numbers for loggers (:mod:`lowcomm.loggers`):
+
+        * ``outer_step``: syncs applied (the x-axis of lowcomm's scalars), ``inner_step``:
+          inner steps taken, ``rounds``: rounds of H completed;
+        * ``pseudo_grad_norm``: ‖A − θᵢ‖, this rank's pseudo-gradient at its last launch (of the
+          fragment launched, the whole model unless ``num_fragments`` > 1), before any
+          compression; ``None`` before the first;
+        * :meth:`CommStats.metrics <lowcomm.comm.CommStats.metrics>` (bytes sent and received,
+          time blocked, hidden fraction), and ``skipped_updates`` (non-finite averages dropped).
+
+        Reading ``pseudo_grad_norm`` waits for the device (once per call)."""
+        return {
+            "outer_step": self.sync_points,
+            "inner_step": self.local_step,
+            "rounds": self.rounds,
+            "pseudo_grad_norm": None if self._pg_norm is None else float(self._pg_norm),
+            **self.comm.stats.metrics(),
+            "skipped_updates": self.skipped_updates,
+        }
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds beyond the model and inner optimizer (each storage once):
+        ``"state"`` persists between syncs (anchor, outer state, error feedback; 1/N sharded),
+        ``"buffers"`` are for communication (pseudo-gradients in flight, snapshots)."""
+        state: list[torch.Tensor] = []
+        for c in self.compressors():
+            state += [*c.residuals, *c.q.values()]
+        buffers: list[torch.Tensor] = []
+        for frag in self.fragments:
+            state += frag.state_tensors()
+            buffers += frag.buffer_tensors()
+        return {"state": storage_nbytes(state), "buffers": storage_nbytes(buffers)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: counters, anchors, outer state, and the results of
+        collectives in flight (waited for, not applied: resuming gives the same numbers)."""
+        state: dict[str, Any] = {
+            **self._identity(),
+            "local_step": self.local_step,
+            "rounds": self.rounds,
+            "sync_points": self.sync_points,
+            "skipped_updates": self.guards.skipped,
+            "in_flight": [[k, f] for k, f in sorted(self._in_flight.items())],
+        }
+        if self._flat_state:
+            state.update(self.fragment.state_dict())
+        else:
+            for i, frag in enumerate(self.fragments):
+                state[f"fragment_{i}"] = frag.state_dict()
+        state.update(self._extra_state())
+        if self.pace is not None:
+            state["pace"] = self.pace.state_dict()
+        if self.warm.compressors:
+            state["warm_compression"] = self.warm.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, _healing: bool = False) -> None:
+        """Restore :meth:`state_dict` output; refuses state from another configuration.
+
+        Into a freshly built algorithm or one in use: the syncs this rank has in flight are
+        waited for (not applied) before its buffers are refilled, so every rank must load at
+        the same point of the schedule, as for any collective."""
+        for key, mine in self._identity().items():
+            if _healing and key == "world_size":
+                continue  # a donor's quorum is this replica's too
+            if key in ("num_fragments", "overlap") and self._flat_state:
+                state = {key: mine, **state}  # older one-fragment state_dicts lack them
+            if key == "sync_warmup" and mine == 0:
+                state = {key: mine, **state}  # and state_dicts from before the warm start
+            if key == "local_steps" and mine == "fixed":
+                state = {key: mine, **state}  # and from before dynamic local steps
+            if key not in state:
+                raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
+            if state[key] != mine:
+                raise ValueError(
+                    f"state_dict was saved with {key}={state[key]!r} but this "
+                    f"{type(self).__name__} has {key}={mine!r}; resume with the same settings"
+                )
+        # inside the warm start, its compressors' residuals (one per fragment) must come along
+        inside_warmup = int(state["local_step"]) < self.warmup
+        warm = state.get("warm_compression") if inside_warmup else None
+        self.warm.check_loadable(warm, int(state["local_step"]))
+        if not _healing:
+            # an algorithm already in use: what it has in flight finishes before the buffers
+            # are refilled (every rank launched it, so every rank can wait for it here); a
+            # healing replica's collectives in flight belong to the quorum that failed
+            for frag in self.fragments:
+                frag.wait_in_flight()
+        self._load_extra_state(state)
+        if self.pace is not None:
+            self.pace.load_state_dict(state["pace"])
+        if self._flat_state:
+            self.fragment.load_state_dict(state)
+        for i, frag in enumerate(self.fragments if not self._flat_state else []):
+            key = f"fragment_{i}"
+            if key not in state:
+                raise ValueError(f"{type(self).__name__} state_dict is missing {key!r}")
+            frag.load_state_dict(state[key])
+        local_step = int(state["local_step"])
+        if "in_flight" in state:
+            in_flight = {int(k): int(f) for k, f in state["in_flight"]}
+        else:  # older one-fragment state_dicts: the sync in flight is applied next
+            k = (local_step - self.warmup + self.overlap) // self.interval
+            in_flight = {k: 0} if self.fragment.pending else {}
+        for f, frag in enumerate(self.fragments):
+            if len(frag.pending) != sum(1 for g in in_flight.values() if g == f):
+                raise ValueError(
+                    f"state_dict lists fragment {f} in flight but holds no result for it (or "
+                    "the other way round); the checkpoint is inconsistent"
+                )
+        self.warm.load_state_dict(warm or [])
+        # counters last: a state_dict refused half-way leaves them as they were
+        self.comm_stream.drain()  # what was in flight is dropped (or restored, complete)
+        self._in_flight = in_flight
+        self._to_advance = []
+        self.local_step = local_step
+        if local_step >= self.warmup:
+            self.warm.end()
+        self.rounds = int(state["rounds"])
+        self.sync_points = int(state.get("sync_points", 0))
+        self.guards.skipped = int(state.get("skipped_updates", 0))
+        self.guards.resumed()
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state_dict must have been saved with to load here."""
+        return {
+            "algorithm": self.name,
+            "sync_every": self.sync_every,
+            "world_size": self.world_size,
+            "num_fragments": self.num_fragments,
+            "overlap": self.overlap,
+            "sync_warmup": self.warmup,
+            "local_steps": self.config.local_steps,
+        }
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass

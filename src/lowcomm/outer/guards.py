@@ -1,4 +1,5 @@
-"""The two guards of every outer algorithm (a base of the engine; checks in :mod:`lowcomm.guard`).
+"""The two guards of every outer algorithm (an object the engine holds, ``engine.guards``;
+checks in :mod:`lowcomm.guard`).
 
 **Consistency at start**: at the first ``step()`` the ranks compare the model as built (names,
 shapes, dtypes, a checksum; not the values after ``load_state_dict()``) and the settings, and
@@ -13,11 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import torch
-
-from lowcomm.compress.feedback import Compressor
 from lowcomm.guard import (
     Description,
     NonFiniteError,
@@ -27,16 +25,20 @@ from lowcomm.guard import (
     optimizer_state_tensors,
     zero_non_finite_,
 )
-from lowcomm.outer.fragment import AnyFragment, Sync
+from lowcomm.outer.fragment import Sync
 from lowcomm.outer.hparams import ShardableConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from lowcomm.comm import Communicator
     from lowcomm.compress.codecs import Codec
+    from lowcomm.compress.feedback import Compressor
     from lowcomm.compress.lgreco import LGreCo
+    from lowcomm.outer.fragment import AnyFragment
     from lowcomm.outer.hparams import OuterConfig
 
-__all__ = ["Guards", "log_repeated"]
+__all__ = ["GuardedEngine", "Guards", "log_repeated"]
 
 _NOT_COMPARED = ("check_consistency", "outer_optimizer", "fragments")
 """Keywords the guard does not compare (callables and modules: the settings they make are)."""
@@ -62,8 +64,9 @@ def log_repeated(count: int, message: str, *args: Any) -> None:
         logger.debug(message, *args)
 
 
-class Guards:
-    """Consistency at start and the numeric guard, over the engine's state."""
+class GuardedEngine(Protocol):
+    """What the guards ask of the engine that owns them
+    (:class:`~lowcomm.outer.engine.OuterAlgorithm`)."""
 
     name: ClassVar[str]
     config: OuterConfig
@@ -75,120 +78,177 @@ class Guards:
     nan_policy: str
     overlap: int
     local_step: int
-    skipped_updates: int
-    _own_non_finite: int
-    _unread_own: list[Sync]
-    _unchecked: Description | None
 
-    # -- guards --------------------------------------------------------------------------------
+    def compressors(self) -> list[Compressor]: ...
 
-    def _settings(self) -> dict[str, Any]:
+
+class Guards:
+    """Consistency at start and the numeric guard of one engine (see the module docstring):
+    the model as built until the ranks have compared it (``model``: its description, ``None``
+    to compare nothing), the counts of skipped updates and of this rank's own non-finite
+    contributions, and the syncs whose own verdict the host has not read yet."""
+
+    def __init__(self, engine: GuardedEngine, model: Description | None) -> None:
+        self.engine = engine
+        self.unchecked = model
+        """The model as built, compared across ranks at the first step (then ``None``)."""
+        self.skipped = 0
+        """Updates skipped because their average held NaN or Inf (``skipped_updates``)."""
+        self.own_non_finite = 0
+        """Times this rank's own pseudo-gradient was not finite."""
+        self.unread: list[Sync] = []
+        """Launched syncs whose own verdict is not read yet."""
+
+    # -- consistency at start ------------------------------------------------------------------
+
+    def settings(self) -> dict[str, Any]:
         """The settings every rank must share: the common keywords, the optimizers, then the
         algorithm's own (a different DiLoCo ``outer_lr`` is named as its optimizer's lr)."""
+        engine = self.engine
         common = {f.name for f in dataclasses.fields(ShardableConfig)}
-        fields = [f.name for f in dataclasses.fields(self.config) if f.name not in _NOT_COMPARED]
-        settings: dict[str, Any] = {"algorithm": self.name}
+        fields = [f.name for f in dataclasses.fields(engine.config) if f.name not in _NOT_COMPARED]
+        settings: dict[str, Any] = {"algorithm": engine.name}
         settings.update({k: self._setting(k) for k in fields if k in common})
-        settings.update(optimizer_settings("inner optimizer", self.inner))
-        outer = self.fragments[0].outer
+        settings.update(optimizer_settings("inner optimizer", engine.inner))
+        outer = engine.fragments[0].outer
         settings.update({} if outer is None else outer.settings())
         settings.update({k: self._setting(k) for k in fields if k not in common})
-        settings["fragment sizes"] = [frag.numel for frag in self.fragments]
-        settings["overlap"] = self.overlap
+        settings["fragment sizes"] = [frag.numel for frag in engine.fragments]
+        settings["overlap"] = engine.overlap
         return settings
 
     def _setting(self, key: str) -> Any:
+        compression = self.engine.compression
         if key == "compression":  # a codec object compares by its spec
-            return None if self.compression is None else self.compression.spec
-        return getattr(self.config, key)
+            return None if compression is None else compression.spec
+        return getattr(self.engine.config, key)
 
-    def _check_consistency(self) -> None:
-        model, self._unchecked = self._unchecked, None
-        assert model is not None
-        settings = [(f"setting {k}", repr(v)) for k, v in self._settings().items()]
+    def check_consistency(self) -> None:
+        """Compare the model as built and the settings across the ranks, once (a no-op after
+        the first call, or when there is nothing to compare)."""
+        model, self.unchecked = self.unchecked, None
+        if model is None:
+            return
+        settings = [(f"setting {k}", repr(v)) for k, v in self.settings().items()]
         check_same_across_ranks(
             model + settings,
-            what=f"{type(self).__name__} inputs",
+            what=f"{type(self.engine).__name__} inputs",
             hint="every rank must build the same model from the same seed (or load the same "
             "weights) and pass the same settings, before training starts",
-            process_group=self.comm.group,
+            process_group=self.engine.comm.group,
         )
 
-    def _on_non_finite(self, frag: AnyFragment, sync: Sync) -> None:
-        """The average of ``sync`` holds NaN or Inf (decided alike on every rank)."""
-        self._skip(sync.label)
+    def resumed(self) -> None:
+        """State was loaded: ranks resuming mid-round hold different values, so compare the
+        rest only."""
+        if self.unchecked is not None:
+            self.unchecked = [e for e in self.unchecked if not e[0].startswith("values of")]
 
-    def _skip(self, what: str) -> None:
+    # -- the numeric guard ---------------------------------------------------------------------
+
+    def skip(self, what: str) -> None:
         """Count a skipped update, then raise (``nan_policy="raise"``) or recover this rank
-        (:meth:`_recover_local`) and log."""
-        self.skipped_updates += 1
+        (:meth:`recover_local`) and log."""
+        engine = self.engine
+        self.skipped += 1
         message = (
-            f"{type(self).__name__}: the averaged pseudo-gradient of {what} holds NaN or Inf "
-            f"(inner step {self.local_step}, rank {self.comm.rank})"
+            f"{type(engine).__name__}: the averaged pseudo-gradient of {what} holds NaN or Inf "
+            f"(inner step {engine.local_step}, rank {engine.comm.rank})"
         )
-        if self.nan_policy == "raise":
+        if engine.nan_policy == "raise":
             # every rank raises here alike: finish what is in flight so that no rank leaves a
             # collective half done (its peers would wait, and its process abort at exit)
-            self._drain()
+            self.drain()
             raise NonFiniteError(
                 f"{message}; a worker diverged (lower the learning rate, check the data), or "
                 "use nan_policy='skip' to drop such updates"
             )
-        fixed = self._recover_local()
-        if self.comm.rank == 0:  # the same event on every rank: told once
+        fixed = self.recover_local()
+        if engine.comm.rank == 0:  # the same event on every rank: told once
             log_repeated(
-                self.skipped_updates,
+                self.skipped,
                 "%s: update skipped alike on every rank (%d skipped so far)%s",
                 message,
-                self.skipped_updates,
+                self.skipped,
                 f"; zeroed non-finite values in {fixed} local state tensor(s)" if fixed else "",
             )
 
-    def _read_own(self, before: int | None = None, applied: Sync | None = None) -> None:
+    def skip_warm_step(self, compressors: list[Compressor]) -> None:
+        """A warm-start mean holds NaN or Inf: skip the step alike on every rank (gradients set
+        to None, the warm start's ``compressors`` cleared of non-finite residuals), or raise
+        (``nan_policy="raise"``)."""
+        engine = self.engine
+        self.skipped += 1
+        message = (
+            f"{type(engine).__name__}: the averaged gradient of warm-start step "
+            f"{engine.local_step + 1} holds NaN or Inf (rank {engine.comm.rank})"
+        )
+        if engine.nan_policy == "raise":
+            raise NonFiniteError(
+                f"{message}; lower the learning rate, check the data, or use "
+                "nan_policy='skip' to drop such steps"
+            )
+        if engine.comm.rank == 0:  # the same event on every rank: told once
+            log_repeated(
+                self.skipped,
+                "%s: step skipped alike on every rank (%d skipped so far)",
+                message,
+                self.skipped,
+            )
+        for p in engine.params:
+            p.grad = None
+        for comp in compressors:
+            comp.drop_non_finite()  # a non-finite residual would poison every mean
+
+    def launched(self, sync: Sync) -> None:
+        """``sync`` was launched: its own verdict is read later (:meth:`read_own`)."""
+        self.unread.append(sync)
+
+    def read_own(self, before: int | None = None, applied: Sync | None = None) -> None:
         """Read this rank's verdicts on its own contributions (decided on the device at launch)
         where reading them does not wait for the device: ``applied``, the sync whose
         collective the host has just waited for (which went out after its verdict), and those
         launched before inner step ``before`` (at a later sync point: its queue ran long ago);
-        ``None``: every one (at :meth:`finish`). One that was not finite means this rank
+        ``None``: every one (at ``finish()``). One that was not finite means this rank
         diverged: log it and recover its local state now, so that it trains correctly from the
         anchor while the poisoned average is on its way (every rank will skip it)."""
+        if not self.unread:
+            return
         unread: list[Sync] = []
         kept: list[Sync] = []
-        for sync in self._unread_own:
+        for sync in self.unread:
             due = before is None or sync.step < before or sync is applied
             (unread if due else kept).append(sync)
-        self._unread_own = kept
+        self.unread = kept
         for sync in unread:
             if sync.own_ok:
                 continue
-            fixed = self._recover_local()
-            self._own_non_finite += 1
+            fixed = self.recover_local()
+            self.own_non_finite += 1
             log_repeated(
-                self._own_non_finite,
+                self.own_non_finite,
                 "%s: rank %d's own pseudo-gradient holds NaN or Inf at inner step %d; it goes "
                 "back to the anchor (zeroed non-finite values in %d local state tensor(s))",
-                type(self).__name__,
-                self.comm.rank,
+                type(self.engine).__name__,
+                self.engine.comm.rank,
                 sync.step,
                 fixed,
             )
 
-    def _recover_local(self) -> int:
+    def recover_local(self) -> int:
         """Zero the non-finite values of this rank's inner-optimizer state and error-feedback
         residuals (returns how many tensors had any); a rank whose parameters are not finite
         goes back to the anchors."""
-        fixed = zero_non_finite_(optimizer_state_tensors(self.inner))
-        fixed += sum(c.drop_non_finite() for c in self._compressors())
-        if not all_finite(self.params):
-            for frag in self.fragments:
+        engine = self.engine
+        fixed = zero_non_finite_(optimizer_state_tensors(engine.inner))
+        fixed += sum(c.drop_non_finite() for c in engine.compressors())
+        if not all_finite(engine.params):
+            for frag in engine.fragments:
                 frag.anchor.copy_to(frag.params)
         return fixed
 
-    def _compressors(self) -> list[Compressor]:
-        return [f.compressor for f in self.fragments if f.compressor is not None]
-
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Wait for every collective in flight (not applying it): before raising alike."""
-        for frag in self.fragments:
+        for frag in self.engine.fragments:
             for sync in frag.pending:
                 sync.handle.wait()

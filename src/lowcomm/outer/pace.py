@@ -39,14 +39,14 @@ Rounds are counted over the whole job, warm start included (K is a multiple of H
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.device import collective_device, device_clock
 
-__all__ = ["DynamicSteps", "Pace", "plan_steps", "steps_through", "trim_plan"]
+__all__ = ["Pace", "plan_steps", "steps_through", "trim_plan"]
 
 
 def steps_through(p: int, h: int, sync_every: int) -> int:
@@ -164,6 +164,19 @@ class Pace:
         """At the end of ``step()``."""
         self._t_end = self.clock()
 
+    def position(self, q: int, inner: torch.optim.Optimizer, warmup: int) -> None:
+        """At the start of ``step()`` for position ``q``: time this rank's inner step (if it
+        took one), count every rank's; inside the warm start (its first ``warmup`` positions)
+        a rank that passed the position takes the ``inner`` optimizer's step with the others'
+        mean (its pre-hook averages), like DDP's ranks."""
+        here = self.steps_here(q)
+        self.begin(here)
+        if q <= warmup and not here:
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+            self.waited = 0.0  # (waited inside step(): not in the next step's time)
+        self.advance(q)
+
     def advance(self, q: int) -> None:
         """Every rank's steps at position ``q`` are counted."""
         for j, stepped in enumerate(self.steps_at(q)):
@@ -272,70 +285,3 @@ class Pace:
         self._measuring = {int(k): [float(x) for x in t] for k, t in state["measuring"]}
         self.last_times = [float(t) for t in state["last_times"]]
         self._t_end = None
-
-
-class DynamicSteps:
-    """The engine's side of dynamic local steps (a base of the engine): whether this rank
-    steps at the next position, the steps taken so far, the job's length, and the position's
-    bookkeeping; all of them plain step counts with ``local_steps="fixed"`` (``pace`` None)."""
-
-    pace: Pace | None
-    comm: Communicator
-    inner: torch.optim.Optimizer
-    warmup: int
-    local_step: int
-
-    if TYPE_CHECKING:
-
-        @property
-        def world_size(self) -> int: ...
-
-    def takes_step(self) -> bool:
-        """Whether this rank takes an inner step before its next :meth:`step` call: always with
-        ``local_steps="fixed"``; with ``"dynamic"``, at H_j of each round's H positions
-        (:mod:`lowcomm.outer.pace`). A loop with dynamic local steps asks before every step::
-
-            if algo.takes_step():
-                loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-            algo.step()
-        """
-        return self.pace is None or self.pace.steps_here(self.local_step + 1)
-
-    def steps_done(self, *, including_next: bool = False) -> float:
-        """Inner steps per rank taken so far (``including_next``: once the next position's are
-        taken too): the step count with fixed local steps; with dynamic ones every rank's steps
-        since the start over N — what a learning-rate schedule that follows the tokens reads,
-        equal to the step count, exactly, when every rank steps at every position."""
-        if self.pace is None:
-            return float(self.local_step + int(including_next))
-        pace = self.pace
-        work = pace.work_through(self.local_step + 1) if including_next else sum(pace.taken)
-        return work / self.world_size
-
-    def set_total_steps(self, steps: int) -> None:
-        """With dynamic local steps, the job's length: ``steps`` inner steps per rank at equal
-        speeds, i.e. steps × N taken by all ranks together; the plan of the round that reaches
-        it is cut to what is left (each rank in proportion), so that the job ends at a round
-        boundary with exactly that many tokens. A no-op with fixed local steps."""
-        if self.pace is not None:
-            self.pace.budget = int(steps) * self.world_size
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner steps this rank took (with dynamic local steps, fewer than :meth:`step` calls
-        on a slower rank)."""
-        if self.pace is None:
-            return self.local_step
-        return self.pace.taken[self.comm.rank]
-
-    def _pace_position(self, pace: Pace, q: int) -> None:
-        """Dynamic local steps at position ``q``: time this rank's inner step (if it took one),
-        count every rank's; inside the warm start a rank that passed the position takes the
-        optimizer step with the others' mean (its pre-hook averages), like DDP's ranks."""
-        here = pace.steps_here(q)
-        pace.begin(here)
-        if q <= self.warmup and not here:
-            self.inner.step()
-            self.inner.zero_grad(set_to_none=True)
-            pace.waited = 0.0  # (waited inside step(): not in the next step's time)
-        pace.advance(q)
