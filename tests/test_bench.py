@@ -37,8 +37,8 @@ def test_cells_cover_the_matrix_in_order():
     spec = BenchSpec(algos=["co2", "co2+int8/overlap=12/sync_warmup=0"], links=["100mbit"])
     spec.validate()
     plain, variant = (spec.train_config(c, "out") for c in spec.cells())
-    assert (variant.algo, variant.overlap, variant.sync_warmup) == ("co2", 12, 0)
-    assert variant.compression == "int8" and plain.overlap is None
+    assert (variant.algo, variant.value("overlap"), variant.value("sync_warmup")) == ("co2", 12, 0)
+    assert variant.value("compression") == "int8" and plain.value("overlap") is None
     assert variant.out != plain.out
 
 

@@ -11,7 +11,7 @@ import pytest
 from lowcomm.cli import main
 from lowcomm.testing.jobs import run_train_job, tiny_job_args
 from lowcomm.testing.runs import assert_same_run
-from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.config import ConfigError, config_from_dict
 from lowcomm.train.loop import FAULT_ENV
 
 DOCS = [
@@ -159,4 +159,4 @@ def test_documents_resume_mid_round_is_exact(tmp_path: Any, monkeypatch: Any) ->
 )
 def test_documents_settings_are_checked(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(**settings)
+        config_from_dict(dict(**settings))

@@ -17,7 +17,7 @@ import pytest
 from lowcomm.cli import main
 from lowcomm.procs.forkserver import START_METHOD_ENV, ForkedCommand, preload, start_method
 from lowcomm.testing.jobs import TINY_JOB, TINY_JOB_ARGS
-from lowcomm.train.config import TrainConfig
+from lowcomm.train.config import TrainConfig, config_from_dict
 from lowcomm.train.launcher import launch
 from lowcomm.train.worker import main as worker_main
 
@@ -114,7 +114,9 @@ def test_a_forked_command_runs_as_a_session_leader_with_the_given_environment_an
     # rendezvous only in the environment given (this process and the server have none)
     from lowcomm.train.elastic import _free_port
 
-    cfg = TrainConfig(**{**TINY_JOB, "workers": 1, "steps": 8}, out=str(tmp_path / "run"))
+    cfg = config_from_dict(
+        dict(**{**TINY_JOB, "workers": 1, "steps": 8}, out=str(tmp_path / "run"))
+    )
     config = tmp_path / "config.json"
     config.write_text(json.dumps(cfg.with_paths().to_dict()))
     log = tmp_path / "process.log"
@@ -133,7 +135,9 @@ def test_a_forked_command_runs_as_a_session_leader_with_the_given_environment_an
     assert "missing.json" in log.read_text()
 
     # killed as the launcher kills a replica: the whole session, and the signal as the code
-    cfg = TrainConfig(**{**TINY_JOB, "workers": 1, "steps": 10_000}, out=str(tmp_path / "long"))
+    cfg = config_from_dict(
+        dict(**{**TINY_JOB, "workers": 1, "steps": 10_000}, out=str(tmp_path / "long"))
+    )
     config.write_text(json.dumps(cfg.with_paths().to_dict()))
     p = ForkedCommand(worker_main, [str(config)], _worker_env(_free_port()), str(log))
     with pytest.raises(subprocess.TimeoutExpired):

@@ -151,7 +151,7 @@ def _job_settings_case(rank: int, case: str) -> str | None:
     """`lowcomm train`'s own check: flags parsed on each node must agree (not the ones that only
     change what is reported, such as the output folder)."""
     from lowcomm.data import load_corpus
-    from lowcomm.train.config import TrainConfig
+    from lowcomm.train.config import config_from_dict
     from lowcomm.train.loop import check_same_job
 
     kwargs: dict[str, Any] = {"algo": "co2", "out": f"runs/node{rank}"}
@@ -161,7 +161,7 @@ def _job_settings_case(rank: int, case: str) -> str | None:
     if case == "data" and rank == 1:
         corpus.val = corpus.val[:-1]
     try:
-        check_same_job(TrainConfig(**kwargs), corpus)
+        check_same_job(config_from_dict(dict(**kwargs)), corpus)
     except ValueError as e:
         return str(e)
     return None

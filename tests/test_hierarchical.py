@@ -27,7 +27,7 @@ from lowcomm.cli import main
 from lowcomm.testing.jobs import read_summary, run_train_job, tiny_job_args
 from lowcomm.testing.runs import assert_identical, final_state, metric_numbers, rank_state
 from lowcomm.train import checkpoint as ckpt
-from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.config import ConfigError, TrainConfig, config_from_dict
 from lowcomm.train.launcher import check_torchrun_layout
 from lowcomm.train.loop import FAULT_ENV
 
@@ -232,7 +232,7 @@ def test_layout_resolution() -> None:
     assert TrainConfig(algo="ddp", nodes=2, procs_per_node=2, node_sharding="zero").node_size == 2
     assert TrainConfig(algo="ddp", workers=3, node_sharding="zero").node_size == 3
     # the resolved config builds the same config again (config.json, checkpoints)
-    again = TrainConfig(**{**cfg.to_dict(), "name": None, "out": None})
+    again = config_from_dict(dict(**{**cfg.to_dict(), "name": None, "out": None}))
     assert (again.workers, again.nodes, again.procs_per_node) == (6, 2, 3)
 
 

@@ -24,7 +24,7 @@ from lowcomm.bench.netshape import (
     tbf_parameters,
     unavailable_reason,
 )
-from lowcomm.train.config import TrainConfig
+from lowcomm.train.config import TrainConfig, config_from_dict
 from lowcomm.train.faults import FAULT_ENV
 from lowcomm.train.launcher import WorkerFailed
 
@@ -293,9 +293,9 @@ def test_launch_shaped_checks_the_config(tmp_path: Path) -> None:
     with ShapedNetwork(2, 100e6) as net:
         cfg = _tiny_config(tmp_path)
         with pytest.raises(ValueError, match="workers"):
-            launch_shaped(TrainConfig(**{**cfg.to_dict(), "workers": 3}), net)
+            launch_shaped(config_from_dict(dict(**{**cfg.to_dict(), "workers": 3})), net)
         with pytest.raises(ValueError, match="link"):
-            launch_shaped(TrainConfig(**{**cfg.to_dict(), "link": "100mbit"}), net)
+            launch_shaped(config_from_dict(dict(**{**cfg.to_dict(), "link": "100mbit"})), net)
         with pytest.raises(ValueError, match="paths"):
             launch_shaped(TrainConfig(workers=2), net)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowcomm.testing.jobs import TINY_JOB_ARGS
-from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.config import ConfigError, TrainConfig, config_from_dict
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -46,7 +46,6 @@ def test_bf16_trains_in_bf16_and_keeps_fp32_state(train_job: Any, tmp_path: Any)
 def _train_recording_dtypes(rank: int, world: int, values: dict[str, Any]) -> list[str]:
     """Run the job's own loop in this worker with a hook on every module's forward: the dtypes
     the linear layers computed in during the training's forwards."""
-    from lowcomm.train.config import TrainConfig
     from lowcomm.train.loop import train
 
     seen: set[str] = set()
@@ -59,7 +58,7 @@ def _train_recording_dtypes(rank: int, world: int, values: dict[str, Any]) -> li
 
     handle = torch.nn.modules.module.register_module_forward_hook(record)
     try:
-        train(TrainConfig(**values).with_paths(), device=torch.device("cpu"))
+        train(config_from_dict(dict(**values)).with_paths(), device=torch.device("cpu"))
     finally:
         handle.remove()
     return sorted(seen)

@@ -23,7 +23,7 @@ from lowcomm.cli import main
 from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS, run_train_job
 from lowcomm.testing.runs import assert_same_run
 from lowcomm.train import checkpoint as ckpt
-from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.config import ConfigError, TrainConfig, config_from_dict
 from lowcomm.train.loop import FAULT_ENV
 
 REFERENCE_EVERY = 3  # the uninterrupted runs checkpoint at 3, 6, 9, 12
@@ -136,7 +136,9 @@ def test_resume_refuses_other_settings_naming_the_difference(
         assert line.startswith(f"lowcomm train: error: --resume checkpoint {step9!r}"), line
         assert expected in line, line
     # what only changes reporting may differ
-    cfg = TrainConfig(**{**_config(ref), "eval_every": 8, "log_every": 3, "quiet": False})
+    cfg = config_from_dict(
+        dict(**{**_config(ref), "eval_every": 8, "log_every": 3, "quiet": False})
+    )
     assert ckpt.config_difference(_config(ref), cfg) is None
     # a run folder, its checkpoints folder and a step folder all resolve; the latest is 12
     latest = os.path.join(ref, ckpt.CHECKPOINTS, "step-000012")

@@ -18,10 +18,10 @@ from lowcomm.train.config import (
     ConfigError,
     TrainConfig,
     config_from_dict,
+    config_keys,
     field_docs,
-    load_toml,
-    read_toml,
 )
+from lowcomm.train.config_file import load_toml, read_toml
 
 
 def test_defaults_are_valid_and_json_safe() -> None:
@@ -31,10 +31,12 @@ def test_defaults_are_valid_and_json_safe() -> None:
     json.dumps(cfg.to_dict())
 
 
-def test_every_field_has_a_docstring() -> None:
+def test_every_key_has_a_docstring() -> None:
     docs = field_docs()
+    for key in config_keys():
+        assert docs.get(key), f"{key} has no docstring"
     for f in dataclasses.fields(TrainConfig):
-        assert docs.get(f.name), f"TrainConfig.{f.name} has no docstring"
+        assert f.name in config_keys() or f.name in ("outer", "algorithm", "_kwargs"), f.name
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def test_every_field_has_a_docstring() -> None:
 )
 def test_bad_value_names_key_value_and_fix(key: str, value: Any, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
-        TrainConfig(**{key: value})
+        config_from_dict(dict(**{key: value}))
     err = info.value
     assert isinstance(err, ValueError)
     assert err.key == key
@@ -121,7 +123,7 @@ def test_streaming_keys_are_checked_by_the_algorithm(
     values: dict[str, Any], key: str, fragment: str
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        TrainConfig(algo="streaming", **values)
+        config_from_dict(dict(algo="streaming", **values))
     assert info.value.key == key
     assert fragment in info.value.problem, info.value.problem
     assert str(info.value) == f"{key} {info.value.problem}"
@@ -130,7 +132,9 @@ def test_streaming_keys_are_checked_by_the_algorithm(
 def test_streaming_and_co2_eager_kwargs() -> None:
     from lowcomm.registry import ALGORITHMS
 
-    cfg = TrainConfig(algo="streaming", num_fragments=2, overlap=1, mix=0.25, sync_warmup=0)
+    cfg = config_from_dict(
+        dict(algo="streaming", num_fragments=2, overlap=1, mix=0.25, sync_warmup=0)
+    )
     assert cfg.algorithm_class() is ALGORITHMS["streaming"]
     assert cfg.algorithm_kwargs() == {
         "sync_every": 12,
@@ -157,7 +161,7 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "outer_momentum": 0.9,
         "nesterov": True,
     }
-    eager = TrainConfig(algo="co2-eager", clip="none", mix=0.5, steps=96)
+    eager = config_from_dict(dict(algo="co2-eager", clip="none", mix=0.5, steps=96))
     assert eager.algorithm_class() is ALGORITHMS["co2"]
     assert eager.algorithm_kwargs() == {
         "sync_every": 12,
@@ -169,14 +173,18 @@ def test_streaming_and_co2_eager_kwargs() -> None:
         "sync_warmup_compression": "int8",
     }
     assert eager.ignored_outer_keys() == ["mix"]
-    assert TrainConfig(algo="diloco", num_fragments=3).ignored_outer_keys() == ["num_fragments"]
-    staggered = TrainConfig(algo="co2", num_fragments=3)  # CO2 staggers fragments too
+    assert config_from_dict(dict(algo="diloco", num_fragments=3)).ignored_outer_keys() == [
+        "num_fragments"
+    ]
+    staggered = config_from_dict(dict(algo="co2", num_fragments=3))  # CO2 staggers fragments too
     assert staggered.ignored_outer_keys() == []
     assert staggered.algorithm_kwargs()["num_fragments"] == 3
 
 
 def test_inapplicable_outer_keys_are_not_checked() -> None:
-    cfg = TrainConfig(algo="diloco", clip=-1.0, gap_penalty="adaptive", overlap=-3, mix=7.0)
+    cfg = config_from_dict(
+        dict(algo="diloco", clip=-1.0, gap_penalty="adaptive", overlap=-3, mix=7.0)
+    )
     assert cfg.ignored_outer_keys() == ["clip", "gap_penalty", "overlap", "mix"]
     assert set(cfg.algorithm_kwargs()) == {
         "sync_every",
@@ -187,8 +195,8 @@ def test_inapplicable_outer_keys_are_not_checked() -> None:
         "outer_momentum",
         "nesterov",
     }
-    TrainConfig(algo="localsgd", outer_lr=-1.0, num_fragments=0)
-    TrainConfig(algo="ddp", outer_momentum=5.0)
+    config_from_dict(dict(algo="localsgd", outer_lr=-1.0, num_fragments=0))
+    config_from_dict(dict(algo="ddp", outer_momentum=5.0))
 
 
 @pytest.mark.parametrize(
@@ -199,11 +207,11 @@ def test_job_warm_start_is_a_quarter_of_the_steps_in_whole_rounds(
     steps: int, sync_every: int, expected: int
 ) -> None:
     for algo in ("co2", "co2-eager", "diloco", "streaming", "cocodc", "localsgd", "slowmo"):
-        cfg = TrainConfig(algo=algo, steps=steps, sync_every=sync_every, num_fragments=1)
+        cfg = config_from_dict(dict(algo=algo, steps=steps, sync_every=sync_every, num_fragments=1))
         assert cfg.algorithm_kwargs()["sync_warmup"] == expected
         assert cfg.sync_warmup_steps() == expected
-    assert TrainConfig(algo="diloco", sync_warmup=24).sync_warmup_steps() == 24
-    assert TrainConfig(algo="diloco", sync_warmup=0).sync_warmup_steps() == 0
+    assert config_from_dict(dict(algo="diloco", sync_warmup=24)).sync_warmup_steps() == 24
+    assert config_from_dict(dict(algo="diloco", sync_warmup=0)).sync_warmup_steps() == 0
     assert TrainConfig(algo="ddp", steps=steps).sync_warmup_steps() == 0
 
 
@@ -221,7 +229,7 @@ def test_job_warm_start_is_a_quarter_of_the_steps_in_whole_rounds(
 )
 def test_job_defaults_fit_the_job(values: dict[str, Any], fragments: int, overlap: int) -> None:
     for algo in ("streaming", "cocodc"):
-        kwargs = TrainConfig(algo=algo, **values).algorithm_kwargs()
+        kwargs = config_from_dict(dict(algo=algo, **values)).algorithm_kwargs()
         assert (kwargs["num_fragments"], kwargs["overlap"]) == (fragments, overlap)
     # CO2's default overlap (1 step) fits every H
     assert TrainConfig(algo="co2", sync_every=1).algorithm_kwargs()["overlap"] == 1
@@ -229,17 +237,20 @@ def test_job_defaults_fit_the_job(values: dict[str, Any], fragments: int, overla
 
 
 def test_cocodc_at_full_overlap_takes_the_studys_delay_compensation() -> None:
-    full = TrainConfig(algo="cocodc", num_fragments=4, overlap=12).algorithm_kwargs()
+    full = config_from_dict(dict(algo="cocodc", num_fragments=4, overlap=12)).algorithm_kwargs()
     assert (full["lambda0"], full["adaptive"]) == (0.5, False)
     # below full overlap the library's (the paper's) λ₀ 0.2 and priorities; a given one wins
-    below = TrainConfig(algo="cocodc", num_fragments=4, overlap=3).algorithm_kwargs()
+    below = config_from_dict(dict(algo="cocodc", num_fragments=4, overlap=3)).algorithm_kwargs()
     assert "lambda0" not in below and "adaptive" not in below
-    given = TrainConfig(algo="cocodc", overlap=12, lambda0=0.2, adaptive=True)
+    given = config_from_dict(dict(algo="cocodc", overlap=12, lambda0=0.2, adaptive=True))
     assert (given.algorithm_kwargs()["lambda0"], given.algorithm_kwargs()["adaptive"]) == (
         0.2,
         True,
     )
-    assert "lambda0" not in TrainConfig(algo="cocodc", sync_every=24, overlap=12).algorithm_kwargs()
+    assert (
+        "lambda0"
+        not in config_from_dict(dict(algo="cocodc", sync_every=24, overlap=12)).algorithm_kwargs()
+    )
 
 
 def test_slowmo_needs_a_positive_final_learning_rate() -> None:
@@ -264,10 +275,10 @@ def test_missing_data_path(tmp_path: Any) -> None:
 
 
 def test_clip_none_disables_clipping() -> None:
-    cfg = TrainConfig(clip="None")
-    assert cfg.clip == "none"
+    cfg = config_from_dict(dict(clip="None"))
+    assert cfg.value("clip") == "none"
     assert cfg.algorithm_kwargs()["clip"] is None
-    assert TrainConfig(clip=0.5).algorithm_kwargs()["clip"] == 0.5
+    assert config_from_dict(dict(clip=0.5)).algorithm_kwargs()["clip"] == 0.5
 
 
 def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
@@ -284,10 +295,12 @@ def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
         "sync_warmup": 240,
         "sync_warmup_compression": "int8",
     }
-    assert TrainConfig(outer_lr=1.0).algorithm_kwargs()["outer_lr"] == 1.0
-    assert TrainConfig(overlap=12).algorithm_kwargs()["overlap"] == 12  # the paper's schedule
-    cfg = TrainConfig(
-        algo="diloco", outer_lr=0.7, clip=2.0, gap_penalty="none", nesterov=False, steps=40
+    assert config_from_dict(dict(outer_lr=1.0)).algorithm_kwargs()["outer_lr"] == 1.0
+    assert (
+        config_from_dict(dict(overlap=12)).algorithm_kwargs()["overlap"] == 12
+    )  # the paper's schedule
+    cfg = config_from_dict(
+        dict(algo="diloco", outer_lr=0.7, clip=2.0, gap_penalty="none", nesterov=False, steps=40)
     )
     assert cfg.algorithm_kwargs() == {
         "sync_every": 12,
@@ -299,7 +312,7 @@ def test_algorithm_kwargs_only_what_was_set_and_applies() -> None:
         "sync_warmup_compression": "int8",
     }
     assert cfg.ignored_outer_keys() == ["clip", "gap_penalty"]
-    assert TrainConfig(algo="ddp", outer_lr=0.5).algorithm_kwargs() == {}
+    assert config_from_dict(dict(algo="ddp", outer_lr=0.5)).algorithm_kwargs() == {}
     assert TrainConfig(algo="localsgd", sync_every=4).algorithm_kwargs() == {
         "sync_every": 4,
         "bucket_cap_mb": 25.0,
@@ -312,18 +325,18 @@ def test_outer_keys_table_matches_choices() -> None:
     assert set(OUTER_KEYS) == set(ALGORITHM_CHOICES)
 
 
-def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> None:
+def test_algorithm_resolves_the_applicable_keys(monkeypatch: Any) -> None:
     seen: list[dict[str, Any]] = []
 
     class Fake:
         @classmethod
-        def validate(cls, **kwargs: Any) -> None:
+        def resolve(cls, **kwargs: Any) -> None:
             seen.append(kwargs)
             if kwargs.get("outer_lr") == 123.0:
                 raise ValueError("outer_lr 123 is silly; e.g. outer_lr=0.7")
 
     monkeypatch.setattr(TrainConfig, "algorithm_class", lambda self: Fake)
-    cfg = TrainConfig(algo="slowmo", outer_momentum=0.3, clip=1.0)
+    cfg = config_from_dict(dict(algo="slowmo", outer_momentum=0.3, clip=1.0))
     assert seen == [
         {
             "sync_every": 12,
@@ -336,14 +349,14 @@ def test_algorithm_validate_is_called_with_applicable_keys(monkeypatch: Any) -> 
     cfg.with_paths()  # fills two paths; does not check everything again
     assert len(seen) == 1
     with pytest.raises(ConfigError, match="outer_lr 123 is silly") as info:
-        TrainConfig(algo="slowmo", outer_lr=123.0)
+        config_from_dict(dict(algo="slowmo", outer_lr=123.0))
     assert (info.value.key, info.value.problem) == ("outer_lr", "123 is silly; e.g. outer_lr=0.7")
 
 
 def test_algorithm_error_about_no_field_has_no_key(monkeypatch: Any) -> None:
     class Fake:
         @classmethod
-        def validate(cls, **kwargs: Any) -> None:
+        def resolve(cls, **kwargs: Any) -> None:
             raise ValueError("inner_optimizer must be an optimizer")
 
     monkeypatch.setattr(TrainConfig, "algorithm_class", lambda self: Fake)
@@ -388,7 +401,7 @@ def test_toml_fills_config_and_overrides_win(tmp_path: Any) -> None:
         'algo = "diloco"\nsteps = 36\nsync_every = 6\nlr = 1\nnesterov = false\nclip = "none"\n'
     )
     cfg = load_toml(str(path))
-    assert (cfg.algo, cfg.steps, cfg.sync_every, cfg.nesterov, cfg.clip) == (
+    assert (cfg.algo, cfg.steps, cfg.sync_every, cfg.value("nesterov"), cfg.value("clip")) == (
         "diloco",
         36,
         6,
@@ -428,7 +441,7 @@ def test_toml_missing_file_and_tables(tmp_path: Any) -> None:
 
 
 def test_toml_unreadable_is_one_line(tmp_path: Any, monkeypatch: Any) -> None:
-    import lowcomm.train.config as config
+    import lowcomm.train.config_file as config
 
     with pytest.raises(ConfigError, match="is a folder, not a file") as info:
         read_toml(str(tmp_path))
@@ -493,9 +506,9 @@ def test_job_warm_start_is_compressed_unless_asked_otherwise() -> None:
 
     kwargs = TrainConfig(algo="diloco").algorithm_kwargs()
     assert kwargs["sync_warmup_compression"] == "int8"
-    off = TrainConfig(algo="diloco", sync_warmup_compression="none").algorithm_kwargs()
+    off = config_from_dict(dict(algo="diloco", sync_warmup_compression="none")).algorithm_kwargs()
     assert parse_compression(off["sync_warmup_compression"]) is None  # fp32, DDP's exact mean
     with pytest.raises(ConfigError) as info:
-        TrainConfig(algo="co2", sync_warmup_compression="int3")
+        config_from_dict(dict(algo="co2", sync_warmup_compression="int3"))
     assert info.value.key == "sync_warmup_compression"
     assert str(info.value).startswith("sync_warmup_compression is not usable: unknown compression")

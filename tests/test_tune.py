@@ -356,7 +356,7 @@ def test_every_setting_a_choice_names_is_applied() -> None:
     tuned, restored = tune_to_link(cfg, None, None, None, torch.device("cpu"), {"tuned": record})
     assert restored == record
     for key, value in settings.items():
-        assert getattr(tuned, key) == value, key
+        assert tuned.value(key) == value, key
     kwargs = tuned.algorithm_kwargs()
     assert (kwargs["overlap"], kwargs["num_fragments"], kwargs["sync_warmup"]) == (2, 4, 8)
     assert (kwargs["compression"], kwargs["sync_warmup_compression"]) == ("int4", "int2")

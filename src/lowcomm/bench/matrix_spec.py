@@ -240,7 +240,7 @@ class BenchSpec:
         the report: those of a co2 cell, with ``train_overrides`` on top."""
         cfg = self.train_config(Cell("co2", self.workers[0], self.links[0]), self.out)
         keys = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "lr", "bucket_cap_mb")
-        settings = {k: getattr(cfg, k) for k in keys}
+        settings = {k: cfg.value(k) for k in keys}
         settings["data"] = cfg.data or "embedded corpus"
         settings.update(self.train_overrides)
         return settings

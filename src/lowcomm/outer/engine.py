@@ -654,7 +654,7 @@ class OuterAlgorithm:
         """Raise :class:`~lowcomm.outer.hparams.HyperparameterError` (a ``ValueError``) for
         bad keyword arguments (the constructor's, less model, optimizer and process group).
         ``sync_every`` may be left out. The CLI calls this before launching workers."""
-        kwargs = cls._complete(dict(kwargs))
+        kwargs = dict(kwargs)
         field = cls.Config.field("sync_every")
         if "sync_every" not in kwargs and field.default is dataclasses.MISSING:
             # any H the other keywords allow: only they are being checked
@@ -664,8 +664,15 @@ class OuterAlgorithm:
             warmup = kwargs.get("sync_warmup")
             if isinstance(warmup, int) and warmup > 0:
                 kwargs["sync_warmup"] = kwargs["sync_every"] * warmup  # a multiple of that H
+        cls.resolve(**kwargs)
+
+    @classmethod
+    def resolve(cls, **kwargs: Any) -> OuterConfig:
+        """The ``Config`` the constructor makes of these keyword arguments (less model,
+        optimizer and process group); raises
+        :class:`~lowcomm.outer.hparams.HyperparameterError` (a ``ValueError``) for bad ones."""
         try:
-            cls.Config(**kwargs)
+            return cls.Config(**cls._complete(dict(kwargs)))
         except TypeError as e:
             raise HyperparameterError(None, f"{cls.__name__}: {e}") from None
 

@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 from lowcomm.lazy import face
 
 if TYPE_CHECKING:
-    from lowcomm.train.config import ConfigError, TrainConfig, load_toml
+    from lowcomm.train.config import ConfigError, TrainConfig
+    from lowcomm.train.config_file import load_toml
     from lowcomm.train.launcher import WorkerFailed, launch
 
 _FACE = {
     "ConfigError": "lowcomm.train.config",
     "TrainConfig": "lowcomm.train.config",
-    "load_toml": "lowcomm.train.config",
+    "load_toml": "lowcomm.train.config_file",
     "WorkerFailed": "lowcomm.train.launcher",
     "launch": "lowcomm.train.launcher",
 }

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from lowcomm.runfiles import atomic_write, fsync_dir, load_checkpoint, save_checkpoint, write_json
-from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.config import ConfigError, TrainConfig, key_default
 from lowcomm.train.paths import CHECKPOINTS, LATEST, STEP_FOLDER, run_folder_of, step_folder_name
 
 __all__ = [
@@ -234,14 +234,13 @@ def config_difference(saved: Mapping[str, Any], cfg: TrainConfig) -> tuple[str, 
     """The first setting (field order) outside :data:`RESUME_FREE_KEYS` whose value in
     ``saved`` (a ``to_dict()``; a missing key counts as the field's default) differs from
     ``cfg``'s: ``(key, saved value, cfg value)``, or ``None``."""
-    for field in dataclasses.fields(TrainConfig):
-        if field.name in RESUME_FREE_KEYS:
+    for key, now in cfg.to_dict().items():
+        if key in RESUME_FREE_KEYS:
             continue
-        default = field.default if field.default is not dataclasses.MISSING else None
-        before = saved.get(field.name, default)
-        now = getattr(cfg, field.name)
+        default = key_default(key)
+        before = saved.get(key, None if default is dataclasses.MISSING else default)
         if before != now or isinstance(before, bool) != isinstance(now, bool):
-            return field.name, before, now
+            return key, before, now
     return None
 
 

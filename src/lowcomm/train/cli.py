@@ -1,4 +1,4 @@
-"""``lowcomm train``: its flags (one per field of :class:`~lowcomm.train.config.TrainConfig`) and
+"""``lowcomm train``: its flags (one per key of :func:`~lowcomm.train.config.config_keys`) and
 what the command does with them: the configuration resolved (defaults < ``--config`` file <
 flags), checked, launched, and the summary printed. Registered on the ``lowcomm`` command line
 by :mod:`lowcomm.cli`, which maps the errors to exit codes; :func:`run_command` runs it alone
@@ -76,7 +76,13 @@ def flag(key: str) -> str:
 def add_subcommand(subparsers: Any) -> None:
     """Register ``train`` on an argparse subparsers object (flags given only, ``SUPPRESS``)."""
     from lowcomm.registry import algorithm_help, algorithm_titles
-    from lowcomm.train.config import ALGORITHM_CHOICES, TrainConfig, field_docs
+    from lowcomm.train.config import (
+        ALGORITHM_CHOICES,
+        config_keys,
+        field_docs,
+        key_default,
+        key_type,
+    )
 
     p = subparsers.add_parser(
         "train",
@@ -96,14 +102,15 @@ def add_subcommand(subparsers: Any) -> None:
         help="TOML file with any of the keys below (flat, underscores: sync_every = 12)",
     )
     docs = field_docs()
-    for f in dataclasses.fields(TrainConfig):
-        text = docs.get(f.name, "")
-        if f.default is not None and f.default is not dataclasses.MISSING:
-            text += f" (default: {f.default})"
+    for key in config_keys():
+        text = docs.get(key, "")
+        default = key_default(key)
+        if default is not None and default is not dataclasses.MISSING:
+            text += f" (default: {default})"
         kwargs: dict[str, Any] = {"help": text.replace("%", "%%"), "default": argparse.SUPPRESS}
-        annotation = str(f.type)
-        if f.name in _SPECIAL_TYPES:
-            kwargs["type"] = _SPECIAL_TYPES[f.name]
+        annotation = key_type(key)
+        if key in _SPECIAL_TYPES:
+            kwargs["type"] = _SPECIAL_TYPES[key]
         elif annotation.startswith("bool"):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif annotation.startswith("int"):
@@ -114,14 +121,14 @@ def add_subcommand(subparsers: Any) -> None:
             kwargs["type"] = str
         if "action" not in kwargs:
             default_metavar = {int: "N", float: "X"}.get(kwargs["type"], "TEXT")
-            kwargs["metavar"] = _METAVARS.get(f.name, default_metavar)
-        if f.name == "algo":
+            kwargs["metavar"] = _METAVARS.get(key, default_metavar)
+        if key == "algo":
             kwargs["metavar"] = "{" + ",".join(ALGORITHM_CHOICES) + "}"
-            kwargs["help"] = f"{algorithm_help()} (default: {f.default})".replace("%", "%%")
-        if f.name in _OPTIONAL_VALUE:
+            kwargs["help"] = f"{algorithm_help()} (default: {default})".replace("%", "%%")
+        if key in _OPTIONAL_VALUE:
             kwargs["nargs"] = "?"
-            kwargs["const"] = _OPTIONAL_VALUE[f.name]
-        p.add_argument(flag(f.name), dest=f.name, **kwargs)
+            kwargs["const"] = _OPTIONAL_VALUE[key]
+        p.add_argument(flag(key), dest=key, **kwargs)
     p.set_defaults(_run=_run_train)
 
 
@@ -157,12 +164,8 @@ class _ElasticBar:
 
 
 def _run_train(args: argparse.Namespace, prog: str) -> int:
-    from lowcomm.train.config import (
-        NO_OUTER_ALGORITHM,
-        ConfigError,
-        config_from_dict,
-        read_toml,
-    )
+    from lowcomm.train.config import NO_OUTER_ALGORITHM, ConfigError, config_from_dict
+    from lowcomm.train.config_file import read_toml
     from lowcomm.train.errors import TrainingDiverged, WorkerFailed
     from lowcomm.train.launcher import (
         check_environment,

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Collection
 from typing import Any
+
+from lowcomm.hparams import HyperparameterError
 
 __all__ = [
     "ConfigError",
@@ -12,7 +16,12 @@ __all__ = [
     "check_float",
     "check_int",
     "check_string",
+    "config_error",
 ]
+
+# A ValueError from an algorithm class that is not ours may start with the keyword it is
+# about ("outer_lr must be ..."); ours raise HyperparameterError, which carries it.
+_LEADING_KEYWORD = re.compile(r"([A-Za-z_]\w*)(=\S+)?\s+(.*)", re.DOTALL)
 
 
 class ConfigError(ValueError):
@@ -83,3 +92,25 @@ def check_float(
         op = ">" if low_open else ">="
         extra = f" {hint}" if hint else ""
         raise ConfigError(key, f"must be a finite number {op} {low:g}{extra}, got {value}")
+
+
+def config_error(error: ValueError, keys: Collection[str]) -> ConfigError:
+    """An algorithm's ``ValueError`` as a :class:`ConfigError` keyed by the keyword it is about,
+    when that is one of ``keys`` (the configuration's): :class:`~lowcomm.hparams.
+    HyperparameterError` carries it (``overlap``, problem ``"(12) must be ..."``); any other
+    ``ValueError`` is keyed by the keyword its message starts with."""
+    if isinstance(error, HyperparameterError):
+        key, shown, problem = error.key, error.shown, error.problem
+    else:
+        match = _LEADING_KEYWORD.match(str(error))
+        if match is None or match.group(1) not in keys:
+            return ConfigError(None, str(error))
+        key, value, problem = match.groups()
+        shown = value[1:] if value else None
+    if key is None or key not in keys:
+        return ConfigError(None, str(error))
+    if shown is not None:
+        problem = f"({shown}) {problem}"
+    if key == "clip":
+        problem += "; or 'none' to disable clipping"
+    return ConfigError(key, problem)

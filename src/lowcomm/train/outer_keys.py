@@ -1,6 +1,7 @@
 """The outer hyperparameters of the ``lowcomm train`` job, derived from the registry and the
-algorithms' dataclasses: which keys each ``--algo`` takes, one :class:`~.config.TrainConfig`
-field per key (its flag and TOML key), and its ``--help`` text.
+algorithms' dataclasses: which keys each ``--algo`` takes (each a flag and TOML key of the job,
+held in :attr:`~.config.TrainConfig.outer`), the job's defaults, and each key's ``--help``
+text.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ __all__ = [
     "job_outer_defaults",
     "job_sync_warmup",
     "outer_doc",
-    "with_outer_fields",
 ]
 
 JOB_KEYS = ("sync_every", "bucket_cap_mb")
@@ -141,20 +141,6 @@ def job_type(f: dataclasses.Field[Any]) -> str:
     """The annotation of a job field for an algorithm field (all may be None: unset)."""
     declared = f.metadata.get("job_type") or str(f.type)
     return declared if declared.endswith("None") else f"{declared} | None"
-
-
-def with_outer_fields(cls: type) -> type:
-    """Add a field, default ``None``, for every outer hyperparameter of the registered
-    algorithms (:data:`OUTER_KEYS`), after ``weight_decay``: their flags and TOML keys."""
-    annotations: dict[str, Any] = {}
-    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
-        annotations[name] = annotation
-        if name == "weight_decay":
-            for key, f in OUTER_FIELDS.items():
-                annotations[key] = job_type(f)
-                setattr(cls, key, None)
-    cls.__annotations__ = annotations
-    return cls
 
 
 def outer_doc(key: str) -> str:

@@ -4,10 +4,20 @@ the checkpoints). Pure string and path functions: nothing here touches the disk.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 
-__all__ = ["CHECKPOINTS", "LATEST", "STEP_FOLDER", "run_folder_of", "step_folder_name"]
+from lowcomm.train.errors import ConfigError
+
+__all__ = [
+    "CHECKPOINTS",
+    "LATEST",
+    "STEP_FOLDER",
+    "run_folder_of",
+    "run_paths",
+    "step_folder_name",
+]
 
 LATEST = "latest"
 """The value of ``resume`` meaning "the latest complete checkpoint under ``out``"."""
@@ -36,3 +46,31 @@ def run_folder_of(path: str) -> str:
     if base == CHECKPOINTS:
         return parent or "."
     return norm
+
+
+def run_paths(
+    algo: str,
+    name: str | None,
+    out: str | None,
+    resume: str | None,
+    now: datetime.datetime | None = None,
+) -> tuple[str, str]:
+    """A run's ``(name, out)``: ``name`` by default ``<algo>-<YYYYmmdd-HHMMSS>`` (at ``now``),
+    ``out`` by default ``runs/<name>``, or, resuming from a checkpoint path without ``out``, the
+    run folder that holds it (the run it belongs to continues)."""
+    if out is None and resume is not None:
+        if resume == LATEST:
+            raise ConfigError(
+                "resume",
+                "without a path needs out (--out), the folder of the run to continue; "
+                "or pass the checkpoint: --resume RUN/checkpoints/step-NNNNNN",
+            )
+        out = run_folder_of(resume)
+        if name is None:
+            name = os.path.basename(os.path.normpath(out))
+    if name is None:
+        now = now or datetime.datetime.now()
+        name = f"{algo}-{now:%Y%m%d-%H%M%S}"
+    if out is None:
+        out = os.path.join("runs", name)
+    return name, out

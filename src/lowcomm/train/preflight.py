@@ -266,13 +266,13 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     evidence = evidence_for(cfg.algo)
     if cfg.tune_link != "off" and evidence is not None:
         # the choice may compress further and shorten the warm start, as far as was measured
-        if cfg.compression is None:
+        if cfg.value("compression") is None:
             codec = "int2"
-        if cfg.sync_warmup_compression is None:
+        if cfg.value("sync_warmup_compression") is None:
             warm_codec = "int2"
         shares = [share for share, _, _ in evidence.warm]
         shares += [share for _, share, _, _ in evidence.combined]
-        if cfg.sync_warmup is None and warm and shares:
+        if cfg.value("sync_warmup") is None and warm and shares:
             shortest = min(shares)
             warm = min(warm, warm_length(shortest, cfg.steps, cfg.sync_every))
     rounds = max(0, cfg.steps - warm) // cfg.sync_every

@@ -152,7 +152,8 @@ def _compression_label(cfg: TrainConfig, compressible: bool, kwargs: dict[str, A
         k = kwargs.get("compression_topk", defaults.compression_topk)
         chunk = kwargs.get("compression_chunk", defaults.compression_chunk)
         return f"DeMo: top {k} DCT coefficients per chunk (chunk side up to {chunk})"
-    return cfg.compression if compressible else None
+    compression: str | None = cfg.value("compression")
+    return compression if compressible else None
 
 
 def _layout_summary(

@@ -123,11 +123,12 @@ class Synchronisation:
         link = EmulatedLink.parse(cfg.link) if cfg.link is not None else None
         ddp = nn.parallel.DistributedDataParallel(gpt, **ddp_kwargs)
         sync = cls(model=ddp, stats=None)
-        if cfg.compression is not None:
+        compression = cfg.value("compression")
+        if compression is not None:
             from lowcomm.compress import ddp_hook
 
             hook_state, hook = ddp_hook(
-                cfg.compression, process_group=link.communicator() if link is not None else None
+                compression, process_group=link.communicator() if link is not None else None
             )
             ddp.register_comm_hook(hook_state, hook)
             if state is not None and state.get("ddp_hook") is not None:

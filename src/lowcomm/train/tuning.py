@@ -25,7 +25,6 @@ checkpoint keeps them, and a resumed run restores them instead of measuring agai
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -76,7 +75,7 @@ def _tunable(cfg: TrainConfig) -> str | None:
         return f"{cfg.algo} is not tuned: its settings were never measured per token"
     if cfg.fault_tolerance:
         return "elastic syncs are not compressed"
-    if cfg.shard_outer_state:
+    if cfg.value("shard_outer_state"):
         return "sharded outer state is not compressed"
     if cfg.documents:
         return "a documents job's step time follows its documents, not one timed step"
@@ -208,7 +207,7 @@ def tune_to_link(
     if _tunable(cfg) is not None:
         return cfg, None
     kwargs = cfg.algorithm_kwargs()
-    given = {k for k in TUNED_KEYS if getattr(cfg, k, None) is not None}
+    given = {k for k in TUNED_KEYS if cfg.value(k) is not None}
     group = topology.groups.cross if cfg.hierarchical else None
     profile = _profile(cfg, topology, group)
     if profile is None:
@@ -251,7 +250,7 @@ def _describe(settings: dict[str, Any]) -> str:
 def _apply(cfg: TrainConfig, record: dict[str, Any]) -> TrainConfig:
     settings = {k: v for k, v in record.get("settings", {}).items() if k in TUNED_KEYS}
     try:
-        return dataclasses.replace(cfg, **settings)
+        return cfg.replace(**settings)
     except ConfigError as e:
         logger.warning("the settings chosen from the link do not apply (%s); kept the job's", e)
         return cfg

@@ -33,10 +33,9 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import host_store
-from lowcomm.train.config import TrainConfig, config_from_dict
+from lowcomm.train.config import DEVICES, TrainConfig, config_from_dict
 from lowcomm.train.errors import ConfigError
 from lowcomm.train.failures import attempt, describe_attempt, is_peer_loss, record_failure
-from lowcomm.train.fields import DEVICES
 from lowcomm.train.loop import train
 
 __all__ = [
