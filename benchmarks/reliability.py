@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 import lowcomm
+from lowcomm import schedules
 from lowcomm.registry import REGISTRY, outer_names
 from lowcomm.testing.jobs import (
     TINY_JOB,
@@ -364,13 +365,13 @@ def _kill_points(algo: str) -> list[KillPoint]:
     all-reduce was launched); a fault at a checkpoint step for co2 and the fragment methods, and
     two more for co2."""
     schedule = REGISTRY[algo].schedule
-    fragmented = schedule == "fragments"
+    fragmented = schedule is schedules.FRAGMENTS
     # resumes from step 9; co2's checkpoint there holds round 2's result, not yet applied, the
     # fragment methods' the all-reduce launched at step 9
     points = [KillPoint(algo, "mid-round", 1, 10, "kill", 3)]
     if fragmented:  # fragment all-reduces are launched at odd steps
         points.append(KillPoint(algo, "all-reduce just launched (in flight)", 0, 11, "exit", 4))
-    elif schedule == "every-step":  # an all-reduce every step, completed within it
+    elif schedule is schedules.EVERY_STEP:  # an all-reduce every step, completed within it
         points.append(KillPoint(algo, "after a step's all-reduce", 0, 8, "exit", 4))
     else:  # round 2's all-reduce is launched at step 8; co2's stays in flight through round 3
         points.append(KillPoint(algo, "round all-reduce just launched", 0, 8, "exit", 4))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import lowcomm
+from lowcomm import schedules
 from lowcomm.guard import NonFiniteError, _first_difference, describe_tensors
 from lowcomm.registry import REGISTRY
 from lowcomm.testing import inner_step, make_inner, run_workers, toy_model
@@ -30,7 +31,10 @@ FRAGMENTS = {"sync_every": 4, "overlap": 1}  # 2 fragments: a sync point every 2
 
 # name -> (class, keywords): every outer algorithm of the registry, and two compressed ones
 GUARDED: dict[str, tuple[type[lowcomm.OuterAlgorithm], dict[str, Any]]] = {
-    name: (entry.cls, {**entry.fixed, **(FRAGMENTS if entry.schedule == "fragments" else {})})
+    name: (
+        entry.cls,
+        {**entry.fixed, **(FRAGMENTS if entry.schedule is schedules.FRAGMENTS else {})},
+    )
     for name, entry in REGISTRY.items()
     if entry.cls is not None
 }
@@ -41,7 +45,7 @@ GUARDED["diloco-powersgd"] = (lowcomm.DiLoCo, {"compression": "powersgd:2"})
 def _build(name: str, model: torch.nn.Module, **extra: Any) -> lowcomm.OuterAlgorithm:
     cls, kwargs = GUARDED[name]
     kwargs = {"sync_every": H, **kwargs, **extra}
-    if cls.schedule == "fragments":
+    if cls.schedule is schedules.FRAGMENTS:
         kwargs["fragments"] = [model[0], model[2]]
     inner = make_inner("adamw", model.parameters())
     return cls(model, inner, **kwargs)

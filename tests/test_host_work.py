@@ -33,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lowcomm
+from lowcomm import schedules
 from lowcomm.registry import REGISTRY
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
@@ -59,7 +60,7 @@ def _build(name: str, model: torch.nn.ParameterList, **extra: Any) -> lowcomm.Ou
     entry = OUTER[name]
     assert entry.cls is not None
     kwargs: dict[str, Any] = {"sync_every": H, **entry.fixed, **extra}
-    if entry.schedule == "fragments":
+    if entry.schedule is schedules.FRAGMENTS:
         half = len(model) // 2
         kwargs.update(fragments=[list(model)[:half], list(model)[half:]], overlap=1)
     inner = torch.optim.SGD(model.parameters(), lr=0.01)

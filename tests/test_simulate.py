@@ -220,6 +220,31 @@ def test_co2_never_slower_than_diloco(
 # --- projection and the CO2 paper preset ------------------------------------------------------
 
 
+def test_every_algorithm_is_priced_by_the_schedule_object_its_class_names() -> None:
+    from lowcomm import schedules
+    from lowcomm.registry import REGISTRY
+
+    for entry in REGISTRY.values():
+        assert entry.schedule in schedules.SCHEDULES
+        if entry.cls is not None:
+            assert entry.schedule is entry.cls.schedule  # the class says it, once
+    w = _work(0.1, 4e6)
+    net = Network(bandwidth_bps=1e8, latency_s=0.001)
+    algos = [Algorithm(name=n) for n in ("ddp", "demo", "none")]
+    algos += [Algorithm(name=n, sync_every=12) for n in ("diloco", "co2", "noloco")]
+    algos.append(Algorithm(name="streaming", sync_every=12, num_fragments=2, overlap=1))
+    for algo in algos:
+        # the cost model's step time is the schedule's own rule (none: nothing is sent)
+        if algo.schedule.syncs:
+            assert step_time(algo, w, net, 4) == algo.schedule.step_time(algo, w, net, 4)
+        assert algo.label == algo.schedule.label(algo)
+    # a schedule refuses the settings it cannot run, naming them
+    with pytest.raises(ValueError, match="overlap \\(12\\) must be < sync_every \\(12\\)"):
+        Algorithm(name="streaming", sync_every=12, num_fragments=2, overlap=12)
+    assert schedules.NEVER.period(12) is None and schedules.EVERY_STEP.period(12) == 1
+    assert str(schedules.ONE_ROUND_STALE) == "one-round-stale"
+
+
 def test_scaling_efficiency_is_one_at_the_base() -> None:
     rows = project(
         _work(0.01, 1e8),

@@ -13,7 +13,7 @@ Example::
     from lowcomm.registry import REGISTRY
     entry = REGISTRY["co2-eager"]
     entry.cls, dict(entry.fixed)          # (CO2, {'eager': True})
-    [e.name for e in REGISTRY.values() if e.schedule == "blocking"]
+    [e.name for e in REGISTRY.values() if e.schedule is BLOCKING]
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from typing import TYPE_CHECKING, Any
 from lowcomm.hparams import Hyperparameters
 from lowcomm.optim.demo import DeMoConfig
 from lowcomm.outer import CO2, CoCoDC, DiLoCo, LocalSGD, NoLoCo, SlowMo, StreamingDiLoCo
+from lowcomm.schedules import (
+    BLOCKING,
+    EVERY_STEP,
+    EVERY_STEP_GATHER,
+    NEVER,
+    SCHEDULES,
+    Schedule,
+)
 
 if TYPE_CHECKING:
     from lowcomm.outer.engine import OuterAlgorithm
@@ -44,22 +52,6 @@ __all__ = [
     "outer_names",
 ]
 
-SCHEDULES = (
-    "blocking",
-    "one-round-stale",
-    "fragments",
-    "gossip",
-    "every-step",
-    "every-step-gather",
-    "never",
-)
-"""How an entry communicates: a blocking sync every H steps (LocalSGD, DiLoCo, SlowMo); the
-sync of round t applied at the end of round t + 1 (CO2); P fragments synced in turn, each τ
-steps overlapped (Streaming DiLoCo, CoCoDC); every H steps an exchange within small random
-groups instead of an all-reduce (NoLoCo); a blocking all-reduce of the gradients every step
-(DDP); an all-gather of every rank's few compressed momentum coefficients every step (DeMo);
-never (the no-sync ceiling)."""
-
 
 @dataclass(frozen=True)
 class AlgorithmEntry:
@@ -73,8 +65,8 @@ class AlgorithmEntry:
     """The class that runs it; ``None`` for the baselines ``ddp`` and ``none``."""
     fixed: Mapping[str, Any] = field(default_factory=dict)
     """Keywords this name fixes on ``cls`` (``co2-eager``: ``{"eager": True}``)."""
-    schedule: str = "blocking"
-    """One of :data:`SCHEDULES`."""
+    schedule: Schedule = BLOCKING
+    """How it communicates (:mod:`lowcomm.schedules`)."""
     compressible: bool = False
     """Whether ``--compression`` applies to it."""
     elastic: bool = False
@@ -135,17 +127,17 @@ _ENTRIES = (
     AlgorithmEntry(
         name="ddp",
         summary="DistributedDataParallel: gradient all-reduce every step (baseline)",
-        schedule="every-step",
+        schedule=EVERY_STEP,
         compressible=True,
     ),
     AlgorithmEntry(
         name="demo",
         summary="DeMo: per-step sign descent on the all-gathered top-k DCT of local momenta",
-        schedule="every-step-gather",
+        schedule=EVERY_STEP_GATHER,
         options=DeMoConfig,
     ),
     AlgorithmEntry(
-        name="none", summary="no synchronisation: the throughput ceiling", schedule="never"
+        name="none", summary="no synchronisation: the throughput ceiling", schedule=NEVER
     ),
 )
 

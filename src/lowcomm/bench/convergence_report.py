@@ -21,6 +21,7 @@ from lowcomm.bench.report import fmt, pyplot, table
 from lowcomm.bench.results import interpolate_time_to_target
 from lowcomm.registry import REGISTRY
 from lowcomm.runfiles import json_safe, write_text
+from lowcomm.schedules import BLOCKING
 
 if TYPE_CHECKING:
     from lowcomm.bench.convergence_spec import ConvergenceSpec
@@ -312,7 +313,7 @@ def goals(cells: list[dict[str, Any]], reference: str | None) -> list[dict[str, 
     for c in cells:
         schedule = REGISTRY[c["base"]].schedule
         t = _time(c, "100mbit")
-        if (c["workers"], c["length"], schedule) == (2, 1, "blocking") and t is not None:
+        if (c["workers"], c["length"]) == (2, 1) and schedule is BLOCKING and t is not None:
             blocking.append(t)
     value = None if fast is None or not blocking else min(blocking) / fast
     met = None if fast is None or not blocking else fast < min(blocking)

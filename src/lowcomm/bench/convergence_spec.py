@@ -19,7 +19,7 @@ __all__ = ["ConvergenceSpec", "label_for"]
 
 def _default_algos() -> list[str]:
     """DDP first (the reference), then every other entry that synchronises."""
-    return ["ddp", *(n for n, e in REGISTRY.items() if n != "ddp" and e.schedule != "never")]
+    return ["ddp", *(n for n, e in REGISTRY.items() if n != "ddp" and e.schedule.syncs)]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class ConvergenceSpec:
         algorithm so that a bad job setting fails now, not an hour in."""
         if not self.algos:
             raise ValueError("algos: give at least one algorithm, e.g. ddp,co2")
-        choices = [n for n, e in REGISTRY.items() if e.schedule != "never"]
+        choices = [n for n, e in REGISTRY.items() if e.schedule.syncs]
         for algo in self.algos:
             base = algo_fields(algo)["algo"]
             if base not in choices:

@@ -25,13 +25,13 @@ blocking schedule and payload), so its throughput is DiLoCo's."""
 def _matrix_algos() -> list[str]:
     """The full matrix: every synchronising baseline, then every outer algorithm in registry
     order, less :data:`_MATRIX_LEAVES_OUT` (the ceiling is measured inside every cell)."""
-    baselines = [n for n in BASELINES if REGISTRY[n].schedule != "never"]
+    baselines = [n for n in BASELINES if REGISTRY[n].schedule.syncs]
     return [*baselines, *(n for n in outer_names() if n not in _MATRIX_LEAVES_OUT)]
 
 
 def _cell_algos() -> list[str]:
     """Every ``--algo`` value a cell can run: all but the no-sync ceiling (it is in every cell)."""
-    return [n for n, e in REGISTRY.items() if e.schedule != "never"]
+    return [n for n, e in REGISTRY.items() if e.schedule.syncs]
 
 
 @dataclass(frozen=True)

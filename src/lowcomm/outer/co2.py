@@ -74,6 +74,7 @@ from lowcomm.outer.hparams import (
     outer_momentum,
 )
 from lowcomm.params import load_tensors
+from lowcomm.schedules import ONE_ROUND_STALE
 
 __all__ = ["CLIP_MODES", "CO2", "MERGES", "CO2Config", "CO2State"]
 
@@ -312,7 +313,7 @@ class CO2(OuterAlgorithm):
     name = "co2"
     Config: ClassVar[type[OuterConfig]] = CO2Config
     config: CO2Config
-    schedule = "one-round-stale"
+    schedule = ONE_ROUND_STALE
     _apply_unlaunched = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -62,6 +62,7 @@ from lowcomm.outer.hparams import OuterConfig
 from lowcomm.outer.pace import Pace
 from lowcomm.outer.warm import WARM_BUCKET_MB, WARM_STREAM, WarmStart
 from lowcomm.params import check_partition, collect_params, split_by_blocks
+from lowcomm.schedules import BLOCKING, Schedule
 
 if TYPE_CHECKING:
     from lowcomm.elastic.sync import FaultTolerance
@@ -84,7 +85,7 @@ class OuterAlgorithm:
 
     name: ClassVar[str] = "outer"
     Config: ClassVar[type[OuterConfig]] = OuterConfig  # the constructor's keywords
-    schedule: ClassVar[str] = "blocking"  # how it communicates (lowcomm.registry.SCHEDULES)
+    schedule: ClassVar[Schedule] = BLOCKING  # how it communicates (lowcomm.schedules)
     elastic: ClassVar[bool] = True  # whether its syncs run under torchft (fault_tolerance=)
     # finish() drops (and warns of) the steps since the last round boundary
     _discards_partial_round: ClassVar[bool] = True

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from lowcomm.compress.lgreco import LGreCo
     from lowcomm.elastic.sync import FaultTolerance
     from lowcomm.outer.pace import Pace
+    from lowcomm.schedules import Schedule
 
 __all__ = ["ElasticEngine", "ElasticSyncs"]
 
@@ -26,7 +27,7 @@ class ElasticEngine(Protocol):
     """What the elastic syncs ask of the engine that owns them
     (:class:`~lowcomm.outer.engine.OuterAlgorithm`)."""
 
-    schedule: ClassVar[str]
+    schedule: ClassVar[Schedule]
     elastic: ClassVar[bool]
     inner: torch.optim.Optimizer
     params: list[torch.Tensor]
@@ -84,7 +85,10 @@ class ElasticSyncs:
                 "shard_outer_state (its reduce-scatter is not carried by "
                 "torchft's Manager): leave it off",
             ),
-            (engine.schedule == "gossip", "gossip groups (NoLoCo's pairs need a fixed group)"),
+            (
+                engine.schedule.needs_fixed_group,
+                f"{engine.schedule} groups (NoLoCo's pairs need a fixed group)",
+            ),
             (
                 not type(engine).elastic,
                 "its class sets elastic = False (its syncs need a fixed group)",

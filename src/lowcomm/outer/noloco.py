@@ -46,6 +46,7 @@ from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState
 from lowcomm.outer.functional import noloco_groups, noloco_outer_update_
 from lowcomm.outer.hparams import OuterConfig, outer_lr, outer_momentum, overlap
 from lowcomm.params import load_tensors
+from lowcomm.schedules import GOSSIP
 
 __all__ = ["NoLoCo", "NoLoCoConfig"]
 
@@ -123,7 +124,7 @@ class NoLoCo(OuterAlgorithm):
 
     name = "noloco"
     Config: ClassVar[type[OuterConfig]] = NoLoCoConfig
-    schedule = "gossip"
+    schedule = GOSSIP
     elastic = False  # its gossip pairs need a fixed group
     config: NoLoCoConfig
 

@@ -35,6 +35,7 @@ from lowcomm.outer.hparams import (
     overlap,
 )
 from lowcomm.params import split_by_blocks
+from lowcomm.schedules import FRAGMENTS
 
 __all__ = ["FragmentsConfig", "StreamingConfig", "StreamingDiLoCo", "split_by_blocks"]
 
@@ -92,7 +93,7 @@ class StreamingDiLoCo(DiLoCo):
     name = "streaming"
     Config: ClassVar[type[OuterConfig]] = StreamingConfig
     config: FragmentsConfig
-    schedule = "fragments"
+    schedule = FRAGMENTS
     _discards_partial_round = False
     _flat_state = False
 

@@ -31,8 +31,6 @@ from lowcomm.registry import REGISTRY
 
 __all__ = ["Candidate", "PlanResult", "check_layout", "evaluate", "plan", "rank_of"]
 
-OUTER_SCHEDULES = ("blocking", "one-round-stale", "fragments")
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -236,8 +234,8 @@ def plan(
         raise ValueError(f"usable must be in (0, 1], got {usable!r}")
     outer = tuple(outer)
     for name in outer:
-        if name not in REGISTRY or REGISTRY[name].schedule not in OUTER_SCHEDULES:
-            allowed = [n for n, e in REGISTRY.items() if e.schedule in OUTER_SCHEDULES]
+        if name not in REGISTRY or not REGISTRY[name].schedule.rounds_all_reduce:
+            allowed = [n for n, e in REGISTRY.items() if e.schedule.rounds_all_reduce]
             raise ValueError(
                 f"outer algorithm {name!r} is not one lowcomm plan prices: choose from "
                 f"{', '.join(allowed)}"

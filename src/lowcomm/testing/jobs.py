@@ -16,6 +16,7 @@ import os
 from typing import Any, Protocol
 
 from lowcomm.registry import REGISTRY
+from lowcomm.schedules import FRAGMENTS
 
 __all__ = [
     "FRAGMENT_ARGS",
@@ -81,9 +82,9 @@ FRAGMENT_ARGS: list[str] = ["--num-fragments", "2", "--overlap", "1"]
 early (at odd steps)."""
 
 TINY_JOB_ALGO_ARGS: dict[str, list[str]] = {
-    name: list(FRAGMENT_ARGS) if entry.schedule == "fragments" else []
+    name: list(FRAGMENT_ARGS) if entry.schedule is FRAGMENTS else []
     for name, entry in REGISTRY.items()
-    if entry.schedule != "never"  # ``none`` never synchronises: nothing to fault or resume
+    if entry.schedule.syncs  # ``none`` never synchronises: nothing to fault or resume
 }
 """Per ``--algo`` value of :mod:`lowcomm.registry` that synchronises (every one but
 ``none``): the flags added to :data:`TINY_JOB_ARGS`, :data:`FRAGMENT_ARGS` for the fragment

@@ -252,7 +252,7 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     payload = 4.0 * parameters
     if cfg.algo == "ddp":
         return cfg.steps * link.network().allreduce_time(payload, n)
-    if not entry.is_outer or entry.schedule not in ("blocking", "one-round-stale", "fragments"):
+    if not entry.is_outer or not entry.schedule.rounds_all_reduce:
         return None
 
     def sync(codec: str | None) -> float:

@@ -93,9 +93,7 @@ def run_summary(
         "out": cfg.out,
         "workers": world,
         "steps": cfg.steps,
-        "sync_every": {"every-step": 1, "every-step-gather": 1, "never": None}.get(
-            entry.schedule, cfg.sync_every
-        ),
+        "sync_every": entry.schedule.period(cfg.sync_every),
         "sync_warmup": (
             {"steps": warm, "compression": kwargs.get("sync_warmup_compression")} if warm else None
         ),

@@ -54,7 +54,6 @@ TUNED_KEYS = (
 )
 """The job settings a choice may set (only where the user gave none)."""
 
-_TUNABLE_SCHEDULES = ("one-round-stale", "blocking", "fragments")
 
 DECODE_SHARE = 0.3
 """The share of a one-rank compressed mean's work that decodes its one payload (torch.profiler
@@ -69,7 +68,7 @@ def _tunable(cfg: TrainConfig) -> str | None:
     entry = REGISTRY[cfg.algo]
     if cfg.tune_link == "off":
         return "off"
-    if not entry.is_outer or entry.schedule not in _TUNABLE_SCHEDULES or entry.fixed:
+    if not entry.is_outer or not entry.schedule.rounds_all_reduce or entry.fixed:
         return f"{cfg.algo} is not tuned"
     if evidence_for(cfg.algo) is None:
         return f"{cfg.algo} is not tuned: its settings were never measured per token"

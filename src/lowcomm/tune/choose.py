@@ -46,6 +46,7 @@ from fractions import Fraction
 from typing import Any
 
 from lowcomm.registry import REGISTRY
+from lowcomm.schedules import ONE_ROUND_STALE
 from lowcomm.tune.cost import Algorithm, Network, Workload, step_time
 from lowcomm.tune.evidence import (
     MAX_COST,
@@ -210,7 +211,7 @@ def warm_length(share: Fraction, steps: int, sync_every: int) -> int:
 def _algorithm(algo: str, sync_every: int, settings: dict[str, Any]) -> Algorithm:
     schedule = REGISTRY[algo].schedule
     kwargs: dict[str, Any] = {"name": algo, "sync_every": sync_every}
-    if schedule in ("one-round-stale", "fragments"):
+    if "num_fragments" in schedule.keywords:
         kwargs["overlap"] = int(settings.get("overlap") or 0)
         kwargs["num_fragments"] = int(settings.get("num_fragments") or 1)
     return Algorithm(**kwargs)
@@ -286,7 +287,7 @@ def choose_sync_settings(
         raise ValueError(f"step_time_s must be a finite number > 0, got {step_time_s!r}")
     current = dict(current or {})
     entry = REGISTRY[algo]
-    if entry.schedule == "one-round-stale" and current.get("num_fragments") is None:
+    if entry.schedule is ONE_ROUND_STALE and current.get("num_fragments") is None:
         current["num_fragments"] = 1  # CO2's default: one fragment
     evidence = evidence_for(algo) if not entry.fixed else None
     if evidence is None:

@@ -28,8 +28,9 @@ worker, measured or given; it does not change with N (weak scaling: every worker
 The payload is the parameter count × bytes per element (4 for fp32, lowcomm's buckets; 2 for
 bf16), or a measured payload.
 
-**Overlap rules**, one per registry schedule (per worker; H = ``sync_every``; T = all-reduce time
-of the whole payload; ``t_o`` = one outer update):
+**Overlap rules**, one per schedule (:mod:`lowcomm.schedules`, whose ``step_time`` applies
+them; per worker; H = ``sync_every``; T = all-reduce time of the whole payload; ``t_o`` = one
+outer update):
 
 * ``never`` (``none``): no communication, step = t_c (the ceiling).
 * ``every-step`` (``ddp``, synchronous AdamW/SGD): all-reduce of the gradients every step. DDP
@@ -90,10 +91,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal
 
 from lowcomm.outer.cocodc import CoCoDC
 from lowcomm.registry import REGISTRY, AlgorithmEntry, names
+from lowcomm.schedules import LinkModel, Schedule, StepTime
 from lowcomm.tune.collective_cost import (
     TierLevel,
     allgather_time,
@@ -128,20 +130,7 @@ __all__ = [
 ALGORITHMS = names()
 """Algorithms the model knows: every ``lowcomm train --algo`` value, in registry order."""
 
-_SCORE_BYTES = 8  # CoCoDC all-reduces one float64 priority score per fragment
-
 CostModel = Literal["ring", "emulated"]
-
-
-class LinkModel(Protocol):
-    """What :func:`step_time` asks of a network: the time of its collectives over ``n``
-    workers (:class:`Network`; ``lowcomm plan`` passes the data-parallel group of a layout)."""
-
-    def allreduce_time(self, payload_bytes: float, n: int) -> float: ...
-
-    def allgather_time(self, payload_bytes: float, n: int) -> float: ...
-
-    def exchange_time(self, payload_bytes: float, group: int) -> float: ...
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -300,16 +289,7 @@ class Algorithm:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-        if self.schedule in ("fragments", "gossip") and self.overlap >= self.sync_every:
-            raise ValueError(
-                f"overlap ({self.overlap}) must be < sync_every ({self.sync_every}) for {self.name}"
-            )
-        staggered = self.schedule in ("fragments", "one-round-stale")
-        if staggered and self.sync_every % self.num_fragments:
-            raise ValueError(
-                f"sync_every ({self.sync_every}) must be a multiple of num_fragments "
-                f"({self.num_fragments}) for {self.name}"
-            )
+        self.schedule.check(self)
 
     @property
     def entry(self) -> AlgorithmEntry:
@@ -317,36 +297,32 @@ class Algorithm:
         return REGISTRY[self.name]
 
     @property
-    def schedule(self) -> str:
-        """How it communicates (one of :data:`lowcomm.registry.SCHEDULES`): the overlap
-        rule :func:`step_time` applies."""
+    def schedule(self) -> Schedule:
+        """How it communicates (:mod:`lowcomm.schedules`): the overlap rule :func:`step_time`
+        applies."""
         return self.entry.schedule
 
     @property
     def period(self) -> int:
         """Inner steps per synchronisation: 1 for a sync every step (ddp, demo), else
         ``sync_every``."""
-        return 1 if self.schedule in ("every-step", "every-step-gather") else self.sync_every
+        period = self.schedule.period(self.sync_every)
+        return self.sync_every if period is None else period
 
     @property
     def label(self) -> str:
         """Short name for tables and plots, e.g. ``co2 H=48``."""
-        if self.schedule == "every-step-gather":
-            return f"{self.name} k={self.topk} s={self.chunk}" + (
-                " overlap" if self.overlap else ""
-            )
-        if not self.entry.is_outer:
-            return self.name
-        text = f"{self.name} H={self.sync_every}"
-        if self.schedule == "fragments":
-            text += f" P={self.num_fragments} overlap={self.overlap}"
-        if self.schedule == "gossip":
-            text += f" n={self.group_size}" + (f" overlap={self.overlap}" if self.overlap else "")
-        if self.schedule == "one-round-stale" and self.num_fragments > 1:
-            text += f" P={self.num_fragments}"
-        if self.schedule == "one-round-stale" and 0 < self.overlap < self.sync_every:
-            text += f" overlap={self.overlap}"
-        return text
+        return self.schedule.label(self)
+
+    @property
+    def scores_fragments(self) -> bool:
+        """Whether each sync point also all-reduces a priority score per fragment: CoCoDC's
+        adaptive transmission (its class and variants, unless ``adaptive`` is off or fixed
+        off)."""
+        entry = self.entry
+        if entry.cls is None or not issubclass(entry.cls, CoCoDC):
+            return False
+        return bool(entry.fixed.get("adaptive", self.adaptive))
 
     def largest_group(self, n: int) -> int:
         """noloco: members of the largest group among ``n`` workers (the remainder of n not
@@ -355,113 +331,14 @@ class Algorithm:
         return n - (groups - 1) * self.group_size
 
 
-@dataclass(frozen=True)
-class StepTime:
-    """Per-worker time of one inner step, averaged over a round."""
-
-    step_s: float
-    """Wall time per inner step."""
-    compute_s: float
-    """t_c."""
-    comm_s: float
-    """All-reduce time per inner step (all of a round's collectives, divided by H)."""
-    exposed_s: float
-    """Communication not hidden behind compute, per inner step."""
-    outer_s: float
-    """Outer-update compute per inner step."""
-    queued_s: float = 0.0
-    """Time collectives wait for the link behind earlier ones, per inner step (link-bound)."""
-
-    @property
-    def hidden_fraction(self) -> float | None:
-        """1 − blocked / in flight, as lowcomm's counters define it (in flight from launch to
-        completion, queueing included); None without communication."""
-        in_flight = self.comm_s + self.queued_s
-        if in_flight <= 0:
-            return None
-        return min(1.0, max(0.0, 1.0 - self.exposed_s / in_flight))
-
-
 def step_time(algorithm: Algorithm, workload: Workload, network: LinkModel, n: int) -> StepTime:
     """Time per inner step of ``algorithm`` on ``n`` workers; see the module docstring's rules."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"workers must be an integer >= 1, got {n!r}")
-    t = workload.step_time_s
-    schedule = algorithm.schedule
-    if schedule == "never" or n == 1:
+    if n == 1 or not algorithm.schedule.syncs:
+        t = workload.step_time_s
         return StepTime(t, t, 0.0, 0.0, 0.0)
-    payload = workload.payload
-    if schedule == "every-step":
-        comm = network.allreduce_time(payload, n)
-        exposed = max(0.0, comm - workload.backward_fraction * t)
-        return StepTime(t + exposed, t, comm, exposed, 0.0)
-    if schedule == "every-step-gather":
-        sent = workload.parameters * min(1.0, algorithm.topk / algorithm.chunk**2) * 8.0
-        comm = network.allgather_time(sent, n)
-        exposed = max(0.0, comm - t) if algorithm.overlap else comm
-        return StepTime(t + exposed, t, comm, exposed, 0.0)
-    h = algorithm.sync_every
-    outer = workload.outer_time_s
-    if schedule == "blocking":
-        comm = network.allreduce_time(payload, n)
-        return StepTime(t + (comm + outer) / h, t, comm / h, comm / h, outer / h)
-    if schedule == "one-round-stale" and algorithm.num_fragments > 1:
-        # CO2 with staggered fragments: the fragments rule, τ = H where overlap is 0
-        return _fragments_step(algorithm, workload, network, n, algorithm.overlap or h)
-    if schedule == "one-round-stale" and 0 < algorithm.overlap < h:
-        # lowcomm train's CO2: launched τ steps before the round ends, applied at its end —
-        # one fragment of the fragments rule below
-        comm = network.allreduce_time(payload, n)
-        exposed = max(0.0, comm - algorithm.overlap * t)
-        round_s = max(h * t + exposed + outer, comm)
-        queued = max(0.0, comm - (h * t + exposed + outer))
-        return StepTime(
-            round_s / h, t, comm / h, (round_s - h * t - outer) / h, outer / h, queued / h
-        )
-    if schedule == "one-round-stale":
-        comm = network.allreduce_time(payload, n)
-        window = h * t + outer
-        exposed = max(0.0, comm - window)
-        # link-bound: each all-reduce also queues behind the previous one for the excess
-        return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
-    if schedule == "gossip":
-        ex = network.exchange_time(payload, algorithm.largest_group(n))
-        per_sync = max(0.0, ex - algorithm.overlap * t)
-        round_s = max(h * t + per_sync + outer, ex)
-        queued = max(0.0, ex - (h * t + per_sync + outer))
-        return StepTime(
-            round_s / h, t, ex / h, (round_s - h * t - outer) / h, outer / h, queued / h
-        )
-    assert schedule == "fragments", schedule
-    return _fragments_step(algorithm, workload, network, n, algorithm.overlap)
-
-
-def _fragments_step(
-    algorithm: Algorithm, workload: Workload, network: LinkModel, n: int, overlap: int
-) -> StepTime:
-    """The ``fragments`` rule (module docstring), each fragment ``overlap`` steps in flight."""
-    t, h, outer = workload.step_time_s, algorithm.sync_every, workload.outer_time_s
-    p = algorithm.num_fragments
-    frag = network.allreduce_time(workload.payload / p, n)
-    score = 0.0
-    if _scores_fragments(algorithm):
-        score = network.allreduce_time(_SCORE_BYTES * p, n)
-    per_point = max(0.0, frag - overlap * t) + score
-    compute_bound = h * t + p * per_point + outer
-    link_bound = p * (frag + score)
-    round_s = max(compute_bound, link_bound)
-    exposed = round_s - h * t - outer
-    queued = max(0.0, link_bound - compute_bound)
-    return StepTime(round_s / h, t, p * (frag + score) / h, exposed / h, outer / h, queued / h)
-
-
-def _scores_fragments(algorithm: Algorithm) -> bool:
-    """Whether each sync point also all-reduces a priority score per fragment: CoCoDC's adaptive
-    transmission (its class and variants, unless ``adaptive`` is off or fixed off)."""
-    entry = algorithm.entry
-    if entry.cls is None or not issubclass(entry.cls, CoCoDC):
-        return False
-    return bool(entry.fixed.get("adaptive", algorithm.adaptive))
+    return algorithm.schedule.step_time(algorithm, workload, network, n)
 
 
 def solve_compute_time(

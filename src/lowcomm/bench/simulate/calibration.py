@@ -26,6 +26,7 @@ from lowcomm.bench.simulate.model import (
     step_time,
 )
 from lowcomm.registry import REGISTRY
+from lowcomm.schedules import FRAGMENTS
 
 __all__ = ["CalibrationRow", "calibrate", "load_results", "scenario_from_results"]
 
@@ -116,7 +117,7 @@ def _cell_algorithm(cell: Mapping[str, Any], settings: Mapping[str, Any]) -> Alg
     if not REGISTRY[name].is_outer:
         return Algorithm(name=name)
     h = _opt_int(cell.get("sync_every")) or _opt_int(settings.get("sync_every")) or 1
-    if REGISTRY[name].schedule == "fragments":
+    if REGISTRY[name].schedule is FRAGMENTS:
         p = _opt_int(cell.get("num_fragments")) or 1
         tau = _opt_int(cell.get("overlap")) or 0
         return Algorithm(name=name, sync_every=h, num_fragments=p, overlap=tau)
@@ -134,7 +135,7 @@ def _known_algorithm(cell: Mapping[str, Any], settings: Mapping[str, Any]) -> Al
 def _is_ceiling(cell: Mapping[str, Any]) -> bool:
     """Whether ``cell`` measured the algorithm that never synchronises (the no-sync ceiling)."""
     entry = REGISTRY.get(str(cell["algo"]))
-    return entry is not None and entry.schedule == "never"
+    return entry is not None and not entry.schedule.syncs
 
 
 def _cell_network(cell: Mapping[str, Any]) -> Network | None:
@@ -224,8 +225,8 @@ def calibrate(results: Mapping[str, Any], *, source: str = "results") -> list[Ca
                 workers=n,
                 link=cell.get("link"),
                 sync_every=algo.period,
-                num_fragments=algo.num_fragments if algo.schedule == "fragments" else None,
-                overlap=algo.overlap if algo.schedule == "fragments" else None,
+                num_fragments=algo.num_fragments if algo.schedule is FRAGMENTS else None,
+                overlap=algo.overlap if algo.schedule is FRAGMENTS else None,
                 compute_s=t_c,
                 payload_bytes=payload,
                 measured_step_s=float(cell["step_time_s"]),

@@ -20,12 +20,13 @@ from lowcomm.bench.simulate.model import ALGORITHMS, Algorithm, Network, Scenari
 from lowcomm.bench.simulate.paper import PRESETS, preset
 from lowcomm.bench.simulate.report import format_markdown, run_simulate
 from lowcomm.registry import REGISTRY
+from lowcomm.schedules import EVERY_STEP_GATHER, FRAGMENTS, GOSSIP
 
 __all__ = ["add_subcommand"]
 
 logger = logging.getLogger(__name__)
 
-_FRAGMENTED = "/".join(n for n, e in REGISTRY.items() if e.schedule == "fragments")
+_FRAGMENTED = "/".join(n for n, e in REGISTRY.items() if e.schedule is FRAGMENTS)
 """The algorithms that take --num-fragments and --overlap, for the help (``streaming/cocodc``)."""
 
 
@@ -127,18 +128,18 @@ def _build_algorithms(
 ) -> tuple[Algorithm, ...]:
     algos: list[Algorithm] = []
     for name in names:
-        if REGISTRY[name].schedule == "every-step-gather":  # demo: --overlap 1 applies late
+        if REGISTRY[name].schedule is EVERY_STEP_GATHER:  # demo: --overlap 1 applies late
             algos.append(Algorithm(name=name, overlap=min(overlap, 1)))
             continue
         if not REGISTRY[name].is_outer:
             algos.append(Algorithm(name=name))
             continue
         for h in sync_every:
-            if REGISTRY[name].schedule == "fragments":
+            if REGISTRY[name].schedule is FRAGMENTS:
                 algos.append(
                     Algorithm(name=name, sync_every=h, num_fragments=num_fragments, overlap=overlap)
                 )
-            elif REGISTRY[name].schedule == "gossip":
+            elif REGISTRY[name].schedule is GOSSIP:
                 algos.append(
                     Algorithm(name=name, sync_every=h, group_size=group_size, overlap=overlap)
                 )

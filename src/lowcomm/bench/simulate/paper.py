@@ -24,6 +24,7 @@ from lowcomm.bench.simulate.model import (
     solve_compute_time,
     step_time,
 )
+from lowcomm.schedules import ONE_ROUND_STALE
 
 __all__ = [
     "CO2_PAPER_URL",
@@ -226,7 +227,7 @@ def paper_implications(scenario: Scenario, rows: Sequence[Projection]) -> list[s
         f"{a.label} {at[(a.label, 128)].scalability_ratio:.2f}"
         + (f" (paper {ratios[a.label]:.2f})" if a.label in ratios else "")
         for a in scenario.algorithms
-        if a.schedule == "one-round-stale"
+        if a.schedule is ONE_ROUND_STALE
     ]
     if co2:
         text += "; CO2's scalability ratio at that bandwidth: " + ", ".join(co2)

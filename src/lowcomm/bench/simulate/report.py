@@ -13,6 +13,7 @@ from typing import Any
 from lowcomm.bench.simulate.calibration import CalibrationRow, calibrate
 from lowcomm.bench.simulate.model import Projection, Scenario, project
 from lowcomm.bench.simulate.paper import PaperComparison, compare_with_paper, paper_implications
+from lowcomm.schedules import FRAGMENTS, ONE_ROUND_STALE
 
 __all__ = [
     "SimulateReport",
@@ -155,9 +156,9 @@ def format_link_choices(s: Scenario) -> str:
     rows = []
     for algo in s.algorithms:
         current: dict[str, Any] = {"compression": None, "overlap": algo.overlap or None}
-        if algo.schedule == "one-round-stale":
+        if algo.schedule is ONE_ROUND_STALE:
             current["overlap"] = algo.overlap or 1  # lowcomm train's CO2: one step stale
-        if algo.schedule == "fragments":
+        if algo.schedule is FRAGMENTS:
             current["num_fragments"] = algo.num_fragments
         try:
             choice = choose_sync_settings(
