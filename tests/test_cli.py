@@ -601,3 +601,38 @@ def test_compression_flag_shrinks_the_bytes_of_co2_and_ddp(
         == 2
     )
     assert "--compression is not usable: unknown compression 'int9'" in capsys.readouterr().err
+
+
+def test_every_command_builds_its_flags_from_one_dataclass() -> None:
+    """``train``, ``bench``, ``plan`` and ``finetune`` declare each flag once, as a field (the
+    job's configuration keys, ``BenchFlags``, ``PlanFlags``, ``FinetuneConfig``), and build their
+    parsers from them with :func:`lowcomm.flags.add_flags`: every option is a field and every
+    field an option."""
+    import dataclasses
+
+    from lowcomm.bench.cli import BenchFlags
+    from lowcomm.cli import _build_parser
+    from lowcomm.flags import flag_name
+    from lowcomm.plan.cli import PlanFlags
+    from lowcomm.train.config import config_keys
+    from lowcomm.zo.finetune import FinetuneConfig
+
+    commands = _build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    expected = {
+        "train": ["--config", *map(flag_name, config_keys())],
+        "bench": [flag_name(f.name) for f in dataclasses.fields(BenchFlags)],
+        "plan": [flag_name(f.name) for f in dataclasses.fields(PlanFlags)],
+        "finetune": [flag_name(f.name) for f in dataclasses.fields(FinetuneConfig) if f.init],
+    }
+    for name, flags in expected.items():
+        options = [a.option_strings[0] for a in commands[name]._actions if a.dest != "help"]
+        assert options == flags, name
+    # a switch's --no- form where the field says so; choices, repeats and parsers from the field
+    bench = {a.dest: a for a in commands["bench"]._actions}
+    assert bench["overhead"].option_strings == ["--overhead", "--no-overhead"]
+    assert bench["quick"].default is False and bench["corpus"].choices == ("stdlib", "lognormal")
+    assert commands["plan"].parse_args(["--tier", "a:2:1", "--tier", "b:2:1"]).tier == [
+        "a:2:1",
+        "b:2:1",
+    ]
+    assert commands["bench"].parse_args(["--workers", "2,4"]).workers == [2, 4]

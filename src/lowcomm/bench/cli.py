@@ -17,17 +17,18 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
+
+from lowcomm.flags import add_flags, fields_of, flag
 
 __all__ = ["add_subcommand"]
 
 
-from lowcomm.bench.argtypes import csv_list as _csv
-from lowcomm.bench.argtypes import int_csv as _int_csv
+from lowcomm.bench.argtypes import csv_list, float_csv, int_csv
 from lowcomm.bench.sections import (
     CODEC_KEYS,
     DDP_PARITY_KEYS,
-    add_section_arguments,
     codec_settings,
     ddp_parity_settings,
     note,
@@ -35,6 +36,136 @@ from lowcomm.bench.sections import (
     run_ddp_parity_only,
     worker_threads,
 )
+
+
+@dataclass(kw_only=True)
+class BenchFlags:
+    """The flags of ``lowcomm bench``: each field one flag (a switch's default is always in the
+    namespace; any other flag only when given)."""
+
+    quick: bool = flag(False, keep_default=True)
+    """the small matrix: ddp, co2, diloco on 1gbit and 100mbit; 2 workers; 96 steps"""
+    convergence: bool = flag(False, keep_default=True)
+    """the convergence harness instead of the matrix: every algorithm and DDP over --seeds, loss at
+    equal tokens, and steps, tokens and wall time on each of --links to DDP's final loss (writes
+    convergence.md, results.json and plots; default out runs/convergence)"""
+    chaos: bool = flag(False, keep_default=True)
+    """the chaos benchmark instead of the matrix: elastic jobs (--fault-tolerance) of --algos
+    (default co2,diloco,streaming) with --workers replicas (default 4), fault-free and with a
+    replica SIGKILLed every --mtbf seconds (default 30) over --steps (default 960), then
+    targeted --faults over --targeted-steps (default 240); writes chaos.md and results.json
+    (default out runs/chaos)"""
+    mtbf: float | None = flag(None, metavar="S")
+    """--chaos: seconds between two kills (default 30)"""
+    faults: list[str] | None = flag(None, metavar="K,L", parse=csv_list)
+    """--chaos: targeted faults among sync,donor,stall,below-min,never-returns (default all; 'none'
+    for none)"""
+    targeted_steps: int | None = flag(None, metavar="N")
+    """--chaos: inner steps of the jobs with one targeted fault (default 240)"""
+    balance: bool = flag(False, keep_default=True)
+    """the balancing benchmark instead of the matrix: lowcomm train --documents under every
+    assignment of documents to ranks, with DDP and CO2, and splitting long documents on fast and
+    slow links (writes balance.md and results.json; default out runs/balance)"""
+    cost_model: bool = flag(False, keep_default=True)
+    """fit the cost model c(s) = d + a s + b s^2 of a GPT on this device and report its error on
+    held-out packed micro-batches"""
+    assignments: list[str] | None = flag(None, metavar="A,B", parse=csv_list)
+    """--balance: rows of the assignment section (default: all)"""
+    block_size: int | None = flag(None, metavar="N")
+    """--balance, --cost-model: longest document (default 4096)"""
+    batch_size: int | None = flag(None, metavar="N")
+    """--balance: sequences of block-size tokens per worker per step (default 4)"""
+    split_block_size: int | None = flag(None, metavar="N")
+    """--balance: longest document of the splitting section (default 8192)"""
+    cycles: int | None = flag(None, metavar="N")
+    """--balance: plan units per assignment in every job, the first left out as start-up (default 6
+    DDP steps, 4 CO2 rounds, 8 steps in the splitting section)"""
+    splitting: bool | None = flag(None, negatable=True)
+    """--balance: run the splitting section (default on)"""
+    corpus: str | None = flag(None, choices=("stdlib", "lognormal"))
+    """--balance: the assignment section's documents without --data: the standard library's source
+    (default) or 2,000 generated ones of log-normal length (median 300 bytes, sigma 1.2, up to
+    8,192; lowcomm.balance.lognormal_texts)"""
+    busy_wait: bool | None = flag(None, negatable=True)
+    """--balance: poll collectives (default: when workers outnumber CPU cores)"""
+    n_layer: int | None = flag(None, metavar="N")
+    """--balance, --cost-model: default 2"""
+    n_embd: int | None = flag(None, metavar="N")
+    """--balance, --cost-model: default 64"""
+    n_head: int | None = flag(None, metavar="N")
+    """--balance, --cost-model: default 2"""
+    seeds: list[int] | None = flag(None, metavar="S,T", parse=int_csv)
+    """--convergence: default 0,1,2"""
+    long: bool = flag(False, keep_default=True)
+    """--convergence: also run every job 4x longer (--lengths 1,4)"""
+    lengths: list[int] | None = flag(None, metavar="L,M", parse=int_csv)
+    """--convergence: multiples of the job's steps to run (default 1; e.g. 4 for the longer jobs
+    alone)"""
+    timing_steps: int | None = flag(None, metavar="N")
+    """--convergence: steps of each job timed on a link (default 48)"""
+    reuse: bool = flag(False, keep_default=True)
+    """--convergence: keep finished jobs of an earlier run in --out"""
+    algos: list[str] | None = flag(None, metavar="A,B", parse=csv_list)
+    """algorithms (lowcomm train --algo), each optionally +CODEC; with --convergence also
+    /KEY=VALUE job settings (co2/outer_lr=0.3/outer_momentum=0)"""
+    links: list[str] | None = flag(None, metavar="L,M", parse=csv_list)
+    """link profiles or RATE:LATENCY values"""
+    workers: list[int] | None = flag(None, metavar="N,M", parse=int_csv)
+    """worker counts"""
+    steps: int | None = flag(None, metavar="N")
+    """inner steps per worker per cell"""
+    sync_every: int | None = flag(None, metavar="H")
+    """round length"""
+    seed: int | None = flag(None, metavar="N")
+    """seed for every cell"""
+    eval_every: int | None = flag(None, metavar="N")
+    eval_batches: int | None = flag(None, metavar="N")
+    ceiling_steps: int | None = flag(None, metavar="N")
+    """no-sync steps each cell times in its own processes, in segments of 2 steps interleaved with
+    training (default 24; --quick 16)"""
+    target_loss: float | None = flag(None, metavar="X")
+    """validation loss for the time-to-target column (default: the highest final loss of the
+    matrix, which every cell reaches)"""
+    real_links: list[str] | None = flag(None, metavar="L,M|none", parse=csv_list)
+    """links to also run on real tc-shaped network namespaces (default 100mbit; needs root and
+    iproute2, skipped with a message otherwise)"""
+    real_algos: list[str] | None = flag(None, metavar="A,B", parse=csv_list)
+    """default ddp,co2"""
+    overhead: bool | None = flag(None, negatable=True)
+    """run the hook-overhead micro-benchmark (default on)"""
+    overhead_algos: list[str] | None = flag(None, metavar="A,B", parse=csv_list)
+    memory: bool | None = flag(None, negatable=True)
+    """run the memory report: outer state and buffers per rank, sharded and not (default on)"""
+    memory_workers: list[int] | None = flag(None, metavar="N,M", parse=int_csv)
+    """group sizes of the memory report (default 2,4)"""
+    codec: bool | None = flag(None, negatable=True)
+    """run the codec row: encode + decode + error feedback of each of --codecs on --codec-sizes
+    parameters (lowcomm's Compressor, one-rank gloo group) against a clone() of the same buckets
+    timed in turn with it (default on; off with --quick)"""
+    codecs: list[str] | None = flag(None, metavar="C,D", parse=csv_list)
+    """the codec row's --compression values (default all:
+    int8,int4,int2,topk:0.01,bf16,sign,powersgd:4)"""
+    codec_sizes: list[float] | None = flag(None, metavar="M,N", parse=float_csv)
+    """the codec row's sizes, millions of parameters (default 1,10; 85: GPT-2 small)"""
+    codec_repeats: int | None = flag(None, metavar="N")
+    """the codec row's timed repeats per entry, at most (default 5; 30 s an entry)"""
+    codec_only: bool = flag(False, keep_default=True)
+    """the codec row alone, without the matrix, with a worker's share of the cores (--workers N,
+    default 2); writes codec.md and results.json (default out runs/codec)"""
+    ddp_parity: bool | None = flag(None, negatable=True)
+    """run DDP parity: lowcomm train --algo ddp against plain torch DDP on the same model and
+    batches, 2 workers over gloo, steps in turn (default off: minutes)"""
+    ddp_parity_steps: int | None = flag(None, metavar="N")
+    """DDP parity's timed pairs of steps (default 200; at most 600 s)"""
+    ddp_parity_only: bool = flag(False, keep_default=True)
+    """DDP parity alone, without the matrix (--workers N, default 2); writes ddp_parity.md and
+    results.json (default out runs/ddp-parity)"""
+    data: str | None = flag(None, metavar="PATH")
+    """text file or folder (default: embedded)"""
+    out: str | None = flag(None, metavar="DIR")
+    """output folder (default runs/bench)"""
+    overwrite: bool = flag(False, keep_default=True)
+    """replace the results of a previous bench run in --out"""
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -52,225 +183,7 @@ def add_subcommand(subparsers: Any) -> None:
         ),
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        default=False,
-        help="the small matrix: ddp, co2, diloco on 1gbit and 100mbit; 2 workers; 96 steps",
-    )
-    p.add_argument(
-        "--convergence",
-        action="store_true",
-        default=False,
-        help="the convergence harness instead of the matrix: every algorithm and DDP over "
-        "--seeds, loss at equal tokens, and steps, tokens and wall time on each of --links to "
-        "DDP's final loss (writes convergence.md, results.json and plots; default out "
-        "runs/convergence)",
-    )
-    p.add_argument(
-        "--chaos",
-        action="store_true",
-        default=False,
-        help="the chaos benchmark instead of the matrix: elastic jobs (--fault-tolerance) of "
-        "--algos (default co2,diloco,streaming) with --workers replicas (default 4), fault-free "
-        "and with a replica SIGKILLed every --mtbf seconds (default 30) over --steps (default "
-        "960), then targeted --faults over --targeted-steps (default 240); writes chaos.md and "
-        "results.json (default out runs/chaos)",
-    )
-    p.add_argument(
-        "--mtbf", type=float, metavar="S", help="--chaos: seconds between two kills (default 30)"
-    )
-    p.add_argument(
-        "--faults",
-        type=_csv,
-        metavar="K,L",
-        help="--chaos: targeted faults among sync,donor,stall,below-min,never-returns (default "
-        "all; 'none' for none)",
-    )
-    p.add_argument(
-        "--targeted-steps",
-        dest="targeted_steps",
-        type=int,
-        metavar="N",
-        help="--chaos: inner steps of the jobs with one targeted fault (default 240)",
-    )
-    p.add_argument(
-        "--balance",
-        action="store_true",
-        default=False,
-        help="the balancing benchmark instead of the matrix: lowcomm train --documents under "
-        "every assignment of documents to ranks, with DDP and CO2, and splitting long documents "
-        "on fast and slow links (writes balance.md and results.json; default out runs/balance)",
-    )
-    p.add_argument(
-        "--cost-model",
-        dest="cost_model",
-        action="store_true",
-        default=False,
-        help="fit the cost model c(s) = d + a s + b s^2 of a GPT on this device and report its "
-        "error on held-out packed micro-batches",
-    )
-    p.add_argument(
-        "--assignments",
-        type=_csv,
-        metavar="A,B",
-        help="--balance: rows of the assignment section (default: all)",
-    )
-    p.add_argument(
-        "--block-size",
-        dest="block_size",
-        type=int,
-        metavar="N",
-        help="--balance, --cost-model: longest document (default 4096)",
-    )
-    p.add_argument(
-        "--batch-size",
-        dest="batch_size",
-        type=int,
-        metavar="N",
-        help="--balance: sequences of block-size tokens per worker per step (default 4)",
-    )
-    p.add_argument(
-        "--split-block-size",
-        dest="split_block_size",
-        type=int,
-        metavar="N",
-        help="--balance: longest document of the splitting section (default 8192)",
-    )
-    p.add_argument(
-        "--cycles",
-        type=int,
-        metavar="N",
-        help="--balance: plan units per assignment in every job, the first left out as start-up "
-        "(default 6 DDP steps, 4 CO2 rounds, 8 steps in the splitting section)",
-    )
-    p.add_argument(
-        "--splitting",
-        action=argparse.BooleanOptionalAction,
-        help="--balance: run the splitting section (default on)",
-    )
-    p.add_argument(
-        "--corpus",
-        choices=("stdlib", "lognormal"),
-        help="--balance: the assignment section's documents without --data: the standard "
-        "library's source (default) or 2,000 generated ones of log-normal length (median 300 "
-        "bytes, sigma 1.2, up to 8,192; lowcomm.balance.lognormal_texts)",
-    )
-    p.add_argument(
-        "--busy-wait",
-        dest="busy_wait",
-        action=argparse.BooleanOptionalAction,
-        help="--balance: poll collectives (default: when workers outnumber CPU cores)",
-    )
-    p.add_argument(
-        "--n-layer",
-        dest="n_layer",
-        type=int,
-        metavar="N",
-        help="--balance, --cost-model: default 2",
-    )
-    p.add_argument(
-        "--n-embd", dest="n_embd", type=int, metavar="N", help="--balance, --cost-model: default 64"
-    )
-    p.add_argument(
-        "--n-head", dest="n_head", type=int, metavar="N", help="--balance, --cost-model: default 2"
-    )
-    p.add_argument("--seeds", type=_int_csv, metavar="S,T", help="--convergence: default 0,1,2")
-    p.add_argument(
-        "--long",
-        action="store_true",
-        default=False,
-        help="--convergence: also run every job 4x longer (--lengths 1,4)",
-    )
-    p.add_argument(
-        "--lengths",
-        type=_int_csv,
-        metavar="L,M",
-        help="--convergence: multiples of the job's steps to run (default 1; e.g. 4 for the "
-        "longer jobs alone)",
-    )
-    p.add_argument(
-        "--timing-steps",
-        dest="timing_steps",
-        type=int,
-        metavar="N",
-        help="--convergence: steps of each job timed on a link (default 48)",
-    )
-    p.add_argument(
-        "--reuse",
-        action="store_true",
-        default=False,
-        help="--convergence: keep finished jobs of an earlier run in --out",
-    )
-    p.add_argument(
-        "--algos",
-        type=_csv,
-        metavar="A,B",
-        help="algorithms (lowcomm train --algo), each optionally +CODEC; with --convergence also "
-        "/KEY=VALUE job settings (co2/outer_lr=0.3/outer_momentum=0)",
-    )
-    p.add_argument("--links", type=_csv, metavar="L,M", help="link profiles or RATE:LATENCY values")
-    p.add_argument("--workers", type=_int_csv, metavar="N,M", help="worker counts")
-    p.add_argument("--steps", type=int, metavar="N", help="inner steps per worker per cell")
-    p.add_argument("--sync-every", dest="sync_every", type=int, metavar="H", help="round length")
-    p.add_argument("--seed", type=int, metavar="N", help="seed for every cell")
-    p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N")
-    p.add_argument("--eval-batches", dest="eval_batches", type=int, metavar="N")
-    p.add_argument(
-        "--ceiling-steps",
-        dest="ceiling_steps",
-        type=int,
-        metavar="N",
-        help="no-sync steps each cell times in its own processes, in segments of 2 steps "
-        "interleaved with training (default 24; --quick 16)",
-    )
-    p.add_argument(
-        "--target-loss",
-        dest="target_loss",
-        type=float,
-        metavar="X",
-        help="validation loss for the time-to-target column (default: the highest final loss "
-        "of the matrix, which every cell reaches)",
-    )
-    p.add_argument(
-        "--real-links",
-        dest="real_links",
-        type=_csv,
-        metavar="L,M|none",
-        help="links to also run on real tc-shaped network namespaces (default 100mbit; "
-        "needs root and iproute2, skipped with a message otherwise)",
-    )
-    p.add_argument(
-        "--real-algos", dest="real_algos", type=_csv, metavar="A,B", help="default ddp,co2"
-    )
-    p.add_argument(
-        "--overhead",
-        action=argparse.BooleanOptionalAction,
-        help="run the hook-overhead micro-benchmark (default on)",
-    )
-    p.add_argument("--overhead-algos", dest="overhead_algos", type=_csv, metavar="A,B")
-    p.add_argument(
-        "--memory",
-        action=argparse.BooleanOptionalAction,
-        help="run the memory report: outer state and buffers per rank, sharded and not "
-        "(default on)",
-    )
-    p.add_argument(
-        "--memory-workers",
-        dest="memory_workers",
-        type=_int_csv,
-        metavar="N,M",
-        help="group sizes of the memory report (default 2,4)",
-    )
-    add_section_arguments(p)
-    p.add_argument("--data", metavar="PATH", help="text file or folder (default: embedded)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        default=False,
-        help="replace the results of a previous bench run in --out",
-    )
+    add_flags(p, fields_of(BenchFlags, show_defaults=False))
     p.set_defaults(_run=_run_bench)
 
 

@@ -12,12 +12,9 @@ import shlex
 import sys
 from typing import Any
 
-from lowcomm.bench.argtypes import csv_list, float_csv
-
 __all__ = [
     "CODEC_KEYS",
     "DDP_PARITY_KEYS",
-    "add_section_arguments",
     "codec_settings",
     "ddp_parity_settings",
     "note",
@@ -25,59 +22,6 @@ __all__ = [
     "run_ddp_parity_only",
     "worker_threads",
 ]
-
-
-def add_section_arguments(p: argparse.ArgumentParser) -> None:
-    """The codec row's and DDP parity's flags."""
-    p.add_argument(
-        "--codec",
-        action=argparse.BooleanOptionalAction,
-        help="run the codec row: encode + decode + error feedback of each of --codecs on "
-        "--codec-sizes parameters (lowcomm's Compressor, one-rank gloo group) against a "
-        "clone() of the same buckets timed in turn with it (default on; off with --quick)",
-    )
-    p.add_argument(
-        "--codecs",
-        type=csv_list,
-        metavar="C,D",
-        help="the codec row's --compression values (default all: int8,int4,int2,topk:0.01,"
-        "bf16,sign,powersgd:4)",
-    )
-    p.add_argument(
-        "--codec-sizes", dest="codec_sizes", type=float_csv, metavar="M,N",
-        help="the codec row's sizes, millions of parameters (default 1,10; 85: GPT-2 small)",
-    )  # fmt: skip
-    p.add_argument(
-        "--codec-repeats", dest="codec_repeats", type=int, metavar="N",
-        help="the codec row's timed repeats per entry, at most (default 5; 30 s an entry)",
-    )  # fmt: skip
-    p.add_argument(
-        "--codec-only",
-        dest="codec_only",
-        action="store_true",
-        default=False,
-        help="the codec row alone, without the matrix, with a worker's share of the cores "
-        "(--workers N, default 2); writes codec.md and results.json (default out runs/codec)",
-    )
-    p.add_argument(
-        "--ddp-parity",
-        dest="ddp_parity",
-        action=argparse.BooleanOptionalAction,
-        help="run DDP parity: lowcomm train --algo ddp against plain torch DDP on the same "
-        "model and batches, 2 workers over gloo, steps in turn (default off: minutes)",
-    )
-    p.add_argument(
-        "--ddp-parity-steps", dest="ddp_parity_steps", type=int, metavar="N",
-        help="DDP parity's timed pairs of steps (default 200; at most 600 s)",
-    )  # fmt: skip
-    p.add_argument(
-        "--ddp-parity-only",
-        dest="ddp_parity_only",
-        action="store_true",
-        default=False,
-        help="DDP parity alone, without the matrix (--workers N, default 2); writes "
-        "ddp_parity.md and results.json (default out runs/ddp-parity)",
-    )
 
 
 CODEC_KEYS = ("codec", "codecs", "codec_sizes", "codec_repeats")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from lowcomm.flags import add_flags, fields_of, flag
 from lowcomm.plan.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from lowcomm.plan.spec import PRECISIONS, RECOMPUTE, Cluster, ModelSpec, Tier, parse_layout
 
@@ -226,55 +227,83 @@ def _run_plan(args: argparse.Namespace, prog: str) -> int:
     return 0 if result.candidates else 1
 
 
-_FLAGS: tuple[tuple[str, str | None, str], ...] = (
-    ("--model", "PRESET", f"model preset: {', '.join(MODELS)}"),
-    ("--layers", "L", "transformer layers (with --model: overrides the preset's)"),
-    ("--hidden", "H", "hidden size"),
-    ("--heads", "A", "attention heads"),
-    ("--vocab", "V", "vocabulary size"),
-    ("--seq", "S", "sequence length"),
-    ("--ffn-hidden", "F", "MLP width (default 4 x hidden)"),
-    ("--kv-heads", "K", "key/value heads (grouped-query attention)"),
-    ("--llama", None, "Llama-style: SwiGLU MLP, RMSNorm, no biases, rotary, untied head"),
-    ("--kernels", "{fused,eager}",
-     "what SwiGLU and RMSNorm keep for backward: fused kernels (Megatron, Transformer Engine; "
-     "default) or plain PyTorch autograd (more activation memory)"),
-    ("--cluster", "PRESET", f"cluster preset: {', '.join(CLUSTERS)}"),
-    ("--nodes", "N", "nodes of the cluster preset (default 1)"),
-    ("--tier", "NAME:MEMBERS:GBITS[:LATENCY_US[:slow]]",
-     "an explicit tier, fastest first, repeated: devices of a node, then nodes, then regions; "
-     "'slow' marks a tier the outer algorithms may replace the all-reduce across"),
-    ("--device-memory-gb", "GB", "memory per device (explicit cluster, or overrides a preset)"),
-    ("--peak-tflops", "T", "peak dense TFLOP/s per device at the training precision"),
-    ("--gemm-efficiency", "E",
-     "fraction of peak large GEMMs sustain in training; smaller and thin ones get less "
-     "(preset's: A100 0.669, H100 0.523, MI250X 0.458; explicit cluster 0.6)"),
-    ("--memory-bandwidth-gbs", "GBS", "device memory bandwidth in GB/s (preset's, or 2000)"),
-    ("--global-batch", "B", "sequences per iteration"),
-    ("--precision", "{bf16,fp32}", "bf16 mixed precision with Adam (default) or fp32"),
-    ("--recompute", "LIST", "recompute modes to search (default none,selective,full)"),
-    ("--no-flash", None, "no flash attention (the s^2 attention scores are kept)"),
-    ("--outer", "A,B",
-     "outer algorithms offered where DP crosses a slow tier (default diloco,co2; none)"),
-    ("--sync-every", "H", "H of the outer algorithms (default: the smallest power of two that "
-     "keeps the iteration within 5%% of never synchronising across that tier)"),
-    ("--layout", "SPEC",
-     "evaluate this layout (any subset of tp=,pp=,dp=,vpp=,zero=,mb=,recompute=,sp,order=,"
-     "outer=,h=, and tpo / dpo for TP / DP communication overlapped as Megatron-Core does; "
-     "the rest searched): its whole breakdown and rank, or every rule it breaks"),
-    ("--interleave", "LIST",
-     "virtual pipeline stages per device searched (default 1,2,4,8; 1: plain 1F1B)"),
-    ("--max-micro-batch", "B", "largest micro-batch searched (default 16)"),
-    ("--usable", "F", "fraction of device memory the model may fill (default 0.9)"),
-    ("--top", "K", "candidates shown (default 10)"),
-    ("--json", "PATH", "write the candidates (or validation rows) as JSON"),
-    ("--plot", "PATH", "plot predicted tokens/s against memory per device (PNG)"),
-    ("--validate", "{" + ",".join(VALIDATIONS) + "}",
-     "print a validation table: megatron (Narayanan et al. 2021 Table 1), frontier (Dash et "
-     "al. 2023), published (Megatron-Core on H100, Llama 3 405B, BLOOM-176B), memory "
-     "(measured here on gloo processes, about three minutes)"),
-    ("--world", "N", "--validate memory: processes (default 2)"),
-)  # fmt: skip
+@dataclass(kw_only=True)
+class PlanFlags:
+    """The flags of ``lowcomm plan``: each field one flag (the namespace holds those given)."""
+
+    model: str | None = flag(None, metavar="PRESET", doc=f"model preset: {', '.join(MODELS)}")
+    layers: str | None = flag(None, metavar="L")
+    """transformer layers (with --model: overrides the preset's)"""
+    hidden: str | None = flag(None, metavar="H")
+    """hidden size"""
+    heads: str | None = flag(None, metavar="A")
+    """attention heads"""
+    vocab: str | None = flag(None, metavar="V")
+    """vocabulary size"""
+    seq: str | None = flag(None, metavar="S")
+    """sequence length"""
+    ffn_hidden: str | None = flag(None, metavar="F")
+    """MLP width (default 4 x hidden)"""
+    kv_heads: str | None = flag(None, metavar="K")
+    """key/value heads (grouped-query attention)"""
+    llama: bool = flag(False)
+    """Llama-style: SwiGLU MLP, RMSNorm, no biases, rotary, untied head"""
+    kernels: str | None = flag(None, metavar="{fused,eager}")
+    """what SwiGLU and RMSNorm keep for backward: fused kernels (Megatron, Transformer Engine;
+    default) or plain PyTorch autograd (more activation memory)"""
+    cluster: str | None = flag(None, metavar="PRESET", doc=f"cluster preset: {', '.join(CLUSTERS)}")
+    nodes: str | None = flag(None, metavar="N")
+    """nodes of the cluster preset (default 1)"""
+    tier: list[str] | None = flag(
+        None, metavar="NAME:MEMBERS:GBITS[:LATENCY_US[:slow]]", repeat=True
+    )
+    """an explicit tier, fastest first, repeated: devices of a node, then nodes, then regions;
+    'slow' marks a tier the outer algorithms may replace the all-reduce across"""
+    device_memory_gb: str | None = flag(None, metavar="GB")
+    """memory per device (explicit cluster, or overrides a preset)"""
+    peak_tflops: str | None = flag(None, metavar="T")
+    """peak dense TFLOP/s per device at the training precision"""
+    gemm_efficiency: str | None = flag(None, metavar="E")
+    """fraction of peak large GEMMs sustain in training; smaller and thin ones get less (preset's:
+    A100 0.669, H100 0.523, MI250X 0.458; explicit cluster 0.6)"""
+    memory_bandwidth_gbs: str | None = flag(None, metavar="GBS")
+    """device memory bandwidth in GB/s (preset's, or 2000)"""
+    global_batch: str | None = flag(None, metavar="B")
+    """sequences per iteration"""
+    precision: str | None = flag(None, metavar="{bf16,fp32}")
+    """bf16 mixed precision with Adam (default) or fp32"""
+    recompute: str | None = flag(None, metavar="LIST")
+    """recompute modes to search (default none,selective,full)"""
+    no_flash: bool = flag(False)
+    """no flash attention (the s^2 attention scores are kept)"""
+    outer: str | None = flag(None, metavar="A,B")
+    """outer algorithms offered where DP crosses a slow tier (default diloco,co2; none)"""
+    sync_every: str | None = flag(None, metavar="H")
+    """H of the outer algorithms (default: the smallest power of two that keeps the iteration
+    within 5% of never synchronising across that tier)"""
+    layout: str | None = flag(None, metavar="SPEC")
+    """evaluate this layout (any subset of
+    tp=,pp=,dp=,vpp=,zero=,mb=,recompute=,sp,order=,outer=,h=, and tpo / dpo for TP / DP
+    communication overlapped as Megatron-Core does; the rest searched): its whole breakdown and
+    rank, or every rule it breaks"""
+    interleave: str | None = flag(None, metavar="LIST")
+    """virtual pipeline stages per device searched (default 1,2,4,8; 1: plain 1F1B)"""
+    max_micro_batch: str | None = flag(None, metavar="B")
+    """largest micro-batch searched (default 16)"""
+    usable: str | None = flag(None, metavar="F")
+    """fraction of device memory the model may fill (default 0.9)"""
+    top: str | None = flag(None, metavar="K")
+    """candidates shown (default 10)"""
+    json: str | None = flag(None, metavar="PATH")
+    """write the candidates (or validation rows) as JSON"""
+    plot: str | None = flag(None, metavar="PATH")
+    """plot predicted tokens/s against memory per device (PNG)"""
+    validate: str | None = flag(None, metavar="{" + ",".join(VALIDATIONS) + "}")
+    """print a validation table: megatron (Narayanan et al. 2021 Table 1), frontier (Dash et al.
+    2023), published (Megatron-Core on H100, Llama 3 405B, BLOOM-176B), memory (measured here on
+    gloo processes, about three minutes)"""
+    world: str | None = flag(None, metavar="N")
+    """--validate memory: processes (default 2)"""
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -291,12 +320,5 @@ def add_subcommand(subparsers: Any) -> None:
         ),
         argument_default=argparse.SUPPRESS,
     )
-    for flag, metavar, text in _FLAGS:
-        dest = flag[2:].replace("-", "_")
-        if metavar is None:
-            p.add_argument(flag, dest=dest, action="store_true", help=text)
-        elif flag == "--tier":
-            p.add_argument(flag, dest=dest, metavar=metavar, action="append", help=text)
-        else:
-            p.add_argument(flag, dest=dest, metavar=metavar, help=text)
+    add_flags(p, fields_of(PlanFlags, show_defaults=False))
     p.set_defaults(_run=_run_plan)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from lowcomm.flags import Flag, add_flags, flag_name
+
 __all__ = ["add_subcommand", "flag", "run_command"]
 
 logger = logging.getLogger("lowcomm.train.cli")
@@ -70,7 +72,7 @@ _OPTIONAL_VALUE = {"resume": "latest"}
 
 def flag(key: str) -> str:
     """The flag of a configuration key (``sync_every``: ``--sync-every``)."""
-    return "--" + key.replace("_", "-")
+    return flag_name(key)
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -102,33 +104,27 @@ def add_subcommand(subparsers: Any) -> None:
         help="TOML file with any of the keys below (flat, underscores: sync_every = 12)",
     )
     docs = field_docs()
+    flags = []
     for key in config_keys():
-        text = docs.get(key, "")
         default = key_default(key)
-        if default is not None and default is not dataclasses.MISSING:
-            text += f" (default: {default})"
-        kwargs: dict[str, Any] = {"help": text.replace("%", "%%"), "default": argparse.SUPPRESS}
-        annotation = key_type(key)
-        if key in _SPECIAL_TYPES:
-            kwargs["type"] = _SPECIAL_TYPES[key]
-        elif annotation.startswith("bool"):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif annotation.startswith("int"):
-            kwargs["type"] = int
-        elif annotation.startswith("float"):
-            kwargs["type"] = float
-        else:
-            kwargs["type"] = str
-        if "action" not in kwargs:
-            default_metavar = {int: "N", float: "X"}.get(kwargs["type"], "TEXT")
-            kwargs["metavar"] = _METAVARS.get(key, default_metavar)
+        text = docs.get(key, "")
         if key == "algo":
-            kwargs["metavar"] = "{" + ",".join(ALGORITHM_CHOICES) + "}"
-            kwargs["help"] = f"{algorithm_help()} (default: {default})".replace("%", "%%")
-        if key in _OPTIONAL_VALUE:
-            kwargs["nargs"] = "?"
-            kwargs["const"] = _OPTIONAL_VALUE[key]
-        p.add_argument(flag(key), dest=key, **kwargs)
+            text = algorithm_help()
+        flags.append(
+            Flag(
+                key,
+                key_type(key),
+                None if default is dataclasses.MISSING else default,
+                text,
+                metavar=(
+                    "{" + ",".join(ALGORITHM_CHOICES) + "}" if key == "algo" else _METAVARS.get(key)
+                ),
+                parse=_SPECIAL_TYPES.get(key),
+                negatable=True,
+                const=_OPTIONAL_VALUE.get(key),
+            )
+        )
+    add_flags(p, flags)
     p.set_defaults(_run=_run_train)
 
 

@@ -8,7 +8,6 @@ lowcomm finetune --init runs/pre --method adamw --mode ddp --workers 2   # first
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 from typing import Any
@@ -17,7 +16,7 @@ __all__ = ["add_subcommand", "format_summary"]
 
 
 def add_subcommand(subparsers: Any) -> None:
-    from lowcomm.hparams import field_docstrings
+    from lowcomm.flags import add_flags, fields_of
     from lowcomm.zo.finetune import FinetuneConfig
 
     p = subparsers.add_parser(
@@ -30,24 +29,7 @@ def add_subcommand(subparsers: Any) -> None:
         ),
         argument_default=argparse.SUPPRESS,
     )
-    docs = field_docstrings(FinetuneConfig)
-    for f in dataclasses.fields(FinetuneConfig):
-        text = docs.get(f.name, "")
-        if f.default is not None and f.default is not dataclasses.MISSING:
-            text += f" (default: {f.default})"
-        kwargs: dict[str, Any] = {"help": text.replace("%", "%%")}
-        annotation = str(f.type)
-        if annotation.startswith("bool"):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = (
-                int
-                if annotation.startswith("int")
-                else float
-                if annotation.startswith("float")
-                else str
-            )
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    add_flags(p, fields_of(FinetuneConfig, negatable=True))
     p.set_defaults(_run=_run)
 
 
