@@ -254,7 +254,7 @@ def test_speeds_are_checked() -> None:
 def test_bench_entries_take_speeds_in_brackets() -> None:
     """``lowcomm bench --algos 'co2/speeds=[1,1,1,0.5]/local_steps=dynamic,co2'``: the commas
     inside brackets do not split the list, and the entry's speeds reach the job."""
-    from lowcomm.bench.cli import _csv
+    from lowcomm.bench.argtypes import csv_list as _csv
     from lowcomm.bench.variants import algo_fields
 
     first, second = _csv("co2/speeds=[1,1,1,0.5]/local_steps=dynamic,co2")
