@@ -145,8 +145,6 @@ class Schedule:
     ``overlap``, ``group_size``, ``topk``, ``chunk``)."""
     syncs: ClassVar[bool] = True
     """Whether anything goes over the link."""
-    outer: ClassVar[bool] = True
-    """Whether an outer algorithm runs it (rounds of H inner steps and an anchor)."""
     rounds_all_reduce: ClassVar[bool] = False
     """Whether each round's sync is an all-reduce of the whole model's pseudo-gradients (or P
     fragments of it): what the link tuner chooses settings for, the planner prices and the
@@ -210,7 +208,6 @@ class _Never(Schedule):
     name = "never"
     keywords = ()
     syncs = False
-    outer = False
 
     def period(self, sync_every: int) -> int | None:
         return None
@@ -226,7 +223,6 @@ class _Never(Schedule):
 class _EveryStep(Schedule):
     name = "every-step"
     keywords = ()
-    outer = False
 
     def period(self, sync_every: int) -> int | None:
         return 1
@@ -244,7 +240,6 @@ class _EveryStep(Schedule):
 class _EveryStepGather(Schedule):
     name = "every-step-gather"
     keywords = ("overlap", "topk", "chunk")
-    outer = False
 
     def period(self, sync_every: int) -> int | None:
         return 1

@@ -368,7 +368,8 @@ class OuterAlgorithm:
             # (first: a rank that passes a warm-start position takes its optimizer step here,
             # where the others took theirs before step(); the consistency check comes after)
             self.pace.position(self.local_step + 1, self.inner, self.warmup)
-        self.guards.check_consistency()
+        if self.guards.unchecked is not None:  # (the first step only: the inner step's path)
+            self.guards.check_consistency()
         self.local_step += 1
         phase = self.local_step - self.warmup  # the schedule starts after the warm start
         with torch.no_grad():

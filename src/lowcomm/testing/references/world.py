@@ -41,7 +41,6 @@ class World:
     every reference uses."""
 
     def __init__(self, scenario: dict[str, Any]) -> None:
-        self.scenario = scenario
         self.algo: str = scenario["algo"]
         self.n: int = scenario["workers"]
         self.h: int = scenario["sync_every"]
