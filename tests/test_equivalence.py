@@ -94,6 +94,25 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "inner": "adamw",
         "hyper": {"eager": True, "own_weight": 1.0, "outer_momentum": 0.0, "outer_lr": 1.0},
     },
+    # SparseLoCo: tiles of 4 × 3 (4 × 4 where they fit), a quarter kept; the (3,) bias is sent
+    # as it is (too small to gain), the rest sparse with 2- or 4-bit values
+    "sparseloco": {"algo": "sparseloco", "inner": "adamw", "hyper": {"chunk": 4, "density": 0.25}},
+    "sparseloco-4bit-overlap1": {
+        "algo": "sparseloco",
+        "hyper": {
+            "chunk": 4,
+            "density": 0.3,
+            "bits": 4,
+            "overlap": 1,
+            "error_decay": 0.9,
+            "outer_lr": 0.8,
+        },
+    },
+    "sparseloco-full-overlap-fp32-values": {
+        "algo": "sparseloco",
+        "inner": "adamw",
+        "hyper": {"chunk": 3, "density": 0.5, "bits": 32, "overlap": 3},
+    },
     # CO2 with a staleness of τ < H steps (the launch τ steps before the round ends)
     "co2-overlap1": {"algo": "co2", "inner": "adamw", "hyper": {"overlap": 1}},
     "co2-overlap2-warm": {
@@ -514,6 +533,9 @@ def _resume_worker(
         if algo_name == "noloco-overlap":  # the exchange launched at step 5 is in flight
             algo = ALGORITHMS["noloco"](model, inner, sync_every=3, overlap=1, outer_momentum=0.9)
             return model, inner, algo
+        if algo_name == "sparseloco-overlap":  # in flight a whole round; the accumulator
+            algo = ALGORITHMS["sparseloco"](model, inner, sync_every=3, overlap=3)
+            return model, inner, algo
         if algo_name == "co2-fragments":  # two fragments in flight (τ = H), per-fragment state
             params = list(model.parameters())
             kw = {"fragments": [params[:2], params[2:]]}
@@ -594,6 +616,8 @@ STATE_DICT_CUTS = [
     ("co2-fragments-merge", 6),
     ("noloco", 4),
     ("noloco-overlap", 5),
+    ("sparseloco", 4),
+    ("sparseloco-overlap", 7),
 ]
 
 

@@ -46,7 +46,7 @@ def test_every_key_has_a_docstring() -> None:
             "algo",
             "adam",
             "must be one of co2, co2-eager, diloco, streaming, cocodc, localsgd, slowmo, noloco, "
-            "ddp, demo, none, got 'adam'",
+            "sparseloco, ddp, demo, none, got 'adam'",
         ),
         ("workers", 0, "must be >= 1, got 0"),
         ("steps", -5, "must be >= 1, got -5"),

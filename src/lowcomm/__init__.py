@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         LocalSGD,
         NoLoCo,
         SlowMo,
+        SparseLoCo,
         StreamingDiLoCo,
     )
     from lowcomm.registry import ALGORITHMS
@@ -38,6 +39,7 @@ _FACE = {
             "LocalSGD",
             "NoLoCo",
             "SlowMo",
+            "SparseLoCo",
             "StreamingDiLoCo",
         ),
         "lowcomm.outer",
@@ -62,6 +64,7 @@ __all__ = [
     "LocalSGD",
     "NoLoCo",
     "SlowMo",
+    "SparseLoCo",
     "StreamingDiLoCo",
     "__version__",
     "compress",

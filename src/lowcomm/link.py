@@ -43,6 +43,7 @@ PROFILES: dict[str, tuple[float, float]] = {
     "1gbit": (1e9, 1e-3),
     "100mbit": (100e6, 10e-3),
     "10mbit": (10e6, 30e-3),
+    "1mbit": (1e6, 100e-3),
 }
 """Link profiles: name → (bandwidth in bits/s, latency in s)."""
 

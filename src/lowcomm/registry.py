@@ -26,7 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from lowcomm.hparams import Hyperparameters
 from lowcomm.optim.demo import DeMoConfig
-from lowcomm.outer import CO2, CoCoDC, DiLoCo, LocalSGD, NoLoCo, SlowMo, StreamingDiLoCo
+from lowcomm.outer import (
+    CO2,
+    CoCoDC,
+    DiLoCo,
+    LocalSGD,
+    NoLoCo,
+    SlowMo,
+    SparseLoCo,
+    StreamingDiLoCo,
+)
 from lowcomm.schedules import (
     BLOCKING,
     EVERY_STEP,
@@ -124,6 +133,7 @@ _ENTRIES = (
     _outer(LocalSGD, "LocalSGD: parameter averaging"),
     _outer(SlowMo, "SlowMo: heavy-ball outer SGD with 1/lr scaling"),
     _outer(NoLoCo, "NoLoCo: outer steps towards a random group's mean, no all-reduce"),
+    _outer(SparseLoCo, "SparseLoCo: sparse 2-bit syncs, error feedback as the outer momentum"),
     AlgorithmEntry(
         name="ddp",
         summary="DistributedDataParallel: gradient all-reduce every step (baseline)",

@@ -7,6 +7,8 @@ schedule               what goes over the link
 ``BLOCKING``           a blocking all-reduce every H steps (LocalSGD, DiLoCo, SlowMo)
 ``ONE_ROUND_STALE``    the sync of round t applied at the end of round t + 1 (CO2), or τ
                        steps after its launch; optionally P staggered fragments
+``OVERLAPPED``         a sync every H steps, blocking (τ = 0) or applied τ ≤ H steps after
+                       its launch (SparseLoCo)
 ``FRAGMENTS``          P fragments synced in turn, each τ < H steps in flight (Streaming
                        DiLoCo, CoCoDC)
 ``GOSSIP``             every H steps an exchange within small random groups (NoLoCo)
@@ -36,6 +38,7 @@ __all__ = [
     "GOSSIP",
     "NEVER",
     "ONE_ROUND_STALE",
+    "OVERLAPPED",
     "SCHEDULES",
     "Cadence",
     "LinkModel",
@@ -267,7 +270,7 @@ class _Blocking(Schedule):
 
 class _OneRoundStale(Schedule):
     name = "one-round-stale"
-    keywords = ("sync_every", "num_fragments", "overlap")
+    keywords: ClassVar[tuple[str, ...]] = ("sync_every", "num_fragments", "overlap")
     rounds_all_reduce = True
 
     def check(self, a: Cadence) -> None:
@@ -302,9 +305,33 @@ class _OneRoundStale(Schedule):
         return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
 
 
+class _Overlapped(_OneRoundStale):
+    """A sync every H steps applied τ = ``overlap`` steps after its launch: blocking at τ = 0
+    (where CO2's ``overlap`` 0 means τ = H), one fragment of the fragments rule below H, one
+    round stale at τ = H."""
+
+    name = "overlapped"
+    keywords = ("sync_every", "overlap")
+
+    def check(self, a: Cadence) -> None:
+        if a.overlap > a.sync_every:
+            raise ValueError(
+                f"overlap ({a.overlap}) must be <= sync_every ({a.sync_every}) for {a.name}"
+            )
+
+    def label(self, a: Cadence) -> str:
+        text = Schedule.label(self, a)
+        return text + (f" overlap={a.overlap}" if a.overlap else "")
+
+    def step_time(self, a: Cadence, work: Work, network: LinkModel, n: int) -> StepTime:
+        if a.overlap == 0:
+            return BLOCKING.step_time(a, work, network, n)
+        return super().step_time(a, work, network, n)
+
+
 class _Fragments(Schedule):
     name = "fragments"
-    keywords = ("sync_every", "num_fragments", "overlap")
+    keywords: ClassVar[tuple[str, ...]] = ("sync_every", "num_fragments", "overlap")
     rounds_all_reduce = True
 
     def check(self, a: Cadence) -> None:
@@ -343,6 +370,7 @@ class _Gossip(Schedule):
 
 BLOCKING: Schedule = _Blocking()
 ONE_ROUND_STALE: Schedule = _OneRoundStale()
+OVERLAPPED: Schedule = _Overlapped()
 FRAGMENTS: Schedule = _Fragments()
 GOSSIP: Schedule = _Gossip()
 EVERY_STEP: Schedule = _EveryStep()
@@ -352,6 +380,7 @@ NEVER: Schedule = _Never()
 SCHEDULES: tuple[Schedule, ...] = (
     BLOCKING,
     ONE_ROUND_STALE,
+    OVERLAPPED,
     FRAGMENTS,
     GOSSIP,
     EVERY_STEP,

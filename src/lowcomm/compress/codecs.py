@@ -7,6 +7,8 @@ in :mod:`lowcomm.compress.lgreco`. This module sits above both, so that neither 
 Spec strings (:func:`parse_compression`): ``"bf16"``; ``"int8"``, ``"int4"``, ``"int2"`` with
 options ``block=B`` (or a bare number) and ``sr`` (stochastic rounding), e.g.
 ``"int4:block=64:sr"``; ``"sign"`` (one bit an element, option ``block=B``); ``"topk:0.01"``;
+``"sparse"`` (SparseLoCo's chunk-wise top-k with 2-bit values: ``"sparse:0.02:chunk=64:bits=4"``,
+:mod:`lowcomm.compress.sparse`);
 ``"powersgd:4"`` with options ``rank=``, ``warm=0|1``, ``seed=``; ``"fp32"`` (raw, through the
 compressed path: for tests); ``"lgreco:FAMILY"`` (see :mod:`lowcomm.compress.lgreco`); ``"none"``
 for no compression.
@@ -33,6 +35,7 @@ from lowcomm.compress.lgreco import LGreCo, parse_lgreco
 from lowcomm.compress.options import (
     split_options,
 )
+from lowcomm.compress.sparse import Sparse
 from lowcomm.hparams import HyperparameterError
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "Quantize",
     "Raw",
     "Sign",
+    "Sparse",
     "TopK",
     "check_compression",
     "orthogonalize",
@@ -53,8 +57,8 @@ __all__ = [
 
 _SPEC_HELP = (
     "use 'bf16', 'int8', 'int4', 'int2' (options :block=B, :sr), 'sign', 'topk:DENSITY' (e.g. "
-    "'topk:0.01'), 'powersgd:RANK' (e.g. 'powersgd:4'), 'lgreco:powersgd', 'lgreco:topk', "
-    "'lgreco:int', or 'none'"
+    "'topk:0.01'), 'sparse' (options DENSITY, :chunk=S, :bits=2|4|32), 'powersgd:RANK' (e.g. "
+    "'powersgd:4'), 'lgreco:powersgd', 'lgreco:topk', 'lgreco:int', or 'none'"
 )
 
 
@@ -67,6 +71,7 @@ CODECS: Mapping[str, type[Codec]] = MappingProxyType(
         "int2": Quantize,
         "sign": Sign,
         "topk": TopK,
+        "sparse": Sparse,
         "powersgd": PowerSGD,
     }
 )

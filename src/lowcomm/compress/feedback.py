@@ -8,7 +8,9 @@ rounding and the L-GreCo bookkeeping. Everything is in :meth:`Compressor.state_d
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"):
 each round the tensor sent is M = x + e and the residual becomes e ← M − C(M), C(M) this rank's
 decoded contribution. Summed over rounds, Σ C(M_t) + e_T = Σ x_t on every rank (fp32 rounding
-aside): nothing is lost, only delayed. A tensor sent raw has C(M) = M and e = 0.
+aside): nothing is lost, only delayed. A tensor sent raw has C(M) = M and e = 0. With a decay β
+(``feedback_decay``, SparseLoCo's accumulator) M = x + β·e: what is not sent fades, and e is a
+momentum of the pseudo-gradients that sends its largest parts.
 
 At most one compressed mean per compressor is in flight: a new launch first finishes the
 previous one (for CO2 the previous round is due at that very step anyway). That keeps the
@@ -83,6 +85,8 @@ class Compressor:
         error_feedback: keep residuals (default); without, compression error is dropped.
         stream: distinguishes the compressors of one rank (fragments, DDP buckets) so that
             their rounding noise is independent.
+        feedback_decay: β, the residual's decay before each launch (M = x + β·e); 1 keeps it
+            whole (error feedback), 0 drops it.
     """
 
     def __init__(
@@ -94,8 +98,12 @@ class Compressor:
         device: torch.device | str = "cpu",
         error_feedback: bool = True,
         stream: int = 0,
+        feedback_decay: float = 1.0,
     ) -> None:
         setting = parse_compression(compression)
+        if not 0.0 <= float(feedback_decay) <= 1.0:
+            raise ValueError(f"feedback_decay must be in [0, 1], got {feedback_decay!r}")
+        self.feedback_decay = float(feedback_decay)
         if setting is None:
             raise ValueError("a Compressor needs a codec, e.g. 'int8'; for none pass no compressor")
         self.setting: Codec | LGreCo = setting
@@ -179,6 +187,8 @@ class Compressor:
             )
         assert len(views) == len(self.shapes)
         deciding = isinstance(self.setting, LGreCo) and self.launches % self.setting.every == 0
+        if self.error_feedback and self.feedback_decay != 1.0:
+            self._residual_flat.mul_(self.feedback_decay)  # e ← β·e, then M = x + e
         m: list[torch.Tensor] = []
         if self.low_rank or deciding:  # per tensor: PowerSGD's matrices, L-GreCo's table
             x = [v.detach().float() for v in views]

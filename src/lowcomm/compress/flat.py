@@ -42,6 +42,7 @@ import torch
 from lowcomm.compress.blocked import QuantizeSection, SignSection
 from lowcomm.compress.formats import BF16, ElementwiseCodec, Quantize, Raw, Sign, TopK
 from lowcomm.compress.sections import BF16Section, RawSection, Section, SingleSection, TopKSection
+from lowcomm.compress.sparse import Sparse, SparseSection
 
 __all__ = ["FlatLayout"]
 
@@ -75,7 +76,9 @@ class FlatLayout:
             if numels[j] == 0:
                 continue
             key: object = (codec, numels[j]) if isinstance(codec, TopK) else codec
-            if not isinstance(codec, (Raw, BF16, Quantize, Sign, TopK)):
+            if isinstance(codec, Sparse):
+                key = (codec, self.shapes[j])
+            elif not isinstance(codec, (Raw, BF16, Quantize, Sign, TopK)):
                 key = ("single", j)
             groups.setdefault(key, []).append(j)
         self.sections: list[Section] = []
@@ -93,6 +96,8 @@ class FlatLayout:
                 section = SignSection(codec, sizes, starts)
             elif isinstance(codec, TopK):
                 section = TopKSection(codec, sizes, starts)
+            elif isinstance(codec, Sparse):
+                section = SparseSection(codec, self.shapes[js[0]], sizes, starts)
             else:
                 section = SingleSection(codec, self.shapes[js[0]], sizes[0], starts[0])
             section.to(self.device)
@@ -110,7 +115,7 @@ class FlatLayout:
         self._whole = (
             len(self.sections) == 1
             and self.sections[0].span == (0, self.numel)
-            and not isinstance(self.sections[0], TopKSection)
+            and not isinstance(self.sections[0], (TopKSection, SparseSection))
         )
 
     def encode(

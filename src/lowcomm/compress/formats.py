@@ -59,6 +59,7 @@ __all__ = [
     "Sign",
     "TopK",
     "orthogonalize",
+    "PACKABLE_BITS",
     "pack_bits",
     "unpack_bits",
 ]
@@ -209,7 +210,8 @@ class BF16(ElementwiseCodec):
         return _as(payload, torch.bfloat16).float().view(shape)
 
 
-_PACKABLE_BITS = (1, 2, 4, 8)
+PACKABLE_BITS = (1, 2, 4, 8)
+"""Field widths :func:`pack_bits` packs: whole fields to a byte."""
 
 
 _SUM_BELOW = 8192
@@ -225,7 +227,7 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-bit codes (uint8, each < 2^bits) 8/bits to a byte; element i goes
     to bits ``bits·(i mod 8/bits)`` and up of byte ``i div (8/bits)``. ⌈n·bits/8⌉ bytes."""
-    assert bits in _PACKABLE_BITS
+    assert bits in PACKABLE_BITS
     if bits == 8:
         return codes.reshape(-1).to(torch.uint8)
     per = 8 // bits
@@ -246,7 +248,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` codes (uint8)."""
-    assert bits in _PACKABLE_BITS
+    assert bits in PACKABLE_BITS
     if bits == 8:
         return packed[:n].to(torch.uint8)
     fields = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
@@ -265,7 +267,7 @@ class Quantize(ElementwiseCodec):
     stochastic: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in _PACKABLE_BITS:
+        if self.bits not in PACKABLE_BITS:
             raise ValueError(f"bits must be 2, 4 or 8, got {self.bits!r}; e.g. 'int4'")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"block must be a positive integer, got {self.block!r}; e.g. 128")

@@ -142,7 +142,7 @@ class BF16Section(Section):
         return sum_ranks(as_type(data, torch.bfloat16).float(), world)
 
 
-def _chains(offsets: list[int]) -> list[tuple[int, int, int]]:
+def strided_chains(offsets: list[int]) -> list[tuple[int, int, int]]:
     """``offsets`` (ascending) cut into arithmetic progressions ``(first, stride, length)``:
     tensors of one size that a model repeats layer after layer lie a layer apart, so a few
     progressions (one per role in a layer, whatever the depth) cover them, each a strided view
@@ -168,9 +168,9 @@ def _chains(offsets: list[int]) -> list[tuple[int, int, int]]:
 
 
 class TopKSection(Section):
-    """Tensors of one size n, as the rows of strided views of the bucket (:func:`_chains`: no
-    copy), k = k(n) kept per row; the bytes: every row's k int32 indices (ascending), then
-    every row's k fp32 values, rows in the order of the views."""
+    """Tensors of one size n, as the rows of strided views of the bucket
+    (:func:`strided_chains`: no copy), k = k(n) kept per row; the bytes: every row's k int32
+    indices (ascending), then every row's k fp32 values, rows in the order of the views."""
 
     def __init__(self, codec: TopK, numels: list[int], offsets: list[int]) -> None:
         super().__init__(numels, offsets)
@@ -178,7 +178,7 @@ class TopKSection(Section):
         self.count = len(numels)
         self.k = codec.k(self.n)
         self.nbytes = 8 * self.count * self.k
-        self.chains = _chains(offsets)
+        self.chains = strided_chains(offsets)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         base = flat.storage_offset()

@@ -9,7 +9,8 @@ from lowcomm.outer.diloco import DiLoCo, SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.local_sgd import LocalSGD
 from lowcomm.outer.noloco import NoLoCo
+from lowcomm.outer.sparseloco import SparseLoCo
 from lowcomm.outer.streaming import StreamingDiLoCo
 
 __all__ = ["CO2", "CoCoDC", "DiLoCo", "LocalSGD", "NoLoCo", "OuterAlgorithm"]
-__all__ += ["SlowMo", "StreamingDiLoCo"]
+__all__ += ["SlowMo", "SparseLoCo", "StreamingDiLoCo"]

@@ -17,6 +17,7 @@ CO2           1            H        penalty, momentum, clip       θ ← A (eage
 Streaming     P            τ < H    outer optimizer per fragment  θ ← (1 − mix)·A + mix·θ
 CoCoDC        P (chosen)   τ < H    outer optimizer per fragment  delay compensation
 NoLoCo        1 (sends θ)  0, < H   heavy ball to a group's mean  θ ← φ (per rank)
+SparseLoCo    1            0 … H    SGD on sparse Δ̂, e ← β·e + Δ  θ ← A
 ============  ===========  =======  ============================  =========================
 
 With ``local_steps="dynamic"`` the positions stay and each rank steps at as many of a round's
@@ -274,7 +275,14 @@ class OuterAlgorithm:
             compression=self.compression,
             stream=index,
             keep_own=bool(getattr(self.config, "eager", False)),
+            feedback_decay=self.feedback_decay,
         )
+
+    @property
+    def feedback_decay(self) -> float:
+        """β of the compressors' error feedback (M = Δ + β·e): 1, nothing fades (SparseLoCo's
+        accumulator decays)."""
+        return 1.0
 
     def mean_async(self, buffers: list[torch.Tensor]) -> Handle:
         """The collective a fragment's uncompressed sync launches over its send ``buffers``:

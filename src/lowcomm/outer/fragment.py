@@ -218,6 +218,7 @@ class Fragment:
         stream: int = 0,
         keep_own: bool = False,
         send_params: bool = False,
+        feedback_decay: float = 1.0,
     ) -> None:
         self.params = list(params)
         self.send_params = send_params or outer is None
@@ -234,7 +235,12 @@ class Fragment:
             rank, device = self.comm.rank, self.anchor.device
             shapes = self.anchor.shapes
             self.compressor = Compressor(
-                compression, shapes, rank=rank, device=device, stream=stream
+                compression,
+                shapes,
+                rank=rank,
+                device=device,
+                stream=stream,
+                feedback_decay=feedback_decay,
             )
         self.pending: deque[Sync] = deque()
         self._next = 0

@@ -24,6 +24,7 @@ __all__ = [
     "job_outer_defaults",
     "job_sync_warmup",
     "outer_doc",
+    "sync_codec",
 ]
 
 JOB_KEYS = ("sync_every", "bucket_cap_mb")
@@ -107,6 +108,14 @@ def job_outer_defaults(
             out["num_fragments"] = 1
         out["overlap"] = min(out["overlap"], sync_every - 1)
     return out
+
+
+def sync_codec(algorithm: Any) -> str | None:
+    """The codec spec of the outer syncs of a resolved algorithm ``Config``: its
+    ``compression``, or the codec its own settings make (SparseLoCo's ``sparse:…``); ``None``:
+    fp32 (or no outer algorithm)."""
+    codec = getattr(algorithm, "compression", None)
+    return None if codec is None else str(codec)
 
 
 def outer_fields(entry: AlgorithmEntry) -> list[dataclasses.Field[Any]]:

@@ -17,6 +17,7 @@ from lowcomm.runfiles import check_writable_folder
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.failures import attempt
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
+from lowcomm.train.outer_keys import sync_codec
 from lowcomm.train.worker import Placement, place_workers
 
 __all__ = [
@@ -262,7 +263,7 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
 
     kwargs = cfg.algorithm_kwargs()
     warm = cfg.sync_warmup_steps()
-    codec, warm_codec = kwargs.get("compression"), kwargs.get("sync_warmup_compression")
+    codec, warm_codec = sync_codec(cfg.algorithm), kwargs.get("sync_warmup_compression")
     evidence = evidence_for(cfg.algo)
     if cfg.tune_link != "off" and evidence is not None:
         # the choice may compress further and shorten the warm start, as far as was measured

@@ -18,6 +18,7 @@ from lowcomm.runfiles import write_json
 from lowcomm.train.checkpoint import newest_intact
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.nodes import describe_layout, node_link
+from lowcomm.train.outer_keys import sync_codec
 
 __all__ = ["ENDED", "failed_summary", "record_path", "resolved_config", "run_summary"]
 
@@ -98,7 +99,7 @@ def run_summary(
             {"steps": warm, "compression": kwargs.get("sync_warmup_compression")} if warm else None
         ),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
-        "compression": _compression_label(cfg, entry.compressible, kwargs),
+        "compression": _compression_label(cfg, kwargs),
         "parameters": n_params,
         "tokens": tokens,
         "wall_time_s": wall_s,
@@ -140,7 +141,7 @@ def _work_summary(
     }
 
 
-def _compression_label(cfg: TrainConfig, compressible: bool, kwargs: dict[str, Any]) -> str | None:
+def _compression_label(cfg: TrainConfig, kwargs: dict[str, Any]) -> str | None:
     """What the summary names as the job's compression: the codec spec; DeMo's own top-k of
     DCT coefficients; ``None`` for fp32 (and for the no-sync ceiling, which sends nothing)."""
     if cfg.algo == "demo":
@@ -150,8 +151,10 @@ def _compression_label(cfg: TrainConfig, compressible: bool, kwargs: dict[str, A
         k = kwargs.get("compression_topk", defaults.compression_topk)
         chunk = kwargs.get("compression_chunk", defaults.compression_chunk)
         return f"DeMo: top {k} DCT coefficients per chunk (chunk side up to {chunk})"
-    compression: str | None = cfg.value("compression")
-    return compression if compressible else None
+    if cfg.algo == "ddp":
+        compression: str | None = cfg.value("compression")
+        return compression
+    return sync_codec(cfg.algorithm)
 
 
 def _layout_summary(

@@ -6,6 +6,7 @@ from lowcomm.testing.references.co2 import CO2Reference
 from lowcomm.testing.references.diloco import DiLoCoReference, SlowMoReference
 from lowcomm.testing.references.localsgd import LocalSGDReference
 from lowcomm.testing.references.noloco import NoLoCoReference
+from lowcomm.testing.references.sparseloco import SparseLoCoReference
 from lowcomm.testing.references.streaming import CoCoDCReference, StreamingReference
 from lowcomm.testing.references.world import ALGO_DEFAULTS, Reference, ReferenceRun, World
 
@@ -19,5 +20,6 @@ REFERENCES: dict[str, type[Reference]] = {
     "cocodc": CoCoDCReference,
     "co2": CO2Reference,
     "noloco": NoLoCoReference,
+    "sparseloco": SparseLoCoReference,
 }
 """Each algorithm's reference, by its class's name."""
