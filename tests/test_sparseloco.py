@@ -233,3 +233,26 @@ def test_a_wrong_decay_density_lr_or_aggregation_does_not_match(
     else:
         monkeypatch.setattr(SparseLoCoReference, "aggregation", wrong)
     assert not _matches(resumed["blocking"], reference_run(scenario))
+
+
+# -- pricing -----------------------------------------------------------------------------
+
+
+def test_the_cost_model_prices_the_codecs_bytes_by_all_gather() -> None:
+    from lowcomm.schedules import sparse_bytes_per_element
+    from lowcomm.tune.cost import Algorithm, Network, Workload, step_time
+
+    shape = (4096, 4096)
+    codec = Sparse()
+    per = sparse_bytes_per_element(codec.density, codec.chunk, codec.bits)
+    assert per * math.prod(shape) == codec.encoded_nbytes(shape) - codec.header_nbytes()
+    work = Workload(parameters=1e6, tokens_per_step=1024, step_time_s=0.1)
+    net = Network(bandwidth_bps=1e6, latency_s=0.1, cost="emulated")
+    sent = 1e6 * per
+    gather = net.allgather_time(sent, 4)
+    blocking = step_time(Algorithm(name="sparseloco", sync_every=12), work, net, 4)
+    assert blocking.step_s == pytest.approx(0.1 + gather / 12)
+    hidden = step_time(Algorithm(name="sparseloco", sync_every=12, overlap=12), work, net, 4)
+    assert gather < 12 * 0.1 and hidden.step_s == pytest.approx(0.1)  # behind a round
+    with pytest.raises(ValueError, match="overlap"):
+        Algorithm(name="sparseloco", sync_every=12, overlap=13)

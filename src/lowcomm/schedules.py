@@ -7,8 +7,9 @@ schedule               what goes over the link
 ``BLOCKING``           a blocking all-reduce every H steps (LocalSGD, DiLoCo, SlowMo)
 ``ONE_ROUND_STALE``    the sync of round t applied at the end of round t + 1 (CO2), or τ
                        steps after its launch; optionally P staggered fragments
-``OVERLAPPED``         a sync every H steps, blocking (τ = 0) or applied τ ≤ H steps after
-                       its launch (SparseLoCo)
+``SPARSE_GATHER``      every H steps an all-gather of every worker's sparse, 2-bit
+                       pseudo-gradient, blocking (τ = 0) or applied τ ≤ H steps after its
+                       launch (SparseLoCo)
 ``FRAGMENTS``          P fragments synced in turn, each τ < H steps in flight (Streaming
                        DiLoCo, CoCoDC)
 ``GOSSIP``             every H steps an exchange within small random groups (NoLoCo)
@@ -27,6 +28,7 @@ entries carry it. Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -38,13 +40,14 @@ __all__ = [
     "GOSSIP",
     "NEVER",
     "ONE_ROUND_STALE",
-    "OVERLAPPED",
     "SCHEDULES",
+    "SPARSE_GATHER",
     "Cadence",
     "LinkModel",
     "Schedule",
     "StepTime",
     "Work",
+    "sparse_bytes_per_element",
 ]
 
 _SCORE_BYTES = 8  # CoCoDC all-reduces one float64 priority score per fragment
@@ -104,6 +107,12 @@ class Cadence(Protocol):
 
     @property
     def chunk(self) -> int: ...
+
+    @property
+    def density(self) -> float: ...
+
+    @property
+    def bits(self) -> int: ...
 
     @property
     def scores_fragments(self) -> bool: ...
@@ -190,6 +199,33 @@ def _fragments_step(a: Cadence, work: Work, network: LinkModel, n: int, overlap:
     exposed = round_s - h * t - outer
     queued = max(0.0, link_bound - compute_bound)
     return StepTime(round_s / h, t, p * (frag + score) / h, exposed / h, outer / h, queued / h)
+
+
+def _in_flight_step(work: Work, h: int, comm: float, tau: int) -> StepTime:
+    """One sync per round of ``comm`` seconds launched τ steps before the round ends and
+    applied at its end (τ = H: at the end of the next round)."""
+    t, outer = work.step_time_s, work.outer_time_s
+    if tau < h:
+        # one fragment of the fragments rule (lowcomm train's CO2)
+        exposed = max(0.0, comm - tau * t)
+        round_s = max(h * t + exposed + outer, comm)
+        queued = max(0.0, comm - (h * t + exposed + outer))
+        return StepTime(
+            round_s / h, t, comm / h, (round_s - h * t - outer) / h, outer / h, queued / h
+        )
+    window = h * t + outer
+    exposed = max(0.0, comm - window)
+    # link-bound: each sync also queues behind the previous one for the excess
+    return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
+
+
+def sparse_bytes_per_element(density: float, chunk: int, bits: int) -> float:
+    """Wire bytes per element of SparseLoCo's codec (:mod:`lowcomm.compress.sparse`) over
+    whole s × s tiles (s = ``chunk``): k = round(density·s²) kept of s², each a ⌈log₂ s²⌉-bit
+    index and a ``bits``-bit value (each tensor's 4·(1 + 2^bits) bytes of codebook left out)."""
+    area = chunk * chunk
+    k = min(area, max(1, round(density * area)))
+    return k * (max(1, math.ceil(math.log2(area))) + bits) / 8 / area
 
 
 def _staggered(a: Cadence) -> None:
@@ -285,33 +321,21 @@ class _OneRoundStale(Schedule):
         return text
 
     def step_time(self, a: Cadence, work: Work, network: LinkModel, n: int) -> StepTime:
-        t, h, outer = work.step_time_s, a.sync_every, work.outer_time_s
+        h = a.sync_every
         if a.num_fragments > 1:
             # staggered fragments: the fragments rule, τ = H where overlap is 0
             return _fragments_step(a, work, network, n, a.overlap or h)
         comm = network.allreduce_time(work.payload, n)
-        if 0 < a.overlap < h:
-            # lowcomm train's CO2: launched τ steps before the round ends, applied at its
-            # end — one fragment of the fragments rule
-            exposed = max(0.0, comm - a.overlap * t)
-            round_s = max(h * t + exposed + outer, comm)
-            queued = max(0.0, comm - (h * t + exposed + outer))
-            return StepTime(
-                round_s / h, t, comm / h, (round_s - h * t - outer) / h, outer / h, queued / h
-            )
-        window = h * t + outer
-        exposed = max(0.0, comm - window)
-        # link-bound: each all-reduce also queues behind the previous one for the excess
-        return StepTime((window + exposed) / h, t, comm / h, exposed / h, outer / h, exposed / h)
+        return _in_flight_step(work, h, comm, a.overlap or h)
 
 
-class _Overlapped(_OneRoundStale):
-    """A sync every H steps applied τ = ``overlap`` steps after its launch: blocking at τ = 0
-    (where CO2's ``overlap`` 0 means τ = H), one fragment of the fragments rule below H, one
-    round stale at τ = H."""
+class _SparseGather(Schedule):
+    """Every H steps an all-gather of every worker's sparse payload
+    (:func:`sparse_bytes_per_element` of the parameters), blocking at τ = ``overlap`` = 0,
+    else launched τ ≤ H steps before it is applied."""
 
-    name = "overlapped"
-    keywords = ("sync_every", "overlap")
+    name = "sparse-gather"
+    keywords = ("sync_every", "overlap", "density", "chunk", "bits")
 
     def check(self, a: Cadence) -> None:
         if a.overlap > a.sync_every:
@@ -320,13 +344,16 @@ class _Overlapped(_OneRoundStale):
             )
 
     def label(self, a: Cadence) -> str:
-        text = Schedule.label(self, a)
+        text = f"{super().label(a)} d={a.density:.3g}"
         return text + (f" overlap={a.overlap}" if a.overlap else "")
 
     def step_time(self, a: Cadence, work: Work, network: LinkModel, n: int) -> StepTime:
+        t, h, outer = work.step_time_s, a.sync_every, work.outer_time_s
+        sent = work.parameters * sparse_bytes_per_element(a.density, a.chunk, a.bits)
+        comm = network.allgather_time(sent, n)
         if a.overlap == 0:
-            return BLOCKING.step_time(a, work, network, n)
-        return super().step_time(a, work, network, n)
+            return StepTime(t + (comm + outer) / h, t, comm / h, comm / h, outer / h)
+        return _in_flight_step(work, h, comm, a.overlap)
 
 
 class _Fragments(Schedule):
@@ -370,7 +397,7 @@ class _Gossip(Schedule):
 
 BLOCKING: Schedule = _Blocking()
 ONE_ROUND_STALE: Schedule = _OneRoundStale()
-OVERLAPPED: Schedule = _Overlapped()
+SPARSE_GATHER: Schedule = _SparseGather()
 FRAGMENTS: Schedule = _Fragments()
 GOSSIP: Schedule = _Gossip()
 EVERY_STEP: Schedule = _EveryStep()
@@ -380,7 +407,7 @@ NEVER: Schedule = _Never()
 SCHEDULES: tuple[Schedule, ...] = (
     BLOCKING,
     ONE_ROUND_STALE,
-    OVERLAPPED,
+    SPARSE_GATHER,
     FRAGMENTS,
     GOSSIP,
     EVERY_STEP,

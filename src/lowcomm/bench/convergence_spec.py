@@ -49,7 +49,7 @@ class ConvergenceSpec:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     steps: int | None = None
     lengths: list[int] = field(default_factory=lambda: [1])
-    links: list[str] = field(default_factory=lambda: ["10mbit", "100mbit", "1gbit"])
+    links: list[str] = field(default_factory=lambda: ["1mbit", "10mbit", "100mbit", "1gbit"])
     timing_steps: int = 48
     eval_every: int | None = None
     eval_batches: int | None = None

@@ -54,7 +54,7 @@ from lowcomm.hparams import (
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterState
 from lowcomm.outer.hparams import OuterConfig, outer_lr, outer_lr_schedule
-from lowcomm.schedules import OVERLAPPED
+from lowcomm.schedules import SPARSE_GATHER
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig"]
 
@@ -132,7 +132,7 @@ class SparseLoCo(OuterAlgorithm):
     name = "sparseloco"
     Config: ClassVar[type[OuterConfig]] = SparseLoCoConfig
     config: SparseLoCoConfig
-    schedule = OVERLAPPED
+    schedule = SPARSE_GATHER
     # (its syncs are all-gathers, which torchft's Manager does not carry)
     elastic = False
     _apply_unlaunched = True

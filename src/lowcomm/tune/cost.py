@@ -278,7 +278,11 @@ class Algorithm:
     topk: int = 32
     """k: demo's coefficients sent per chunk."""
     chunk: int = 64
-    """s: demo's chunk size per dimension."""
+    """s: demo's chunk size per dimension; sparseloco's tile side."""
+    density: float = 1 / 64
+    """sparseloco: elements kept per tile (k = round(density·s²))."""
+    bits: int = 2
+    """sparseloco: bits of a kept value (2, 4; 32: fp32)."""
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -289,6 +293,10 @@ class Algorithm:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {self.density!r}")
+        if self.bits not in (2, 4, 32):
+            raise ValueError(f"bits must be 2, 4 or 32, got {self.bits!r}")
         self.schedule.check(self)
 
     @property
