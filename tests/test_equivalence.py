@@ -108,6 +108,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "outer_lr": 0.8,
         },
     },
+    "sparseloco-merge-overlap2": {
+        "algo": "sparseloco",
+        "inner": "adamw",
+        "hyper": {"chunk": 4, "density": 0.25, "overlap": 2, "merge": "delay_corrected"},
+    },
     "sparseloco-full-overlap-fp32-values": {
         "algo": "sparseloco",
         "inner": "adamw",

@@ -43,6 +43,8 @@ CASES = [
     pytest.param("streaming", 3, 1, 10, id="streaming-overlap-1"),
     pytest.param("cocodc", 3, 1, 5, id="cocodc"),
     pytest.param("noloco", 3, 1, 8, id="noloco"),
+    # mid-round: the error-feedback accumulators come back from the step-9 checkpoint
+    pytest.param("sparseloco", 3, 1, 10, id="sparseloco"),
     pytest.param("demo", 3, 0, 7, id="demo"),
     pytest.param("ddp", 3, 1, 8, id="ddp"),
 ]

@@ -143,6 +143,7 @@ H, STEPS, CUT = 3, 13, 7
 SETTINGS: dict[str, dict[str, Any]] = {
     "blocking": {"chunk": 4, "density": 0.25},
     "overlap-full": {"chunk": 4, "density": 0.3, "bits": 4, "overlap": H, "error_decay": 0.8},
+    "merge-full": {"chunk": 4, "density": 0.25, "overlap": H, "merge": "delay_corrected"},
 }
 
 
@@ -256,3 +257,22 @@ def test_the_cost_model_prices_the_codecs_bytes_by_all_gather() -> None:
     assert gather < 12 * 0.1 and hidden.step_s == pytest.approx(0.1)  # behind a round
     with pytest.raises(ValueError, match="overlap"):
         Algorithm(name="sparseloco", sync_every=12, overlap=13)
+
+
+# -- the job -------------------------------------------------------------------------------
+
+
+def test_the_job_runs_sparseloco_without_a_warm_start_and_names_its_codec(
+    train_job: Any, capsys: Any
+) -> None:
+    from lowcomm.testing.jobs import tiny_job_args
+
+    tiny = tiny_job_args(steps=6, sync_every=3, eval_every=3, eval_batches=2, n_layer=1)
+    sparse = train_job("--algo", "sparseloco", *tiny)
+    fp32 = train_job("--algo", "diloco", "--sync-warmup", "0", *tiny)
+    assert sparse["compression"] == "sparse:0.015625"
+    assert sparse["sync_warmup"] is None and "compression       sparse" in capsys.readouterr().out
+    # two syncs: indices, codes and codebooks only (the 1-D tensors of the tiny GPT, which
+    # gain nothing below fp32, and the codebooks keep it from the 146× of large matrices)
+    assert sparse["comm_mean"]["payload_bytes"] < fp32["comm_mean"]["payload_bytes"] / 20
+    assert sparse["val_loss_final"] < sparse["val_loss_initial"]

@@ -62,7 +62,7 @@ from lowcomm.hparams import (
 )
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import AnyFragment, OuterState, Sync
-from lowcomm.outer.functional import co2_outer_update_, delay_compensation_
+from lowcomm.outer.functional import co2_outer_update_
 from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
@@ -73,13 +73,13 @@ from lowcomm.outer.hparams import (
     outer_lr_schedule,
     outer_momentum,
 )
+from lowcomm.outer.merge import MERGES
 from lowcomm.params import load_tensors
 from lowcomm.schedules import ONE_ROUND_STALE
 
 __all__ = ["CLIP_MODES", "CO2", "MERGES", "CO2Config", "CO2State"]
 
 CLIP_MODES = ("value", "norm")
-MERGES = ("reset", "delay_corrected")
 
 
 _check_divisor = check_number(
@@ -318,10 +318,6 @@ class CO2(OuterAlgorithm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # θ_s of each fragment at its launch (the delay-corrected merge)
-        self._snapshots = (
-            [f.anchor.like() for f in self.fragments] if self._keeps_progress() else []
-        )
         self._eager_out: dict[int, FlatBuckets] = {}  # eager: the outer input, per fragment
 
     def _overlap(self) -> int:
@@ -329,19 +325,6 @@ class CO2(OuterAlgorithm):
 
     def _keeps_progress(self) -> bool:
         return self.config.merge == "delay_corrected"
-
-    def _before_launch(self, f: int) -> None:
-        if self._snapshots:
-            self._snapshots[f].copy_from(self.fragments[f].params)
-
-    def _merge(self, f: int) -> None:
-        """θ_p ← A_p (reset), or θ_p ← A_p + (θ_p − θ_s) (delay-corrected merge: the progress
-        made since the launch is kept on top of the new anchor)."""
-        if not self._snapshots:
-            super()._merge(f)
-            return
-        frag = self.fragments[f]
-        delay_compensation_(frag.params, frag.anchor.views, self._snapshots[f].views, lambda0=0.0)
 
     @property
     def _flat_state(self) -> bool:  # type: ignore[override]
@@ -403,17 +386,11 @@ class CO2(OuterAlgorithm):
             self.comm.all_reduce_mean(self.anchor.buffers)
 
     def _extra_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"eager": self.config.eager, "merge": self.config.merge}
-        if self._snapshots:
-            state["snapshots"] = [[v.clone() for v in s.views] for s in self._snapshots]
-        return state
+        return {"eager": self.config.eager}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        for key, default in (("eager", False), ("merge", "reset")):
-            if state.get(key, default) != getattr(self.config, key):
-                raise ValueError(
-                    f"state_dict was saved with {key}={state.get(key, default)!r} but this CO2 "
-                    f"has {key}={getattr(self.config, key)!r}; resume with the same settings"
-                )
-        for i, snap in enumerate(self._snapshots):
-            load_tensors({"s": state["snapshots"][i]}, "s", snap.views)
+        if state.get("eager", False) != self.config.eager:
+            raise ValueError(
+                f"state_dict was saved with eager={state.get('eager', False)!r} but this CO2 "
+                f"has eager={self.config.eager!r}; resume with the same settings"
+            )

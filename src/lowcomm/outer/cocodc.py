@@ -42,10 +42,9 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.hparams import check_bool, check_number, check_positive_int, hyper
-from lowcomm.outer.functional import delay_compensation_
+from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.hparams import OuterConfig
 from lowcomm.outer.streaming import FragmentsConfig, StreamingDiLoCo
-from lowcomm.params import load_tensors
 
 __all__ = ["CoCoDC", "CoCoDCConfig"]
 
@@ -84,7 +83,6 @@ class CoCoDC(StreamingDiLoCo):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._snapshots = [f.anchor.like() for f in self.fragments]
         self.last_launch = [0] * self.num_fragments  # sync point of each one's last launch
 
     def _choose_fragment(self, k: int) -> int:
@@ -119,20 +117,13 @@ class CoCoDC(StreamingDiLoCo):
     def _keeps_progress(self) -> bool:
         return True  # the compensation merge keeps the overlap's progress
 
-    def _before_launch(self, f: int) -> None:
-        self._snapshots[f].copy_from(self.fragments[f].params)
-
     def _merge(self, f: int) -> None:
-        frag, snapshot = self.fragments[f], self._snapshots[f].views
-        delay_compensation_(frag.params, frag.anchor.views, snapshot, lambda0=self.config.lambda0)
+        OuterAlgorithm._merge(self, f)  # the compensated merge (not Streaming DiLoCo's mix)
 
     def _extra_state(self) -> dict[str, Any]:
-        snapshots = [[v.clone() for v in s.views] for s in self._snapshots]
-        return {"last_launch": list(self.last_launch), "snapshots": snapshots}
+        return {"last_launch": list(self.last_launch)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "last_launch" not in state or "snapshots" not in state:
             raise ValueError("CoCoDC state_dict is missing 'last_launch' or 'snapshots'")
-        for i, snap in enumerate(self._snapshots):
-            load_tensors({"s": state["snapshots"][i]}, "s", snap.views)
         self.last_launch = [int(x) for x in state["last_launch"]]

@@ -13,11 +13,12 @@ algorithm     fragments    τ        update rule                   merge
 LocalSGD      1            0        A ← mean θ                    θ ← A
 DiLoCo        1            0        outer optimizer (Nesterov)    θ ← A
 SlowMo        1            0        heavy ball, Δ̄/γ, lr α·γ       θ ← A
-CO2           1            H        penalty, momentum, clip       θ ← A (eager: own fresh Δ)
+CO2           1            H        penalty, momentum, clip       θ ← A (eager: own fresh Δ;
+                                                                  or delay-corrected)
 Streaming     P            τ < H    outer optimizer per fragment  θ ← (1 − mix)·A + mix·θ
 CoCoDC        P (chosen)   τ < H    outer optimizer per fragment  delay compensation
 NoLoCo        1 (sends θ)  0, < H   heavy ball to a group's mean  θ ← φ (per rank)
-SparseLoCo    1            0 … H    SGD on sparse Δ̂, e ← β·e + Δ  θ ← A
+SparseLoCo    1            0 … H    SGD on sparse Δ̂, e ← β·e + Δ  θ ← A (or delay-corrected)
 ============  ===========  =======  ============================  =========================
 
 With ``local_steps="dynamic"`` the positions stay and each rank steps at as many of a round's
@@ -60,6 +61,7 @@ from lowcomm.outer.fault_tolerance import ElasticSyncs
 from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState, ShardedFragment, Sync
 from lowcomm.outer.guards import Guards
 from lowcomm.outer.hparams import OuterConfig
+from lowcomm.outer.merge import KeepProgress
 from lowcomm.outer.pace import Pace
 from lowcomm.outer.warm import WARM_BUCKET_MB, WARM_STREAM, WarmStart
 from lowcomm.params import check_partition, collect_params, split_by_blocks
@@ -162,6 +164,12 @@ class OuterAlgorithm:
         groups = self._fragment_groups(model_or_params)
         self.fragments: list[AnyFragment] = [self._new_fragment(g, i) for i, g in enumerate(groups)]
         self.num_fragments = len(self.fragments)
+        self.keep_progress: KeepProgress | None = None
+        """The merge θ ← Â + (θ − θ_s) and its snapshots, where the algorithm keeps the progress
+        made while a sync was in flight (:mod:`lowcomm.outer.merge`)."""
+        if self._keeps_progress():
+            lambda0 = float(getattr(self.config, "lambda0", 0.0))
+            self.keep_progress = KeepProgress(self.fragments, lambda0=lambda0)
         self.interval = self.sync_every // self.num_fragments
         """Inner steps between sync points: H / P."""
         self.pace: Pace | None = None
@@ -295,6 +303,8 @@ class OuterAlgorithm:
 
     def _before_launch(self, f: int) -> None:
         """Called just before fragment ``f``'s pseudo-gradient is taken."""
+        if self.keep_progress is not None:
+            self.keep_progress.launched(f)
 
     def _outer_input(
         self, frag: AnyFragment, sync: Sync | None, avg: list[torch.Tensor] | None
@@ -303,7 +313,11 @@ class OuterAlgorithm:
         return avg
 
     def _merge(self, f: int) -> None:
-        """θ_p ← A_p after fragment ``f``'s update was applied."""
+        """θ_p ← A_p after fragment ``f``'s update was applied (θ_p ← A_p + (θ_p − θ_s) where
+        the progress since the launch is kept)."""
+        if self.keep_progress is not None:
+            self.keep_progress.merge(f)
+            return
         frag = self.fragments[f]
         frag.anchor.copy_to(frag.params)
 
@@ -739,6 +753,8 @@ class OuterAlgorithm:
             for i, frag in enumerate(self.fragments):
                 state[f"fragment_{i}"] = frag.state_dict()
         state.update(self._extra_state())
+        if self.keep_progress is not None:
+            state["snapshots"] = self.keep_progress.state_dict()
         if self.pace is not None:
             state["pace"] = self.pace.state_dict()
         if self.warm.compressors:
@@ -760,6 +776,8 @@ class OuterAlgorithm:
                 state = {key: mine, **state}  # and state_dicts from before the warm start
             if key == "local_steps" and mine == "fixed":
                 state = {key: mine, **state}  # and from before dynamic local steps
+            if key == "merge" and mine == "reset":
+                state = {key: mine, **state}  # and from before the delay-corrected merge
             if key not in state:
                 raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
             if state[key] != mine:
@@ -778,6 +796,10 @@ class OuterAlgorithm:
             for frag in self.fragments:
                 frag.wait_in_flight()
         self._load_extra_state(state)
+        if self.keep_progress is not None:
+            if "snapshots" not in state:
+                raise ValueError(f"{type(self).__name__} state_dict is missing 'snapshots'")
+            self.keep_progress.load_state_dict(state["snapshots"])
         if self.pace is not None:
             self.pace.load_state_dict(state["pace"])
         if self._flat_state:
@@ -822,6 +844,7 @@ class OuterAlgorithm:
             "overlap": self.overlap,
             "sync_warmup": self.warmup,
             "local_steps": self.config.local_steps,
+            **({"merge": self.config.merge} if hasattr(self.config, "merge") else {}),
         }
 
     def _extra_state(self) -> dict[str, Any]:

@@ -13,10 +13,12 @@ engine: one fragment. Every H inner steps, on each rank i, with Δᵢ = A − θ
 4. A ← A − α·Δ̄ (plain SGD, no momentum); θᵢ ← A.
 
 With ``overlap=τ`` > 0 a round's sync is launched τ steps before the round ends and applied at
-its end (the τ steps since the launch are dropped by the reset θ ← A, as Streaming DiLoCo
-does); at τ = H (full overlap) it is in flight for the whole next round and applied at that
-round's end, CO2's one-round-stale schedule, where the reset drops nothing (that progress is
-in the next Δ).
+its end, the all-gather hidden behind those τ steps: the reset θ ← A drops the τ steps since
+the launch (as Streaming DiLoCo does), the delay-corrected merge (``merge="delay_corrected"``,
+as CO2's) keeps them, θ ← A + (θ − θ_s) with θ_s the parameters at the launch. At τ = H the
+reset leaves the sync in flight for the whole next round (CO2's one-round-stale schedule, the
+progress carried by the next Δ); the merge applies each sync at the sync point where the next
+launches, a round after its own launch.
 
 Where lowcomm differs from the official code, and why:
 
@@ -47,6 +49,7 @@ import torch
 from lowcomm.compress.sparse import DEFAULT_CHUNK, DEFAULT_DENSITY, VALUE_BITS, Sparse
 from lowcomm.hparams import (
     HyperparameterError,
+    check_choice,
     check_number,
     check_positive_int,
     hyper,
@@ -54,6 +57,7 @@ from lowcomm.hparams import (
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterState
 from lowcomm.outer.hparams import OuterConfig, outer_lr, outer_lr_schedule
+from lowcomm.outer.merge import MERGES
 from lowcomm.schedules import SPARSE_GATHER
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig"]
@@ -98,6 +102,13 @@ class SparseLoCoConfig(OuterConfig):
         doc="bits of a kept value: 2 or 4 (a codebook fitted per tensor), or 32 (fp32)",
         check=_check_bits,
     )
+    merge: str = hyper(
+        "reset",
+        doc="at a sync point: reset (θ ← A; below full overlap the τ steps since the launch "
+        "are dropped) or delay_corrected (θ ← A + (θ − θ_s), θ_s the parameters at the "
+        "launch: that progress is kept; one more copy of the parameters)",
+        check=check_choice(MERGES),
+    )
     overlap: int = hyper(
         0,
         doc="inner steps a sync is in flight before it is applied, at most sync_every (0: "
@@ -141,6 +152,9 @@ class SparseLoCo(OuterAlgorithm):
     def feedback_decay(self) -> float:
         """β: the error-feedback accumulator's decay."""
         return float(self.config.error_decay)
+
+    def _keeps_progress(self) -> bool:
+        return self.config.merge == "delay_corrected"
 
     def _outer_state(self, anchor: list[torch.Tensor]) -> OuterState:
         sgd = partial(torch.optim.SGD, lr=float(self.config.outer_lr), momentum=0.0, foreach=True)

@@ -1,8 +1,9 @@
 """SparseLoCo's reference, from the paper's equations: every worker's accumulator
 e ← β·e + Δ, the top-k of every tile of e quantised to a 4-level (or 16-level) codebook, e less
 what was sent, the outer step A ← A − α·Δ̄ with Δ̄ each element's mean over the workers that sent
-it; at τ > 0 the sync applied τ steps after its launch (at τ = H one round later). Written tensor
-by tensor and tile by tile, apart from :mod:`lowcomm.compress.sparse`."""
+it; at τ > 0 the sync applied τ steps after its launch (at τ = H one round later), then
+θ ← A, or θ ← A + (θ − θ_s) with the delay-corrected merge. Written tensor by tensor and tile
+by tile, apart from :mod:`lowcomm.compress.sparse`."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ class SparseLoCoReference(Reference):
         self.chunk = int(hyper["chunk"])
         self.bits = int(hyper["bits"])
         self.tau = int(hyper["overlap"])
+        self.keep = hyper["merge"] == "delay_corrected"
         self.errors = [[torch.zeros_like(a) for a in world.anchor] for _ in range(world.n)]
-        self.pending: list[torch.Tensor] | None = None
+        self.pending: dict[int, list[torch.Tensor]] = {}  # sync point -> Δ̄ launched for it
+        self.snapshot: list[list[torch.Tensor]] | None = None  # θ_s of every worker
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int, int, int]:
         """rows, cols, tile height, tile width and k of a tensor of ``shape``."""
@@ -124,38 +127,45 @@ class SparseLoCoReference(Reference):
                 out.append(total / count.clamp(min=1))
         return out
 
-    def apply(self, avg: list[torch.Tensor]) -> None:
-        """A ← A − α·Δ̄, then θ ← A on every worker."""
+    def _update(self, avg: list[torch.Tensor]) -> None:
+        """A ← A − α·Δ̄."""
         w = self.world
         for a, d in zip(w.anchor, avg):
             a.add_(d, alpha=-w.outer_lr())
-        w.set_all(w.anchor)
 
     def step(self, phase: int) -> None:
         w = self.world
-        if 0 < self.tau < w.h and (phase + self.tau) % w.h == 0:
-            self.pending = self.mean()  # launched τ steps before the sync point
+        # with the merge at τ = H a sync point applies before it launches
+        apply_first = self.keep and self.tau >= w.h
+        if apply_first:
+            self._sync_point(phase)
+        if (phase + self.tau) % w.h == 0:  # the launch for sync point (phase + τ) / H
+            if self.keep:
+                self.snapshot = [[p.detach().float().clone() for p in th] for th in w.thetas]
+            self.pending[(phase + self.tau) // w.h] = self.mean()
+        if not apply_first:
+            self._sync_point(phase)
+        if phase % w.h == 0:
+            w.record()
+
+    def _sync_point(self, phase: int) -> None:
+        """At a sync point: its sync's update, then θ ← A (reset) or θ ← A + (θ − θ_s)."""
+        w = self.world
         if phase % w.h:
             return
-        if self.tau == 0:
-            self.apply(self.mean())
-        elif self.tau < w.h:
-            assert self.pending is not None
-            self.apply(self.pending)
-            self.pending = None
-        else:  # launched now, applied a round later; the first sync point only resets θ
-            launched = self.mean()
-            if self.pending is not None:
-                self.apply(self.pending)
-            else:
-                w.set_all(w.anchor)
-            self.pending = launched
-        w.record()
+        launched = self.pending.pop(phase // w.h, None)
+        if launched is not None:
+            self._update(launched)
+        elif self.keep:
+            return  # nothing launched yet: nothing to merge, θ stays
+        for i, th in enumerate(w.thetas):
+            for j, p in enumerate(th):
+                if self.keep and self.snapshot is not None:
+                    p.copy_(w.anchor[j] - (self.snapshot[i][j] - p.float()))
+                else:
+                    p.copy_(w.anchor[j])
 
     def finish(self) -> None:
-        if self.pending is not None:
-            w = self.world
-            for a, d in zip(w.anchor, self.pending):
-                a.add_(d, alpha=-w.outer_lr())
-            self.pending = None
+        for k in sorted(self.pending):
+            self._update(self.pending.pop(k))
         super().finish()
