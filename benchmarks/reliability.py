@@ -286,6 +286,7 @@ class Lab:
     root: Path
     references: dict[str, Path] = field(default_factory=dict)
     sources_digest: str = ""
+    _reference_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.root = self.root.resolve()
@@ -322,7 +323,12 @@ class Lab:
 
     def reference(self, algo: str) -> Path:
         """The uninterrupted run of ``algo`` (made once), checkpointing every
-        :data:`REFERENCE_EVERY` steps."""
+        :data:`REFERENCE_EVERY` steps. Thread-safe: a caller asking while another thread
+        makes it waits for that run."""
+        with self._reference_lock:
+            return self._reference(algo)
+
+    def _reference(self, algo: str) -> Path:
         if algo not in self.references:
             out = self.folder("references", algo)
             args = train_args(algo, out, "--checkpoint-every", str(REFERENCE_EVERY))
@@ -394,10 +400,11 @@ KILL_POINTS_QUICK: list[KillPoint] = [
 
 
 def kill_resume_rows(lab: Lab, points: Sequence[KillPoint]) -> list[Row]:
-    """Fault a run at each kill point, resume it, and compare it with the algorithm's reference."""
+    """Fault a run at each kill point, resume it, and compare it with the algorithm's reference
+    (asked for once the resumed run is over: :meth:`Lab.reference` may be made meanwhile by
+    another thread)."""
     rows = []
     for i, point in enumerate(points):
-        reference = lab.reference(point.algo)
         out = lab.folder("kill-resume", f"{i:02d}-{point.algo}-r{point.rank}s{point.step}")
         print(
             f"[{time.strftime('%H:%M:%S')}] {point.algo}: {point.mode} rank {point.rank} "
@@ -408,6 +415,7 @@ def kill_resume_rows(lab: Lab, points: Sequence[KillPoint]) -> list[Row]:
         fault = f"{point.rank}:{point.step}:{point.mode}"
         faulted = lab.train(args, out.with_suffix(".faulted.log"), fault=fault)
         resumed = lab.train([*args, "--resume"], out.with_suffix(".resumed.log"))
+        reference = lab.reference(point.algo)
         if resumed.returncode != 0:
             result = RunComparison(problem=f"resume failed: {resumed.last_line()}")
         else:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from lowcomm.train.loop import FAULT_ENV
 ABORT = "terminate called"  # what a C++ std::terminate at shutdown prints
 
 
-def _train(out: str, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+def _start(out: str, *extra: str, fault: str | None = None) -> subprocess.Popen[str]:
     """``python -m lowcomm train`` (co2, the tiny config) in a subprocess: its stderr holds the
     workers' too, C++ messages included."""
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
@@ -31,22 +32,62 @@ def _train(out: str, *extra: str, fault: str | None = None) -> subprocess.Comple
         env[FAULT_ENV] = fault
     cmd = [sys.executable, "-m", "lowcomm", "train", "--algo", "co2", *TINY_JOB_ARGS]
     cmd += TINY_JOB_ALGO_ARGS["co2"]
-    return subprocess.run(
-        [*cmd, "--out", out, *extra], capture_output=True, text=True, timeout=150, env=env
+    return subprocess.Popen(
+        [*cmd, "--out", out, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
+
+
+def _wait(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    """What ``proc`` (:func:`_start`) printed and its exit code; killed after 150 s."""
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=30)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _train_at_once(
+    *runs: tuple[str, tuple[str, ...], str | None],
+) -> list[subprocess.CompletedProcess[str]]:
+    """Independent :func:`_start` runs ``(out, extra, fault)`` at once (their start-up, mostly
+    imports on one core each, overlaps), each waited for (and read) in a thread of its own."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for out, extra, fault in runs:
+            procs.append(_start(out, *extra, fault=fault))
+        with ThreadPoolExecutor(len(procs)) as pool:
+            return list(pool.map(_wait, procs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+
+
+def _train(out: str, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    """:func:`_start`, waited for."""
+    return _wait(_start(out, *extra, fault=fault))
 
 
 @pytest.mark.timeout(300)
 def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path: Any) -> None:
-    clean = str(tmp_path / "clean")
-    proc = _train(clean, "--checkpoint-every", "3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ABORT not in proc.stderr
-    restarted = str(tmp_path / "restarted")
+    clean, restarted = str(tmp_path / "clean"), str(tmp_path / "restarted")
+    # the run without the fault and the faulted one, at once (independent runs)
     # rank 1 is SIGKILLed after step 10; the group restarts and resumes from the newest
     # complete checkpoint: step 9's, or step 6's where rank 0 had not yet finished step 9's
     # (nothing holds rank 1 back between the two: on a loaded machine it can be a step ahead)
-    proc = _train(restarted, "--checkpoint-every", "3", "--max-restarts", "1", fault="1:10")
+    first, proc = _train_at_once(
+        (clean, ("--checkpoint-every", "3"), None),
+        (restarted, ("--checkpoint-every", "3", "--max-restarts", "1"), "1:10"),
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert ABORT not in first.stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worker group restarted (restart 1) after a failure" in proc.stderr
     assert ABORT not in proc.stderr
@@ -65,7 +106,7 @@ def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path:
 @pytest.mark.timeout(200)
 def test_a_killed_worker_is_named_and_the_others_stop(tmp_path: Any) -> None:
     out = str(tmp_path / "run")
-    proc = _train(out, fault="1:5")  # subprocess.run's timeout bounds how long the others take
+    proc = _train(out, fault="1:5")  # _wait's timeout bounds how long the others take
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == "lowcomm train: error: worker rank 1 failed: killed by signal 9 (SIGKILL)"
@@ -103,9 +144,12 @@ def test_a_stalled_worker_makes_the_others_time_out(
 
 @pytest.mark.timeout(300)
 def test_a_diverging_worker_is_skipped_or_stops_the_run(tmp_path: Any) -> None:
-    # rank 1's parameters turn NaN after step 5 (mid-round): CO2's round-2 average is skipped
-    skipped = str(tmp_path / "skip")
-    proc = _train(skipped, fault="1:5:nan")
+    # rank 1's parameters turn NaN after step 5 (mid-round): CO2's round-2 average is skipped;
+    # with --nan-policy raise every rank stops there instead (the two runs at once)
+    skipped, raised = str(tmp_path / "skip"), str(tmp_path / "raise")
+    proc, stopped = _train_at_once(
+        (skipped, (), "1:5:nan"), (raised, ("--nan-policy", "raise"), "1:5:nan")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(skipped)
     assert summary["skipped_updates"] == 1
@@ -118,8 +162,7 @@ def test_a_diverging_worker_is_skipped_or_stops_the_run(tmp_path: Any) -> None:
     assert (summary["nonfinite"]["first_step"], summary["nonfinite"]["first_rank"]) == (6, 1)
     assert "non-finite loss   at step 6 (rank 1), recovered" in proc.stdout
     # --nan-policy raise: every rank stops at that average, cleanly, with one line
-    raised = str(tmp_path / "raise")
-    proc = _train(raised, "--nan-policy", "raise", fault="1:5:nan")
+    proc = stopped
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "failed: NonFiniteError: CO2: the averaged pseudo-gradient of round 2 holds NaN" in last

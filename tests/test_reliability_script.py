@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,7 +30,17 @@ def test_one_kill_point_and_two_bad_inputs(tmp_path: Any, monkeypatch: Any) -> N
     rel = _load(monkeypatch)
     lab = rel.Lab(tmp_path / "runs")
 
-    kills = rel.kill_resume_rows(lab, rel.KILL_POINTS_QUICK)
+    labels = ["--steps -5", "config: unknown key (sync_evry = 4)"]
+    # the independent runs at once: co2's reference run (which the kill point is compared with
+    # once it is resumed) and the bad inputs while the kill point's runs go
+    with ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(lab.reference, "co2")
+        refused = pool.submit(
+            rel.bad_input_rows, lab, [c for c in rel.BAD_INPUTS if c.label in labels]
+        )
+        kills = rel.kill_resume_rows(lab, rel.KILL_POINTS_QUICK)
+        assert reference.result() == lab.reference("co2")
+        bad = refused.result()
     assert len(kills) == 1
     row = kills[0]
     assert row["algorithm"] == "co2"
@@ -39,8 +50,6 @@ def test_one_kill_point_and_two_bad_inputs(tmp_path: Any, monkeypatch: Any) -> N
     assert row["differing tensors"].startswith("0 of "), row
     assert row["other differences"] == "0"
 
-    labels = ["--steps -5", "config: unknown key (sync_evry = 4)"]
-    bad = rel.bad_input_rows(lab, [c for c in rel.BAD_INPUTS if c.label in labels])
     assert [r["input"] for r in bad] == labels
     for r in bad:
         assert (r["exit code"], r["traceback"], r["workers started"]) == ("2", "no", "no"), r

@@ -29,11 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SUPERVISE = ROOT / "examples" / "supervise"
 DOCS = ROOT / "docs" / "fault-tolerance.md"
 
+# 64 steps: a replica is killed at step 8 and the other once the first is healed (step 12 or
+# 16); the two then train in step with each other (every sync needs both), so the 48 or so steps
+# left are seconds in which the second kill lands long before the job could end
 JOB = """\
 algo = "diloco"
-steps = 200
+steps = 64
 sync_every = 4
-eval_every = 200
+eval_every = 64
 eval_batches = 1
 batch_size = 2
 block_size = 16

@@ -57,6 +57,7 @@ allocator fragmentation: the planner keeps ``1 − usable`` of the memory for th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -139,7 +140,14 @@ def stage_layers(model: ModelSpec, layout: Layout, stage: str) -> float:
 
 def stage_parameters(model: ModelSpec, layout: Layout, stage: str) -> float:
     """Parameters one device of ``stage`` ("first", "last" or "only") holds under TP."""
-    t = layout.tp
+    return _stage_parameters(model, layout.tp, layout.pp, stage)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _stage_parameters(model: ModelSpec, t: int, p: int, stage: str) -> float:
+    """:func:`stage_parameters` by the only layout fields it reads, TP and PP (a search asks
+    for the same ones for many layouts: computed once each)."""
+    layout = Layout(tp=t, pp=p, dp=1)
     layers = stage_layers(model, layout, stage) * model.layer_parameters() / t
     emb = model.embedding_parameters() / t
     head = model.head_parameters() / t
@@ -156,12 +164,35 @@ def activation_bytes_per_layer(
 ) -> float:
     """Activation bytes of one layer for one micro-batch; ``stored=False``: everything the
     layer keeps when nothing is recomputed (what full recompute rebuilds in backward)."""
-    e = precision.activation_bytes
-    t = layout.tp
+    return _activation_bytes_per_layer(
+        model,
+        precision.activation_bytes,
+        layout.tp,
+        layout.sequence_parallel,
+        layout.recompute,
+        layout.flash_attention,
+        micro_batch,
+        stored,
+    )
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _activation_bytes_per_layer(
+    model: ModelSpec,
+    e: int,
+    t: int,
+    sequence_parallel: bool,
+    recompute: str,
+    flash_attention: bool,
+    micro_batch: int,
+    stored: bool,
+) -> float:
+    """:func:`activation_bytes_per_layer` by the only precision and layout fields it reads
+    (a search asks for the same ones for many layouts: computed once each)."""
     s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
     sbh = s * b * h
-    rep = t if layout.sequence_parallel else 1  # replicated parts split only by SP
-    if stored and layout.recompute == "full":
+    rep = t if sequence_parallel else 1  # replicated parts split only by SP
+    if stored and recompute == "full":
         return e * sbh / rep
     mask = 1.0 if model.dropout else 0.0
     norms = _eager_norms(model)
@@ -170,9 +201,9 @@ def activation_bytes_per_layer(
     kv = s * b * model.kv_dim
     split = e * (sbh + 2 * kv) + e * sbh  # Q, K, V; output projection input
     split += _mlp_saved(model) * e * s * b * model.ffn
-    if layout.flash_attention:
+    if flash_attention:
         core = e * sbh + 4.0 * a * s * b
-    elif stored and layout.recompute == "selective":
+    elif stored and recompute == "selective":
         core = 0.0
     else:
         core = (e + mask * (1 + e)) * a * s * s * b

@@ -147,10 +147,27 @@ def evaluate(
     usable: float = 0.9,
 ) -> Candidate:
     """Memory, time and feasibility of one layout (:func:`check_layout` and the memory bound)."""
+    return _evaluate(model, precision, cluster, layout, global_batch, usable=usable)
+
+
+def _evaluate(
+    model: ModelSpec,
+    precision: Precision,
+    cluster: Cluster,
+    layout: Layout,
+    global_batch: int,
+    *,
+    usable: float,
+    mem: MemoryBreakdown | None = None,
+) -> Candidate:
+    """:func:`evaluate`; ``mem``: the layout's :func:`~lowcomm.plan.memory.memory` where the
+    caller has it already (a layout without an outer algorithm, its micro-batches per
+    pipeline, ZeRO over all of DP), not computed again."""
     reasons = check_layout(model, cluster, layout, global_batch)
     micro = max(1, global_batch // (layout.dp * layout.micro_batch))
-    shards = outer_split(cluster, layout)[1] if layout.outer else layout.dp
-    mem = memory(model, precision, layout, micro, zero_group=shards)
+    if mem is None:
+        shards = outer_split(cluster, layout)[1] if layout.outer else layout.dp
+        mem = memory(model, precision, layout, micro, zero_group=shards)
     fits = mem.total <= usable * cluster.device_memory_bytes
     if not fits:
         reasons.append(
@@ -307,7 +324,10 @@ def plan(
             if "outer" in fix and fix["outer"] is not None and not offer:
                 variants = [replace(layout, outer=outer[0], sync_every=sync_every or 1)]
                 offer = False
-            need = memory(model, precision, layout, max(1, global_batch // (d * b))).total
+            # the layout's own memory (no outer algorithm, ZeRO over all of DP): the bound
+            # here, and its evaluation below
+            base = memory(model, precision, layout, max(1, global_batch // (d * b)))
+            need = base.total
             if need > usable * cluster.device_memory_bytes and not fix:
                 # an outer algorithm only adds state, so none of the variants fits either
                 key = "does not fit in memory"
@@ -329,7 +349,15 @@ def plan(
                     for name in outer
                 ]
             for lay in variants:
-                cand = evaluate(model, precision, cluster, lay, global_batch, usable=usable)
+                cand = _evaluate(
+                    model,
+                    precision,
+                    cluster,
+                    lay,
+                    global_batch,
+                    usable=usable,
+                    mem=base if lay is layout else None,
+                )
                 if lay.order == "tp-dp-pp":
                     if cand.feasible:
                         default_order[lay] = cand.time.iteration_s

@@ -49,7 +49,7 @@ from typing import Any
 
 from lowcomm.plan.gemm import Gemm, gemm_time
 from lowcomm.plan.memory import activation_bytes_per_layer, stage_layers, stage_parameters
-from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision
+from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision, Recompute
 from lowcomm.tune.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
 from lowcomm.tune.cost import tiered_allreduce_time as _tiered
 
@@ -270,9 +270,8 @@ def iteration_time(
         if t > 1:
             tier = cluster.tiers[0]
             count = 4 + (2 if layout.recompute == "full" else 0)
-            one = _tiered(
-                e * model.seq * b * model.hidden,
-                [TierLevel(t, tier.bandwidth_bps, tier.latency_s)],
+            one = _tp_allreduce(
+                e * model.seq * b * model.hidden, t, tier.bandwidth_bps, tier.latency_s
             )
             tp = layers * count * one
         compute = fwd + bwd + recompute
@@ -304,8 +303,8 @@ def iteration_time(
     )
     levels = group_levels(cluster, d, dp_stride(layout))
     outer_levels = levels
-    top, _ = outer_split(cluster, layout)
     if layout.outer:
+        top, _ = outer_split(cluster, layout)
         if top is None:
             raise ValueError(
                 f"{layout.outer} needs the data-parallel group to cross a slow tier "
@@ -355,9 +354,7 @@ def iteration_time(
 
     iteration = inner + outer_exposed
     devices = layout.devices
-    executed = model.hardware_flops(global_batch, layout.recompute)
-    if layout.recompute == "selective" and layout.flash_attention:
-        executed = model.model_flops(global_batch)
+    executed, model_flops = _flops(model, global_batch, layout.recompute, layout.flash_attention)
     per_device = executed / (iteration * devices)
     return TimeBreakdown(
         compute_s=m * compute,
@@ -373,5 +370,24 @@ def iteration_time(
         tokens_per_s=global_batch * model.seq / iteration,
         tflops_per_device=per_device / 1e12,
         percent_of_peak=100.0 * per_device / cluster.peak_flops,
-        mfu=model.model_flops(global_batch) / (iteration * devices * cluster.peak_flops),
+        mfu=model_flops / (iteration * devices * cluster.peak_flops),
     )
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _tp_allreduce(payload_bytes: int, tp: int, bandwidth_bps: float, latency_s: float) -> float:
+    """One TP all-reduce of ``payload_bytes`` inside a node (a search prices the same ones for
+    many layouts: computed once each)."""
+    return _tiered(payload_bytes, [TierLevel(tp, bandwidth_bps, latency_s)])
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _flops(
+    model: ModelSpec, global_batch: int, recompute: Recompute, flash_attention: bool
+) -> tuple[float, float]:
+    """(FLOPs executed, model FLOPs) of one iteration (a search prices the same ones for many
+    layouts: computed once each)."""
+    executed = model.hardware_flops(global_batch, recompute)
+    if recompute == "selective" and flash_attention:
+        executed = model.model_flops(global_batch)
+    return executed, model.model_flops(global_batch)

@@ -7,13 +7,21 @@ algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event
   ``anchor`` and ``params``: checksums);
 * ``{"event": "healed", "donor", "mine"}``: right after this replica was healed, the checksum of
   the state its donor had when it sent it and of the state this replica holds now;
-* ``{"event": "done", ...}`` with the final checksums.
+* ``{"event": "done", ...}`` with the final checksums;
+* ``{"event": "closed"}`` once its torchft Manager is shut down.
+
+Every record also names its ``algo``. ``--algo A,B,...`` with ``--lighthouse ADDR_A,ADDR_B,...``
+(one Lighthouse each) runs one job after the other in this process, each from a fresh model and
+a fresh Manager: the same replicas run several jobs at the cost of one start-up. With
+``--start-together DIR --replicas N`` every job after the process's first starts training only
+once the N replicas have their Manager for it (files in DIR), as replicas started at once do.
 
 ``--die-after-quorum K`` kills the process (SIGKILL) right after it joined the quorum of its K-th
 sync, before it contributes to that sync's collective: the others' collective fails while it is in
-flight. ``--die-as-donor FILE``: the first replica to send its state to a healing one (the one that
+flight (with ``--die-from I``: only in the I-th job of ``--algo`` and later ones, counted from 0).
+``--die-as-donor FILE``: the first replica to send its state to a healing one (the one that
 creates FILE) sends the length of its state and is SIGKILLed before the state itself: the joiner's
-transfer fails half-way. The loop ends once ``--syncs`` syncs are committed.
+transfer fails half-way. A job ends once ``--syncs`` syncs are committed.
 """
 
 from __future__ import annotations
@@ -55,28 +63,66 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowcomm.testing.elastic")
-    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--lighthouse", required=True, help="one address per --algo, commas")
     parser.add_argument("--replica-id", required=True)
-    parser.add_argument("--algo", default="diloco")
+    parser.add_argument("--algo", default="diloco", help="one or several, commas")
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--syncs", type=int, default=20)
     parser.add_argument("--log", required=True)
     parser.add_argument("--die-after-quorum", type=int, default=0)
+    parser.add_argument("--die-from", type=int, default=0)
     parser.add_argument("--die-as-donor", default=None)
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--start-together", default=None)
+    parser.add_argument("--replicas", type=int, default=1)
     args = parser.parse_args(argv)
+    algos = args.algo.split(",")
+    lighthouses = args.lighthouse.split(",")
+    if len(lighthouses) != len(algos):
+        parser.error(f"{len(algos)} --algo values need as many --lighthouse addresses")
+    if args.start_together and len(set(algos)) != len(algos):
+        parser.error("--start-together tells the jobs apart by name: no --algo twice")
+    log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - closed at the end
+    # every job's objects stay alive until the process ends (exit_now): releasing a finished
+    # job's gloo process group while this process runs on is not what a replica process does
+    kept: list[Any] = []
+    for i, (algo_name, lighthouse) in enumerate(zip(algos, lighthouses, strict=True)):
+        die = args.die_after_quorum if i >= args.die_from else 0
+        together = args.start_together if i > 0 else None
+        kept.append(_run(args, algo_name, lighthouse, log, die, together))
+    log.close()
+    return 0
 
+
+def _start_together(folder: str, name: str, replica_id: str, replicas: int) -> None:
+    """Wait (at most 60 s) until ``replicas`` replicas have said, in ``folder``, that they are
+    ready for the job ``name``."""
+    with open(os.path.join(folder, f"{name}.{replica_id}"), "w"):
+        pass
+    deadline = time.monotonic() + 60.0
+    while sum(f.startswith(f"{name}.") for f in os.listdir(folder)) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{replica_id}: the other replicas of {name} did not start")
+        time.sleep(0.01)
+
+
+def _run(
+    args: argparse.Namespace, name: str, lighthouse: str, log: Any, die: int, together: str | None
+) -> Any:
+    """One job of ``--algo``: train until ``--syncs`` syncs are committed, writing its records
+    to ``log`` (once every replica is ready, with ``together``); returns what must outlive it
+    (its Manager, model and algorithm)."""
     import lowcomm
     from lowcomm.elastic import replica_manager
 
     replica = replica_manager(
-        args.lighthouse, replica_id=args.replica_id, timeout_s=args.timeout, quorum_timeout_s=60
+        lighthouse, replica_id=args.replica_id, timeout_s=args.timeout, quorum_timeout_s=60
     )
     model, inner = _build(args)
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "sync_warmup": 0}
-    if args.algo == "co2":
+    if name == "co2":
         kwargs["overlap"] = 1
-    if args.algo in ("streaming", "cocodc"):
+    if name in ("streaming", "cocodc"):
         kwargs.update(num_fragments=2, overlap=1, fragments=_layers(model))
     cls = {
         "diloco": lowcomm.DiLoCo,
@@ -86,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         "streaming": lowcomm.StreamingDiLoCo,
         "cocodc": lowcomm.CoCoDC,
     }
-    algo = cls[args.algo](model, inner, fault_tolerance=replica, **kwargs)
+    algo = cls[name](model, inner, fault_tolerance=replica, **kwargs)
     ft = algo.ft
     assert ft is not None
-    log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - closed at the end
 
     def write(**record: Any) -> None:
-        log.write(json.dumps({"replica": args.replica_id, "t": time.time(), **record}) + "\n")
+        record = {"replica": args.replica_id, "algo": name, "t": time.time(), **record}
+        log.write(json.dumps(record) + "\n")
         log.flush()
 
     # the donor's state as it sends it, checked by the joiner against its own after the heal
@@ -103,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         write(event="healed", donor=state["digest"], mine=_state_digest(algo, model, inner))
 
     ft.register("test", donor_state, healed)
-    if args.die_after_quorum:
+    if die:
         quorum = ft.quorum
         launched = [0]
 
         def quorum_then_die() -> bool:
             result = quorum()
             launched[0] += 1
-            if launched[0] == args.die_after_quorum:
+            if launched[0] == die:
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
 
@@ -121,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
         die_as_donor(replica.transport, args.die_as_donor)
 
+    if together is not None:
+        _start_together(together, name, args.replica_id, args.replicas)
     gen = torch.Generator().manual_seed(1000 + int(args.replica_id.rsplit("_", 1)[-1]))
     seen = algo.sync_points
     committed = 0
@@ -148,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             committed = ft.step
     algo.finish()
     write(event="done", sync=ft.step, params=_digest(list(model.parameters())), heals=ft.heals)
-    log.close()
     replica.shutdown()
-    return 0
+    write(event="closed")
+    return replica, model, inner, algo
 
 
 if __name__ == "__main__":
