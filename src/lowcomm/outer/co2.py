@@ -67,7 +67,9 @@ from lowcomm.outer.hparams import (
     OuterConfig,
     ShardableConfig,
     check_fragments,
+    check_overlap,
     fragments,
+    merge,
     num_fragments,
     outer_lr,
     outer_lr_schedule,
@@ -147,13 +149,7 @@ class CO2Config(ShardableConfig):
     )
     num_fragments: int = num_fragments()
     fragments: Sequence[Any] | None = fragments()
-    merge: str = hyper(
-        "reset",
-        doc="at a sync point: reset (θ ← A; below full overlap the τ steps since the launch "
-        "are dropped) or delay_corrected (θ ← A + (θ − θ_s), θ_s the parameters at the "
-        "launch: that progress is kept; one more copy of the parameters)",
-        check=check_choice(MERGES),
-    )
+    merge: str = merge()
     own_weight: float | None = hyper(
         None,
         doc="eager: the weight w of this rank's own fresh Δᵢ, replaced by the average a round "
@@ -173,12 +169,7 @@ class CO2Config(ShardableConfig):
 
     def check(self) -> None:
         super().check()
-        if self.overlap is not None and self.overlap > self.sync_every:
-            raise HyperparameterError(
-                "overlap",
-                f"must be <= sync_every={self.sync_every} (None: sync_every)",
-                shown=str(self.overlap),
-            )
+        check_overlap(self.sync_every, self.overlap, "None: sync_every")
         check_fragments(self.sync_every, self.num_fragments)
         if self.eager and self.num_fragments > 1:
             raise HyperparameterError(

@@ -23,6 +23,7 @@ from lowcomm.hparams import (
     check_positive_int,
     hyper,
 )
+from lowcomm.outer.merge import MERGES
 
 __all__ = [
     "LOCAL_STEPS",
@@ -31,7 +32,9 @@ __all__ = [
     "OuterConfig",
     "ShardableConfig",
     "check_fragments",
+    "check_overlap",
     "fragments",
+    "merge",
     "num_fragments",
     "outer_lr",
     "outer_lr_schedule",
@@ -174,6 +177,26 @@ def overlap(doc: str) -> Any:
         symbol="τ",
         check=check_number("must be an integer >= 0, got {value!r}", 0, integer=True),
     )
+
+
+def merge() -> Any:
+    """The ``merge`` field, default ``"reset"``: what a sync point does with the steps taken
+    while its sync was in flight (:mod:`lowcomm.outer.merge`)."""
+    return hyper(
+        "reset",
+        doc="at a sync point: reset (θ ← A; below full overlap the τ steps since the launch "
+        "are dropped) or delay_corrected (θ ← A + (θ − θ_s), θ_s the parameters at the "
+        "launch: that progress is kept; one more copy of the parameters)",
+        check=check_choice(MERGES),
+    )
+
+
+def check_overlap(sync_every: int, overlap: int | None, hint: str) -> None:
+    """τ must be at most H (``hint``: what τ = H or an absent τ means for the algorithm)."""
+    if overlap is not None and overlap > sync_every:
+        raise HyperparameterError(
+            "overlap", f"must be <= sync_every={sync_every} ({hint})", shown=str(overlap)
+        )
 
 
 def num_fragments() -> Any:

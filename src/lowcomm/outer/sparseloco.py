@@ -49,15 +49,13 @@ import torch
 from lowcomm.compress.sparse import DEFAULT_CHUNK, DEFAULT_DENSITY, VALUE_BITS, Sparse
 from lowcomm.hparams import (
     HyperparameterError,
-    check_choice,
     check_number,
     check_positive_int,
     hyper,
 )
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterState
-from lowcomm.outer.hparams import OuterConfig, outer_lr, outer_lr_schedule
-from lowcomm.outer.merge import MERGES
+from lowcomm.outer.hparams import OuterConfig, check_overlap, merge, outer_lr, outer_lr_schedule
 from lowcomm.schedules import SPARSE_GATHER
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig"]
@@ -102,13 +100,7 @@ class SparseLoCoConfig(OuterConfig):
         doc="bits of a kept value: 2 or 4 (a codebook fitted per tensor), or 32 (fp32)",
         check=_check_bits,
     )
-    merge: str = hyper(
-        "reset",
-        doc="at a sync point: reset (θ ← A; below full overlap the τ steps since the launch "
-        "are dropped) or delay_corrected (θ ← A + (θ − θ_s), θ_s the parameters at the "
-        "launch: that progress is kept; one more copy of the parameters)",
-        check=check_choice(MERGES),
-    )
+    merge: str = merge()
     overlap: int = hyper(
         0,
         doc="inner steps a sync is in flight before it is applied, at most sync_every (0: "
@@ -121,12 +113,7 @@ class SparseLoCoConfig(OuterConfig):
 
     def check(self) -> None:
         super().check()
-        if self.overlap > self.sync_every:
-            raise HyperparameterError(
-                "overlap",
-                f"must be <= sync_every={self.sync_every} (sync_every: one round stale)",
-                shown=str(self.overlap),
-            )
+        check_overlap(self.sync_every, self.overlap, "sync_every: one round stale")
 
     @property
     def compression(self) -> Sparse:

@@ -150,9 +150,7 @@ class CO2Reference(Reference):
             k = (phase + tau) // w.interval
             f = (k - 1) % len(w.frags)
             if self.merge_progress:
-                self.snapshots[f] = [
-                    [th[j].detach().float().clone() for j in w.frags[f]] for th in w.thetas
-                ]
+                self.snapshots[f] = w.snapshot(w.frags[f])
             self.pending[k] = (f, w.pseudo_mean(w.frags[f], f)[0])
         if not apply_first:
             self._sync_point(phase)
@@ -172,12 +170,8 @@ class CO2Reference(Reference):
             self.apply(avg, [w.anchor[j] for j in w.frags[f]], self.frag_states[f])
         elif self.merge_progress:
             return  # nothing launched: nothing to merge, θ stays
-        for i, th in enumerate(w.thetas):
-            for pos, j in enumerate(w.frags[f]):
-                if self.merge_progress:  # θ ← A + (θ − θ_s)
-                    th[j].copy_(w.anchor[j] - (self.snapshots[f][i][pos] - th[j].float()))
-                else:  # θ_f ← A_f (unlaunched sync points: A_f unchanged)
-                    th[j].copy_(w.anchor[j])
+        # θ_f ← A_f (unlaunched sync points: A_f unchanged), or θ ← A + (θ − θ_s)
+        w.to_anchor(w.frags[f], self.snapshots[f] if self.merge_progress else None)
 
     def finish(self) -> None:
         w = self.world

@@ -141,7 +141,7 @@ class SparseLoCoReference(Reference):
             self._sync_point(phase)
         if (phase + self.tau) % w.h == 0:  # the launch for sync point (phase + τ) / H
             if self.keep:
-                self.snapshot = [[p.detach().float().clone() for p in th] for th in w.thetas]
+                self.snapshot = w.snapshot(range(len(w.anchor)))
             self.pending[(phase + self.tau) // w.h] = self.mean()
         if not apply_first:
             self._sync_point(phase)
@@ -158,12 +158,7 @@ class SparseLoCoReference(Reference):
             self._update(launched)
         elif self.keep:
             return  # nothing launched yet: nothing to merge, θ stays
-        for i, th in enumerate(w.thetas):
-            for j, p in enumerate(th):
-                if self.keep and self.snapshot is not None:
-                    p.copy_(w.anchor[j] - (self.snapshot[i][j] - p.float()))
-                else:
-                    p.copy_(w.anchor[j])
+        w.to_anchor(range(len(w.anchor)), self.snapshot if self.keep else None)
 
     def finish(self) -> None:
         for k in sorted(self.pending):

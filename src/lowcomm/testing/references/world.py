@@ -6,6 +6,7 @@ round."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -110,6 +111,23 @@ class World:
             for th in self.thetas:
                 for p, v in zip(th, values):
                     p.copy_(v)
+
+    def snapshot(self, indices: Sequence[int]) -> list[list[torch.Tensor]]:
+        """θ_s: every worker's parameters ``indices`` now (fp32 copies)."""
+        return [[th[j].detach().float().clone() for j in indices] for th in self.thetas]
+
+    def to_anchor(
+        self, indices: Sequence[int], snapshot: list[list[torch.Tensor]] | None = None
+    ) -> None:
+        """A sync point's merge on parameters ``indices``: θ ← A, or with the progress since
+        the launch kept (``snapshot`` θ_s, from :meth:`snapshot`) θ ← A + (θ − θ_s)."""
+        with torch.no_grad():
+            for i, th in enumerate(self.thetas):
+                for pos, j in enumerate(indices):
+                    if snapshot is None:
+                        th[j].copy_(self.anchor[j])
+                    else:
+                        th[j].copy_(self.anchor[j] - (snapshot[i][pos] - th[j].float()))
 
     def record(self) -> None:
         """A round ended: every worker's parameters now."""
