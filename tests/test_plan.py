@@ -220,6 +220,29 @@ def test_outer_algorithm_hides_the_slow_tier_with_enough_h() -> None:
     assert hidden.time.iteration_s == pytest.approx(free.time.iteration_s)
 
 
+def test_sparseloco_is_priced_by_its_sparse_bytes_and_its_smaller_state() -> None:
+    from lowcomm.schedules import sparse_bytes_per_element
+
+    model = model_preset("llama2-7b")
+    cluster = cluster_preset("two-regions", 2)
+    base = Layout(tp=8, pp=1, dp=2)
+    dense = evaluate(model, BF16, cluster, replace(base, outer="diloco", sync_every=16), 64)
+    sparse = evaluate(model, BF16, cluster, replace(base, outer="sparseloco", sync_every=16), 64)
+    phi = sparse.memory.parameters
+    # anchor and accumulator in fp32, and both replicas' payloads (64 of 4096, 14 bits each)
+    per_param = 8 + 2 * sparse_bytes_per_element(1 / 64, 64, 2)
+    assert sparse.memory.outer == pytest.approx(phi * per_param)
+    assert dense.memory.outer == pytest.approx(phi * 12)
+    # 0.027 bytes a parameter instead of 4: the blocking sync nearly vanishes at the same H
+    assert 0 < sparse.time.outer_s < dense.time.outer_s / 100
+    found = plan(model, BF16, cluster, 64, outer=("sparseloco",))
+    best = found.candidates[0]
+    assert best.layout.outer == "sparseloco"
+    assert best.layout.sync_every < 16  # a far smaller H hides its syncs
+    with pytest.raises(ValueError, match="not one lowcomm plan prices: choose from .*sparseloco"):
+        plan(model, BF16, cluster, 64, outer=("noloco",))
+
+
 # The validation tables as docs/planner.md shows them (`lowcomm plan --validate megatron|frontier`):
 # ratio of predicted to published throughput (3 decimals), and for Frontier the rank of the
 # authors' layout among the feasible candidates, their count and the planner's best layout.

@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 
 from lowcomm.compress.codecs import parse_codec
 from lowcomm.models.gpt import GPT, GPTConfig
+from lowcomm.schedules import sparse_bytes_per_element
 from lowcomm.testing.jobs import tiny_job_args
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.tuning import TUNED_KEYS, tune_to_link
-from lowcomm.tune.choose import LinkProfile, choose_sync_settings, warm_length
+from lowcomm.tune.choose import LinkProfile, choose_algorithm, choose_sync_settings, warm_length
 from lowcomm.tune.cost import Network
-from lowcomm.tune.evidence import EVIDENCE, MAX_COST, Measured
+from lowcomm.tune.evidence import EVIDENCE, FALLBACKS, MAX_COST, TOKEN_EXCHANGE, Measured
 
 # the default job's GPT (4 layers, width 128, vocabulary 256): 834,304 parameters, 3.3 MB
 SHAPES = [(256, 128), (64, 128)] + [(384, 128), (128, 128), (512, 128), (128, 512)] * 4
@@ -254,6 +255,87 @@ def test_the_evidence_names_its_entries_and_studies() -> None:
                 assert f"+{sync['compression']}" in measured.entry
             with open(measured.study, encoding="utf-8") as f:
                 assert f"`{measured.entry}`" in f.read(), measured.entry
+    # what the default job may switch to: its entry runs that algorithm, its page holds it
+    for fallback in FALLBACKS:
+        assert fallback.measured.entry.split("/")[0] == fallback.algo
+        with open(fallback.measured.study, encoding="utf-8") as f:
+            assert f"`{fallback.measured.entry}`" in f.read(), fallback.measured.entry
+
+
+# SparseLoCo as the default job runs it: blocking, 64 of 4096 in 2 bits, no warm start
+SPARSELOCO = {
+    "sync_every": 12,
+    "overlap": 0,
+    "density": 1 / 64,
+    "chunk": 64,
+    "bits": 2,
+    "compression": "sparse:0.015625",
+    "sync_warmup": 0,
+}
+
+
+def _switch(link: str, candidates: dict[str, Any] | None = None, **kw: Any) -> Any:
+    own = _choose(link, max_fragments=4, **JOB, **kw)
+    chosen = choose_algorithm(
+        own,
+        "co2",
+        link=LinkProfile.parse(link, emulated=True),
+        workers=2,
+        shapes=SHAPES,
+        steps=960,
+        candidates={"sparseloco": SPARSELOCO} if candidates is None else candidates,
+        codec_s=kw.get("codec_s"),
+    )
+    return own, chosen
+
+
+def test_the_default_job_gives_way_to_sparseloco_only_where_its_own_syncs_cannot_hide() -> None:
+    # 1 Mbit/s: CO2's fewest bytes (int2 syncs, int2 warm start) still take ~1.8 s a sync
+    # against a round's 0.9 s of compute, and its warm start crosses the link every step
+    own, switch = _switch("1mbit")
+    assert not own.hidden and switch is not None
+    assert switch.settings == {"algo": "sparseloco"}
+    sent = sum(torch.Size(s).numel() for s in SHAPES) * sparse_bytes_per_element(1 / 64, 64, 2)
+    sync = _net("1mbit").allgather_time(sent, 2)
+    assert switch.sync_s == pytest.approx(sync) and switch.warm_step_s is None
+    assert switch.step_s == pytest.approx(0.075 + sync / 12)  # blocking: waited once a round
+    assert switch.job_s == pytest.approx(960 * switch.step_s)
+    cost = FALLBACKS[0].measured.cost
+    assert switch.cost == cost > 0  # it gives up loss per token, priced in tokens
+    assert switch.job_s * (1 + cost / TOKEN_EXCHANGE) < own.job_s
+    assert "co2's syncs" in switch.reason and "not hidden" in switch.reason
+    assert switch.evidence == (f"sparseloco: {FALLBACKS[0].measured.describe()}",)
+    # its codec's measured work counts once a round, as CO2's does
+    _, worked = _switch("1mbit", codec_s={"sparse:0.015625": 0.06})
+    assert worked.step_s == pytest.approx(0.075 + (sync + 0.06) / 12)
+    # where CO2 hides its syncs, or ends sooner than SparseLoCo reaches its loss, it stays
+    for link in ("10mbit", "100mbit", "1gbit"):
+        own, switch = _switch(link)
+        assert switch is None, (link, switch)
+    # a candidate with a warm start (an all-reduce every step) is never a slow link's choice
+    warm = {"sparseloco": {**SPARSELOCO, "sync_warmup": 240}}
+    assert _switch("1mbit", candidates=warm)[1] is None
+    assert _switch("1mbit", candidates={})[1] is None
+
+
+def test_only_the_default_job_may_change_its_algorithm() -> None:
+    from lowcomm.train.config import config_from_dict
+
+    def may(**values: Any) -> bool:
+        return config_from_dict(values, source="test").algo_from_link
+
+    assert may() and may(link="1mbit", steps=96)
+    assert not may(algo="co2") and not may(algo="diloco")
+    assert not may(outer_lr=0.7) and not may(compression="int4")
+    assert may(algo="co2", algo_from_link=True) and not may(algo_from_link=False)
+    assert not TrainConfig().algo_from_link  # the library's config keeps its algo
+    # the choice, restored as a resumed run restores it, reaches the job with the new
+    # algorithm's job defaults (no warm start)
+    cfg = config_from_dict({"link": "1mbit", "steps": 96, "sync_every": 12}, source="test")
+    record = {"link": "1mbit (emulated)", "settings": {"algo": "sparseloco"}}
+    tuned, restored = tune_to_link(cfg, None, None, None, torch.device("cpu"), {"tuned": record})
+    assert restored == record and tuned.algo == "sparseloco"
+    assert tuned.sync_warmup_steps() == 0 and tuned.algo_from_link
 
 
 # --- the job --------------------------------------------------------------------------------
@@ -314,6 +396,7 @@ def test_a_job_on_an_emulated_slow_link_runs_with_every_setting_chosen(
     printed = capsys.readouterr().out
     assert "tuned to link" in printed and "expected loss per token" in printed
     assert "predicted / run" in printed
+    assert summary["algo"] == "co2" and "replaced" not in tuning  # --algo given: kept
     # the same job with the codec given, and with tuning off: nothing given is changed
     given = train_job(
         "--algo",
@@ -410,6 +493,43 @@ def test_a_resumed_run_takes_the_choice_from_its_checkpoint(train_job: Any, tmp_
     assert resumed["link_tuning"] == full["link_tuning"]
     assert resumed["compression"] == full["compression"]
     assert resumed["val_loss_final"] == full["val_loss_final"]
+
+
+def test_the_default_job_on_a_link_too_slow_for_co2_runs_sparseloco(
+    train_job: Any, tmp_path: Any, capsys: Any
+) -> None:
+    from lowcomm.tune.choose import SyncChoice
+
+    # 100 kbit/s: each of CO2's warm steps would wait ~1 s for this model's int2 gradients, and
+    # each of its rounds as long; SparseLoCo's round moves ~2 KB. No --algo: the default job
+    out = str(tmp_path / "default")
+    summary = train_job(
+        *tiny_job_args(steps=32, sync_every=8, quiet=False), "--link", "100kbit:1ms", out=out
+    )
+    tuning = summary["link_tuning"]
+    assert summary["algo"] == "sparseloco" and tuning["settings"] == {"algo": "sparseloco"}
+    assert summary["compression"] == "sparse:0.015625" and summary["sync_warmup"] is None
+    assert summary["comm_per_worker"][0]["rounds"] == 32 // 8  # no warm start
+    replaced = tuning["replaced"]
+    assert replaced["algo"] == "co2" and not replaced["hidden"]
+    # the same choice from the figures the job measured and recorded
+    own = {k: v for k, v in replaced.items() if k != "algo"}
+    own = SyncChoice(**{**own, "evidence": tuple(own["evidence"])})
+    gpt = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    again = choose_algorithm(
+        own,
+        "co2",
+        link=LinkProfile.parse("100kbit:1ms", emulated=True),
+        workers=2,
+        shapes=[tuple(p.shape) for p in gpt.parameters()],
+        steps=32,
+        candidates={"sparseloco": {**SPARSELOCO, "sync_every": 8}},
+        codec_s=tuning["codec_s"],
+    )
+    assert again is not None and tuning["step_s"] == pytest.approx(again.step_s)
+    assert tuning["reason"] == again.reason
+    printed = capsys.readouterr().out
+    assert "in place of co2" in printed and "sparseloco" in printed
 
 
 def test_what_the_job_does_not_tune_says_why() -> None:

@@ -49,7 +49,9 @@ flight, the last holds the logits), with Φ its parameters and d the data-parall
   contributions (from the logits and from the lookup) and their sum exist at once (three
   copies) beside the gathered parameters. The peak is the larger of the two moments
   (``MemoryBreakdown.phase``).
-* **Outer algorithm**: its anchor, outer momentum and send buffer in fp32, ``12 Φ``.
+* **Outer algorithm**: its anchor, outer momentum and send buffer in fp32, ``12 Φ``;
+  SparseLoCo's anchor and error-feedback accumulator, ``8 Φ``, and the sparse payloads of the
+  data-parallel group its all-gather brings (:func:`outer_state_bytes`).
 
 Left out: the optimizer step's temporaries, framework workspaces (cuBLAS, NCCL buffers) and
 allocator fragmentation: the planner keeps ``1 − usable`` of the memory for them.
@@ -67,12 +69,29 @@ __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
     "memory",
+    "outer_state_bytes",
     "stage_layers",
     "stage_parameters",
 ]
 
 OUTER_STATE_BYTES = 12
 """fp32 anchor, outer momentum and send buffer per parameter of an outer algorithm."""
+
+
+def outer_state_bytes(layout: Layout) -> float:
+    """Bytes per parameter of ``layout``'s outer algorithm: :data:`OUTER_STATE_BYTES`, or for
+    SparseLoCo (no outer momentum, a sparse all-gather) its fp32 anchor and accumulator and the
+    DP group's payloads at its default density and bits."""
+    if not layout.outer:
+        return 0.0
+    from lowcomm.registry import REGISTRY
+    from lowcomm.schedules import SPARSE_GATHER, sparse_bytes_per_element
+    from lowcomm.tune.cost import Algorithm
+
+    if REGISTRY[layout.outer].schedule is SPARSE_GATHER:
+        a = Algorithm(name=layout.outer)
+        return 8.0 + layout.dp * sparse_bytes_per_element(a.density, a.chunk, a.bits)
+    return float(OUTER_STATE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -293,7 +312,7 @@ def _stage_memory(
             # at the start of backward: the root (embedding, head) and the last layer, prefetched
             gathered = model.layer_parameters() / t + _root_parameters(model, layout, stage)
             working = min(phi, gathered) * w
-    outer = phi * OUTER_STATE_BYTES if layout.outer else 0.0
+    outer = phi * outer_state_bytes(layout)
     b = layout.micro_batch
     per_layer = activation_bytes_per_layer(model, precision, layout, b, stored=True)
     rebuilt = 0.0

@@ -28,6 +28,7 @@ from lowcomm.plan.memory import MemoryBreakdown, memory
 from lowcomm.plan.spec import RECOMPUTE, Cluster, Layout, ModelSpec, Precision, Recompute
 from lowcomm.plan.timing import TimeBreakdown, iteration_time, outer_split
 from lowcomm.registry import REGISTRY
+from lowcomm.schedules import SPARSE_GATHER
 
 __all__ = ["Candidate", "PlanResult", "check_layout", "evaluate", "plan", "rank_of"]
 
@@ -221,6 +222,13 @@ def _outer_layout(
         h *= 2
 
 
+def _priced(name: str) -> bool:
+    """Whether ``lowcomm plan`` prices outer algorithm ``name``: those whose rounds all-reduce
+    over the data-parallel group, and SparseLoCo's sparse all-gather."""
+    schedule = REGISTRY[name].schedule
+    return schedule.rounds_all_reduce or schedule is SPARSE_GATHER
+
+
 def plan(
     model: ModelSpec,
     precision: Precision,
@@ -251,8 +259,8 @@ def plan(
         raise ValueError(f"usable must be in (0, 1], got {usable!r}")
     outer = tuple(outer)
     for name in outer:
-        if name not in REGISTRY or not REGISTRY[name].schedule.rounds_all_reduce:
-            allowed = [n for n, e in REGISTRY.items() if e.schedule.rounds_all_reduce]
+        if name not in REGISTRY or not _priced(name):
+            allowed = [n for n in REGISTRY if _priced(n)]
             raise ValueError(
                 f"outer algorithm {name!r} is not one lowcomm plan prices: choose from "
                 f"{', '.join(allowed)}"

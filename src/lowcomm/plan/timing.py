@@ -32,7 +32,8 @@ A micro-batch's slot is their sum; the pipeline takes ``(m + (p − 1) / v) · s
   micro-batch behind its compute.
 * **Outer algorithm** across the slowest tier the data-parallel group crosses: the synchronous
   all-reduce stays inside that tier's units, and the algorithm's own all-reduce of the fp32
-  parameters (every H iterations) goes over the whole group, overlapped by its schedule's rule
+  parameters (every H iterations; SparseLoCo: an all-gather of its sparse payloads, their exact
+  wire bytes) goes over the whole group, overlapped by its schedule's rule
   (:func:`~lowcomm.tune.cost.step_time`, the rule ``lowcomm simulate`` uses).
 * **Optimizer step**: reading and writing the weights, gradients and optimizer state of the
   device's shard at memory bandwidth.
@@ -50,6 +51,7 @@ from typing import Any
 from lowcomm.plan.gemm import Gemm, gemm_time
 from lowcomm.plan.memory import activation_bytes_per_layer, stage_layers, stage_parameters
 from lowcomm.plan.spec import Cluster, Layout, ModelSpec, Precision, Recompute
+from lowcomm.schedules import SPARSE_GATHER, sparse_bytes_per_element
 from lowcomm.tune.cost import Algorithm, TierLevel, Workload, p2p_time, step_time
 from lowcomm.tune.cost import tiered_allreduce_time as _tiered
 
@@ -349,8 +351,13 @@ def iteration_time(
             bytes_per_param=4.0,
             backward_fraction=0.0,
         )
-        outer_exposed = step_time(algo, work, _GroupNetwork(outer_levels), d).step_s - inner
-        dp_comm += _tiered(phi * 4.0, outer_levels) / layout.sync_every
+        network = _GroupNetwork(outer_levels)
+        outer_exposed = step_time(algo, work, network, d).step_s - inner
+        if algo.schedule is SPARSE_GATHER:  # its exact wire bytes, all-gathered
+            sent = phi * sparse_bytes_per_element(algo.density, algo.chunk, algo.bits)
+            dp_comm += network.allgather_time(sent, d) / layout.sync_every
+        else:
+            dp_comm += _tiered(phi * 4.0, outer_levels) / layout.sync_every
 
     iteration = inner + outer_exposed
     devices = layout.devices

@@ -108,6 +108,7 @@ RESUME_FREE_KEYS = frozenset(
         "ceiling_steps",
         "link",
         "tune_link",  # the settings it chose are restored from the checkpoint
+        "algo_from_link",  # (and so is the algorithm it chose)
         "backend",
         "device",  # (a CPU checkpoint resumes on GPUs and the other way round)
         "checkpoint_every",

@@ -122,6 +122,7 @@ def add_subcommand(subparsers: Any) -> None:
                 parse=_SPECIAL_TYPES.get(key),
                 negatable=True,
                 const=_OPTIONAL_VALUE.get(key),
+                show_default=key != "algo_from_link",  # (its text says when it is on)
             )
         )
     add_flags(p, flags)

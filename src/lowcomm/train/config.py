@@ -8,8 +8,7 @@ same key in a TOML file (flat, no tables)::
     algo = "co2"
     steps = 600
     sync_every = 12
-    outer_momentum = 0.5
-    clip = "none"            # disable outer momentum clipping
+    clip = "none"            # an outer hyperparameter: no outer momentum clipping
 
 The keys are the job's fields and the outer algorithms' keywords (:func:`config_keys`). The
 latter are held in one section, :attr:`TrainConfig.outer` (the keys given), and resolved once
@@ -76,16 +75,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ALGORITHM_CHOICES = names()
-"""Values of ``--algo`` (:mod:`lowcomm.registry`); ``ddp`` is the synchronous
-DistributedDataParallel baseline."""
+"""Values of ``--algo`` (:mod:`lowcomm.registry`); ``ddp`` is the synchronous DDP baseline."""
 
 NO_OUTER_ALGORITHM = BASELINES
 """``--algo`` values without a lowcomm algorithm: the DDP baseline, and ``none``, the no-sync
 ceiling (the same workers training with no communication at all, for throughput comparisons)."""
 
 DEVICES = ("auto", "cpu", "cuda")
-"""Values of ``--device``: where the workers compute
-(:func:`lowcomm.train.worker.place_workers`)."""
+"""Values of ``--device``: where the workers compute (:func:`.worker.place_workers`)."""
 
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("fp32", "bf16")
@@ -140,12 +137,15 @@ class TrainConfig:
 
     link: str | None = None
     """Emulated slow link for every collective: a profile (rdma-800g, tcp-80g, 1gbit, 100mbit,
-    10mbit) or RATE:LATENCY such as 100mbit:20ms; unset: the real network."""
+    10mbit, 1mbit) or RATE:LATENCY such as 100mbit:20ms; unset: the real network."""
     tune_link: str = "auto"
     """Choose the outer sync's codec and overlap (and the warm start's codec) from the link, for
     the settings not given: auto (the emulated --link; the real network measured under torchrun;
     nothing on one machine), measure (always time the real network), off, or a link profile or
     RATE:LATENCY to choose as if on that link without emulating it."""
+    algo_from_link: bool = False
+    """Let --tune-link run SparseLoCo where the algorithm cannot hide its syncs and SparseLoCo
+    would reach its loss sooner: on when --algo and every outer setting are unset."""
 
     # --- data ------------------------------------------------------------------------------
     data: str | None = None
@@ -419,7 +419,7 @@ class TrainConfig:
                 "'nccl' needs the workers on GPUs, and device is 'cpu'; use gloo or auto "
                 "(or device cuda)",
             )
-        for key in ("overwrite", "quiet"):
+        for key in ("overwrite", "quiet", "algo_from_link"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.data is not None:
@@ -878,8 +878,8 @@ def key_default(key: str) -> Any:
 
 
 def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
-    """Build a :class:`TrainConfig` from flat keys (:func:`config_keys`, as in files and flags);
-    unknown keys raise :class:`ConfigError`."""
+    """A :class:`TrainConfig` from flat keys (:func:`config_keys`, as in files and flags; unknown
+    ones raise :class:`ConfigError`); ``algo_from_link`` unset: on when no ``algo`` or outer key."""
     keys = config_keys()
     unknown = [k for k in values if k not in keys]
     if unknown:
@@ -889,6 +889,7 @@ def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> Tr
         )
     outer = {k: v for k, v in values.items() if k in OUTER_FIELDS}
     job = {k: v for k, v in values.items() if k not in OUTER_FIELDS}
+    job.setdefault("algo_from_link", "algo" not in job and all(v is None for v in outer.values()))
     return TrainConfig(**job, outer=outer)
 
 

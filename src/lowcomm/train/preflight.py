@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 import lowcomm.train.checkpoint as ckpt
 from lowcomm.runfiles import check_writable_folder
@@ -19,6 +20,9 @@ from lowcomm.train.failures import attempt
 from lowcomm.train.metrics import RUN_FILES, previous_run_files
 from lowcomm.train.outer_keys import sync_codec
 from lowcomm.train.worker import Placement, place_workers
+
+if TYPE_CHECKING:
+    from lowcomm.tune.choose import LinkProfile
 
 __all__ = [
     "ATTEMPTS",
@@ -238,14 +242,13 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     every step; an outer algorithm's warm start (an all-reduce every step) and one sync per
     round, with the settings given, or, where the settings are chosen from the link, the
     cheapest the choice can reach (int2 syncs, the shortest warm start in int2). ``None``
-    without a link, or for an algorithm whose traffic this does not bound (gossip, DeMo)."""
+    without a link, or for an algorithm whose traffic this does not bound (gossip, DeMo). The
+    default job, which the choice may switch to SparseLoCo (``algo_from_link``), is bounded by
+    the cheaper of the two."""
     if cfg.link is None:
         return None
-    from lowcomm.registry import REGISTRY
-    from lowcomm.tune.choose import LinkProfile, encoded_ratio, sync_seconds, warm_length
-    from lowcomm.tune.evidence import evidence_for
+    from lowcomm.tune.choose import LinkProfile
 
-    entry = REGISTRY[cfg.algo]
     link = LinkProfile.parse(cfg.link, emulated=True)
     n = cfg.nodes if cfg.hierarchical else cfg.world_size
     if n < 2:
@@ -253,7 +256,33 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     payload = 4.0 * parameters
     if cfg.algo == "ddp":
         return cfg.steps * link.network().allreduce_time(payload, n)
-    if not entry.is_outer or not entry.schedule.rounds_all_reduce:
+    own = _outer_link_seconds(cfg, parameters, link, n)
+    if cfg.algo_from_link and cfg.tune_link != "off":  # the choice may switch the algorithm
+        from lowcomm.tune.evidence import FALLBACKS
+
+        for fallback in FALLBACKS:
+            try:
+                alt = _outer_link_seconds(cfg.replace(algo=fallback.algo), parameters, link, n)
+            except ConfigError:
+                continue
+            if alt is not None and own is not None:
+                own = min(own, alt)
+    return own
+
+
+def _outer_link_seconds(
+    cfg: TrainConfig, parameters: int, link: LinkProfile, n: int
+) -> float | None:
+    """:func:`link_seconds` of an outer algorithm's job (``None``: not bounded)."""
+    from lowcomm.registry import REGISTRY
+    from lowcomm.schedules import SPARSE_GATHER, sparse_bytes_per_element
+    from lowcomm.tune.choose import encoded_ratio, sync_seconds, warm_length
+    from lowcomm.tune.evidence import evidence_for
+
+    entry = REGISTRY[cfg.algo]
+    payload = 4.0 * parameters
+    sparse = entry.schedule is SPARSE_GATHER
+    if not entry.is_outer or not (entry.schedule.rounds_all_reduce or sparse):
         return None
 
     def sync(codec: str | None) -> float:
@@ -277,6 +306,10 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
             shortest = min(shares)
             warm = min(warm, warm_length(shortest, cfg.steps, cfg.sync_every))
     rounds = max(0, cfg.steps - warm) // cfg.sync_every
+    if sparse:  # its exact wire bytes, all-gathered
+        a = cfg.algorithm
+        sent = parameters * sparse_bytes_per_element(a.density, a.chunk, a.bits)
+        return warm * sync(warm_codec) + rounds * link.network().allgather_time(sent, n)
     return warm * sync(warm_codec) + rounds * sync(codec)
 
 

@@ -180,8 +180,13 @@ def describe_choice(record: dict[str, Any]) -> str:
             {line.rsplit(", ", 1)[-1].rstrip(")") for line in record.get("evidence", [])}
         )
         where = f", measured in {' and '.join(studies)}" if studies else ""
-        expected = f"; expected loss per token {record['cost']:+.1%} against the untuned job{where}"
-    return f"{chosen or 'the defaults'} ({predicted}{expected})"
+        against = "the default job" if record.get("replaced") else "the untuned job"
+        expected = f"; expected loss per token {record['cost']:+.1%} against {against}{where}"
+    text = f"{chosen or 'the defaults'} ({predicted}{expected})"
+    replaced = record.get("replaced")
+    if replaced:  # the default job's algorithm gave way: say why
+        text += f"; in place of {replaced['algo']}: {record['reason']}"
+    return text
 
 
 def _tuning_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

@@ -37,9 +37,10 @@ from torch import nn
 from lowcomm.device import collective_device, synchronize
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.outer_keys import sync_codec
 from lowcomm.train.topology import Topology
-from lowcomm.tune.choose import LinkProfile, choose_sync_settings
-from lowcomm.tune.evidence import evidence_for
+from lowcomm.tune.choose import LinkProfile, choose_algorithm, choose_sync_settings
+from lowcomm.tune.evidence import FALLBACKS, evidence_for
 
 __all__ = ["TUNED_KEYS", "measure_link", "tune_to_link"]
 
@@ -213,15 +214,18 @@ def tune_to_link(
         return cfg, None
     step_s = _step_time(cfg, gpt, corpus, topology.rank, device)
     workers = cfg.nodes if cfg.hierarchical else topology.world
-    codec_s = _codec_seconds(gpt, device, list(TUNED_CODECS), workers)
+    fallbacks = _fallbacks(cfg) if cfg.algo_from_link else {}
+    codecs = [*TUNED_CODECS, *{c["compression"] for c in fallbacks.values() if c["compression"]}]
+    codec_s = _codec_seconds(gpt, device, codecs, workers)
     record: list[Any] = [None]
     if topology.is_main:
+        shapes = [tuple(p.shape) for p in gpt.parameters() if p.requires_grad]
         choice = choose_sync_settings(
             cfg.algo,
             link=profile,
             workers=workers,
             step_time_s=step_s,
-            shapes=[tuple(p.shape) for p in gpt.parameters() if p.requires_grad],
+            shapes=shapes,
             sync_every=cfg.sync_every,
             # a codec given as "none" is fp32, as the ladder names it (None)
             current={k: None if kwargs.get(k) == "none" else kwargs.get(k) for k in TUNED_KEYS},
@@ -231,8 +235,28 @@ def tune_to_link(
             max_fragments=cfg.n_layer,
             codec_s=codec_s,
         )
+        switch = None
+        if fallbacks:  # the default job: another algorithm where its own cannot hide its syncs
+            switch = choose_algorithm(
+                choice,
+                cfg.algo,
+                link=profile,
+                workers=workers,
+                shapes=shapes,
+                steps=cfg.steps,
+                candidates=fallbacks,
+                codec_s=codec_s,
+            )
         # the codecs' measured work goes with the choice it entered (a reader can redo it)
-        record[0] = {"link": profile.describe(), **choice.as_dict(), "codec_s": codec_s}
+        if switch is None:
+            record[0] = {"link": profile.describe(), **choice.as_dict(), "codec_s": codec_s}
+        else:  # what the job's own algorithm would have run with is kept beside it
+            record[0] = {
+                "link": profile.describe(),
+                **switch.as_dict(),
+                "codec_s": codec_s,
+                "replaced": {"algo": cfg.algo, **choice.as_dict()},
+            }
     dist.broadcast_object_list(record, src=0)
     tuned = _apply(cfg, record[0])
     if topology.is_main:
@@ -246,8 +270,29 @@ def _describe(settings: dict[str, Any]) -> str:
     return ", ".join(f"{k} {'none' if v is None else v}" for k, v in settings.items())
 
 
+def _fallbacks(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
+    """The default job's settings with each algorithm of :data:`FALLBACKS` (its job defaults):
+    H and its schedule's keywords, the codec of its syncs and its warm-start steps."""
+    out: dict[str, dict[str, Any]] = {}
+    for fallback in FALLBACKS:
+        try:
+            alt = cfg.replace(algo=fallback.algo)
+        except ConfigError as e:  # (a job whose other settings it does not take)
+            logger.info("%s is not an option for this job: %s", fallback.algo, e)
+            continue
+        keywords = REGISTRY[fallback.algo].schedule.keywords
+        out[fallback.algo] = {
+            **{k: getattr(alt.algorithm, k) for k in keywords if hasattr(alt.algorithm, k)},
+            "sync_every": alt.sync_every,
+            "compression": sync_codec(alt.algorithm),
+            "sync_warmup": alt.sync_warmup_steps(),
+        }
+    return out
+
+
 def _apply(cfg: TrainConfig, record: dict[str, Any]) -> TrainConfig:
-    settings = {k: v for k, v in record.get("settings", {}).items() if k in TUNED_KEYS}
+    chosen = record.get("settings", {})
+    settings = {k: v for k, v in chosen.items() if k in TUNED_KEYS or k == "algo"}
     try:
         return cfg.replace(**settings)
     except ConfigError as e:

@@ -49,6 +49,7 @@ from lowcomm.registry import REGISTRY
 from lowcomm.schedules import ONE_ROUND_STALE
 from lowcomm.tune.cost import Algorithm, Network, Workload, step_time
 from lowcomm.tune.evidence import (
+    FALLBACKS,
     MAX_COST,
     NOISE,
     RESOLUTION,
@@ -61,6 +62,7 @@ __all__ = [
     "SLACK",
     "LinkProfile",
     "SyncChoice",
+    "choose_algorithm",
     "choose_sync_settings",
     "encoded_ratio",
     "sync_seconds",
@@ -427,6 +429,82 @@ def choose_sync_settings(
         cost=chosen.cost,
         evidence=evidence_lines,
     )
+
+
+def choose_algorithm(
+    own: SyncChoice,
+    algo: str,
+    *,
+    link: LinkProfile,
+    workers: int,
+    shapes: Iterable[Sequence[int]],
+    steps: int,
+    candidates: Mapping[str, Mapping[str, Any]],
+    codec_s: Mapping[str, float] | None = None,
+) -> SyncChoice | None:
+    """Another algorithm for the default job (``algo`` with its chosen settings ``own``, from
+    :func:`choose_sync_settings`), or ``None`` to keep it.
+
+    Only where ``own`` does not hide its syncs. Each of
+    :data:`~lowcomm.tune.evidence.FALLBACKS` in ``candidates`` (by name: its settings in the
+    job, ``sync_every`` and its schedule's keywords, ``compression`` the codec spec of its
+    syncs, ``sync_warmup`` its warm-start steps) is priced by its time to the default job's
+    final loss: its predicted job time (the cost model's step on ``link``, its codec's work
+    ``codec_s`` once a round) times 1 + c / :data:`~lowcomm.tune.evidence.TOKEN_EXCHANGE`, c
+    its measured loss per token above the default job's (the tokens it needs more to get
+    there). One with a warm start is not a candidate: its every warm step crosses the link.
+    The fastest replaces ``algo`` if it is predicted to reach that loss sooner than ``own``
+    ends. The result's ``settings`` hold ``{"algo": name}``; its ``cost`` is c."""
+    if own.hidden:
+        return None
+    shapes = [tuple(s) for s in shapes]
+    params = max(1.0, float(sum(math.prod(s) for s in shapes)))
+    work = Workload(parameters=params, tokens_per_step=1.0, step_time_s=own.compute_s)
+    own_s = own.job_s if own.job_s is not None else own.step_s * steps
+    best: tuple[float, SyncChoice] | None = None
+    for fallback in FALLBACKS:
+        settings = candidates.get(fallback.algo)
+        if settings is None or int(settings.get("sync_warmup") or 0):
+            continue
+        schedule = REGISTRY[fallback.algo].schedule
+        h = int(settings["sync_every"])
+        cadence = {k: settings[k] for k in schedule.keywords if k in settings}
+        timing = step_time(
+            Algorithm(**{**cadence, "name": fallback.algo, "sync_every": h}),
+            work,
+            link.network(),
+            workers,
+        )
+        codec = settings.get("compression")
+        step_s = timing.step_s + dict(codec_s or {}).get(codec or "", 0.0) / h
+        job_s = step_s * steps
+        cost = fallback.measured.cost
+        to_loss_s = job_s * (1.0 + max(0.0, cost) / TOKEN_EXCHANGE)
+        if to_loss_s >= own_s or (best is not None and to_loss_s >= best[0]):
+            continue
+        round_sync = timing.comm_s * h
+        hidden = step_s <= (1 + SLACK) * own.compute_s
+        reason = (
+            f"{algo}'s syncs, {own.sync_s:.3g} s a round against {h} x "
+            f"{own.compute_s * 1e3:.3g} ms of compute with its best measured settings, are not "
+            f"hidden; {fallback.algo} ({codec or 'fp32'}): {round_sync:.3g} s a round, "
+            f"predicted to reach that job's loss in {to_loss_s:.3g} s (its {cost:+.1%} per "
+            f"token as {max(0.0, cost) / TOKEN_EXCHANGE:.0%} more tokens) against {own_s:.3g} s"
+        )
+        choice = SyncChoice(
+            {"algo": fallback.algo},
+            step_s,
+            own.compute_s,
+            round_sync,
+            None,
+            hidden,
+            reason,
+            job_s=job_s,
+            cost=cost,
+            evidence=(f"{fallback.algo}: {fallback.measured.describe()}",),
+        )
+        best = (to_loss_s, choice)
+    return None if best is None else best[1]
 
 
 def _warm_step_s(

@@ -22,11 +22,13 @@ from typing import Any
 
 __all__ = [
     "EVIDENCE",
+    "FALLBACKS",
     "MAX_COST",
     "NOISE",
     "RESOLUTION",
     "TOKEN_EXCHANGE",
     "AlgorithmEvidence",
+    "Fallback",
     "Measured",
     "evidence_for",
 ]
@@ -52,6 +54,7 @@ validation loss went from 1.405 at 960 steps to 1.273 at 3,840 (``docs/studies/c
 with it: 1% lower loss is worth about 14% of the tokens."""
 
 _TUNING = "docs/studies/tuning.md"
+_SLOW = "docs/studies/slow-links.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,3 +204,23 @@ EVIDENCE: dict[str, AlgorithmEvidence] = {
 def evidence_for(algo: str) -> AlgorithmEvidence | None:
     """The measured settings of ``algo`` (``None``: not measured, not tuned)."""
     return EVIDENCE.get(algo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """An algorithm the default job (no ``--algo``, no outer setting given) may run instead of
+    its own when the link is too slow for any measured setting of its own to hide its syncs."""
+
+    algo: str
+    """The ``--algo`` it switches to, with that algorithm's job defaults."""
+    measured: Measured
+    """Its loss at equal tokens against the default job's (the untuned CO2 job), positive:
+    what it gives up per token, priced in time with :data:`TOKEN_EXCHANGE`."""
+
+
+FALLBACKS: tuple[Fallback, ...] = (
+    # the job's SparseLoCo (no warm start) 1.515 on seed 0 against the default job's CO2 1.429
+    # (seeds 1 and 2 to come); docs/studies/slow-links.md, "SparseLoCo: links of 1 Mbit/s"
+    Fallback("sparseloco", _m(0.060, "sparseloco/sync_warmup=0", _SLOW)),
+)
+"""What the default job may switch to on a slow link, in the order preferred among equals."""
