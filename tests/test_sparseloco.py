@@ -137,6 +137,12 @@ def test_bad_settings_name_the_key(key: str, value: Any, fragment: str) -> None:
     assert info.value.key == key and fragment in str(info.value)
 
 
+def test_the_ends_of_the_accumulators_range_are_allowed() -> None:
+    # β = 1: plain error feedback, nothing unsent decays; β = 0: nothing carried over
+    for beta in (0.0, 1.0, 1):
+        lowcomm.SparseLoCo.validate(sync_every=12, error_decay=beta)
+
+
 # -- the algorithm on real ranks, against the reference --------------------------------------
 
 H, STEPS, CUT = 3, 13, 7

@@ -79,7 +79,9 @@ class SparseLoCoConfig(OuterConfig):
         0.95,
         doc="decay of the error-feedback accumulator e ← β·e + Δ (the paper's sweeps)",
         symbol="β",
-        check=check_number("must be in [0, 1], got {value!r}; e.g. {key}=0.95", 0, 1),
+        check=check_number(
+            "must be in [0, 1], got {value!r}; e.g. {key}=0.95", 0, 1, open_high=False
+        ),
     )
     density: float = hyper(
         DEFAULT_DENSITY,
