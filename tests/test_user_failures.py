@@ -493,6 +493,21 @@ def test_a_link_too_slow_for_the_job_is_told_and_refused_past_a_year(
     # a fast link, or none: nothing to say
     assert check_link_time(TrainConfig(link="1gbit"), 827_392) is None
     assert link_seconds(TrainConfig(), 827_392) is None
+    # SparseLoCo by its exact all-gathered bytes; the default job, which may switch to it, by
+    # the cheaper of the two
+    from lowcomm.schedules import sparse_bytes_per_element
+    from lowcomm.train.config import config_from_dict
+
+    def job(**values: Any) -> TrainConfig:
+        return config_from_dict({"link": "1mbit", **values}, source="test")
+
+    sparse = link_seconds(job(algo="sparseloco"), 827_392)
+    sent = 827_392 * sparse_bytes_per_element(1 / 64, 64, 2)
+    one = Network(bandwidth_bps=1e6, latency_s=0.1, cost="emulated").allgather_time(sent, 2)
+    assert sparse == pytest.approx(80 * one)  # 960 / 12 rounds, no warm start
+    assert sparse < link_seconds(job(algo="co2"), 827_392)
+    assert link_seconds(job(), 827_392) == pytest.approx(sparse)
+    assert link_seconds(job(algo_from_link=False), 827_392) > sparse
 
 
 # --- the heal transport: the one loader of bytes from another machine ----------------------------

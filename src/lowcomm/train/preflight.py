@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lowcomm.train.checkpoint as ckpt
 from lowcomm.runfiles import check_writable_folder
@@ -307,7 +307,7 @@ def _outer_link_seconds(
             warm = min(warm, warm_length(shortest, cfg.steps, cfg.sync_every))
     rounds = max(0, cfg.steps - warm) // cfg.sync_every
     if sparse:  # its exact wire bytes, all-gathered
-        a = cfg.algorithm
+        a: Any = cfg.algorithm  # (a SparseLoCoConfig)
         sent = parameters * sparse_bytes_per_element(a.density, a.chunk, a.bits)
         return warm * sync(warm_codec) + rounds * link.network().allgather_time(sent, n)
     return warm * sync(warm_codec) + rounds * sync(codec)
