@@ -276,7 +276,7 @@ def test_the_job_runs_sparseloco_without_a_warm_start_and_names_its_codec(
     tiny = tiny_job_args(steps=6, sync_every=3, eval_every=3, eval_batches=2, n_layer=1)
     sparse = train_job("--algo", "sparseloco", *tiny)
     fp32 = train_job("--algo", "diloco", "--sync-warmup", "0", *tiny)
-    assert sparse["compression"] == "sparse:0.015625"
+    assert sparse["compression"] == "sparse:0.015625:chunk=16"
     assert sparse["sync_warmup"] is None and "compression       sparse" in capsys.readouterr().out
     # two syncs: indices, codes and codebooks only (the 1-D tensors of the tiny GPT, which
     # gain nothing below fp32, and the codebooks keep it from the 146× of large matrices)

@@ -502,7 +502,7 @@ def test_a_link_too_slow_for_the_job_is_told_and_refused_past_a_year(
         return config_from_dict({"link": "1mbit", **values}, source="test")
 
     sparse = link_seconds(job(algo="sparseloco"), 827_392)
-    sent = 827_392 * sparse_bytes_per_element(1 / 64, 64, 2)
+    sent = 827_392 * sparse_bytes_per_element(1 / 64, 16, 2)  # the job's 16 x 16 tiles
     one = Network(bandwidth_bps=1e6, latency_s=0.1, cost="emulated").allgather_time(sent, 2)
     assert sparse == pytest.approx(80 * one)  # 960 / 12 rounds, no warm start
     assert sparse < link_seconds(job(algo="co2"), 827_392)

@@ -219,11 +219,12 @@ class Fallback:
 
 
 FALLBACKS: tuple[Fallback, ...] = (
-    # the job's SparseLoCo (no warm start, α 2, β 0.9) 1.428, 1.391, 1.421 (mean 1.413) at
-    # c802c99 against the default job's CO2 1.429, 1.355, 1.330 (mean 1.372);
+    # the job's SparseLoCo (no warm start, α 2, β 0.8, 16 × 16 tiles) 1.425, 1.374, 1.415
+    # (mean 1.405) at 5f76058 against the default job's CO2 1.429, 1.355, 1.330 (mean 1.371);
     # docs/studies/slow-links.md, "SparseLoCo: links of 1 Mbit/s"
     Fallback(
-        "sparseloco", _m(0.031, "sparseloco/sync_warmup=0/outer_lr=2.0/error_decay=0.9", _SLOW)
+        "sparseloco",
+        _m(0.024, "sparseloco/sync_warmup=0/outer_lr=2.0/error_decay=0.8/chunk=16", _SLOW),
     ),
 )
 """What the default job may switch to on a slow link, in the order preferred among equals."""
