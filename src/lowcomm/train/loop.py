@@ -291,8 +291,9 @@ class _Job:
             self.ceiling.before(self.start)
         if state is not None:
             set_rng_state(state["rng"], device)
-        self.t_attempt = time.perf_counter()  # this run's own start (t_start: step 0's)
         self.t_start = records.start(self.start, state, self.source)
+        # this run's own start (t_start: step 0's, the same instant or earlier)
+        self.t_attempt = time.perf_counter()
         self.val_start = self.evaluate(0) if state is None else float("nan")
         if records.progress is not None and state is not None:
             self.val_start = records.progress.val_start
@@ -436,7 +437,8 @@ class _Job:
             dist.barrier()
         records.synced_at_end()
         val_end = self.evaluate(end)
-        wall_s = time.perf_counter() - self.t_start
+        now = time.perf_counter()
+        wall_s = now - self.t_start
         records.close()
         ceiling_segments: list[Any] = []
         if self.ceiling is not None:
@@ -498,7 +500,8 @@ class _Job:
         summary["steps_run"] = end
         summary["step_times"] = self.step_times(train_s, end)
         # a resumed run's wall time counts from step 0 over every attempt; this one's alone:
-        summary["attempt_wall_time_s"] = time.perf_counter() - self.t_attempt
+        # (read at the same instant as wall_s, so it is never more than it)
+        summary["attempt_wall_time_s"] = now - self.t_attempt
         peaks = [r.get("peak_gpu_memory_bytes") for r in sorted(gathered, key=lambda r: r["rank"])]
         summary["peak_gpu_memory_bytes"] = peaks if any(p is not None for p in peaks) else None
         summary["resumed_at"] = list(progress.resumed_at)
