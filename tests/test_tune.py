@@ -321,7 +321,6 @@ def test_the_default_job_gives_way_to_sparseloco_only_where_its_own_syncs_cannot
         own, switch = _switch(link)
         assert switch is None, (link, switch)
     own = _choose("10mbit", max_fragments=4, **JOB)
-    sent = sum(torch.Size(s).numel() for s in SHAPES) * sparse_bytes_per_element(1 / 64, 16, 2)
     fallback = 960 * (0.075 + _net("10mbit").allgather_time(sent, 2) / 12)
     assert FALLBACK_MARGIN * own.job_s < fallback * (1 + cost / TOKEN_EXCHANGE) < own.job_s
     # a candidate with a warm start (an all-reduce every step) is never a slow link's choice

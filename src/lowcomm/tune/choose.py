@@ -74,8 +74,8 @@ FALLBACK_MARGIN = 0.5
 """The default job changes its algorithm (:func:`choose_algorithm`) only where the other is
 predicted to reach its loss in at most this share of its own predicted time: the other's
 per-token cost is measured on 2 workers and 3 seeds, and varies by ±4% from seed to seed.
-On the default job with 75 ms of compute a step that is 1 Mbit/s (0.23 of CO2's time), not
-10 Mbit/s (0.89)."""
+On the default job with 75 ms of compute a step that is 1 Mbit/s (0.16 of CO2's time), not
+10 Mbit/s (0.75)."""
 
 SLACK = 0.1
 """The syncs count as hidden (:attr:`SyncChoice.hidden`) where the predicted step is at most
