@@ -47,8 +47,12 @@ $(DOCS_STAMP): $(RUN_STAMP)
 demo: $(RUN_STAMP)
 	$(VENV)/bin/lowcomm train --algo co2 --workers 2 $(DEMO_ARGS)
 
+# The suite: every test but those marked serial two at a time (one module to a process), then
+# the serial ones alone (tests/conftest.py); both parts run, and either failing fails the target.
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"; a=$$?; \
+	$(PY) -m pytest -q -p no:xdist -m serial; b=$$?; \
+	test $$a -eq 0 && test $$b -eq 0
 
 smoke-torch:
 	test -x $(SMOKE_PY) || $(PYTHON) -m venv $(SMOKE_VENV)

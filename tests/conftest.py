@@ -12,6 +12,28 @@ import torch.distributed as dist
 
 from lowcomm.testing.jobs import TrainJob, run_train_job
 
+SERIAL_MODULES = frozenset(
+    {
+        "test_chaos.py",
+        "test_elastic.py",
+        "test_failures.py",
+        "test_interrupts.py",
+        "test_reliability_script.py",
+        "test_supervise.py",
+    }
+)
+"""The modules whose tests run alone (marked ``serial``): their replicas heartbeat within a
+second, their processes are killed and timed at chosen moments, or they are the heaviest.
+``make test`` runs every other test two at a time (``pytest -n 2 -m "not serial"``, one module
+to a process, so module fixtures are shared as they are in one process), then these one after
+the other (``pytest -m serial``); plain ``pytest`` runs them all one after the other."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="module")
 def single_rank_group() -> Iterator[None]:

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -195,6 +196,13 @@ def signature(
 def field_docstrings(cls: type) -> dict[str, str]:
     """The string under each field of the dataclass ``cls`` (its attribute docstring), on one
     line: what ``--help`` texts show."""
+    return dict(_field_docstrings(cls))
+
+
+@functools.cache
+def _field_docstrings(cls: type) -> dict[str, str]:
+    """:func:`field_docstrings`, read from the source once per class (every command line the
+    CLI parses builds its parser from them)."""
     import ast
     import textwrap
 
