@@ -26,9 +26,10 @@ SERIAL_MODULES = frozenset(
 """The modules whose tests run alone (marked ``serial``): their replicas heartbeat within a
 second, their processes are killed and timed at chosen moments, or they are the heaviest (the
 trainer examples: two torchrun jobs each, 2.6x slower beside another test, which made the suite
-longer, not shorter). ``make test`` runs every other test two at a time (``pytest -n 2 -m "not serial"``, one module
-to a process, so module fixtures are shared as they are in one process), then these one after
-the other (``pytest -m serial``); plain ``pytest`` runs them all one after the other."""
+longer, not shorter). ``make test`` runs every other test two at a time (``pytest -n 2 -m "not
+serial"``, one module to a process, so module fixtures are shared as they are in one process),
+then these one after the other (``pytest -m serial``); plain ``pytest`` runs them all one after
+the other."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
