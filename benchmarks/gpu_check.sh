@@ -10,13 +10,16 @@
 # 3. the overhead table (../shared/gpu/overhead_table.sh's runs): `lowcomm train` with
 #    --algo none, ddp, co2 and diloco with the job's defaults, co2 --compression int4
 #    --sync-warmup 0, then none again; each run's tokens/s as a fraction of the ceiling measured
-#    in the same call (the two `none` runs, before and after), in three sets:
+#    in the same call (the two `none` runs, before and after), in three sets, in this order:
 #      1w       one worker, a 12x768 GPT (block 256, batch 32) in bf16, STEPS steps;
-#      2w       two workers sharing the GPU over gloo (worker k on cuda:k mod 1), same model;
 #      2w-link  two workers sharing the GPU over an emulated LINK (100 Mbit/s) link, the job's
 #               default model (0.83 M parameters: ddp's all-reduce of every step fits the
 #               budget on that link) in bf16, LINK_STEPS steps;
-#    and bf16 against fp32: the 1w `none` run again in fp32 (tokens/s, peak memory, val loss);
+#      2w       two workers sharing the GPU over gloo (worker k on cuda:k mod 1), the 12x768 GPT;
+#    and bf16 against fp32: the 1w `none` run again in fp32 (tokens/s, peak memory, val loss).
+#    Before them, one short run that is not counted: the first job on a fresh machine loads
+#    its kernels and libraries (at 35f5d43 on an H200 the first `none` ran at 0.70 of the
+#    second, 45 against 32 ms a step);
 # 4. a summary table: every run's tokens/s, fraction of its set's ceiling, hidden fraction,
 #    time blocked, peak GPU memory, final val loss, whether the replicas ended identical.
 #
@@ -28,7 +31,10 @@
 #
 # Settings by environment: PYTHON (default python), BUDGET (480), TEST_TIMEOUT (300),
 # RUN_TIMEOUT (120), STEPS (96), LINK (100mbit), LINK_STEPS (96), OUT (the runs' folder;
-# default a new one under $TMPDIR), TESTS (the pytest arguments; default tests/test_cuda.py).
+# default a new one under $TMPDIR), TESTS (the pytest arguments; default tests/test_cuda.py),
+# SETS (the sets to run, of "1w 2w-link 2w", in that order; default all three: at 35f5d43 a run
+# took about 30 s on an H200, most of it start-up, so the three sets and the tests take about
+# 10 minutes: give BUDGET=600, or run the sets in two calls).
 # GPU_CHECK_CPU=1 rehearses the whole script on the CPU (--device cpu, a 2x32 model, 8 steps,
 # no GPU needed): the same commands, parsing and table, under a budget of 1200 s unless BUDGET
 # is given (about 5 minutes on 2 cores, most of it the 19 runs' start-up).
@@ -46,6 +52,15 @@ STEPS=${STEPS:-96}
 LINK=${LINK:-100mbit}
 LINK_STEPS=${LINK_STEPS:-96}
 TESTS=${TESTS:-tests/test_cuda.py}
+SETS=${SETS:-1w 2w-link 2w}
+for set_ in $SETS; do
+    case $set_ in 1w | 2w | 2w-link) ;; *)
+        echo "gpu_check: SETS has '$set_'; the sets are 1w, 2w-link and 2w" >&2
+        exit 1
+        ;;
+    esac
+done
+wants() { case " $SETS " in *" $1 "*) return 0 ;; esac; return 1; }
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT" || exit 1
 
@@ -221,22 +236,35 @@ table() {
 shared_env=""
 [ -n "$SHARED_GPU" ] && shared_env="CUDA_VISIBLE_DEVICES=$SHARED_GPU"
 
-echo
-echo "== overhead table 1w: one worker, --steps $STEPS, bf16"
-# shellcheck disable=SC2086  # BIG, COMMON and DEVICE are lists of flags
-table 1w "" -- --workers 1 --steps "$STEPS" $BIG $COMMON $DEVICE --precision bf16
-# shellcheck disable=SC2086
-run 1w none-fp32 "" -- --workers 1 --steps "$STEPS" $BIG $COMMON $DEVICE --precision fp32 --algo none
+if [ -n "$(echo $SETS)" ]; then
+    echo
+    echo "== warm-up: one short run, not counted (a fresh machine loads its kernels on the first)"
+    # shellcheck disable=SC2086  # BIG, COMMON and DEVICE are lists of flags
+    run warmup none "" -- --workers 1 --steps 16 $BIG $COMMON $DEVICE --precision bf16 --algo none
+fi
 
-echo
-echo "== overhead table 2w: two workers sharing one GPU (gloo), --steps $STEPS, bf16"
-# shellcheck disable=SC2086
-table 2w "$shared_env" -- --workers 2 --steps "$STEPS" $BIG $COMMON $DEVICE --precision bf16
+if wants 1w; then
+    echo
+    echo "== overhead table 1w: one worker, --steps $STEPS, bf16"
+    # shellcheck disable=SC2086
+    table 1w "" -- --workers 1 --steps "$STEPS" $BIG $COMMON $DEVICE --precision bf16
+    # shellcheck disable=SC2086
+    run 1w none-fp32 "" -- --workers 1 --steps "$STEPS" $BIG $COMMON $DEVICE --precision fp32 --algo none
+fi
 
-echo
-echo "== overhead table 2w-link: two workers sharing one GPU over an emulated --link $LINK, --steps $LINK_STEPS, bf16"
-# shellcheck disable=SC2086
-table 2w-link "$shared_env" -- --workers 2 --steps "$LINK_STEPS" $SMALL $COMMON $DEVICE --precision bf16 --link "$LINK"
+if wants 2w-link; then
+    echo
+    echo "== overhead table 2w-link: two workers sharing one GPU over an emulated --link $LINK, --steps $LINK_STEPS, bf16"
+    # shellcheck disable=SC2086
+    table 2w-link "$shared_env" -- --workers 2 --steps "$LINK_STEPS" $SMALL $COMMON $DEVICE --precision bf16 --link "$LINK"
+fi
+
+if wants 2w; then
+    echo
+    echo "== overhead table 2w: two workers sharing one GPU (gloo), --steps $STEPS, bf16"
+    # shellcheck disable=SC2086
+    table 2w "$shared_env" -- --workers 2 --steps "$STEPS" $BIG $COMMON $DEVICE --precision bf16
+fi
 
 echo
 echo "== summary (${SECONDS}s of the ${BUDGET}s budget used$([ "$CPU_REHEARSAL" = 1 ] && echo '; a CPU rehearsal: the figures mean nothing'))"
@@ -248,8 +276,8 @@ import sys
 rows = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
 SETS = {
     "1w": "one worker",
-    "2w": "two workers sharing the GPU",
     "2w-link": "two workers sharing the GPU, emulated link",
+    "2w": "two workers sharing the GPU",
 }
 
 

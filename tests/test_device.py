@@ -640,3 +640,37 @@ def test_gpu_check_stops_at_once_without_a_gpu() -> None:
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], lines
     assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.timeout(180)
+def test_gpu_profile_runs_on_the_cpu() -> None:
+    """``benchmarks/gpu_profile.py`` (the GPU diagnostic) runs its loop on the CPU too: one line
+    of JSON a configuration, with its time a step and its ratio to no algorithm (12 steps timed
+    after 6, then 6 profiled, the last of them a sync)."""
+    import json
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MASTER_PORT": str(port)}
+    script = ROOT / "benchmarks" / "gpu_profile.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "12", "none", "co2:compression=int4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        kind, _, text = line.partition(" ")
+        if kind in ("none", "co2:compression=int4"):
+            rows[kind] = json.loads(text)
+    assert set(rows) == {"none", "co2:compression=int4"}, done.stdout
+    assert rows["none"]["of_none"] == 1.0
+    co2 = rows["co2:compression=int4"]
+    assert "error" not in co2 and co2["ms_per_step"] > 0 and co2["of_none"] > 0
+    assert co2["host_reads"] == rows["none"]["host_reads"]  # the sync reads nothing back

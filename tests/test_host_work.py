@@ -7,7 +7,8 @@ tensor is host time a model of many tensors pays on each sync. Here, on a real o
 group (the codecs, error feedback and collectives run as in a world of two):
 
 * (a) the ``step()`` calls of a whole round, its launch and apply included, contain no
-  ``aten::_local_scalar_dense``, ``aten::item`` or ``aten::nonzero`` event, for every outer
+  ``aten::_local_scalar_dense``, ``aten::item``, ``aten::nonzero`` or ``aten::lift_fresh`` (a
+  tensor made from host data, copied to the device and waited for there) event, for every outer
   algorithm of the registry, every codec, the warm start (fp32 and through a codec) and DeMo's
   step. The guards' verdicts are decided on the device and read from host memory
   (:class:`lowcomm.guard.HostFlags`): a copy queued on the device, no ``.item()``;
@@ -40,7 +41,10 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 H = 4
 NUMEL = 8192  # 4 tensors of 2,048 values, or 64 of 128: whole blocks either way
-HOST_READS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero")
+HOST_READS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::lift_fresh")
+"""Reads of a device value by the host, and tensors made from host data (``torch.tensor(v,
+device=...)``, ``aten::lift_fresh``): on a GPU a copy from pageable host memory, which waits for
+the device's queue as a read does."""
 
 OUTER = {name: entry for name, entry in REGISTRY.items() if entry.cls is not None}
 FLAT_CODECS = ("int8", "int4", "int2", "int4:sr", "sign", "topk:0.1", "bf16")
@@ -222,8 +226,9 @@ def test_the_warm_start_dispatches_as_many_operations_for_64_tensors_as_for_4(
 def test_the_checks_see_a_read_put_back_on_the_launch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The checks above would fail on a launch that reads a value (``.item()``) or loops over
-    the tensors: both put back into the launch of DiLoCo, both seen."""
+    """The checks above would fail on a launch that reads a value (``.item()``), makes a tensor
+    from host data or loops over the tensors: each put back into the launch of DiLoCo, each
+    seen."""
     import lowcomm.outer.fragment as fragment
 
     norm = fragment.flat_norm
@@ -233,10 +238,14 @@ def test_the_checks_see_a_read_put_back_on_the_launch_path(
         out.item()
         return out
 
-    monkeypatch.setattr(fragment, "flat_norm", reading)
-    model = _model(16)
-    assert host_reads(_round_events(_build("diloco", model), model))
-    monkeypatch.undo()
+    def copying(buffers: list[torch.Tensor]) -> torch.Tensor:
+        return norm(buffers) * torch.tensor(1.0, device=buffers[0].device)
+
+    for put_back, seen in ((reading, "aten::_local_scalar_dense"), (copying, "aten::lift_fresh")):
+        monkeypatch.setattr(fragment, "flat_norm", put_back)
+        model = _model(16)
+        assert seen in host_reads(_round_events(_build("diloco", model), model))
+        monkeypatch.undo()
 
     def per_tensor(out: Any, anchor: Any, params: Any) -> None:
         for o, a, p in zip(out, anchor, params):

@@ -41,9 +41,11 @@ WARM_STREAM = 1 << 16
 fragments' own compressors use i); of bucket i's when the warm start overlaps backward."""
 
 WARM_BUCKET_MB = 1.0
-"""Bucket size (MB) of a warm start that overlaps backward
-(:meth:`WarmStart.during_backward`): DDP's first bucket's, so that the last
-layers' gradients go out early."""
+"""Size (MB) of the first bucket of a warm start that overlaps backward
+(:meth:`WarmStart.during_backward`), DDP's ``first_bucket_cap``, so that the last layers'
+gradients go out early; the buckets after it are as large as the engine's (``bucket_cap_mb``,
+25 MB by default, DDP's), and the last ``WARM_BUCKET_MB`` of gradients go out in buckets
+:data:`WARM_TAIL_SPLIT` times smaller."""
 
 
 WARM_TAIL_SPLIT = 4
@@ -51,22 +53,29 @@ WARM_TAIL_SPLIT = 4
 times smaller (:func:`warm_buckets`)."""
 
 
-def warm_buckets(nbytes: Sequence[int], cap: float) -> list[list[int]]:
+def warm_buckets(nbytes: Sequence[int], cap: float, first: float | None = None) -> list[list[int]]:
     """The buckets of a warm start launched during backward, in launch order: indices into
     ``nbytes``, the sizes of the tensors in the order backward produces their gradients.
-    Buckets of up to ``cap`` bytes (a tensor larger than the cap gets one of its own), except
-    that the gradients backward produces last, its last ``cap`` bytes, go out in buckets of
-    about ``cap / WARM_TAIL_SPLIT`` (each closed once it holds that much): the optimizer's step
-    waits for the bucket launched last — its encoding, its transfer and the link's latency —
-    so that one is small, and the ones before it travel while backward computes the rest.
-    No tensors, no buckets."""
+    The first bucket holds up to ``first`` bytes (``None``: ``cap``; never more than ``cap``)
+    and the others up to ``cap`` (a tensor larger than its bucket's cap gets one of its own),
+    except that the gradients backward produces last, its last ``first`` bytes, go out in
+    buckets of about ``first / WARM_TAIL_SPLIT`` (each closed once it holds that much): the
+    optimizer's step waits for the bucket launched last — its encoding, its transfer and the
+    link's latency — so that one is small, the first one leaves early, and the ones between
+    travel while backward computes the rest. Every bucket is a collective with its own
+    encoding, so the number of buckets, not their size, sets the host's work on a GPU (DDP's
+    layout: 1 MB first, 25 MB after). No tensors, no buckets."""
     if not nbytes:
         return []
-    tail = sum(nbytes) - cap
+    first = cap if first is None else min(first, cap)
+    tail = sum(nbytes) - first
     groups: list[list[int]] = [[]]
     size = seen = 0.0
     for i, n in enumerate(nbytes):
-        full = size + n > cap if seen < tail else size >= cap / WARM_TAIL_SPLIT
+        if seen >= tail:
+            full = size >= first / WARM_TAIL_SPLIT
+        else:
+            full = size + n > (first if len(groups) == 1 else cap)
         if groups[-1] and full:
             groups.append([])
             size = 0.0
@@ -154,16 +163,21 @@ class WarmStart:
             self.hook.remove()
             self.hook = None
 
-    def during_backward(self, bucket_cap_mb: float = WARM_BUCKET_MB) -> None:
+    def during_backward(
+        self, bucket_cap_mb: float | None = None, first_bucket_mb: float = WARM_BUCKET_MB
+    ) -> None:
         """Launch the means during backward, a bucket at a time
         (:meth:`OuterAlgorithm.warm_start_during_backward`)."""
         if not self.active or self.buckets:
             return
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; e.g. 1.0")
         engine = self.engine
+        cap = engine.config.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb
+        for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first_bucket_mb)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value!r}; e.g. 25.0 and 1.0")
         order = list(reversed(engine.params))  # the order backward produces the gradients
-        index = warm_buckets([4 * p.numel() for p in order], bucket_cap_mb * 1024 * 1024)
+        mb = 1024 * 1024
+        index = warm_buckets([4 * p.numel() for p in order], cap * mb, first_bucket_mb * mb)
         groups = [[order[j] for j in idx] for idx in index]
         for i, params in enumerate(groups):
             comp = None

@@ -525,9 +525,10 @@ def _warm_step_s(
     step_time_s: float,
 ) -> float:
     """A warm step's predicted time with ``codec``: the compute and what backward does not hide
-    of its gradient all-reduce, launched bucket by bucket as backward produces them
-    (:data:`~lowcomm.outer.warm.WARM_BUCKET_MB` each): nothing leaves before the first bucket
-    is full, so backward hides the all-reduce only for the share of it that comes after."""
+    of its gradient all-reduce, launched bucket by bucket as backward produces them (the first
+    of :data:`~lowcomm.outer.warm.WARM_BUCKET_MB`, the later ones larger): nothing leaves
+    before the first bucket is full, so backward hides the all-reduce only for the share of it
+    that comes after (a later bucket fills while the link still carries the ones before it)."""
     from lowcomm.outer.warm import WARM_BUCKET_MB
 
     ratio = encoded_ratio(codec, shapes)
