@@ -334,8 +334,12 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
 ) -> None:
     # replica 1 is SIGKILLed after step 10 (mid-round: syncs at 4, 8, 12, ...); it is started
     # again alone; with --min-replicas 2 the other waits for it at the next sync, where it is
-    # healed and both go on
-    out, printed = _kill_one_and_train(tmp_path, monkeypatch, capsys, "1:10:kill", "--workers", "2")
+    # healed and both go on; over an emulated link of 8 Mbit/s, its syncs and its heal take
+    # what the link takes
+    link = ("--link", "8mbit:20ms")
+    out, printed = _kill_one_and_train(
+        tmp_path, monkeypatch, capsys, "1:10:kill", "--workers", "2", *link
+    )
     assert "faults              1; healed 1" in printed.out
     assert "(the replicas' start-up included)" in printed.out
     summary = json.loads((out / "summary.json").read_text())
@@ -357,6 +361,18 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     # every committed sync's anchor, as each process recorded it: one checksum per sync
     anchors = _committed_anchors(out, "replica_0", "replica_1", "replica_1.1")
     assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
+    # the link: the heal's bytes as the donor sent them, received in no less than the link's
+    # time for them; each sync's ring all-reduce (2 replicas: its payload) no faster either
+    donor = json.loads((out / "replicas" / "replica_0" / "summary.json").read_text())
+    assert donor["link"] == "8mbit:20ms (emulated)"
+    heal_bytes = own["heal_bytes_received"]
+    assert heal_bytes > 0 and donor["elastic"]["heal_bytes_sent"] == heal_bytes
+    (took,) = own["heal_transfer_s"]
+    assert took >= 0.02 + 8 * heal_bytes / 8e6
+    comm = donor["comm_mean"]
+    per_sync = comm["wire_bytes"] / comm["collectives"]
+    assert per_sync == comm["payload_bytes"] / comm["collectives"] > 0
+    assert comm["in_flight_s"] >= comm["collectives"] * (0.02 + 8 * per_sync / 8e6)
 
 
 @pytest.mark.timeout(240)
@@ -468,7 +484,6 @@ def test_replicas_on_several_machines_join_a_lowcomm_lighthouse(tmp_path: Path) 
             {"nodes": 2, "workers": 4, "node_sharding": "zero"},
             "node_sharding is not supported with fault_tolerance",
         ),
-        ({"link": "100mbit"}, "link is not supported with fault_tolerance"),
         ({"lighthouse": "http://127.0.0.1:1"}, "replica_id is needed with lighthouse"),
         ({"replica_id": "replica_1"}, "lighthouse is needed with replica_id"),
     ],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowcomm.comm import ring_wire_bytes
-from lowcomm.link import PROFILES, EmulatedLink, LinkModel
+from lowcomm.link import PROFILES, EmulatedLink, LinkedWork, LinkModel
 from lowcomm.testing import run_workers
 
 
@@ -21,6 +21,30 @@ def test_model_serialises_transfers_first_in_first_out() -> None:
     # an idle link starts at once
     assert m.schedule(1.0, mb) == pytest.approx(1.12)
     assert m.schedule(1.0, 0) == pytest.approx(1.12)  # queued behind, then latency only
+
+
+def test_a_linked_work_completes_when_the_link_could_have_carried_it() -> None:
+    """The thread-free wrapper of the elastic syncs' collectives (torchft's works are waited
+    on the caller's thread): it waits for the real work, then sleeps what is left."""
+
+    class Real:
+        waited = 0
+
+        def wait(self, *args: object) -> bool:
+            self.waited += 1
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    now = [10.0]
+    slept: list[float] = []
+    real = Real()
+    work = LinkedWork(real, 10.25, clock=lambda: now[0], sleep=slept.append)
+    assert not work.is_completed()  # the real one is done, the link not yet
+    assert work.wait() and real.waited == 1 and slept == [pytest.approx(0.25)]
+    now[0] = 10.3
+    assert work.is_completed() and work.wait() and slept == [pytest.approx(0.25)]
 
 
 def test_parse_profiles_and_rate_latency() -> None:

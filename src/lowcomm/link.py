@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from lowcomm.comm import (
 )
 from lowcomm.device import host_wait
 
-__all__ = ["PROFILES", "EmulatedLink", "LinkModel"]
+__all__ = ["PROFILES", "EmulatedLink", "LinkModel", "LinkedWork"]
 
 PROFILES: dict[str, tuple[float, float]] = {
     "rdma-800g": (800e9, 5e-6),
@@ -140,6 +141,37 @@ class _EmulatedWork:
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+
+class LinkedWork:
+    """A collective (``real``) that completes no earlier than ``done_at`` (a time of ``clock``),
+    without a thread: :meth:`wait` waits for the real one, then sleeps what is left. For
+    collectives whose handles must be waited on the caller's thread (torchft's Manager, whose
+    works record their own failures when waited on); it has no future, so a handle times it
+    at its wait."""
+
+    def __init__(
+        self,
+        real: Any,
+        done_at: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.real = real
+        self.done_at = done_at
+        self._clock = clock
+        self._sleep = sleep
+
+    def wait(self, *args: Any) -> bool:
+        self.real.wait(*args)
+        delay = self.done_at - self._clock()
+        if delay > 0:
+            self._sleep(delay)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.real.is_completed()) and self._clock() >= self.done_at
 
 
 class _AllOf:

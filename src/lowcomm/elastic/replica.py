@@ -25,9 +25,12 @@ import datetime
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowcomm.comm import host_store
+
+if TYPE_CHECKING:
+    from lowcomm.link import EmulatedLink
 
 __all__ = ["Lighthouse", "Replica", "replica_manager", "require_torchft"]
 
@@ -239,6 +242,7 @@ def replica_manager(
     group_size: int = 1,
     store_addr: str | None = None,
     store_port: int | None = None,
+    link: EmulatedLink | None = None,
 ) -> Replica:
     """A ``torchft.Manager`` for this process as (part of) one replica, as lowcomm's outer
     algorithms drive it (``fault_tolerance=``): a blocking quorum at each sync, the commit vote
@@ -266,6 +270,9 @@ def replica_manager(
             its own store on ``host``).
         store_addr: with ``group_size`` > 1, the host of the group's shared store.
         store_port: …and its port.
+        link: an emulated link between the replicas: a heal's transfer takes what it would
+            take there (:class:`~lowcomm.elastic.transport.TensorTransport`). The syncs go
+            through it when the outer algorithm is given it too (``process_group=link``).
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
@@ -296,7 +303,7 @@ def replica_manager(
             "(store_addr, store_port; torchrun's MASTER_ADDR and MASTER_PORT)"
         )
     pg = _replica_gloo(timeout, _seconds(rendezvous_timeout_s, "rendezvous_timeout_s"))
-    transport = TensorTransport(pg, timeout)
+    transport = TensorTransport(pg, timeout, link.model() if link is not None else None)
     try:
         with _manager_server_on(host):
             manager = Manager(

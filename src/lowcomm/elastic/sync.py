@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import CommStats, Communicator, Handle, ring_wire_bytes
+from lowcomm.link import EmulatedLink, LinkedWork
 
 __all__ = ["FaultTolerance", "ManagedCommunicator"]
 
@@ -289,12 +290,29 @@ class ManagedCommunicator(Communicator):
     """The outer engine's communicator over a torchft Manager: the quorum's replicas instead of
     a fixed process group. Only the mean all-reduce of flat buckets is supported (the
     collectives of compression, sharded outer state and gossip are refused before this is
-    built)."""
+    built).
 
-    def __init__(self, ft: FaultTolerance) -> None:
+    With ``link`` (an :class:`~lowcomm.link.EmulatedLink`), every collective of a sync
+    completes no earlier than that link could have carried its ring all-reduce among the
+    quorum's replicas (the fixed groups' model, :class:`~lowcomm.link.LinkModel`: first in,
+    first out, latency per collective); the time counts as the sync's time in flight and,
+    when waited for, as time blocked."""
+
+    def __init__(
+        self,
+        ft: FaultTolerance,
+        link: EmulatedLink | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.ft = ft
         self.group = None
         self.stats = CommStats()
+        self.link = link
+        self.model = link.model() if link is not None else None
+        self._clock = clock
+        self._sleep = sleep
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
@@ -324,6 +342,17 @@ class ManagedCommunicator(Communicator):
         self.ft.before_collective()
         works = [manager.allreduce(b, reduce_op=dist.ReduceOp.SUM) for b in buffers]
         works.append(manager.allreduce(count, reduce_op=dist.ReduceOp.SUM))
+        if self.model is not None:  # each through the emulated link, in launch order
+            now = self._clock()
+            works = [
+                LinkedWork(
+                    w,
+                    self.model.schedule(now, ring_wire_bytes(t.numel() * t.element_size(), n)),
+                    clock=self._clock,
+                    sleep=self._sleep,
+                )
+                for w, t in zip(works, [*buffers, count])
+            ]
         return ManagedHandle(works, buffers, count, self.stats, self.ft)
 
     def _refused(self, what: str) -> Any:

@@ -8,17 +8,27 @@ every other file lowcomm loads: tensors, numbers, strings and plain containers o
 (:func:`lowcomm.runfiles.load_checkpoint`'s rule). It opens no listener and is synchronous:
 the donor has sent everything when its ``start_quorum`` returns, so it may change its state
 straight after.
+
+Over an emulated link (``link``), a transfer of b bytes to each of k joiners takes what the
+link takes, ``latency + 8·k·b / bandwidth`` from its start, on both ends: the donor returns and
+the joiner loads no earlier. (The heal has its own link model: it runs inside a quorum, when
+the replica's syncs before it are complete.)
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from lowcomm.link import LinkModel
 
 __all__ = ["BYTES_TAG", "LENGTH_TAG", "TensorTransport"]
 
@@ -42,14 +52,40 @@ class TensorTransport(CheckpointTransport):
         pg: the torchft process group the Manager reconfigures at each quorum (healing runs
             on it after the reconfiguration, with the quorum's replica ranks).
         timeout: bound on one transfer.
+        link: the emulated link the transfers go through (``None``: the real network).
     """
 
-    def __init__(self, pg: Any, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        timeout: timedelta,
+        link: LinkModel | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.pg = pg
         self._timeout = timeout
+        self.link = link
+        self._clock = clock
+        self._sleep = sleep
         self.receives = 0
         """Transfers this replica started to receive (a heal tried), whether or not they
         completed."""
+        self.sent_bytes = 0
+        """State bytes this replica sent as a donor (every joiner's copy counted)."""
+        self.received_bytes = 0
+        """State bytes this replica received and loaded as a joiner."""
+        self.transfer_s: list[float] = []
+        """How long each heal this replica received took, from asking to loading."""
+
+    def _through_link(self, start: float, nbytes: int) -> None:
+        """Wait until the emulated link could have carried ``nbytes`` started at ``start``."""
+        if self.link is None:
+            return
+        delay = self.link.schedule(start, nbytes) - self._clock()
+        if delay > 0:
+            self._sleep(delay)
 
     def metadata(self) -> str:
         return "lowcomm-tensor-transport"
@@ -57,6 +93,7 @@ class TensorTransport(CheckpointTransport):
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
     ) -> None:
+        start = self._clock()
         buf = io.BytesIO()
         torch.save({"step": step, "state": state_dict}, buf)
         data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
@@ -67,9 +104,12 @@ class TensorTransport(CheckpointTransport):
             works.append(self.pg.send([data], dst, tag=BYTES_TAG))
         for work in works:
             work.wait(timeout)
+        self.sent_bytes += len(dst_ranks) * (data.numel() + 8)
+        self._through_link(start, len(dst_ranks) * (data.numel() + 8))
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         self.receives += 1
+        start = self._clock()
         length = torch.zeros(1, dtype=torch.int64)
         self.pg.recv([length], src_rank, tag=LENGTH_TAG).wait(timeout)
         size = int(length.item())
@@ -77,6 +117,7 @@ class TensorTransport(CheckpointTransport):
             raise ValueError(f"healing: the donor announced {size} bytes of state; refused")
         data = torch.empty(size, dtype=torch.uint8)
         self.pg.recv([data], src_rank, tag=BYTES_TAG).wait(timeout)
+        self._through_link(start, size + 8)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -91,6 +132,8 @@ class TensorTransport(CheckpointTransport):
         if not isinstance(received, dict) or received.get("step") != step:
             got = received.get("step") if isinstance(received, dict) else None
             raise ValueError(f"healing: the donor sent the state of step {got}, not of {step}")
+        self.received_bytes += size + 8
+        self.transfer_s.append(self._clock() - start)
         return received["state"]
 
     def disallow_checkpoint(self) -> None:

@@ -57,6 +57,7 @@ from lowcomm.device import CommStream, collective_device
 from lowcomm.elastic.sync import ManagedCommunicator
 from lowcomm.guard import HostFlags, describe_tensors, explain_lost_collectives
 from lowcomm.hparams import HyperparameterError, describe, signature
+from lowcomm.link import EmulatedLink
 from lowcomm.outer.fault_tolerance import ElasticSyncs
 from lowcomm.outer.fragment import AnyFragment, Fragment, OuterState, ShardedFragment, Sync
 from lowcomm.outer.guards import Guards
@@ -108,7 +109,8 @@ class OuterAlgorithm:
             what = (
                 "its ``Config``; ``process_group``, ``None`` for WORLD; and ``fault_tolerance``, "
                 "a :func:`lowcomm.elastic.replica_manager` replica (or torchft Manager) whose "
-                "quorum replaces the process group"
+                "quorum replaces the process group (with it, ``process_group`` may be an "
+                ":class:`~lowcomm.link.EmulatedLink` the quorum's collectives go through)"
             )
             cls.__doc__ = f"{cls.__doc__.rstrip()}\n{describe(cls.Config, what)}"
 
@@ -117,7 +119,7 @@ class OuterAlgorithm:
         model_or_params: nn.Module | Iterable[torch.Tensor],
         inner_optimizer: torch.optim.Optimizer,
         *,
-        process_group: dist.ProcessGroup | Communicator | None = None,
+        process_group: dist.ProcessGroup | Communicator | EmulatedLink | None = None,
         fault_tolerance: Any = None,
         **hyperparameters: Any,
     ) -> None:
@@ -134,9 +136,13 @@ class OuterAlgorithm:
         """The elastic syncs (``fault_tolerance``: :mod:`lowcomm.outer.fault_tolerance`)."""
         if fault_tolerance is not None:
             self.elastic_syncs = ElasticSyncs(self, fault_tolerance, process_group)
-            self.comm: Communicator = ManagedCommunicator(self.elastic_syncs.ft)
+            self.comm: Communicator = ManagedCommunicator(
+                self.elastic_syncs.ft, self.elastic_syncs.link
+            )
         else:
             group = process_group
+            if isinstance(group, EmulatedLink):  # over WORLD, through the link
+                group = group.communicator()
             self.comm = group if isinstance(group, Communicator) else Communicator(group)
         self.sync_every = int(self.config.sync_every)
         self.warmup = int(self.config.sync_warmup)

@@ -46,15 +46,25 @@ class ElasticEngine(Protocol):
 class ElasticSyncs:
     """The elastic syncs of one engine (see the module docstring) over ``replica`` (a
     :func:`lowcomm.elastic.replica_manager` replica or torchft Manager), whose quorum replaces
-    ``process_group`` (which must be ``None``). :meth:`attach` once the engine is built."""
+    ``process_group``: ``None``, or an emulated link (an :class:`~lowcomm.link.EmulatedLink`,
+    or its communicator, whose own group is then not used) that the quorum's collectives go
+    through. :meth:`attach` once the engine is built."""
 
     def __init__(self, engine: ElasticEngine, replica: Any, process_group: Any) -> None:
         from lowcomm.elastic.sync import FaultTolerance
+        from lowcomm.link import EmulatedCommunicator, EmulatedLink
 
-        if process_group is not None:
+        self.link: EmulatedLink | None = None
+        """The emulated link the quorum's collectives go through (``None``: the real one)."""
+        if isinstance(process_group, EmulatedCommunicator):
+            self.link = process_group.link
+        elif isinstance(process_group, EmulatedLink):
+            self.link = process_group
+        elif process_group is not None:
             raise ValueError(
                 "pass fault_tolerance or process_group, not both: with fault tolerance the "
-                "quorum of each sync is the group"
+                "quorum of each sync is the group (the one process_group it takes is an "
+                "emulated link, EmulatedLink or its communicator)"
             )
         self.engine = engine
         self.ft: FaultTolerance = FaultTolerance(replica)

@@ -810,11 +810,6 @@ class TrainConfig:
                 "compression",
                 "compressed syncs are not carried by torchft's Manager",
             ),
-            (
-                self.link is not None,
-                "link",
-                "the emulated link wraps a fixed process group; elastic syncs go through torchft's",
-            ),
             (self.documents, "documents", "the document stream plans over a fixed group"),
             (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
             (

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lowcomm.guard import checksum
+from lowcomm.link import EmulatedLink
 from lowcomm.train.config import TrainConfig
 
 __all__ = ["ATTEMPT_ENV", "ElasticReplica", "replica_generator", "replica_index"]
@@ -78,6 +79,16 @@ class ElasticReplica:
                 "store_addr": os.environ["MASTER_ADDR"],
                 "store_port": int(os.environ["MASTER_PORT"]),
             }
+        self.link: EmulatedLink | None = None
+        """The emulated ``--link`` between the replicas, as this process sees it (a replica
+        group's M processes each exchange with their counterparts: 1/M of its bandwidth each),
+        for its syncs and its heals; ``None``: the real network."""
+        if cfg.link is not None:
+            whole = EmulatedLink.parse(cfg.link)
+            self.link = whole
+            if group_size > 1:
+                self.link = EmulatedLink(whole.bandwidth_bps / group_size, whole.latency_s)
+        link = self.link
         self.replica = replica_manager(
             cfg.lighthouse,
             replica_id=cfg.replica_id,
@@ -85,6 +96,7 @@ class ElasticReplica:
             min_replicas=cfg.min_replicas,
             timeout_s=cfg.collective_timeout,
             quorum_timeout_s=max(600.0, cfg.collective_timeout),
+            link=link,
             **group,
         )
         self.steps_trained = 0
@@ -182,6 +194,11 @@ class ElasticReplica:
             "heal_times": list(self.heal_times),
             "ready_at": self.ready_at,
             "participants": list(ft.participants),
+            # what its heals carried (as a joiner and as a donor) and how long each one it
+            # received took, from asking to loading (over the emulated link: what it takes)
+            "heal_bytes_received": self.replica.transport.received_bytes,
+            "heal_bytes_sent": self.replica.transport.sent_bytes,
+            "heal_transfer_s": list(self.replica.transport.transfer_s),
         }
 
     def close(self) -> None:

@@ -84,6 +84,8 @@ class Topology:
         (``fault_tolerance``), else the cross-node group (WORLD without node groups), through
         the emulated link when there is one (each of a node's processes getting its share)."""
         if self.elastic is not None:
+            if self.elastic.link is not None:  # the quorum's collectives through the link
+                return {"fault_tolerance": self.elastic.replica, "process_group": self.elastic.link}
             return {"fault_tolerance": self.elastic.replica}
         group: Any = self.groups.cross
         link = self.emulated_link()
