@@ -369,6 +369,10 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     assert heal_bytes > 0 and donor["elastic"]["heal_bytes_sent"] == heal_bytes
     (took,) = own["heal_transfer_s"]
     assert took >= 0.02 + 8 * heal_bytes / 8e6
+    assert summary["link"] == "8mbit:20ms (emulated)"
+    assert "8mbit:20ms (emulated)" in printed.out and ", heal transfer " in printed.out
+    assert (fault["heal_bytes"], fault["heal_transfer_s"]) == (heal_bytes, took)
+    assert fault["fault_to_healed_s"] > took
     comm = donor["comm_mean"]
     per_sync = comm["wire_bytes"] / comm["collectives"]
     assert per_sync == comm["payload_bytes"] / comm["collectives"] > 0

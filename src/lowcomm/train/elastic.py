@@ -470,16 +470,23 @@ def _job_summary(
     first = _read_summary(finished[0].folder) if finished else None
     trained = 0
     heal_times: dict[tuple[str, int], list[float]] = {}
+    folders: dict[tuple[str, int], str] = {}
     for r in started:
         steps, heals = _contribution(r.folder, r in finished)
         trained += steps
         heal_times[(r.replica_id, r.attempt)] = heals
+        folders[(r.replica_id, r.attempt)] = r.folder
     faults = []
     for e in events:
         if e["event"] != "fault":
             continue
-        back = heal_times.get((e["replica"], e["attempt"] + 1), [])
+        key = (e["replica"], e["attempt"] + 1)
+        back = heal_times.get(key, [])
         healed_s = back[0] - t0 if back else None
+        # what the returning replica's heal carried and how long its transfer took (over an
+        # emulated link: what the link takes), from its own summary once it finished
+        own = (_read_summary(folders[key]) or {}).get("elastic") or {} if key in folders else {}
+        transfers = own.get("heal_transfer_s") or []
         faults.append(
             {
                 "replica": e["replica"],
@@ -487,6 +494,8 @@ def _job_summary(
                 "exit_code": e["exit_code"],
                 "healed_at_s": healed_s,
                 "fault_to_healed_s": None if healed_s is None else healed_s - e["time_s"],
+                "heal_bytes": own.get("heal_bytes_received"),
+                "heal_transfer_s": transfers[0] if transfers else None,
             }
         )
     planned = cfg.replicas * cfg.steps
@@ -502,6 +511,7 @@ def _job_summary(
         "min_replicas": cfg.min_replicas,
         "steps": cfg.steps,
         "sync_every": cfg.sync_every,
+        "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         "started_at": t0,
         "wall_time_s": wall_s,
         "tokens_trained": trained * tokens_per_step,

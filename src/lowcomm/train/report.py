@@ -295,6 +295,12 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
 
     faults = summary.get("faults") or []
     healed = [f["fault_to_healed_s"] for f in faults if f.get("fault_to_healed_s") is not None]
+    moved = [f for f in faults if f.get("heal_transfer_s") is not None]
+    transfer = ""
+    if moved:
+        took = [f["heal_transfer_s"] for f in moved]
+        size = sum(f.get("heal_bytes") or 0 for f in moved) / len(moved) / 1e6
+        transfer = f", heal transfer {min(took):.1f}-{max(took):.1f} s ({size:.2f} MB each)"
     participants = summary.get("participants_per_sync") or []
     rows = [
         ("algorithm", f"{summary['algo']} (sync every {summary['sync_every']} steps, elastic)"),
@@ -307,6 +313,7 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
                 else ""
             ),
         ),
+        *([("link", summary["link"])] if summary.get("link") else []),
         ("steps", f"{summary['steps']:,}"),
         (
             "tokens trained",
@@ -326,7 +333,8 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
         (
             "faults",
             f"{len(faults)}; healed {len(healed)}"
-            + (f", fault to healed {min(healed):.1f}-{max(healed):.1f} s" if healed else ""),
+            + (f", fault to healed {min(healed):.1f}-{max(healed):.1f} s" if healed else "")
+            + transfer,
         ),
         (
             "participants",
