@@ -144,3 +144,57 @@ def test_a_forked_command_runs_as_a_session_leader_with_the_given_environment_an
         p.wait(timeout=0.5)
     os.killpg(p.pid, signal.SIGKILL)
     assert p.wait(timeout=30) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(
+    "argv,env,started",
+    [
+        (["train", "--steps", "8"], {}, True),
+        (["train", "--help"], {}, False),
+        (["train", "--lighthouse", "http://127.0.0.1:1"], {}, False),
+        (["train"], {"TORCHELASTIC_RUN_ID": "x"}, False),
+        (["bench", "--quick"], {}, False),
+    ],
+    ids=["train", "help", "one-replica", "under-torchrun", "bench"],
+)
+def test_lowcomm_train_starts_its_fork_server_before_parsing(
+    argv: list[str], env: dict[str, str], started: bool
+) -> None:
+    """``lowcomm train`` starts the server its workers are forked from before it parses its
+    flags (whose parser imports torch), so that the server's imports run beside its own: only
+    where workers will be started on this machine."""
+    code = (
+        "import sys, multiprocessing.forkserver as f, lowcomm.cli as c\n"
+        f"c._start_workers_early({argv!r})\n"
+        "print(f._forkserver._forkserver_pid is not None)\n"
+        "from lowcomm.procs.forkserver import stop_server\n"
+        "stop_server()  # (it would hold the output until its imports are done)\n"
+        "assert f._forkserver._forkserver_pid is None\n"
+    )
+    environment = {**os.environ, **env}
+    environment.pop(START_METHOD_ENV, None)
+    if "TORCHELASTIC_RUN_ID" not in env:
+        environment.pop("TORCHELASTIC_RUN_ID", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(started and start_method() == "forkserver")
+
+
+def test_a_train_command_refused_on_its_flags_ends_the_server_it_started() -> None:
+    """The early server holds the command's output until its imports are done: a command
+    refused before any worker starts (exit status 2) ends it at once."""
+    code = (
+        "import multiprocessing.forkserver as f, lowcomm.cli as c\n"
+        "rc = c.main(['train', '--steps', '-3'])\n"
+        "print(rc, f._forkserver._forkserver_pid is None)\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != START_METHOD_ENV}
+    environment.pop("TORCHELASTIC_RUN_ID", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "True"]
+    assert "--steps must be >= 1" in done.stderr

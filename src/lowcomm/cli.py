@@ -214,8 +214,39 @@ def _option_for(args: argparse.Namespace, path: str | None) -> str | None:
     return best[1] if best is not None else None
 
 
+def _start_workers_early(argv: Sequence[str]) -> bool:
+    """``lowcomm train`` that will start workers on this machine: start the server they are
+    forked from before the flags are parsed (the parser imports torch), so that the server's
+    imports and this process's run side by side (:func:`lowcomm.procs.forkserver.start_server`;
+    a tiny job then starts 3 s sooner on 2 cores). Not for help, nor where this process is the
+    worker (under torchrun) or one replica of another machine's job (``--lighthouse``).
+    Returns whether it started the server (``main`` ends it if the command is refused before
+    any worker starts)."""
+    if not argv or argv[0] != "train" or os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    if any(a in ("-h", "--help") or a.startswith("--lighthouse") for a in argv):
+        return False
+    from lowcomm.procs.forkserver import start_server
+
+    try:
+        return start_server()
+    except (OSError, ValueError) as e:  # the launch starts it later, or says why it cannot
+        logging.getLogger(__name__).debug("the fork server did not start early: %s", e)
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lowcomm`` command; returns the process exit code (module docstring)."""
+    started = _start_workers_early(list(sys.argv[1:] if argv is None else argv))
+    code = _main(argv)
+    if started and code == EXIT_USAGE:  # refused before any worker started: end it now
+        from lowcomm.procs.forkserver import stop_server
+
+        stop_server()
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     try:
         args, extra = parser.parse_known_args(argv)

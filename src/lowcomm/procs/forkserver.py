@@ -27,9 +27,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -45,6 +47,8 @@ __all__ = [
     "exit_now",
     "preload",
     "start_method",
+    "start_server",
+    "stop_server",
 ]
 
 SERVER_PID = os.getpid()
@@ -114,6 +118,39 @@ def start_method() -> str:
 def preload() -> None:
     """Have the fork server import :data:`PRELOAD` when it starts (no effect once it has)."""
     multiprocessing.set_forkserver_preload(list(PRELOAD))
+
+
+def start_server() -> bool:
+    """Start the fork server now, if this platform's workers come from one, so that its imports
+    of :data:`PRELOAD` run beside the launching process's own work instead of after it (the
+    first worker's start waits for them). Called by ``lowcomm train`` before it parses its
+    flags, which imports torch in the launching process too: the two imports overlap. Returns
+    whether it started one (``False``: one was running, or workers are spawned)."""
+    if start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return False
+    preload()
+    forkserver.ensure_running()
+    return True
+
+
+def stop_server() -> None:
+    """End the fork server this process started (:func:`start_server`) before it served a
+    worker, at once: it holds this process's standard output and error until its imports are
+    done, so a command that fails on its flags would otherwise keep a caller that reads them
+    waiting for seconds."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()
 
 
 class _Stream:
