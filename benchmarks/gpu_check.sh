@@ -236,7 +236,7 @@ table() {
 shared_env=""
 [ -n "$SHARED_GPU" ] && shared_env="CUDA_VISIBLE_DEVICES=$SHARED_GPU"
 
-if [ -n "$(echo $SETS)" ]; then
+if [ -n "${SETS//[[:space:]]/}" ]; then
     echo
     echo "== warm-up: one short run, not counted (a fresh machine loads its kernels on the first)"
     # shellcheck disable=SC2086  # BIG, COMMON and DEVICE are lists of flags

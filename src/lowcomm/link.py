@@ -36,7 +36,7 @@ from lowcomm.comm import (
 )
 from lowcomm.device import host_wait
 
-__all__ = ["PROFILES", "EmulatedLink", "LinkModel", "LinkedWork"]
+__all__ = ["PROFILES", "EmulatedLink", "LinkModel", "LinkedWork", "wait_until"]
 
 PROFILES: dict[str, tuple[float, float]] = {
     "rdma-800g": (800e9, 5e-6),
@@ -68,6 +68,18 @@ class LinkModel:
         busy = 8.0 * wire_bytes / self.bandwidth_bps
         self.free_at = start + busy
         return start + busy + self.latency_s
+
+
+def wait_until(
+    done_at: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Sleep until ``clock()`` reaches ``done_at`` (a transfer's completion time on the link);
+    at once if it has."""
+    delay = done_at - clock()
+    if delay > 0:
+        sleep(delay)
 
 
 class EmulatedLink:
@@ -165,9 +177,7 @@ class LinkedWork:
 
     def wait(self, *args: Any) -> bool:
         self.real.wait(*args)
-        delay = self.done_at - self._clock()
-        if delay > 0:
-            self._sleep(delay)
+        wait_until(self.done_at, self._clock, self._sleep)
         return True
 
     def is_completed(self) -> bool:
@@ -262,9 +272,7 @@ class EmulatedCommunicator(Communicator):
                 done_at, real, device, fut = self._queue.pop(0)
             try:
                 host_wait([real], device)
-                delay = done_at - self._clock()
-                if delay > 0:
-                    self._sleep(delay)
+                wait_until(done_at, self._clock, self._sleep)
                 fut.set_result(None)
             except Exception as e:  # surface the collective's failure to the waiter
                 fut.set_exception(e)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lowcomm.link import wait_until
+
 if TYPE_CHECKING:
     from lowcomm.link import LinkModel
 
@@ -81,11 +83,8 @@ class TensorTransport(CheckpointTransport):
 
     def _through_link(self, start: float, nbytes: int) -> None:
         """Wait until the emulated link could have carried ``nbytes`` started at ``start``."""
-        if self.link is None:
-            return
-        delay = self.link.schedule(start, nbytes) - self._clock()
-        if delay > 0:
-            self._sleep(delay)
+        if self.link is not None:
+            wait_until(self.link.schedule(start, nbytes), self._clock, self._sleep)
 
     def metadata(self) -> str:
         return "lowcomm-tensor-transport"

@@ -150,7 +150,7 @@ def stop_server() -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    server._stop()
+    server._stop()  # type: ignore[attr-defined]  # (CPython's own, not in its stubs)
 
 
 class _Stream:

@@ -19,6 +19,7 @@ import torch
 from lowcomm.guard import checksum
 from lowcomm.link import EmulatedLink
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.nodes import node_link
 
 __all__ = ["ATTEMPT_ENV", "ElasticReplica", "replica_generator", "replica_index"]
 
@@ -84,10 +85,7 @@ class ElasticReplica:
         group's M processes each exchange with their counterparts: 1/M of its bandwidth each),
         for its syncs and its heals; ``None``: the real network."""
         if cfg.link is not None:
-            whole = EmulatedLink.parse(cfg.link)
-            self.link = whole
-            if group_size > 1:
-                self.link = EmulatedLink(whole.bandwidth_bps / group_size, whole.latency_s)
+            self.link = node_link(EmulatedLink.parse(cfg.link), cfg)
         link = self.link
         self.replica = replica_manager(
             cfg.lighthouse,
