@@ -16,6 +16,11 @@
 #               default model (0.83 M parameters: ddp's all-reduce of every step fits the
 #               budget on that link) in bf16, LINK_STEPS steps;
 #      2w       two workers sharing the GPU over gloo (worker k on cuda:k mod 1), the 12x768 GPT;
+#      offload  ZO2's offloading (benchmarks/zo_offload.py): MeZO's blockwise step on a 24x2048
+#               GPT (fp32, batch 16 x 1024) with the blocks streamed from pinned host memory
+#               against the model resident, side by side (tokens/s, peak GPU memory,
+#               bit-identical), then the largest GPT of 24 blocks that fits offloaded, by the
+#               planner's counts, run for 2 steps; under OFFLOAD_TIMEOUT;
 #    and bf16 against fp32: the 1w `none` run again in fp32 (tokens/s, peak memory, val loss).
 #    Before them, one short run that is not counted: the first job on a fresh machine loads
 #    its kernels and libraries (at 35f5d43 on an H200 the first `none` ran at 0.70 of the
@@ -32,7 +37,8 @@
 # Settings by environment: PYTHON (default python), BUDGET (480), TEST_TIMEOUT (300),
 # RUN_TIMEOUT (120), STEPS (96), LINK (100mbit), LINK_STEPS (96), OUT (the runs' folder;
 # default a new one under $TMPDIR), TESTS (the pytest arguments; default tests/test_cuda.py),
-# SETS (the sets to run, of "1w 2w-link 2w", in that order; default all three: at 35f5d43 a run
+# OFFLOAD_TIMEOUT (180), OFFLOAD_ARGS (zo_offload.py's arguments; default its own),
+# SETS (the sets to run, of "1w 2w-link 2w offload", in that order; default all four: at 35f5d43 a run
 # took about 30 s on an H200, most of it start-up, so the three sets and the tests take about
 # 10 minutes: give BUDGET=600, or run the sets in two calls).
 # GPU_CHECK_CPU=1 rehearses the whole script on the CPU (--device cpu, a 2x32 model, 8 steps,
@@ -52,10 +58,12 @@ STEPS=${STEPS:-96}
 LINK=${LINK:-100mbit}
 LINK_STEPS=${LINK_STEPS:-96}
 TESTS=${TESTS:-tests/test_cuda.py}
-SETS=${SETS:-1w 2w-link 2w}
+OFFLOAD_TIMEOUT=${OFFLOAD_TIMEOUT:-180}
+OFFLOAD_ARGS=${OFFLOAD_ARGS:-}
+SETS=${SETS:-1w 2w-link 2w offload}
 for set_ in $SETS; do
-    case $set_ in 1w | 2w | 2w-link) ;; *)
-        echo "gpu_check: SETS has '$set_'; the sets are 1w, 2w-link and 2w" >&2
+    case $set_ in 1w | 2w | 2w-link | offload) ;; *)
+        echo "gpu_check: SETS has '$set_'; the sets are 1w, 2w-link, 2w and offload" >&2
         exit 1
         ;;
     esac
@@ -87,6 +95,7 @@ if [ "$CPU_REHEARSAL" = 1 ]; then
     LINK_STEPS=8
     COMMON="$COMMON --eval-batches 1 --sync-every 4"
     DEVICE="--device cpu"
+    [ -z "$OFFLOAD_ARGS" ] && OFFLOAD_ARGS="--device cpu --layers 3 --embd 32 --heads 2 --seq 16 --batch 2 --steps 1 --width-step 32 --max-params 1.2e5 --largest-steps 1"
 fi
 # two workers share one GPU: on a machine with more, the first one visible
 SHARED_GPU=""
@@ -236,7 +245,7 @@ table() {
 shared_env=""
 [ -n "$SHARED_GPU" ] && shared_env="CUDA_VISIBLE_DEVICES=$SHARED_GPU"
 
-if [ -n "${SETS//[[:space:]]/}" ]; then
+if [ -n "$(printf '%s' "$SETS" | tr -d '[:space:]' | sed 's/offload//g')" ]; then
     echo
     echo "== warm-up: one short run, not counted (a fresh machine loads its kernels on the first)"
     # shellcheck disable=SC2086  # BIG, COMMON and DEVICE are lists of flags
@@ -266,9 +275,30 @@ if wants 2w; then
     table 2w "$shared_env" -- --workers 2 --steps "$STEPS" $BIG $COMMON $DEVICE --precision bf16
 fi
 
+offload_status="not run"
+if wants offload; then
+    echo
+    echo "== offload: python benchmarks/zo_offload.py $OFFLOAD_ARGS"
+    limit=$(bounded "$OFFLOAD_TIMEOUT")
+    if [ "$limit" -lt 15 ]; then
+        offload_status="not started, ${limit}s of the budget left"
+    else
+        # shellcheck disable=SC2086  # OFFLOAD_ARGS is a list of arguments
+        timeout "$limit" "$PYTHON" benchmarks/zo_offload.py $OFFLOAD_ARGS 2>&1 | tee "$OUT/offload.log"
+        rc=${PIPESTATUS[0]}
+        if [ "$rc" -eq 0 ]; then
+            offload_status="passed"
+        else
+            offload_status="FAILED (exit status $rc$([ "$rc" -eq 124 ] && echo ", timed out after ${limit}s"))"
+            fail "benchmarks/zo_offload.py"
+        fi
+    fi
+fi
+
 echo
 echo "== summary (${SECONDS}s of the ${BUDGET}s budget used$([ "$CPU_REHEARSAL" = 1 ] && echo '; a CPU rehearsal: the figures mean nothing'))"
 echo "CUDA tests: $tests_status${tests_line:+: $tests_line}"
+echo "offload: $offload_status$([ -f "$OUT/offload.log" ] && grep -E '^(offloaded bit|tokens/s offloaded|peak device|largest)' "$OUT/offload.log" | sed 's/^/; /' | tr -d '\n')"
 "$PYTHON" - "$RESULTS" <<'EOF' || fail "the summary table"
 import json
 import sys

@@ -765,3 +765,39 @@ def test_collectives_are_timed_on_the_device_without_a_link() -> None:
         assert 0.0 < out["compressed_in_flight_s"] < 10.0
         # the wait blocked for the collective, not for the second of compute queued before it
         assert out["blocked_s"] < 0.5, out
+
+
+def test_zo_offload_on_the_gpu_is_the_resident_step_bit_for_bit() -> None:
+    """ZO2's offloading on CUDA: the blocks in pinned host memory, uploaded and copied back on
+    two copy streams ordered by events, give the same L+, L-, g and parameters as the
+    blockwise step with the model resident on the GPU; the GPU holds at most the two buffers'
+    blocks (peak memory under the resident run's)."""
+    from lowcomm.zo import MeZO
+
+    def run(offload: bool) -> tuple[list[Any], dict[str, torch.Tensor], int]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()  # the GPU's memory from here: model and step
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=256))
+        if not offload:
+            model.to(_gpu())
+        zo = MeZO(model, lr=1e-4, eps=1e-3, weight_decay=0.1, blockwise=True, offload=offload)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 256, (4, 64), generator=g).to(_gpu())
+        y = torch.randint(0, 256, (4, 64), generator=g).to(_gpu())
+        steps = [zo.step(stages=model.zo_stages(x, y)) for _ in range(4)]
+        zo.flush()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        if offload:
+            assert zo.offloader is not None and zo.offloader.max_resident == 2
+            assert all(p.is_pinned() for b in model.blocks for p in b.parameters())
+        params = {n: p.detach().cpu() for n, p in model.named_parameters()}
+        return [(s.loss_plus, s.loss_minus, s.projected_grads) for s in steps], params, peak
+
+    resident, offloaded = run(False), run(True)
+    assert resident[0] == offloaded[0]
+    assert resident[1].keys() == offloaded[1].keys()
+    assert all(torch.equal(resident[1][k], offloaded[1][k]) for k in resident[1])
+    assert offloaded[2] < resident[2]

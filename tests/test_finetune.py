@@ -45,11 +45,11 @@ def test_zo_single_and_blockwise_pertp_agree_and_send_a_few_bytes(
     pertp, pertp_records = _finetune(
         pretrained,
         tmp_path / "pertp",
-        *("--method", "zo", "--mode", "pertp", "--workers", "2", "--blockwise"),
+        *("--method", "zo", "--mode", "pertp", "--workers", "2", "--offload"),
     )
 
-    # PertP (here with ZO2's fused blockwise pass too) is single-process MeZO bit for bit:
-    # every loss it records is the same
+    # PertP (here with ZO2's fused blockwise pass and its offloading, the blocks streamed through
+    # two buffers) is single-process MeZO bit for bit: every loss it records is the same
     def losses(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]
 
@@ -64,6 +64,9 @@ def test_zo_single_and_blockwise_pertp_agree_and_send_a_few_bytes(
     assert single["bytes_sent_per_worker_per_step"] == 0
     assert pertp["bytes_sent_per_worker_per_step"] == (4 * 24 + 8) / 4
     assert all(b > 0 for b in pertp["peak_rss_bytes_per_worker"])
+    offload = pertp["offload"]
+    assert offload["offloaded_stages"] == 2  # the tiny model's two blocks
+    assert offload["buffers"] == offload["max_resident"] == 2 and single["offload"] is None
     assert "held-out loss" in capsys.readouterr().out
 
 
@@ -97,6 +100,7 @@ def test_adamw_ddp_for_comparison_sends_the_gradients(pretrained: str, tmp_path:
             ["--init", "X", "--blockwise", "--method", "adamw", "--mode", "ddp"],
             "--blockwise is for",
         ),
+        (["--init", "X", "--offload", "--n-directions", "2"], "--offload is for"),
     ],
 )
 def test_bad_settings_are_one_line_exit_2(flags: list[str], message: str, capsys: Any) -> None:

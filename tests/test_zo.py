@@ -31,8 +31,10 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _single(steps: int = STEPS, **settings: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    model = tiny_model()
+def _single(
+    steps: int = STEPS, n_layer: int = 1, **settings: Any
+) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    model = tiny_model(n_layer=n_layer)
     zo = MeZO(model, **{**SETTINGS, **settings})
     results = [zo.step(lambda x=x, y=y: tiny_loss(model, x, y)) for x, y in tiny_batches(steps)]
     return _params(model), results
@@ -90,6 +92,127 @@ def test_blockwise_fused_dual_forward_changes_no_bit() -> None:
     x, y = batches[0]
     with pytest.raises(ValueError, match="named_parameters\\(\\) order"):
         zo.step(stages=list(reversed(model.zo_stages(x, y))))
+
+
+def _offloaded_run(
+    steps: int, buffers: int = 2, resume_at: int | None = None, watch: bool = False
+) -> tuple[dict[str, torch.Tensor], list[Any], MeZO, list[int]]:
+    """ZO2's offloading on the CPU (host and compute device the same): a 4-block model, each
+    block through ``buffers`` device buffers; optionally resumed into a fresh MeZO after step
+    ``resume_at`` (an update pending), and with every stage's run watched: how many offloaded
+    stages have their parameters in the buffers while it computes."""
+    model = tiny_model(n_layer=4)
+    zo = MeZO(model, offload=True, offload_buffers=buffers, **SETTINGS)
+    zo.offloader.record = True  # type: ignore[union-attr]
+    in_buffers: list[int] = []
+
+    def watched(stages: list[Any]) -> list[Any]:
+        if not watch:
+            return stages
+        off = zo.offloader
+        assert off is not None
+
+        def wrap(run: Any) -> Any:
+            def inner(state: Any) -> Any:
+                assert off.pool is not None
+                low = off.pool.data_ptr()
+                high = low + off.pool.numel()
+                bound = [
+                    s.stage
+                    for s in off.stages
+                    if all(low <= t.data_ptr() < high for t in s.tensors)
+                ]
+                in_buffers.append(len(bound))
+                return run(state)
+
+            return inner
+
+        return [(modules, wrap(run)) for modules, run in stages]
+
+    results = []
+    for i, (x, y) in enumerate(tiny_batches(steps)):
+        results.append(zo.step(stages=watched(model.zo_stages(x, y))))
+        if resume_at is not None and i + 1 == resume_at:
+            state, saved = zo.state_dict(), _params(model)
+            assert state["pending"] is not None
+            model = tiny_model(seed=1, n_layer=4)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(saved[name])
+            zo = MeZO(model, offload=True, offload_buffers=buffers, **SETTINGS)
+            zo.load_state_dict(state)
+    zo.flush()
+    return _params(model), results, zo, in_buffers
+
+
+@pytest.mark.parametrize("buffers,resume_at", [(2, None), (3, 2)])
+def test_offload_is_blockwise_bit_for_bit(buffers: int, resume_at: int | None) -> None:
+    """ZO2's offloading changes no bit: every step's L+, L- and g and the parameters equal the
+    resident blockwise pass (itself MeZO bit for bit), also resumed with an update pending."""
+    params, results = _single(n_layer=4)
+    got, steps, zo, _ = _offloaded_run(STEPS, buffers, resume_at)
+    assert _same(got, params)
+    for mine, ref in zip(steps, results):
+        assert mine.loss_plus == ref.loss_plus and mine.loss_minus == ref.loss_minus
+        assert mine.projected_grads == ref.projected_grads
+    off = zo.offloader
+    assert off is not None and off.summary()["offloaded_stages"] == 4  # the blocks
+    assert off.resident_stages == [0, 5]  # the embeddings and the tied head stay on the device
+    assert off.pool is not None and off.pool.shape[0] == buffers
+
+
+def test_offload_keeps_at_most_its_buffers_resident_and_orders_the_copies() -> None:
+    _, _, zo, in_buffers = _offloaded_run(3, buffers=2, watch=True)
+    off = zo.offloader
+    assert off is not None
+    # while a stage computes (twice a step: L+ and L-), only it is bound to the buffers (the
+    # next one is uploading); the embeddings and the head compute with none
+    assert in_buffers == ([0, 0] + [1, 1] * 4 + [0, 0]) * 3
+    # the timeline: each block uploaded into its buffer, computed there, copied back, and the
+    # buffer not refilled before that; never more than the two buffers' stages held
+    held: dict[int, int] = {}  # buffer -> stage
+    computed = set()
+    most = 0
+    for action, stage, buffer in off.timeline:
+        if action == "upload":
+            assert buffer not in held, f"buffer {buffer} refilled before stage {held} left it"
+            held[buffer] = stage
+        elif action == "compute":
+            assert held.get(buffer) == stage
+            computed.add(stage)
+        else:
+            assert action == "copy back" and held.pop(buffer) == stage and stage in computed
+        most = max(most, len(held))
+    assert most == off.max_resident == 2 and not held
+    assert [a for a, s, _ in off.timeline if s == 1] == ["upload", "compute", "copy back"] * 4
+    with pytest.raises(ValueError, match="offload_buffers must be an integer >= 2"):
+        MeZO(tiny_model(), offload=True, offload_buffers=1)
+
+
+def test_offload_evaluates_and_flushes_as_the_model_does() -> None:
+    model = tiny_model(n_layer=3)
+    zo = MeZO(model, offload=True, **SETTINGS)
+    batches = tiny_batches(3)
+    with pytest.raises(ValueError, match="has not seen the model's stages"):
+        zo._pending = (1, 0.5, 1e-3)
+        zo.flush()
+    zo._pending = None
+    for x, y in batches[:2]:
+        zo.step(stages=model.zo_stages(x, y))
+    x, y = batches[2]
+    streamed = zo.evaluate(model.zo_stages(x, y))  # applies the pending update first
+    assert zo.state_dict()["pending"] is None
+    with torch.inference_mode():
+        model.eval()
+        assert torch.equal(streamed, tiny_loss(model, x, y))  # host and device both the CPU
+    stages = model.zo_stages(x, y)
+    (first,), run_first = stages[1]
+    (second,), run_second = stages[2]
+    merged = ((first, second), lambda h: run_second(run_first(h)))
+    with pytest.raises(ValueError, match="the same stages"):
+        zo.step(stages=[stages[0], merged, *stages[3:]])
+    with pytest.raises(ValueError, match="offload=True takes one direction"):
+        MeZO(model, offload=True, n_directions=2)
 
 
 def test_mezo_weight_decay_rule_and_seeds() -> None:
@@ -163,6 +286,28 @@ def test_pertp_is_single_process_mezo_bit_for_bit(modes: list[dict[str, Any]]) -
 
 
 @pytest.mark.timeout(300)
+def test_offload_in_every_mode_is_bit_for_bit(modes: list[dict[str, Any]]) -> None:
+    """PertP, DDP and 2D with ZO2's offloading (3 blocks through 2 buffers): PertP is
+    single-process MeZO, DDP the sharded reference, 2D on 4 ranks DDP on 2, bit for bit."""
+    params, single = _single(n_layer=3)
+    for rank in (0, 1):
+        run = modes[rank]["pertp-offload"]
+        assert _same(run["params"], params)
+        assert [r.projected_grads for r in run["steps"]] == [r.projected_grads for r in single]
+    model = tiny_model(n_layer=3)
+    batches = tiny_batches(STEPS)
+    closures = [sharded_reference(model, [(x[:4], y[:4]), (x[4:], y[4:])]) for x, y in batches]
+    seeds = [[zo_seed(3, i + 1)] for i in range(STEPS)]
+    reference = mezo_reference(model, closures, seeds=seeds, lr=1e-3, eps=1e-3, weight_decay=0.1)
+    for rank in (0, 1):
+        assert _same(modes[rank]["ddp-offload"]["params"], _params(model))
+        got = [r.projected_grads for r in modes[rank]["ddp-offload"]["steps"]]
+        assert got == [r["g"] for r in reference]
+    for rank in range(4):
+        assert _same(modes[rank]["2d-offload"]["params"], modes[0]["ddp-offload"]["params"])
+
+
+@pytest.mark.timeout(300)
 def test_naive_pertp_drifts_and_the_check_names_it(modes: list[dict[str, Any]]) -> None:
     assert not _same(modes[0]["naive"], modes[1]["naive"])
     for rank in (0, 1):
@@ -200,3 +345,27 @@ def test_bytes_per_step_are_a_few_floats(modes: list[dict[str, Any]]) -> None:
     for mode, world in (("pertp", 2), ("ddp", 2), ("2d", 4)):
         per_step = modes[0][mode]["bytes"] / STEPS
         assert per_step == (world - 1) * (24 + 8 / 2), mode
+
+
+def test_offload_benchmark_runs_on_the_cpu(capsys: Any) -> None:
+    """``benchmarks/zo_offload.py`` (the GPU check's offload row) on the CPU: resident against
+    offloaded, bit-identical, and the largest model under its bound built and run."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "zo_offload.py"
+    spec = importlib.util.spec_from_file_location("zo_offload", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--device", "cpu", "--layers", "3", "--embd", "32", "--heads", "2", "--seq", "16"]
+    argv += ["--batch", "2", "--steps", "1", "--width-step", "32", "--max-params", "1.2e5"]
+    assert module.main([*argv, "--largest-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "offloaded bit-identical to resident: True" in out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["run"] for r in rows] == ["resident", "offloaded", "largest"]
+    assert rows[1]["offload"]["offloaded_stages"] == 3 and rows[0]["offload"] is None
+    # 3 x 64 has 164k parameters, over the bound: the largest is 3 x 32
+    assert rows[2]["embd"] == 32 and rows[2]["bound"] == "--max-params"

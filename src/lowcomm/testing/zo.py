@@ -38,10 +38,11 @@ __all__ = [
 Closure = Callable[[], torch.Tensor]
 
 
-def tiny_model(seed: int = 0) -> GPT:
-    """A 7.7k-parameter GPT (one block, width 16, biases and LayerNorms: both decay rules)."""
+def tiny_model(seed: int = 0, n_layer: int = 1) -> GPT:
+    """A 7.7k-parameter GPT (one block, width 16, biases and LayerNorms: both decay rules;
+    ``n_layer`` blocks of 3.2k parameters each)."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    return GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=n_layer, n_head=2, n_embd=16))
 
 
 def tiny_batches(
@@ -192,10 +193,17 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
         group: Any,
         data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         blockwise: bool = False,
+        offload: bool = False,
     ) -> dict[str, Any]:
-        model = tiny_model()
+        model = tiny_model(n_layer=3 if offload else 1)
         zo = MeZO(
-            model, mode=mode, process_group=group, check_every=2, blockwise=blockwise, **settings
+            model,
+            mode=mode,
+            process_group=group,
+            check_every=2,
+            blockwise=blockwise,
+            offload=offload,
+            **settings,
         )
         results = []
         for i in range(steps):
@@ -204,7 +212,7 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 return tiny_loss(model, x, y)
 
-            if blockwise:
+            if zo.blockwise:
                 result = zo.step(stages=model.zo_stages(x, y), weight=float(x.shape[0]))
             else:
                 result = zo.step(closure, weight=float(x.shape[0]))
@@ -214,29 +222,30 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
         steps_done = [dataclasses.asdict(r) for r in results]
         return {"params": _params(model), "steps": steps_done, "bytes": zo.stats.wire_bytes}
 
+    half = batches[0][0].shape[0] // 2
+
+    def own(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batches[i][0][rank * half : (rank + 1) * half], batches[i][1][
+            rank * half : (rank + 1) * half
+        ]
+
+    def pairs(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = rank // 2
+        return batches[i][0][shard * half : (shard + 1) * half], batches[i][1][
+            shard * half : (shard + 1) * half
+        ]
+
     if rank < 2:
         out["pertp"] = run("pertp", pair, lambda i: batches[i])
         out["pertp-blockwise"] = run("pertp", pair, lambda i: batches[i], blockwise=True)
-        half = batches[0][0].shape[0] // 2
-        out["ddp"] = run(
-            "ddp",
-            pair,
-            lambda i: (
-                batches[i][0][rank * half : (rank + 1) * half],
-                batches[i][1][rank * half : (rank + 1) * half],
-            ),
-        )
+        out["ddp"] = run("ddp", pair, own)
+        # ZO2's offloading (3 blocks through 2 buffers) against the same model offloaded in
+        # the single process (the test computes that reference)
+        out["pertp-offload"] = run("pertp", pair, lambda i: batches[i], offload=True)
+        out["ddp-offload"] = run("ddp", pair, own, offload=True)
     dist.barrier()
-    shard = rank // 2
-    half = batches[0][0].shape[0] // 2
-    out["2d"] = run(
-        "2d",
-        None,
-        lambda i: (
-            batches[i][0][shard * half : (shard + 1) * half],
-            batches[i][1][shard * half : (shard + 1) * half],
-        ),
-    )
+    out["2d"] = run("2d", None, pairs)
+    out["2d-offload"] = run("2d", None, pairs, offload=True)
 
     # the negative control, and the check that catches it
     if rank < 2:

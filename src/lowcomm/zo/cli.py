@@ -71,6 +71,20 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
         ("bytes / worker / step", f"{summary['bytes_sent_per_worker_per_step']:,.1f}"),
         ("peak memory / worker", f"{peak:,.0f} MiB resident"),
+    ]
+    device_peaks = [b for b in summary.get("peak_device_bytes_per_worker", []) if b is not None]
+    if device_peaks:
+        rows.append(("peak device memory", f"{max(device_peaks) / 2**20:,.0f} MiB allocated"))
+    offload = summary.get("offload")
+    if offload:
+        rows.append(
+            (
+                "offloaded",
+                f"{offload['offloaded_stages']} blocks through {offload['buffers']} buffers "
+                f"of {offload['buffer_bytes'] / 2**20:,.2f} MiB",
+            )
+        )
+    rows += [
         ("output", str(summary.get("out"))),
     ]
     width = max(len(k) for k, _ in rows)

@@ -117,6 +117,10 @@ class FinetuneConfig:
     blockwise: bool = False
     """ZO: ZO2's fused dual forward (each block's two forwards back to back, the previous
     update applied lazily in the same pass); changes no bit. lowcomm train models only."""
+    offload: bool = False
+    """ZO: ZO2's offloading (implies --blockwise): the blocks' parameters stay in host memory
+    and each is uploaded to the device just before its stage, two buffers in turn; changes no
+    bit."""
     seed: int = 0
     """Seeds the batches and ZO's directions."""
     eval_every: int = 50
@@ -162,11 +166,14 @@ class FinetuneConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(key, f"must be an integer >= 1, got {value!r}")
-        if self.blockwise and (self.method != "zo" or self.hf_llama or self.n_directions != 1):
-            raise bad(
-                "blockwise",
-                "is for --method zo with one direction on a lowcomm train model (its stages)",
-            )
+        for key in ("blockwise", "offload"):
+            if getattr(self, key) and (
+                self.method != "zo" or self.hf_llama or self.n_directions != 1
+            ):
+                raise bad(
+                    key,
+                    "is for --method zo with one direction on a lowcomm train model (its stages)",
+                )
         if (self.init is None) == (not self.hf_llama):
             raise bad(
                 "init",
@@ -347,7 +354,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
     rank, world = dist.get_rank(), dist.get_world_size()
     model, context = load_model(cfg)
     _check_context(cfg, context)
-    model.to(device)
+    if not cfg.offload:
+        model.to(device)  # offloaded: MeZO places each stage (on the first evaluation)
     train_tokens, val_tokens = task_tokens(cfg.task)
     gen = make_generator(cfg.seed, 0)  # the same global batches on every rank
     val_gen = make_generator(cfg.seed + 1, 0)
@@ -374,6 +382,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             seed=cfg.seed,
             mode=mode,
             blockwise=cfg.blockwise,
+            offload=cfg.offload,
+            device=device if cfg.offload else None,
         )
         stats = zo.stats
     else:
@@ -385,7 +395,17 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             meter.register(step_model)
             stats = meter.stats
     records = _Records(cfg) if rank == 0 else None
-    val_start = _evaluate(model, val)
+
+    def evaluate() -> float:
+        if zo is not None and zo.blockwise:  # the pending update applied, blocks streamed
+            assert isinstance(model, GPT)
+            losses = [float(zo.evaluate(model.zo_stages(x, y))) for x, y in val]
+            return sum(losses) / len(losses)
+        return _evaluate(model, val)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    val_start = evaluate()
     if records is not None:
         records.eval(0, val_start)
     t0 = time.perf_counter()
@@ -400,7 +420,7 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 return _loss(model, x, y)
 
-            if cfg.blockwise:
+            if zo.blockwise:
                 assert isinstance(model, GPT)
                 result = zo.step(stages=model.zo_stages(x, y), weight=float(x.shape[0]))
             else:
@@ -420,10 +440,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
             records.step(step, loss_sum / losses, losses, time.perf_counter() - t0)
             loss_sum, losses = 0.0, 0
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            if zo is not None:
-                zo.flush()  # a blockwise step's update is applied in the next pass
             t_eval = time.perf_counter()
-            val_loss = _evaluate(model, val)
+            val_loss = evaluate()
             eval_s += time.perf_counter() - t_eval
             if records is not None:
                 records.eval(step, val_loss)
@@ -432,7 +450,15 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device) -> dict[str, Any] | N
         zo.check_replicas()
     if meter is not None:
         meter.settle()  # (a GPU's blocked time, measured by events)
-    per_rank = {"rank": rank, "peak_rss_bytes": _peak_rss_bytes(), **stats.metrics()}
+    per_rank: dict[str, Any] = {
+        "rank": rank,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        **stats.metrics(),
+    }
+    if device.type == "cuda":
+        per_rank["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    if zo is not None and zo.offloader is not None:
+        per_rank["offload"] = zo.offloader.summary()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, per_rank)
     if records is None:
@@ -508,6 +534,8 @@ class _Records:
             "val_loss_final": self.val[-1][1],
             "bytes_sent_per_worker_per_step": sum(sent) / len(sent) / cfg.steps,
             "peak_rss_bytes_per_worker": [r["peak_rss_bytes"] for r in per_rank],
+            "peak_device_bytes_per_worker": [r.get("peak_device_bytes") for r in per_rank],
+            "offload": per_rank[0].get("offload"),
             "per_rank": per_rank,
             "config": dataclasses.asdict(cfg),
         }

@@ -30,14 +30,20 @@ et al. 2025), over any process group:
 * ``2d`` (W = 2D ranks): the pairs (2p, 2p + 1) do PertP on shard p; one all-gather of the
   weighted losses. On 4 ranks bit-identical to ``ddp`` on 2 with the same shards.
 
-``blockwise`` (ZO2, Wang et al. 2025, less its offloading, a GPU feature): the forward as stages
-(``GPT.zo_stages``); per stage, the previous step's update and +εz of the parameters it owns,
-its + forward, −2εz, its − forward, +εz, so each stage's two forwards run back to back while its
-parameters are at hand, and z is drawn twice per step instead of four times (the update's draw
-is fused into the next pass). Every parameter still sees MeZO's operations in MeZO's order from
-one generator stream per seed, in ``named_parameters()`` order, so nothing changes by a bit; a
-tied weight (the embedding that is also the head) keeps its θ + εz until its last stage.
-:meth:`MeZO.flush` applies the pending update.
+``blockwise`` (ZO2, Wang et al. 2025): the forward as stages (``GPT.zo_stages``); per stage,
+the previous step's update and +εz of the parameters it owns, its + forward, −2εz, its −
+forward, +εz, so each stage's two forwards run back to back while its parameters are at hand,
+and z is drawn twice per step instead of four times (the update's draw is fused into the next
+pass). Every parameter still sees MeZO's operations in MeZO's order from one generator stream
+per seed, in ``named_parameters()`` order, so nothing changes by a bit; a tied weight (the
+embedding that is also the head) keeps its θ + εz until its last stage. :meth:`MeZO.flush`
+applies the pending update.
+
+``offload`` (ZO2's offloading, :mod:`lowcomm.zo.offload`): the blocks' parameters live in host
+memory and each is uploaded into a pool of ``offload_buffers`` device buffers just before its
+stage (the next one's upload overlapping this one's forwards), updated and perturbed there, and
+copied back after it; the embeddings and the tied head stay on the device. The same operations
+in the same order on the same device: the same bits as ``blockwise`` alone.
 
 Bytes per rank per step: a few floats (3 or 2 per direction, float64), whatever the model.
 Every ``check_every`` steps the ranks compare a 64-bit digest of their parameters (8 bytes each)
@@ -65,6 +71,7 @@ from torch import nn
 
 from lowcomm.comm import CommStats, Communicator
 from lowcomm.device import collective_device
+from lowcomm.zo.offload import StageOffloader
 
 __all__ = ["MODES", "MeZO", "ReplicaDriftError", "Stage", "ZOStep", "mezo_decays", "zo_seed"]
 
@@ -133,6 +140,12 @@ class MeZO:
             stage's two forwards back to back, applying the previous step's update to a
             stage's parameters just before (lazily; :meth:`flush` applies what is pending).
             Changes no bit (see the module docstring); one direction only.
+        offload: ZO2's offloading (implies ``blockwise``): the blocks' parameters stay in
+            (pinned) host memory between their stages, the rest of the model moves to
+            ``device``; see :mod:`lowcomm.zo.offload`. Changes no bit.
+        device: with ``offload``, the compute device (default: the current CUDA device when
+            there is one, else the CPU).
+        offload_buffers: with ``offload``, the device buffers, each holding one stage (≥ 2).
     """
 
     def __init__(
@@ -149,6 +162,9 @@ class MeZO:
         check_every: int = 100,
         decays: Callable[[str], bool] = mezo_decays,
         blockwise: bool = False,
+        offload: bool = False,
+        device: torch.device | str | None = None,
+        offload_buffers: int = 2,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -192,15 +208,28 @@ class MeZO:
                 raise ValueError(f"mode 'pertp' runs on 2 ranks (one per sign), got {w}")
             if mode == "2d" and (w < 2 or w % 2):
                 raise ValueError(f"mode '2d' runs on an even number of ranks (pairs), got {w}")
-        if blockwise and n_directions != 1:
-            raise ValueError("blockwise=True takes one direction per step (n_directions=1)")
-        self.blockwise = bool(blockwise)
+        if (blockwise or offload) and n_directions != 1:
+            what = "offload" if offload else "blockwise"
+            raise ValueError(f"{what}=True takes one direction per step (n_directions=1)")
+        self.blockwise = bool(blockwise or offload)
+        self.offloader: StageOffloader | None = None
+        if offload:
+            if device is None:
+                device = torch.device("cuda") if torch.cuda.is_available() else "cpu"
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self.offloader = StageOffloader(device, offload_buffers)
+        elif device is not None:
+            raise ValueError("device= is the compute device of offload=True; pass offload=True")
         self._pending: tuple[int, float, float] | None = None
         """blockwise: the (seed, g, lr) of the update not yet applied."""
         self._index = {id(p): i for i, (_, p) in enumerate(named)}
-        device = named[0][1].device
-        self.generator = torch.Generator(device=device)
-        self._update_generator = torch.Generator(device=device)
+        self._stage_plan: list[tuple[list[int], list[int]]] | None = None
+        self.device = self.offloader.device if self.offloader else named[0][1].device
+        """Where z is drawn and the forwards run."""
+        self.generator = torch.Generator(device=self.device)
+        self._update_generator = torch.Generator(device=self.device)
 
     stats = property(
         lambda self: self.comm.stats if self.comm is not None else CommStats(),
@@ -257,13 +286,79 @@ class MeZO:
         p.sub_(z)
 
     @torch.no_grad()
-    def flush(self) -> None:
+    def flush(self, stages: Sequence[Stage] | None = None) -> None:
         """Apply the update a ``blockwise`` step left pending (before evaluating or saving the
-        model; the next step would apply it otherwise). A no-op without one."""
-        if self._pending is not None:
-            seed, g, lr = self._pending
+        model; the next step would apply it otherwise). A no-op without one. With ``offload``,
+        a pass over the stages, each block uploaded in turn; ``stages`` are needed only before
+        the first step or evaluation (after a resume)."""
+        if self._pending is None:
+            return
+        seed, g, lr = self._pending
+        if self.offloader is None:
             self._pending = None
             self._update(seed, g, lr)
+            return
+        plan = self._place(stages)
+        self._pending = None
+        off = self.offloader
+        self.generator.manual_seed(seed)
+        off.begin()
+        try:
+            for k, (owned, _) in enumerate(plan):
+                off.enter(k)
+                for i in owned:
+                    p = self.named[i][1]
+                    self._update_one(p, self._z(p), g, self.weight_decay, lr, self.decay[i])
+                off.leave(k)
+        finally:
+            off.end()
+
+    def _place(self, stages: Sequence[Stage] | None) -> list[tuple[list[int], list[int]]]:
+        """``offload``: the stages' plan, placing the model on the first call."""
+        assert self.offloader is not None
+        if stages is None:
+            if self._stage_plan is None:
+                raise ValueError(
+                    "MeZO(offload=True) has not seen the model's stages yet: pass them, e.g. "
+                    "flush(stages=model.zo_stages(x, y))"
+                )
+            return self._stage_plan
+        plan = self._plan(stages)
+        owned = [[self.named[i][1] for i in mine] for mine, _ in plan]
+        self.offloader.place([modules for modules, _ in stages], owned)
+        self._stage_plan = plan
+        return plan
+
+    @torch.no_grad()
+    def evaluate(self, stages: Sequence[Stage]) -> torch.Tensor:
+        """The loss the ``stages`` compute at the current parameters (the pending update
+        applied first), in eval mode under ``torch.inference_mode()``: with ``offload`` each
+        block uploaded in turn, the same bits as the model's own forward."""
+        if not self.blockwise:
+            raise ValueError("MeZO.evaluate(stages) is for blockwise=True or offload=True")
+        self.flush(stages)
+        off = self.offloader
+        if off is not None:
+            self._place(stages)
+            off.begin()
+        was_training = self.module.training if self.module is not None else False
+        if self.module is not None:
+            self.module.eval()
+        state: Any = None
+        try:
+            for k, (_, run) in enumerate(stages):
+                if off is not None:
+                    off.enter(k)
+                with torch.inference_mode():
+                    state = run(state)
+                if off is not None:
+                    off.leave(k, changed=False)
+        finally:
+            if off is not None:
+                off.end()
+            if self.module is not None:
+                self.module.train(was_training)
+        return state.detach().reshape(())
 
     def _plan(self, stages: Sequence[Stage]) -> list[tuple[list[int], list[int]]]:
         """Per stage, the parameters it reads first (its own, in ``named_parameters()`` order)
@@ -296,18 +391,41 @@ class MeZO:
         """One pass over the stages: per stage, the pending update and +εz of the parameters it
         owns, its + forward, −2εz, its − forward, and +εz once a parameter's last stage is done.
         Every parameter sees MeZO's in-place operations in MeZO's order."""
-        plan = self._plan(stages)
-        last = {i: k for k, (owned, tied) in enumerate(plan) for i in (*owned, *tied)}
+        off = self.offloader
+        plan = self._plan(stages) if off is None else self._place(stages)
         pending = self._pending
         self._pending = None
         if pending is not None:
             self._update_generator.manual_seed(pending[0])
         self.generator.manual_seed(seed)
+        if off is not None:
+            off.begin()  # the first blocks upload while the embeddings compute
+        try:
+            state_plus, state_minus = self._stages_pass(stages, plan, pending, plus, minus)
+        finally:
+            if off is not None:
+                off.end()
+        l_plus = state_plus.detach().reshape(()) if plus else zero
+        l_minus = state_minus.detach().reshape(()) if minus else zero
+        return l_plus, l_minus
+
+    def _stages_pass(
+        self,
+        stages: Sequence[Stage],
+        plan: list[tuple[list[int], list[int]]],
+        pending: tuple[int, float, float] | None,
+        plus: bool,
+        minus: bool,
+    ) -> tuple[Any, Any]:
+        off = self.offloader
+        last = {i: k for k, (owned, tied) in enumerate(plan) for i in (*owned, *tied)}
         zs: dict[int, torch.Tensor] = {}
         plus_values: dict[int, torch.Tensor] = {}  # θ + εz of tied weights, until their last use
         state_plus: Any = None
         state_minus: Any = None
         for k, ((_, run), (owned, tied)) in enumerate(zip(stages, plan)):
+            if off is not None:
+                off.enter(k)
             for i in owned:
                 p = self.named[i][1]
                 if pending is not None:
@@ -343,9 +461,9 @@ class MeZO:
                 if last[i] == k:
                     self.named[i][1].add_(zs.pop(i).mul(1).mul_(self.eps))
                     plus_values.pop(i, None)
-        l_plus = state_plus.detach().reshape(()) if plus else zero
-        l_minus = state_minus.detach().reshape(()) if minus else zero
-        return l_plus, l_minus
+            if off is not None:
+                off.leave(k)
+        return state_plus, state_minus
 
     def _evaluate(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.inference_mode():
@@ -383,7 +501,7 @@ class MeZO:
         was_training = self.module.training if self.module is not None else False
         if self.module is not None:
             self.module.eval()  # MeZO's forwards: dropout off
-        zero = torch.zeros((), dtype=torch.float32, device=self.named[0][1].device)
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
         local: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             if stages is not None:
