@@ -287,7 +287,8 @@ def test_pertp_is_single_process_mezo_bit_for_bit(modes: list[dict[str, Any]]) -
 
 @pytest.mark.timeout(300)
 def test_offload_in_every_mode_is_bit_for_bit(modes: list[dict[str, Any]]) -> None:
-    """PertP, DDP and 2D with ZO2's offloading (3 blocks through 2 buffers): PertP is
+    """PertP, DDP and 2D with ZO2's offloading (3 blocks through 2 buffers, each run resumed
+    halfway into a fresh MeZO with an update pending): PertP is
     single-process MeZO, DDP the sharded reference, 2D on 4 ranks DDP on 2, bit for bit."""
     params, single = _single(n_layer=3)
     for rank in (0, 1):

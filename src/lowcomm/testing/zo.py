@@ -209,7 +209,9 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
         for i in range(steps):
             x, y = data(i)
 
-            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            def closure(
+                x: torch.Tensor = x, y: torch.Tensor = y, model: GPT = model
+            ) -> torch.Tensor:
                 return tiny_loss(model, x, y)
 
             if zo.blockwise:
@@ -217,6 +219,16 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
             else:
                 result = zo.step(closure, weight=float(x.shape[0]))
             results.append(result)
+            if offload and i == steps // 2:  # resumed into a fresh MeZO, an update pending
+                state, saved = zo.state_dict(), _params(model)
+                model = tiny_model(seed=1, n_layer=3)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(saved[name])
+                zo = MeZO(
+                    model, mode=mode, process_group=group, check_every=2, offload=True, **settings
+                )
+                zo.load_state_dict(state)
         zo.flush()
         # plain dicts: the parent loads results with weights_only=True (ZOStep(**d) rebuilds)
         steps_done = [dataclasses.asdict(r) for r in results]
@@ -239,8 +251,8 @@ def zo_scenarios(rank: int, world: int, steps: int, settings: dict[str, Any]) ->
         out["pertp"] = run("pertp", pair, lambda i: batches[i])
         out["pertp-blockwise"] = run("pertp", pair, lambda i: batches[i], blockwise=True)
         out["ddp"] = run("ddp", pair, own)
-        # ZO2's offloading (3 blocks through 2 buffers) against the same model offloaded in
-        # the single process (the test computes that reference)
+        # ZO2's offloading (3 blocks through 2 buffers, resumed halfway) on a 3-block model
+        # (the test computes the references)
         out["pertp-offload"] = run("pertp", pair, lambda i: batches[i], offload=True)
         out["ddp-offload"] = run("ddp", pair, own, offload=True)
     dist.barrier()
