@@ -610,6 +610,47 @@ def test_counters_count_the_compressed_bytes(single_rank_group: None, spec: str)
     assert comm.stats.collectives == len(buckets.buffers) * (2 if two_phase else 1)
 
 
+@pytest.mark.parametrize("spec", ["int4", "topk:0.1", "powersgd:2"])
+def test_a_quorum_rescales_the_mean_or_leaves_a_failed_sync_undecoded(
+    single_rank_group: None, spec: str
+) -> None:
+    """Elastic syncs (lowcomm.elastic.sync) hand a compressed mean their quorum: the decoded
+    mean is multiplied by N / contributors, and a sync whose collective failed decodes nothing
+    (PowerSGD launches no second phase). The residuals are those of the encoding either way."""
+
+    class Quorum:
+        def __init__(self, failed: bool, scale: float) -> None:
+            self._failed, self._scale = failed, scale
+
+        def failed(self) -> bool:
+            return self._failed
+
+        def scale(self) -> float:
+            return self._scale
+
+    shapes = [torch.Size([12, 10]), torch.Size([10])]
+    xs = [_x(tuple(s), seed=i) for i, s in enumerate(shapes)]
+    out = {}
+    for case, quorum in (("plain", None), ("scaled", Quorum(False, 1.5)), ("failed", None)):
+        buckets = FlatBuckets(shapes)
+        buckets.copy_from(xs)
+        comm = Communicator()
+        comp = Compressor(spec, shapes)
+        handle = comm.compressed_mean_async(buckets, comp)
+        handle.quorum = Quorum(True, 1.0) if case == "failed" else quorum  # type: ignore[attr-defined]
+        handle.wait()
+        out[case] = ([v.clone() for v in buckets.views], [e.clone() for e in comp.residuals])
+        if case == "failed":
+            assert comm.stats.collectives == len(buckets.buffers)  # no second phase
+    for plain, scaled in zip(out["plain"][0], out["scaled"][0]):
+        torch.testing.assert_close(scaled, plain * 1.5)
+    for x, failed in zip(xs, out["failed"][0]):  # the send buffer as it was: not decoded
+        assert torch.equal(failed, x)
+    for plain, failed in zip(out["plain"][1], out["failed"][1]):
+        if not spec.startswith("powersgd"):  # (PowerSGD's residual is set in its 2nd phase)
+            assert torch.equal(plain, failed)
+
+
 def test_without_error_feedback_nothing_is_kept(single_rank_group: None) -> None:
     shapes = [torch.Size([64])]
     buckets = FlatBuckets(shapes)

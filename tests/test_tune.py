@@ -557,3 +557,4 @@ def test_what_the_job_does_not_tune_says_why() -> None:
     assert why(algo="slowmo") == "slowmo is not tuned: its settings were never measured per token"
     assert why(algo="co2", documents=True) is not None  # its steps are not one timed step
     assert why(algo="co2", shard_outer_state=True) is not None
+    assert "give --compression" in str(why(algo="diloco", fault_tolerance=True))

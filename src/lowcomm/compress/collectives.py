@@ -50,9 +50,21 @@ from lowcomm.compress.flat import FlatLayout
 from lowcomm.compress.formats import PowerSGD, orthogonalize
 from lowcomm.device import CollectiveTimer, host_wait
 
-__all__ = ["CompressedHandle", "ErrorFeedback"]
+__all__ = ["CompressedHandle", "ErrorFeedback", "QuorumMean"]
 
 Work = dist.Work | DoneWork
+
+
+class QuorumMean(Protocol):
+    """What a compressed mean over a changing quorum (elastic syncs) asks before it decodes."""
+
+    def failed(self) -> bool:
+        """Whether a collective of the sync failed (a replica left: the sync is voted down and
+        what came is not decoded)."""
+
+    def scale(self) -> float:
+        """The factor the decoded mean is multiplied by: N / the replicas that contributed
+        (a replica healed at this sync's quorum sends zeros and does not count)."""
 
 
 class ErrorFeedback(Protocol):
@@ -139,6 +151,9 @@ class CompressedHandle(Handle):
         self.gather = gather
         self.low_rank = low_rank
         self._advanced = not any(g.compressed for g in low_rank)
+        self.quorum: QuorumMean | None = None
+        """Set by a communicator over a changing quorum (elastic syncs): whether the
+        collectives failed (nothing is decoded) and the factor the mean is rescaled by."""
         self._wait_lock = threading.RLock()
         self._watched = 0  # collectives whose completion is timed by a callback
         self._t_done: list[float] = []
@@ -200,6 +215,8 @@ class CompressedHandle(Handle):
                 if not g.compressed:
                     continue
                 self._block_on(g.work_p)
+                if self.quorum is not None and self.quorum.failed():
+                    continue  # the sync is voted down: no second phase on what did not come
                 g.flat_p.div_(n)
                 qs = []
                 off = 0
@@ -254,11 +271,17 @@ class CompressedHandle(Handle):
             if on_device is None:
                 on_device = max(0.0, min(t_done, t1) - self.t_launch)
             self.stats.in_flight_s += on_device
+            failed = self.quorum is not None and self.quorum.failed()
             with record_function("lowcomm::compress::decode"):
-                for g in self.gather:
+                for g in self.gather if not failed else []:
                     self._decode_gather(g, n)
-                for lr in self.low_rank:
-                    self._decode_low_rank(lr, n)
+                for lr in self.low_rank if not failed else []:
+                    if not lr.compressed or lr.flat_q is not None:
+                        self._decode_low_rank(lr, n)
+            if self.quorum is not None and not failed:
+                scale = self.quorum.scale()
+                if scale != 1.0:
+                    torch._foreach_mul_(self.views, scale)
             self._done = True
             self.compressor.release(self)
             return self.views

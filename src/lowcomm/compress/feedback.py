@@ -380,6 +380,21 @@ class Compressor:
             fixed += 1
         return fixed
 
+    def reset_residuals(self) -> None:
+        """Forget the error not yet sent (every residual 0)."""
+        self._residual_flat.zero_()
+
+    def restart(self, rank: int) -> None:
+        """A replica that joins an elastic job as rank ``rank`` (healed, or at the job's start):
+        no error of its own yet (residuals 0; a donor's are the donor's error), and rounding
+        noise of its own (the generator of ``rank``, from this launch count). PowerSGD's
+        warm-start Q, the mean of every replica's, stays."""
+        self.reset_residuals()
+        self.rank = int(rank)
+        self.generator = worker_generator(
+            self.rank, self.stream, self.device, launches=self.launches
+        )
+
     # -- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

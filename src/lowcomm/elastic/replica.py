@@ -211,6 +211,7 @@ class Replica:
         min_replicas: int,
         transport: Any = None,
         pg: Any = None,
+        dropped_residual: str = "keep",
     ) -> None:
         self.manager = manager
         self.pg = pg
@@ -220,6 +221,9 @@ class Replica:
         self.store = store
         self.replica_id = replica_id
         self.min_replicas = min_replicas
+        self.dropped_residual = check_dropped_residual(dropped_residual)
+        """With compressed syncs: what a replica's error-feedback residual keeps when its sync
+        is dropped (:data:`DROPPED_RESIDUAL`)."""
 
     def shutdown(self) -> None:
         """Stop the Manager (its heartbeats end: the others' next quorum leaves this replica
@@ -243,6 +247,7 @@ def replica_manager(
     store_addr: str | None = None,
     store_port: int | None = None,
     link: EmulatedLink | None = None,
+    dropped_residual: str = "keep",
 ) -> Replica:
     """A ``torchft.Manager`` for this process as (part of) one replica, as lowcomm's outer
     algorithms drive it (``fault_tolerance=``): a blocking quorum at each sync, the commit vote
@@ -273,11 +278,16 @@ def replica_manager(
         link: an emulated link between the replicas: a heal's transfer takes what it would
             take there (:class:`~lowcomm.elastic.transport.TensorTransport`). The syncs go
             through it when the outer algorithm is given it too (``process_group=link``).
+        dropped_residual: with compressed syncs, what this replica's error-feedback residual
+            keeps when a sync is dropped: ``keep`` (what the encoding of the dropped round left
+            over stays) or ``reset`` (0); see :data:`DROPPED_RESIDUAL`.
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
     require_torchft()
     from torchft import Manager
+
+    check_dropped_residual(dropped_residual)
 
     from lowcomm.elastic.transport import TensorTransport
 
@@ -331,4 +341,20 @@ def replica_manager(
             f"replica {replica_id}: cannot reach the Lighthouse at {lighthouse} within "
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
-    return Replica(manager, store, replica_id, min_replicas, transport, pg)
+    return Replica(manager, store, replica_id, min_replicas, transport, pg, dropped_residual)
+
+
+DROPPED_RESIDUAL = ("keep", "reset")
+"""What a replica's error-feedback residual keeps when its compressed sync is dropped (a replica
+left while it was in flight; θ goes back to the anchor): ``keep``, the default — the residual
+stays what the dropped round's encoding left, the error of earlier rounds not yet sent
+included, so that mass is not lost; ``reset`` — 0, the dropped round and everything not yet
+sent forgotten."""
+
+
+def check_dropped_residual(value: Any) -> str:
+    if value not in DROPPED_RESIDUAL:
+        raise ValueError(
+            f"dropped_residual must be one of {', '.join(DROPPED_RESIDUAL)}, got {value!r}"
+        )
+    return str(value)

@@ -38,8 +38,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
 
-from lowcomm.comm import CommStats, Communicator, Handle, ring_wire_bytes
+from lowcomm.buckets import FlatBuckets
+from lowcomm.comm import (
+    CommStats,
+    Communicator,
+    CompressedLauncher,
+    DoneWork,
+    Handle,
+    all_gather_wire_bytes,
+    ring_wire_bytes,
+)
+from lowcomm.compress.collectives import CompressedHandle
 from lowcomm.link import EmulatedLink, LinkedWork
 
 __all__ = ["FaultTolerance", "ManagedCommunicator"]
@@ -286,11 +297,56 @@ class ManagedHandle(Handle):
         return self.buffers
 
 
+class QuorumWork:
+    """A collective launched on the quorum's process group with torchft's error handling (as
+    ``Manager.allreduce`` handles its own): a failure is reported to the Manager, whose commit
+    vote then drops the sync, and never raised."""
+
+    def __init__(self, work: Any, manager: Any) -> None:
+        self.work = work
+        self.manager = manager
+
+    def wait(self, *args: Any) -> bool:
+        try:
+            self.work.wait(*args)
+        except Exception as e:  # a replica left while it was in flight
+            logger.debug("a collective of the quorum failed: %s", e)
+            self.manager.report_error(e)
+            return False
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+class _CompressedQuorum:
+    """A compressed sync's view of its quorum (:class:`~lowcomm.compress.collectives.QuorumMean`):
+    the contributors' count, all-reduced beside the payloads."""
+
+    def __init__(self, ft: FaultTolerance, count: torch.Tensor, work: Any, world: int) -> None:
+        self.ft = ft
+        self.count = count
+        self.work = work
+        self.world = world
+        self.t0 = time.monotonic()
+
+    def failed(self) -> bool:
+        self.work.wait()
+        return self.ft.manager.errored() is not None
+
+    def scale(self) -> float:
+        self.ft.collective_s = [*self.ft.collective_s[-7:], time.monotonic() - self.t0]
+        contributors = float(self.count[0])
+        return self.world / contributors if 1 <= contributors < self.world else 1.0
+
+
 class ManagedCommunicator(Communicator):
     """The outer engine's communicator over a torchft Manager: the quorum's replicas instead of
-    a fixed process group. Only the mean all-reduce of flat buckets is supported (the
-    collectives of compression, sharded outer state and gossip are refused before this is
-    built).
+    a fixed process group. The mean all-reduce of flat buckets goes through the Manager;
+    compressed means (:meth:`compressed_mean_async`) all-gather their payloads, or all-reduce
+    PowerSGD's factors, on the quorum's process group with torchft's error handling
+    (:class:`QuorumWork`). The collectives of sharded outer state and gossip are refused before
+    this is built.
 
     With ``link`` (an :class:`~lowcomm.link.EmulatedLink`), every collective of a sync
     completes no earlier than that link could have carried its ring all-reduce among the
@@ -316,10 +372,9 @@ class ManagedCommunicator(Communicator):
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
-        """The replicas of the current quorum (2 before the first one: a replica is never
-        alone by construction)."""
-        n = self.ft.participants[-1] if self.ft.participants else 0
-        return max(2, n)
+        """The replicas of the current quorum (2 before the first one: an algorithm is built
+        for a group, and a replica is never alone by construction)."""
+        return self.ft.participants[-1] if self.ft.participants else 2
 
     @property
     def rank(self) -> int:  # type: ignore[override]
@@ -342,27 +397,75 @@ class ManagedCommunicator(Communicator):
         self.ft.before_collective()
         works = [manager.allreduce(b, reduce_op=dist.ReduceOp.SUM) for b in buffers]
         works.append(manager.allreduce(count, reduce_op=dist.ReduceOp.SUM))
-        if self.model is not None:  # each through the emulated link, in launch order
-            now = self._clock()
-            works = [
-                LinkedWork(
-                    w,
-                    self.model.schedule(now, ring_wire_bytes(t.numel() * t.element_size(), n)),
-                    clock=self._clock,
-                    sleep=self._sleep,
-                )
-                for w, t in zip(works, [*buffers, count])
-            ]
+        # each through the emulated link, if there is one, in launch order
+        works = [
+            self._through_link(w, t.numel() * t.element_size(), True)
+            for w, t in zip(works, [*buffers, count])
+        ]
         return ManagedHandle(works, buffers, count, self.stats, self.ft)
+
+    def compressed_mean_async(
+        self, buckets: FlatBuckets, compressor: CompressedLauncher, *, own: Any = None
+    ) -> Handle:
+        """The compressed mean through the quorum: the payloads all-gathered (PowerSGD: its
+        factors all-reduced) on the quorum's process group, and beside them the count of the
+        replicas that contribute. A replica healed at this quorum encodes zeros (its residuals
+        are 0 since its heal) and counts 0: the decoded sum over the quorum is rescaled to the
+        mean over the contributors. A failed collective decodes nothing; the vote drops the
+        sync."""
+        if not self.ft.contributing:
+            for b in buckets.buffers:
+                b.zero_()
+        device = buckets.buffers[0].device if buckets.buffers else None
+        count = torch.tensor([1.0 if self.ft.contributing else 0.0], device=device)
+        self.ft.before_collective()
+        count_work = self.ft.manager.allreduce(count, reduce_op=dist.ReduceOp.SUM)
+        count_work = self._through_link(count_work, count.numel() * count.element_size(), True)
+        world = self.world_size
+        handle = super().compressed_mean_async(buckets, compressor, own=own)
+        if isinstance(handle, CompressedHandle):
+            handle.quorum = _CompressedQuorum(self.ft, count, count_work, world)
+        return handle
+
+    def _through_link(self, work: Any, nbytes: int, reduce: bool) -> Any:
+        """``work`` delayed by the emulated link (a ring all-reduce or all-gather of ``nbytes``
+        a replica among the quorum's), if there is one."""
+        if self.model is None:
+            return work
+        n = self.world_size
+        wire = ring_wire_bytes(nbytes, n) if reduce else all_gather_wire_bytes(nbytes, n)
+        done_at = self.model.schedule(self._clock(), wire)
+        return LinkedWork(work, done_at, clock=self._clock, sleep=self._sleep)
+
+    def _quorum_work(self, launch: Callable[[Any], Any]) -> Any:
+        """A collective on the quorum's process group, launched as ``Manager.allreduce``
+        launches its own: nothing once the sync has failed, a failure reported, not raised."""
+        manager = self.ft.manager
+        if manager.errored() is not None:
+            return DoneWork()  # voted down at the commit: nothing more goes out
+        manager.wait_quorum()
+        pg = getattr(self.ft.replica, "pg", None) or manager._pg
+        try:
+            return QuorumWork(launch(pg), manager)
+        except Exception as e:
+            manager.report_error(e)
+            return DoneWork()
+
+    def _launch(self, tensor: torch.Tensor) -> Any:
+        """A SUM all-reduce through the quorum (PowerSGD's phases, L-GreCo's table)."""
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        work = self._quorum_work(lambda pg: pg.allreduce([tensor], opts))
+        return self._through_link(work, tensor.numel() * tensor.element_size(), True)
+
+    def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """An all-gather of a compressed payload through the quorum."""
+        chunks = list(out.chunk(out.numel() // tensor.numel()))
+        work = self._quorum_work(lambda pg: pg.allgather([chunks], [tensor], AllgatherOptions()))
+        return self._through_link(work, tensor.numel() * tensor.element_size(), False)
 
     def _refused(self, what: str) -> Any:
         raise ValueError(f"fault_tolerance: {what} is not supported with fault tolerance yet")
-
-    def _launch(self, tensor: torch.Tensor) -> Any:
-        return self._refused("a plain all-reduce outside a sync")
-
-    def _launch_all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
-        return self._refused("an all-gather (compression)")
 
     def _launch_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
         return self._refused("a reduce-scatter (sharded outer state)")

@@ -389,7 +389,7 @@ class OuterAlgorithm:
 
     def _step(self) -> None:
         ft = self.ft
-        if ft is not None and not ft.joined and ft.join():
+        if ft is not None and not ft.joined and self._join():
             self._continue_healed()
             return
         if self.pace is not None:
@@ -413,6 +413,10 @@ class OuterAlgorithm:
                 return
         if phase % self.sync_every == 0:
             self.rounds += 1
+
+    def _join(self) -> bool:
+        assert self.elastic_syncs is not None
+        return self.elastic_syncs.join()
 
     def _quorum(self) -> bool:
         """With fault tolerance, before a sync is launched: join its quorum; returns whether

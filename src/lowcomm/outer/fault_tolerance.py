@@ -14,7 +14,9 @@ from lowcomm.outer.fragment import AnyFragment
 from lowcomm.params import load_tensors
 
 if TYPE_CHECKING:
+    from lowcomm.comm import Communicator
     from lowcomm.compress.codecs import Codec
+    from lowcomm.compress.feedback import Compressor
     from lowcomm.compress.lgreco import LGreCo
     from lowcomm.elastic.sync import FaultTolerance
     from lowcomm.outer.pace import Pace
@@ -37,6 +39,10 @@ class ElasticEngine(Protocol):
     warmup: int
     overlap: int
     interval: int
+
+    comm: Communicator
+
+    def compressors(self) -> list[Compressor]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -69,6 +75,11 @@ class ElasticSyncs:
         self.engine = engine
         self.ft: FaultTolerance = FaultTolerance(replica)
         """The torchft Manager this replica's syncs go through."""
+        from lowcomm.elastic.replica import check_dropped_residual
+
+        self.dropped_residual = check_dropped_residual(getattr(replica, "dropped_residual", "keep"))
+        """With compressed syncs, what a dropped sync leaves in the residuals: ``keep`` or
+        ``reset`` (:data:`lowcomm.elastic.replica.DROPPED_RESIDUAL`)."""
 
     def attach(self) -> None:
         """Refuse what elastic syncs do not support yet (with the reason), then register what a
@@ -84,11 +95,6 @@ class ElasticSyncs:
                 engine.warmup > 0,
                 "sync_warmup > 0 (the warm start averages every step, and a "
                 "quorum per inner step is not what fault tolerance here does): use sync_warmup=0",
-            ),
-            (
-                engine.compression is not None,
-                "compression (its collectives are all-gathers, "
-                "which torchft's Manager does not carry): leave compression unset",
             ),
             (
                 engine.shard_outer_state,
@@ -119,19 +125,39 @@ class ElasticSyncs:
             if refused:
                 raise ValueError(f"{name} with fault_tolerance: {why}")
 
+    def join(self) -> bool:
+        """This replica's first quorum (:meth:`FaultTolerance.join
+        <lowcomm.elastic.sync.FaultTolerance.join>`); returns whether it was healed. Either way
+        its compressors start as this replica's own: residuals 0 (a donor's are the donor's
+        error, not the joiner's) and rounding noise seeded by its rank in the quorum."""
+        healed = self.ft.join()
+        self._restart_compressors()
+        return healed
+
     def quorum(self) -> bool:
         """Before a sync is launched: join its quorum; returns whether this replica was healed
         in it (then it stands where its donor stood, at this same launch, and takes part in it
-        without contributing)."""
-        return self.ft.quorum()
+        without contributing, its compressors restarted as at :meth:`join`)."""
+        healed = self.ft.quorum()
+        if healed:
+            self._restart_compressors()
+        return healed
+
+    def _restart_compressors(self) -> None:
+        rank = self.engine.comm.rank
+        for compressor in self.engine.compressors():
+            compressor.restart(rank)
 
     def commit(self, frag: AnyFragment) -> bool:
-        """Wait for the sync in flight, then vote; ``False``: drop it (popped, not applied)."""
+        """Wait for the sync in flight, then vote; ``False``: drop it (popped, not applied;
+        its compressor's residual kept or reset, as the replica's ``dropped_residual`` says)."""
         sync = frag.pending[0]
         sync.handle.wait()
         if self.ft.commit():
             return True
         frag.drop()
+        if frag.compressor is not None and self.dropped_residual == "reset":
+            frag.compressor.reset_residuals()
         return False
 
     def _heal_state(self) -> dict[str, Any]:

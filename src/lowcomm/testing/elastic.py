@@ -10,6 +10,10 @@ algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event
 * ``{"event": "done", ...}`` with the final checksums;
 * ``{"event": "closed"}`` once its torchft Manager is shut down.
 
+A job's name is an algorithm, or ``ALGO+CODEC`` (compressed syncs, e.g. ``diloco+int4``) and
+optionally ``+reset`` (``dropped_residual="reset"``); its sync records then hold ``residual``,
+the sum of squares of the compressor's residuals after the sync.
+
 Every record also names its ``algo``. ``--algo A,B,...`` with ``--lighthouse ADDR_A,ADDR_B,...``
 (one Lighthouse each) runs one job after the other in this process, each from a fresh model and
 a fresh Manager: the same replicas run several jobs at the cost of one start-up. With
@@ -115,14 +119,23 @@ def _run(
     import lowcomm
     from lowcomm.elastic import replica_manager
 
+    algo_name, *codec = name.split("+")
+    reset = codec[-1:] == ["reset"]
+    codec = codec[:-1] if reset else codec
     replica = replica_manager(
-        lighthouse, replica_id=args.replica_id, timeout_s=args.timeout, quorum_timeout_s=60
+        lighthouse,
+        replica_id=args.replica_id,
+        timeout_s=args.timeout,
+        quorum_timeout_s=60,
+        dropped_residual="reset" if reset else "keep",
     )
     model, inner = _build(args)
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "sync_warmup": 0}
-    if name == "co2":
+    if codec:
+        kwargs["compression"] = codec[0]
+    if algo_name == "co2":
         kwargs["overlap"] = 1
-    if name in ("streaming", "cocodc"):
+    if algo_name in ("streaming", "cocodc"):
         kwargs.update(num_fragments=2, overlap=1, fragments=_layers(model))
     cls = {
         "diloco": lowcomm.DiLoCo,
@@ -132,7 +145,7 @@ def _run(
         "streaming": lowcomm.StreamingDiLoCo,
         "cocodc": lowcomm.CoCoDC,
     }
-    algo = cls[name](model, inner, fault_tolerance=replica, **kwargs)
+    algo = cls[algo_name](model, inner, fault_tolerance=replica, **kwargs)
     ft = algo.ft
     assert ft is not None
 
@@ -192,6 +205,9 @@ def _run(
                 params=_digest(list(model.parameters())),
                 local_step=algo.local_step,
                 failed=ft.failed_syncs,
+                residual=sum(
+                    float(r.double().pow(2).sum()) for c in algo.compressors() for r in c.residuals
+                ),
             )
             committed = ft.step
     algo.finish()

@@ -299,6 +299,9 @@ class TrainConfig:
     replica replica_id, instead of starting a Lighthouse and every replica here."""
     replica_id: str | None = None
     """With lighthouse: this replica's name, the same when it is restarted (replica_3)."""
+    dropped_residual: str = "keep"
+    """With fault_tolerance and compression: what a replica's error-feedback residual keeps when
+    its sync is dropped (a replica left during it): keep (what was not sent stays) or reset."""
 
     @property
     def world_size(self) -> int:
@@ -751,6 +754,10 @@ class TrainConfig:
                 "fault_tolerance", f"must be true or false, got {self.fault_tolerance!r}"
             )
         check_int("min_replicas", self.min_replicas, low=1)
+        if self.dropped_residual not in ("keep", "reset"):
+            raise ConfigError(
+                "dropped_residual", f"must be keep or reset, got {self.dropped_residual!r}"
+            )
         if self.lighthouse is not None:
             check_string("lighthouse", self.lighthouse)
         if self.replica_id is not None:
@@ -805,11 +812,6 @@ class TrainConfig:
                 "not from disk; disk checkpoints of an elastic job are not supported yet",
             ),
             (self.resume is not None, "resume", "an elastic job cannot resume from disk yet"),
-            (
-                self.outer.get("compression") is not None,
-                "compression",
-                "compressed syncs are not carried by torchft's Manager",
-            ),
             (self.documents, "documents", "the document stream plans over a fixed group"),
             (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
             (

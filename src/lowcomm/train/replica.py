@@ -95,6 +95,7 @@ class ElasticReplica:
             timeout_s=cfg.collective_timeout,
             quorum_timeout_s=max(600.0, cfg.collective_timeout),
             link=link,
+            dropped_residual=cfg.dropped_residual,
             **group,
         )
         self.steps_trained = 0

@@ -74,7 +74,8 @@ def _tunable(cfg: TrainConfig) -> str | None:
     if evidence_for(cfg.algo) is None:
         return f"{cfg.algo} is not tuned: its settings were never measured per token"
     if cfg.fault_tolerance:
-        return "elastic syncs are not compressed"
+        # (its link measurement and its warm start assume a fixed group of ranks)
+        return "an elastic job is not tuned yet: give --compression for its link yourself"
     if cfg.value("shard_outer_state"):
         return "sharded outer state is not compressed"
     if cfg.documents:
