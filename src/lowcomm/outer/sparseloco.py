@@ -133,7 +133,8 @@ class SparseLoCo(OuterAlgorithm):
     Config: ClassVar[type[OuterConfig]] = SparseLoCoConfig
     config: SparseLoCoConfig
     schedule = SPARSE_GATHER
-    # (its syncs are all-gathers, which torchft's Manager does not carry)
+    # (not yet: its mean divides each element by the ranks that sent it, which the zeros a
+    # replica healed at the quorum sends would count as sent)
     elastic = False
     _apply_unlaunched = True
 
