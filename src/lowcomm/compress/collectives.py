@@ -276,8 +276,7 @@ class CompressedHandle(Handle):
                 for g in self.gather if not failed else []:
                     self._decode_gather(g, n)
                 for lr in self.low_rank if not failed else []:
-                    if not lr.compressed or lr.flat_q is not None:
-                        self._decode_low_rank(lr, n)
+                    self._decode_low_rank(lr, n)
             if self.quorum is not None and not failed:
                 scale = self.quorum.scale()
                 if scale != 1.0:

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lowcomm.elastic.replica import DROPPED_RESIDUAL
 from lowcomm.hparams import Hyperparameters, field_docstrings
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
@@ -754,9 +755,10 @@ class TrainConfig:
                 "fault_tolerance", f"must be true or false, got {self.fault_tolerance!r}"
             )
         check_int("min_replicas", self.min_replicas, low=1)
-        if self.dropped_residual not in ("keep", "reset"):
+        if self.dropped_residual not in DROPPED_RESIDUAL:
             raise ConfigError(
-                "dropped_residual", f"must be keep or reset, got {self.dropped_residual!r}"
+                "dropped_residual",
+                f"must be one of {', '.join(DROPPED_RESIDUAL)}, got {self.dropped_residual!r}",
             )
         if self.lighthouse is not None:
             check_string("lighthouse", self.lighthouse)

@@ -336,10 +336,11 @@ class MeZO:
         block uploaded in turn, the same bits as the model's own forward."""
         if not self.blockwise:
             raise ValueError("MeZO.evaluate(stages) is for blockwise=True or offload=True")
-        self.flush(stages)
         off = self.offloader
         if off is not None:
             self._place(stages)
+        self.flush()  # (offloaded: over the stages just placed)
+        if off is not None:
             off.begin()
         was_training = self.module.training if self.module is not None else False
         if self.module is not None:

@@ -111,10 +111,6 @@ class StageOffloader:
             self._upload_stream = torch.cuda.Stream(device)
             self._offload_stream = torch.cuda.Stream(device)
 
-    @property
-    def placed(self) -> bool:
-        return self._signature is not None
-
     # -- placement ------------------------------------------------------------------------
 
     @torch.no_grad()
