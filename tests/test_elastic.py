@@ -148,6 +148,64 @@ def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on
 
 
 @pytest.mark.timeout(180)
+def test_a_warm_step_whose_quorum_loses_a_replica_is_skipped_and_a_later_joiner_heals_past_it(
+    tmp_path: Path,
+) -> None:
+    # the warm start elastic: 12 warm steps (int8 gradient means, a quorum each), then syncs
+    # every 4. Replica 2 dies (SIGKILL) right after joining warm step 3's quorum: the
+    # survivors' mean fails in flight and both skip that step alike. It comes back only once
+    # the others are past the warm start: its first quorum (its own warm step 1) heals it
+    # from a donor at a sync's launch, and it takes part in that sync.
+    log, out = tmp_path / "events.jsonl", tmp_path / "replicas.log"
+    pace = ("--step-sleep", "0.1", "--timeout", "20")
+    with Lighthouse(min_replicas=1, heartbeat_timeout_s=1.0, join_timeout_s=2.0) as lighthouse:
+
+        def spawn(replica: int, *extra: str) -> subprocess.Popen[bytes]:
+            return _spawn(lighthouse.address, replica, "diloco+warm", log, out, *pace, *extra)
+
+        procs = [spawn(0), spawn(1)]
+        dying = spawn(2, "--die-after-quorum", "3")
+        assert dying.wait(timeout=90) == -9, out.read_text()[-3000:]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            '"event": "sync"' in line for line in log.read_text().splitlines()
+        ):
+            time.sleep(0.05)
+        procs.append(spawn(2))
+        codes = [p.wait(timeout=120) for p in procs]
+    text = out.read_text()[-3000:]
+    assert codes == [0, 0, 0], text
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    warm = [e for e in events if e["event"] == "warm"]
+    # warm step 3 was dropped by both survivors (θ unchanged by it), every other warm step
+    # committed, with one θ on every replica that took it
+    for r in ("replica_0", "replica_1"):
+        mine = [e for e in warm if e["replica"] == r]
+        assert [e["local_step"] for e in mine] == list(range(1, 13))
+        assert [e["committed"] for e in mine] == [True, True, False] + [True] * 9
+        assert mine[2]["params"] == mine[1]["params"]
+    by_step: dict[int, set[str]] = {}
+    for e in warm:
+        by_step.setdefault(e["local_step"], set()).add(e["params"])
+    assert all(len(v) == 1 for v in by_step.values()), by_step
+    # the returning replica: healed once, with its donor's exact state, at a sync's launch
+    heals = [e for e in events if e["event"] == "healed"]
+    assert len(heals) == 1 and heals[0]["replica"] == "replica_2"
+    assert heals[0]["donor"] == heals[0]["mine"]
+    back = [e for e in events if e["replica"] == "replica_2" and e["t"] > heals[0]["t"]]
+    assert back and back[0]["event"] == "sync" and back[0]["local_step"] > 12
+    assert not [e for e in back if e["event"] == "warm"]
+    anchors: dict[int, set[str]] = {}
+    for e in events:
+        if e["event"] == "sync" and e["committed"]:
+            anchors.setdefault(e["sync"], set()).add(e["anchor"])
+    assert sorted(anchors) == list(range(1, SYNCS + 1))
+    assert all(len(a) == 1 for a in anchors.values()), anchors
+    done = {e["replica"]: e for e in events if e["event"] == "done"}
+    assert len({e["params"] for e in done.values()}) == 1 and len(done) == 3
+
+
+@pytest.mark.timeout(180)
 def test_a_donor_killed_mid_heal_leaves_the_joiner_to_heal_from_another(tmp_path: Path) -> None:
     log, out, token = tmp_path / "events.jsonl", tmp_path / "replicas.log", tmp_path / "token"
     with Lighthouse(min_replicas=1, heartbeat_timeout_s=1.0, join_timeout_s=2.0) as lighthouse:
@@ -287,7 +345,6 @@ def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
             inner = torch.optim.SGD(model.parameters(), lr=0.1)
             cases: list[tuple[Any, dict[str, Any], str]] = [
                 (lowcomm.CO2, {"sync_every": 4}, "overlap 4 >= sync_every / num_fragments = 4"),
-                (lowcomm.DiLoCo, {"sync_every": 4, "sync_warmup": 4}, "sync_warmup > 0"),
                 (
                     lowcomm.DiLoCo,
                     {"sync_every": 4, "shard_outer_state": True},
@@ -371,9 +428,10 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     assert later and later[-1] == 32
     own = json.loads((out / "replicas" / "replica_1.1" / "summary.json").read_text())["elastic"]
     assert own["first_step"] == healed["step"] and own["heals"]
-    # every committed sync's anchor, as each process recorded it: one checksum per sync
+    # every committed sync's anchor, as each process recorded it: one checksum per sync (6
+    # syncs after the job's warm start of 8 steps)
     anchors = _committed_anchors(out, "replica_0", "replica_1", "replica_1.1")
-    assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
+    assert sorted(anchors) == list(range(1, 7)) and all(len(a) == 1 for a in anchors.values())
     # the link: the heal's bytes as the donor sent them, received in no less than the link's
     # time for them; each sync's ring all-reduce (2 replicas: its payload) no faster either
     donor = json.loads((out / "replicas" / "replica_0" / "summary.json").read_text())
@@ -386,10 +444,42 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     assert "8mbit:20ms (emulated)" in printed.out and ", heal transfer " in printed.out
     assert (fault["heal_bytes"], fault["heal_transfer_s"]) == (heal_bytes, took)
     assert fault["fault_to_healed_s"] > took
+    # (the warm start's means, int8, and the syncs' all-reduces alike)
     comm = donor["comm_mean"]
-    per_sync = comm["wire_bytes"] / comm["collectives"]
-    assert per_sync == comm["payload_bytes"] / comm["collectives"] > 0
-    assert comm["in_flight_s"] >= comm["collectives"] * (0.02 + 8 * per_sync / 8e6)
+    assert comm["collectives"] == 8 + 6 and comm["wire_bytes"] > 0
+    assert comm["in_flight_s"] >= comm["collectives"] * 0.02 + 8 * comm["wire_bytes"] / 8e6
+
+
+def _records(out: Path, folder: str, kind: str) -> list[dict[str, Any]]:
+    lines = (out / "replicas" / folder / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_healed_during_the_warm_start_ends_each_warm_step_as_its_donor(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    # the job's warm start (8 of 32 steps, an int8 gradient mean every step, a quorum each);
+    # replica 1 is SIGKILLed after warm step 3; its restart joins at its first step, is healed
+    # from replica 0 waiting in warm step 4's quorum, takes that step's mean without
+    # contributing, and from then on both hold θ bit for bit after every warm step
+    out, printed = _kill_one_and_train(tmp_path, monkeypatch, capsys, "1:3:kill")
+    assert "faults              1; healed 1" in printed.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["replicas_identical"]
+    (healed,) = _records(out, "replica_1.1", "healed")
+    assert healed["step"] == 4  # the donor's warm step 4, taken with it
+    donor = {r["warm_step"]: r["anchor"] for r in _records(out, "replica_0", "warm_step")}
+    joiner = {r["warm_step"]: r["anchor"] for r in _records(out, "replica_1.1", "warm_step")}
+    assert sorted(donor) == list(range(1, 9)) and sorted(joiner) == list(range(4, 9))
+    assert all(joiner[k] == donor[k] for k in joiner)
+    before = {r["warm_step"]: r["anchor"] for r in _records(out, "replica_1", "warm_step")}
+    assert sorted(before) == [1, 2, 3] and all(before[k] == donor[k] for k in before)
+    own = json.loads((out / "replicas" / "replica_1.1" / "summary.json").read_text())["elastic"]
+    assert own["heals"] == [0] and own["warm_steps_committed"] == 8
+    assert own["syncs_committed"] == 6 and own["participants"] == [2] * 6
+    anchors = _committed_anchors(out, "replica_0", "replica_1.1")
+    assert sorted(anchors) == list(range(1, 7)) and all(len(a) == 1 for a in anchors.values())
 
 
 @pytest.mark.timeout(240)
@@ -415,7 +505,7 @@ def test_a_node_group_replica_restarts_as_a_unit_and_heals_every_process(
         assert len({r["params_checksum"] for r in ranks}) == 1
         assert all(r["intra_node"]["payload_bytes"] > 0 for r in ranks)  # DDP inside
     anchors = _committed_anchors(out, "replica_0", "replica_1", "replica_1.1")
-    assert sorted(anchors) == list(range(1, 9)) and all(len(a) == 1 for a in anchors.values())
+    assert sorted(anchors) == list(range(1, 7)) and all(len(a) == 1 for a in anchors.values())
     records = [
         json.loads(line)
         for line in (out / "replicas" / "replica_1.1" / "metrics.jsonl").read_text().splitlines()
@@ -476,8 +566,10 @@ def test_replicas_on_several_machines_join_a_lowcomm_lighthouse(tmp_path: Path) 
     ]
     checksums = {s["comm_per_worker"][0]["params_checksum"] for s in summaries}
     assert len(checksums) == 1  # one model on both machines
-    assert all(s["elastic"]["syncs_committed"] == 4 for s in summaries)
-    assert all(s["elastic"]["participants"] == [2, 2, 2, 2] for s in summaries)
+    # the job's warm start (4 steps, a quorum each), then 3 syncs
+    assert all(s["elastic"]["warm_steps_committed"] == 4 for s in summaries)
+    assert all(s["elastic"]["syncs_committed"] == 3 for s in summaries)
+    assert all(s["elastic"]["participants"] == [2, 2, 2] for s in summaries)
 
 
 @pytest.mark.parametrize(
@@ -486,7 +578,6 @@ def test_replicas_on_several_machines_join_a_lowcomm_lighthouse(tmp_path: Path) 
         ({"algo": "ddp"}, "algo 'ddp' does not run with fault_tolerance"),
         ({"algo": "co2-eager"}, "algo 'co2-eager' does not run with fault_tolerance"),
         ({"min_replicas": 3}, "min_replicas (3) is more than the 2 replicas started"),
-        ({"sync_warmup": 24}, "sync_warmup is not supported with fault_tolerance"),
         ({"checkpoint_every": 12}, "checkpoint_every is not supported with fault_tolerance"),
         (
             {"nodes": 2, "workers": 4, "lighthouse": "http://127.0.0.1:1", "replica_id": "r_1"},

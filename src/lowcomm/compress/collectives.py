@@ -156,6 +156,7 @@ class CompressedHandle(Handle):
         collectives failed (nothing is decoded) and the factor the mean is rescaled by."""
         self._wait_lock = threading.RLock()
         self._watched = 0  # collectives whose completion is timed by a callback
+        self._unwatched = 0  # collectives without a future (the quorum's): timed at wait()
         self._t_done: list[float] = []
         for g in gather:
             self._watch(g.work)
@@ -168,6 +169,7 @@ class CompressedHandle(Handle):
         try:
             work.get_future().add_done_callback(self._on_done)
         except (RuntimeError, AttributeError):  # backends without futures: timed at wait()
+            self._unwatched += 1
             return
         self._watched += 1
 
@@ -262,9 +264,9 @@ class CompressedHandle(Handle):
             on_device = self._timer.seconds() if block else None
             with self._lock:
                 # a callback may still be queued after wait(): completion is then "now"
-                if not self._watched:
+                if not self._watched and not self._unwatched:
                     t_done = self.t_launch  # nothing went on the wire (one rank)
-                elif len(self._t_done) == self._watched:
+                elif not self._unwatched and len(self._t_done) == self._watched:
                     t_done = max(self._t_done)
                 else:
                     t_done = t1

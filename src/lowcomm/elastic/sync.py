@@ -90,9 +90,14 @@ class FaultTolerance:
         self.heals: list[int] = []
         self.failed_syncs = 0
         self.participants: list[int] = []
+        self.quorum_size = 0
+        """The size of the last quorum this replica joined (a sync's or a warm step's)."""
         self.quorum_wait_s = 0.0
         """Seconds this replica's loop waited in its quorums (for the others to reach the sync,
         for a returning replica, or for its own heal): not in the communicator's blocked time."""
+        self.warm_steps = 0
+        """Warm-start steps committed (each a Manager step of its own: not counted in
+        :attr:`step`); a healed replica takes its donor's count."""
         self.collective_s: list[float] = []
         """How long the collectives of the last committed syncs took (launch to done)."""
         self._healed_now = False
@@ -129,11 +134,13 @@ class FaultTolerance:
     @property
     def step(self) -> int:
         """Syncs committed: the Manager's step, less the one the job's start commits (see
-        :meth:`join`)."""
-        return max(0, int(self.manager.current_step()) - 1)
+        :meth:`join`; with a warm start, its first step's commit is that one) and the warm
+        start's other steps."""
+        return max(0, int(self.manager.current_step()) - 1 - max(0, self.warm_steps - 1))
 
-    def quorum(self) -> bool:
-        """Join this sync's quorum; returns whether this replica was healed in it (then it
+    def quorum(self, *, warm: bool = False) -> bool:
+        """Join this sync's quorum (``warm``: a warm-start step's, not listed in
+        :attr:`participants`); returns whether this replica was healed in it (then it
         does not contribute to the sync it is launching). While it waits, it says so every
         :data:`WAIT_NOTE_S` seconds; a quorum that does not come within the Manager's quorum
         timeout (fewer replicas alive than a sync needs) raises, naming that. A heal whose
@@ -158,13 +165,16 @@ class FaultTolerance:
                 error,
             )
         self.contributing = not healed
-        self.participants.append(int(self.manager.num_participants()))
+        self.quorum_size = int(self.manager.num_participants())
+        if not warm:
+            self.participants.append(self.quorum_size)
         if healed:
             self.heals.append(self.step)
             logger.info(
-                "replica healed from a live peer at sync %d (%d replicas)",
+                "replica healed from a live peer at sync %d%s (%d replicas)",
                 self.step,
-                self.participants[-1],
+                f" (warm step {self.warm_steps + 1})" if warm else "",
+                self.quorum_size,
             )
         return healed
 
@@ -216,6 +226,7 @@ class FaultTolerance:
     def metrics(self) -> dict[str, Any]:
         return {
             "syncs_committed": self.step,
+            "warm_steps_committed": self.warm_steps,
             "failed_syncs": self.failed_syncs,
             "heals": list(self.heals),
             "participants_last": self.participants[-1] if self.participants else None,
@@ -374,7 +385,7 @@ class ManagedCommunicator(Communicator):
     def world_size(self) -> int:  # type: ignore[override]
         """The replicas of the current quorum (2 before the first one: an algorithm is built
         for a group, and a replica is never alone by construction)."""
-        return self.ft.participants[-1] if self.ft.participants else 2
+        return self.ft.quorum_size or 2
 
     @property
     def rank(self) -> int:  # type: ignore[override]

@@ -389,6 +389,11 @@ class OuterAlgorithm:
 
     def _step(self) -> None:
         ft = self.ft
+        if self.warm.healed_into_sync:  # (healed at a warm step's quorum: see WarmStart)
+            self.warm.healed_into_sync = False
+            self.warm.end()
+            self._continue_healed()
+            return
         if ft is not None and not ft.joined and self._join():
             self._continue_healed()
             return

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from lowcomm.compress.lgreco import LGreCo
     from lowcomm.elastic.sync import FaultTolerance
     from lowcomm.outer.pace import Pace
+    from lowcomm.outer.warm import WarmStart
     from lowcomm.schedules import Schedule
 
 __all__ = ["ElasticEngine", "ElasticSyncs"]
@@ -37,6 +38,7 @@ class ElasticEngine(Protocol):
     shard_outer_state: bool
     pace: Pace | None
     warmup: int
+    warm: WarmStart
     overlap: int
     interval: int
 
@@ -92,11 +94,6 @@ class ElasticSyncs:
         name = type(engine).__name__
         refusals = [
             (
-                engine.warmup > 0,
-                "sync_warmup > 0 (the warm start averages every step, and a "
-                "quorum per inner step is not what fault tolerance here does): use sync_warmup=0",
-            ),
-            (
                 engine.shard_outer_state,
                 "shard_outer_state (its reduce-scatter is not carried by "
                 "torchft's Manager): leave it off",
@@ -143,9 +140,34 @@ class ElasticSyncs:
             self._restart_compressors()
         return healed
 
+    def warm_quorum(self) -> bool:
+        """Before a warm step's gradient mean (the warm start: one Manager step per inner
+        step, as torchft's DDP takes): join its quorum (this replica's first: as
+        :meth:`join`, but the warm step's own commit follows); returns whether this replica
+        was healed in it. Healed from a donor inside the warm start, it stands where the donor
+        stands, before that step's mean, which it takes without contributing; from a donor
+        past it, at a sync's launch (the warm start then hands over to the engine's step)."""
+        healed = self.ft.quorum(warm=True)
+        if healed:
+            self._restart_compressors()
+        return healed
+
+    def warm_commit(self, compressors: list[Compressor]) -> bool:
+        """After a warm step's means were waited for: the vote. ``False``: the step is skipped
+        on every replica of the quorum (``compressors``, the warm start's, reset where
+        ``dropped_residual`` says so)."""
+        ok = self.ft.commit()
+        self.ft.contributing = True
+        if ok:
+            self.ft.warm_steps += 1
+        if not ok and self.dropped_residual == "reset":
+            for compressor in compressors:
+                compressor.reset_residuals()
+        return ok
+
     def _restart_compressors(self) -> None:
         rank = self.engine.comm.rank
-        for compressor in self.engine.compressors():
+        for compressor in [*self.engine.compressors(), *self.engine.warm.compressors]:
             compressor.restart(rank)
 
     def commit(self, frag: AnyFragment) -> bool:
@@ -168,6 +190,7 @@ class ElasticSyncs:
             "algorithm": engine.state_dict(),
             "params": [p.detach().clone() for p in engine.params],
             "inner": engine.inner.state_dict(),
+            "warm_steps": self.ft.warm_steps,
         }
 
     def _load_heal_state(self, state: dict[str, Any]) -> None:
@@ -176,3 +199,4 @@ class ElasticSyncs:
         with torch.no_grad():
             load_tensors({"params": state["params"]}, "params", engine.params)
         engine.inner.load_state_dict(state["inner"])
+        self.ft.warm_steps = int(state.get("warm_steps", 0))

@@ -3,7 +3,9 @@
 first K inner steps every gradient is averaged over the ranks before the inner optimizer's step,
 as DDP would, blocking (at the optimizer's step) or launched bucket by bucket during backward
 (:meth:`WarmStart.during_backward`), fp32 or through a codec with error feedback
-(``sync_warmup_compression``)."""
+(``sync_warmup_compression``). With fault tolerance each warm step is one torchft Manager step:
+the quorum before the mean (a replica behind is healed there), the vote after it
+(:meth:`~lowcomm.outer.fault_tolerance.ElasticSyncs.warm_quorum`)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from lowcomm.comm import Communicator
     from lowcomm.compress.codecs import Codec
     from lowcomm.compress.lgreco import LGreCo
+    from lowcomm.outer.fault_tolerance import ElasticSyncs
     from lowcomm.outer.fragment import AnyFragment
     from lowcomm.outer.guards import Guards
     from lowcomm.outer.hparams import OuterConfig
@@ -112,6 +115,7 @@ class WarmEngine(Protocol):
     fragments: list[AnyFragment]
     pace: Pace | None
     guards: Guards
+    elastic_syncs: ElasticSyncs | None
     sync_every: int
     local_step: int
     profile_tag: str
@@ -136,8 +140,13 @@ class WarmStart:
         per bucket when it overlaps backward."""
         self.buckets: list[_WarmBucket] = []
         self._grad_hooks: list[RemovableHandle] = []
+        self.healed_into_sync = False
+        """With fault tolerance: this replica was healed at a warm step's quorum from a donor
+        already past the warm start, at a sync's launch; the engine's next step continues
+        that launch as the donor does."""
+        self._in_hook = False
         if steps > 0:
-            self.hook = engine.inner.register_step_pre_hook(lambda *_: self.average_grads())
+            self.hook = engine.inner.register_step_pre_hook(lambda *_: self._from_hook())
             if codec is not None:
                 for i, frag in enumerate(engine.fragments):
                     buf = frag.warm_buffer()
@@ -150,6 +159,13 @@ class WarmStart:
                             stream=WARM_STREAM + i,
                         )
                     )
+
+    def _from_hook(self) -> None:
+        self._in_hook = True
+        try:
+            self.average_grads()
+        finally:
+            self._in_hook = False
 
     @property
     def active(self) -> bool:
@@ -167,8 +183,10 @@ class WarmStart:
         self, bucket_cap_mb: float | None = None, first_bucket_mb: float = WARM_BUCKET_MB
     ) -> None:
         """Launch the means during backward, a bucket at a time
-        (:meth:`OuterAlgorithm.warm_start_during_backward`)."""
-        if not self.active or self.buckets:
+        (:meth:`OuterAlgorithm.warm_start_during_backward`). Not with fault tolerance: each warm
+        step first joins its quorum, which may heal this replica, replacing the parameters
+        that backward is still using; its means go out at the optimizer's step."""
+        if not self.active or self.buckets or self.engine.elastic_syncs is not None:
             return
         engine = self.engine
         cap = engine.config.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb
@@ -245,8 +263,10 @@ class WarmStart:
             self.end()
 
     def end(self) -> None:
-        """The warm start is over: its hooks are removed and its residuals dropped."""
-        if self.hook is not None:
+        """The warm start is over: its hooks are removed and its residuals dropped. (Inside
+        the inner optimizer's step pre-hook — a replica healed there — the hook stays until
+        the engine's next step ends it: torch's hooks may not change while they run.)"""
+        if self.hook is not None and not self._in_hook:
             self.hook.remove()
             self.hook = None
         for hook in self._grad_hooks:
@@ -269,6 +289,15 @@ class WarmStart:
             self._average_launched()
             return
         engine = self.engine
+        elastic = engine.elastic_syncs
+        if elastic is not None and elastic.warm_quorum() and not self.active:
+            # healed from a donor past the warm start, at a sync's launch: this step's inner
+            # step changes nothing (the parameters are the donor's), the engine's step
+            # continues the launch
+            self.healed_into_sync = True
+            for p in engine.params:
+                p.grad = None
+            return
         with torch.no_grad(), record_function(f"{engine.profile_tag}::warm_start"):
             grads = [
                 [p.grad if p.grad is not None else torch.zeros_like(p) for p in f.params]
@@ -292,6 +321,12 @@ class WarmStart:
             for handle in handles:
                 handle.wait()
             self._waited_since(t0)
+            if elastic is not None and not elastic.warm_commit(self.compressors):
+                # voted down (a replica left while the means were in flight): the step is
+                # skipped alike on every replica of the quorum
+                for p in engine.params:
+                    p.grad = None
+                return
             # one verdict for every mean, read where the host has just waited for them
             if not HostFlags(finite_flag([b for buf in bufs for b in buf.buffers])).read()[0]:
                 engine.guards.skip_warm_step(self.compressors)

@@ -12,7 +12,10 @@ algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event
 
 A job's name is an algorithm, or ``ALGO+CODEC`` (compressed syncs, e.g. ``diloco+int4``) and
 optionally ``+reset`` (``dropped_residual="reset"``); its sync records then hold ``residual``,
-the sum of squares of the compressor's residuals after the sync.
+the sum of squares of the compressor's residuals after the sync. ``ALGO+warm`` adds a warm start
+of 3 rounds with int8 gradient means, one quorum per step; each of its steps writes
+``{"event": "warm", "committed", "warm_step", "participants", "params", "local_step"}``.
+``--step-sleep S`` sleeps S seconds after every inner step (a replica that trains at a pace).
 
 Every record also names its ``algo``. ``--algo A,B,...`` with ``--lighthouse ADDR_A,ADDR_B,...``
 (one Lighthouse each) runs one job after the other in this process, each from a fresh model and
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--start-together", default=None)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args(argv)
     algos = args.algo.split(",")
     lighthouses = args.lighthouse.split(",")
@@ -120,6 +124,8 @@ def _run(
     from lowcomm.elastic import replica_manager
 
     algo_name, *codec = name.split("+")
+    warm = "warm" in codec
+    codec = [c for c in codec if c != "warm"]
     reset = codec[-1:] == ["reset"]
     codec = codec[:-1] if reset else codec
     replica = replica_manager(
@@ -131,6 +137,8 @@ def _run(
     )
     model, inner = _build(args)
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "sync_warmup": 0}
+    if warm:
+        kwargs.update(sync_warmup=3 * args.sync_every, sync_warmup_compression="int8")
     if codec:
         kwargs["compression"] = codec[0]
     if algo_name == "co2":
@@ -166,8 +174,8 @@ def _run(
         quorum = ft.quorum
         launched = [0]
 
-        def quorum_then_die() -> bool:
-            result = quorum()
+        def quorum_then_die(**kwargs: Any) -> bool:
+            result = quorum(**kwargs)
             launched[0] += 1
             if launched[0] == die:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -185,6 +193,7 @@ def _run(
     gen = torch.Generator().manual_seed(1000 + int(args.replica_id.rsplit("_", 1)[-1]))
     seen = algo.sync_points
     committed = 0
+    warm_seen = (0, 0)  # (local step, warm steps committed) after the last warm step
     guard = 0
     while ft.step < args.syncs and guard < 100 * args.syncs * args.sync_every:
         guard += 1
@@ -194,6 +203,18 @@ def _run(
         inner.step()
         inner.zero_grad()
         algo.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if warm and algo.local_step <= algo.warmup and algo.local_step != warm_seen[0]:
+            write(
+                event="warm",
+                committed=ft.warm_steps > warm_seen[1],
+                warm_step=ft.warm_steps,
+                participants=ft.quorum_size,
+                params=_digest(list(model.parameters())),
+                local_step=algo.local_step,
+            )
+            warm_seen = (algo.local_step, ft.warm_steps)
         if algo.sync_points != seen:
             seen = algo.sync_points
             write(

@@ -564,7 +564,6 @@ class TrainConfig:
             steps=self.steps,
             sync_every=self.sync_every,
             n_layer=self.n_layer,
-            fault_tolerance=self.fault_tolerance,
             overlap=self.outer.get("overlap"),
         )
         for key in OUTER_KEYS[self.algo]:
@@ -816,13 +815,6 @@ class TrainConfig:
             (self.resume is not None, "resume", "an elastic job cannot resume from disk yet"),
             (self.documents, "documents", "the document stream plans over a fixed group"),
             (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
-            (
-                bool(self.outer.get("sync_warmup")),
-                "sync_warmup",
-                "the warm start averages every step, and "
-                "elastic syncs take a quorum per sync, not per inner step: leave it unset (0 with "
-                "fault_tolerance)",
-            ),
         ]
         for bad, key, why in refused:
             if bad:

@@ -37,10 +37,11 @@ MODE ``kill`` (default: SIGKILL itself), ``exit`` (``os._exit(3)``), ``hang`` (s
 exiting, until the others time out), ``raise`` (a ``RuntimeError``) or ``nan`` (set one value
 of its first parameter to NaN and go on: a diverging worker). Two more for elastic replicas
 (``--fault-tolerance``; RANK is the replica's number, and only its first start injects):
-``sync`` (SIGKILL itself right after it joined the quorum of the first sync launched at or after
-STEP, before its collective: a replica dying with a sync in flight) and ``donor`` (the first
-time it sends its state to a healing replica, send the length and SIGKILL itself before the
-state; RANK ``*``: whichever replica donates first, once per job). Not a user setting."""
+``sync`` (SIGKILL itself right after it joined the quorum of the first sync — or warm-start
+step — launched at or after STEP, before its collective: a replica dying with a sync in
+flight) and ``donor`` (the first time it sends its state to a healing replica, send the length
+and SIGKILL itself before the state; RANK ``*``: whichever replica donates first, once per
+job). Not a user setting."""
 
 FAULT_MODES = ("kill", "exit", "hang", "raise", "nan", "sync", "donor")
 """The MODEs of :data:`FAULT_ENV`."""

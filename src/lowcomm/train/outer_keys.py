@@ -98,17 +98,15 @@ def job_outer_defaults(
     steps: int,
     sync_every: int,
     n_layer: int,
-    fault_tolerance: bool = False,
     overlap: int | None = None,
 ) -> dict[str, Any]:
     """The job's defaults for ``algo`` (:data:`JOB_OUTER_DEFAULTS` and :func:`job_sync_warmup`),
     fitted to the job's own settings so that a default never makes them invalid: for the
     fragment methods, 1 fragment where H is odd or the model has a single block, and an overlap
-    below H (CO2's overlap of 1 fits every H); no warm start for elastic replicas (their syncs
-    take a quorum per sync, not per inner step). ``overlap``, the user's: CoCoDC at full
+    below H (CO2's overlap of 1 fits every H). ``overlap``, the user's: CoCoDC at full
     overlap takes :data:`COCODC_FULL_OVERLAP`."""
     out: dict[str, Any] = {
-        "sync_warmup": 0 if fault_tolerance else job_sync_warmup(steps, sync_every),
+        "sync_warmup": job_sync_warmup(steps, sync_every),
         "sync_warmup_compression": JOB_WARMUP_COMPRESSION,
         **JOB_OUTER_DEFAULTS.get(algo, {}),
     }

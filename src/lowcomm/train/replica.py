@@ -107,6 +107,7 @@ class ElasticReplica:
         """When it drew its first batch: its start-up was over."""
         self._gen = torch.Generator()
         self._seen_syncs = 0
+        self._seen_warm = 0
         self._committed = 0
 
     def generator(self, step: int) -> torch.Generator:
@@ -120,11 +121,22 @@ class ElasticReplica:
         """After ``algo.step()``: a record of the sync it applied, if it applied one — whether
         it was committed, the syncs committed so far, the quorum's size and a checksum of the
         anchor, which every replica that committed the sync must hold bit for bit — else
-        ``None``."""
+        ``None``. A warm-start step committed: a ``warm_step`` record (its count, the
+        quorum's size, the anchor's checksum: θ after the step)."""
+        ft = algo.ft
+        if ft.warm_steps != self._seen_warm:
+            self._seen_warm = ft.warm_steps
+            return {
+                "kind": "warm_step",
+                "time": time.time(),
+                "step": algo.local_step,
+                "warm_step": ft.warm_steps,
+                "participants": ft.quorum_size,
+                "anchor": checksum(torch.cat([v.reshape(-1) for v in algo.anchor_views])),
+            }
         if algo.sync_points == self._seen_syncs:
             return None
         self._seen_syncs = algo.sync_points
-        ft = algo.ft
         committed, self._committed = ft.step > self._committed, ft.step
         return {
             "kind": "sync",
@@ -157,9 +169,10 @@ class ElasticReplica:
     def arm(self, algo: Any, step: int, mode: str) -> None:
         """Arm an elastic fault of :data:`lowcomm.train.faults.FAULT_ENV` (tests and the chaos
         benchmark): ``sync`` — SIGKILL this process right after it joined the quorum of the
-        first sync launched at or after ``step``; ``donor`` — the first time it sends its state
-        to a healing replica (the first of the job's replicas to, by a token file beside the
-        replicas' folders), send the length and SIGKILL itself before the state."""
+        first sync (or warm-start step) launched at or after ``step``; ``donor`` — the first
+        time it sends its state to a healing replica (the first of the job's replicas to, by a
+        token file beside the replicas' folders), send the length and SIGKILL itself before the
+        state."""
         from lowcomm.train.faults import die_as_donor
 
         logger.warning("replica %s arms a fault: %s at step %d", self.replica_id, mode, step)
@@ -167,8 +180,8 @@ class ElasticReplica:
             ft = algo.ft
             quorum = ft.quorum
 
-            def quorum_then_die() -> bool:
-                healed = quorum()
+            def quorum_then_die(**kwargs: Any) -> bool:
+                healed = quorum(**kwargs)
                 if algo.local_step >= step:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return healed
@@ -188,6 +201,7 @@ class ElasticReplica:
             "steps_trained": self.steps_trained,
             "first_step": self.first_step,
             "syncs_committed": ft.step,
+            "warm_steps_committed": ft.warm_steps,
             "failed_syncs": ft.failed_syncs,
             "heals": list(ft.heals),
             "heal_times": list(self.heal_times),
