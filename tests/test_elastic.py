@@ -483,6 +483,42 @@ def test_a_replica_healed_during_the_warm_start_ends_each_warm_step_as_its_donor
 
 
 @pytest.mark.timeout(240)
+def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_replica(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    # the default job (CO2 chosen from the link, its warm start) over emulated 10 Mbit/s:
+    # the settings are chosen once, before the replicas start, by one process of a replica's
+    # shape; both replicas and replica 1's restart take that one record; SparseLoCo (which
+    # the default job may switch to on a slow link) is not a candidate: it does not run elastic
+    from lowcomm.cli import main
+    from lowcomm.testing.jobs import tiny_job_args
+    from lowcomm.train.faults import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "1:10:kill")
+    out = tmp_path / "run"
+    argv = ["train", *tiny_job_args(steps=32, workers=None), "--link", "10mbit"]
+    argv += ["--fault-tolerance", "--min-replicas", "2", "--max-restarts", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "faults              1; healed 1" in printed.out
+    summary = json.loads((out / "summary.json").read_text())
+    record = summary["link_tuning"]
+    assert record is not None and record["link"].startswith("10mbit (emulated)")
+    assert "tuned to link       10mbit (emulated)" in printed.out
+    assert summary["algo"] == "co2" and "replaced" not in record  # (not SparseLoCo)
+    chosen = record["settings"]
+    assert chosen and set(chosen) <= {"compression", "sync_warmup", "sync_warmup_compression"}
+    for folder in ("replica_0", "replica_1.1"):  # (the one killed wrote no summary)
+        own = json.loads((out / "replicas" / folder / "summary.json").read_text())
+        assert own["link_tuning"] == record, folder
+        if "compression" in chosen:
+            assert own["compression"] == chosen["compression"]
+        if "sync_warmup_compression" in chosen:
+            assert own["sync_warmup"]["compression"] == chosen["sync_warmup_compression"]
+    assert summary["replicas_identical"] and summary["status"] == "finished"
+
+
+@pytest.mark.timeout(240)
 def test_a_node_group_replica_restarts_as_a_unit_and_heals_every_process(
     tmp_path: Path, monkeypatch: Any, capsys: Any
 ) -> None:
@@ -579,6 +615,18 @@ def test_replicas_on_several_machines_join_a_lowcomm_lighthouse(tmp_path: Path) 
         ({"algo": "co2-eager"}, "algo 'co2-eager' does not run with fault_tolerance"),
         ({"min_replicas": 3}, "min_replicas (3) is more than the 2 replicas started"),
         ({"checkpoint_every": 12}, "checkpoint_every is not supported with fault_tolerance"),
+        (
+            {"shard_outer_state": True},
+            "shard_outer_state is not supported with fault_tolerance: each replica would own",
+        ),
+        (
+            {"algo": "co2", "overlap": 12, "sync_every": 12},
+            "overlap (12) is not supported with fault_tolerance: a sync would be launched",
+        ),
+        (
+            {"algo": "streaming", "num_fragments": 3, "overlap": 4, "sync_every": 12},
+            "use an overlap below sync_every / num_fragments",
+        ),
         (
             {"nodes": 2, "workers": 4, "lighthouse": "http://127.0.0.1:1", "replica_id": "r_1"},
             "nodes is not supported with fault_tolerance: with lighthouse this command is one "

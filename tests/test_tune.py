@@ -545,10 +545,10 @@ def test_the_default_job_on_a_link_too_slow_for_co2_runs_sparseloco(
 
 def test_what_the_job_does_not_tune_says_why() -> None:
     from lowcomm.train.config import config_from_dict
-    from lowcomm.train.tuning import _tunable
+    from lowcomm.train.tuning import why_untuned
 
     def why(**values: Any) -> str | None:
-        return _tunable(config_from_dict({"link": "10mbit", **values}, source="test"))
+        return why_untuned(config_from_dict({"link": "10mbit", **values}, source="test"))
 
     assert why(algo="co2") is None
     assert why(algo="co2", tune_link="off") == "off"
@@ -557,4 +557,12 @@ def test_what_the_job_does_not_tune_says_why() -> None:
     assert why(algo="slowmo") == "slowmo is not tuned: its settings were never measured per token"
     assert why(algo="co2", documents=True) is not None  # its steps are not one timed step
     assert why(algo="co2", shard_outer_state=True) is not None
-    assert "give --compression" in str(why(algo="diloco", fault_tolerance=True))
+    # an elastic job is tuned once, before its replicas start (their launcher); replicas
+    # started one by one are not, nor a link between replicas that nothing names
+    assert why(algo="diloco", fault_tolerance=True) is None
+    one_by_one = {"lighthouse": "http://127.0.0.1:1", "replica_id": "replica_0"}
+    assert "--lighthouse" in str(why(algo="diloco", fault_tolerance=True, **one_by_one))
+    assert "not measured" in str(
+        why(algo="diloco", fault_tolerance=True, link=None, tune_link="measure")
+    )
+    assert why(algo="diloco", fault_tolerance=True, link=None) == "no emulated link"

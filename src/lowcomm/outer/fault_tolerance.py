@@ -95,8 +95,9 @@ class ElasticSyncs:
         refusals = [
             (
                 engine.shard_outer_state,
-                "shard_outer_state (its reduce-scatter is not carried by "
-                "torchft's Manager): leave it off",
+                "shard_outer_state (each replica would own the shard its rank in the "
+                "group names; a quorum that changes moves the owners, and a joiner heals from "
+                "one donor, which holds only its own shard): leave it off",
             ),
             (
                 engine.schedule.needs_fixed_group,

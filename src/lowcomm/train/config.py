@@ -436,6 +436,7 @@ class TrainConfig:
                 )
         self._check_paths()
         self._check_outer()
+        self._check_elastic_overlap()
 
     def stretch(self, rank: int, world: int) -> float:
         """How many times its own compute each inner step of ``rank`` takes (``speeds``):
@@ -564,6 +565,7 @@ class TrainConfig:
             steps=self.steps,
             sync_every=self.sync_every,
             n_layer=self.n_layer,
+            fault_tolerance=self.fault_tolerance,
             overlap=self.outer.get("overlap"),
         )
         for key in OUTER_KEYS[self.algo]:
@@ -813,12 +815,36 @@ class TrainConfig:
                 "not from disk; disk checkpoints of an elastic job are not supported yet",
             ),
             (self.resume is not None, "resume", "an elastic job cannot resume from disk yet"),
+            (
+                bool(self.value("shard_outer_state")),
+                "shard_outer_state",
+                "each replica would own the shard of the outer state its rank in the group "
+                "names; a quorum that changes moves the owners, and a joiner heals from one "
+                "donor, which holds only its own shard",
+            ),
             (self.documents, "documents", "the document stream plans over a fixed group"),
             (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
         ]
         for bad, key, why in refused:
             if bad:
                 raise ConfigError(key, f"is not supported with fault_tolerance: {why}")
+
+    def _check_elastic_overlap(self) -> None:
+        """With fault_tolerance, refuse a sync in flight across the next sync point (CO2 at
+        full overlap): once the algorithm's keywords are resolved."""
+        kwargs = self.algorithm_kwargs()
+        if not self.fault_tolerance or ("overlap" not in kwargs and self.algo != "co2"):
+            return
+        overlap = kwargs.get("overlap")
+        if overlap is None:  # CO2's own default: the paper's schedule, H
+            overlap = self.sync_every
+        if int(overlap) >= self.sync_every // int(kwargs.get("num_fragments") or 1):
+            raise ConfigError(
+                "overlap",
+                f"({overlap}) is not supported with fault_tolerance: a sync would be launched "
+                "before the last one is applied, while torchft's Manager holds one quorum at a "
+                "time; use an overlap below sync_every / num_fragments (the job's CO2 uses 1)",
+            )
 
     def _check_paths(self) -> None:
         for key in ("out", "name", "resume", "tensorboard"):

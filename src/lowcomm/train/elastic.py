@@ -191,6 +191,78 @@ def _start(
     return RunningReplica(replica_id, attempt, folder, processes, time.time(), store)
 
 
+TUNING_TIMEOUT_S = 900.0
+"""How long the process that chooses an elastic job's settings from its link may take."""
+
+
+def _tune_replicas(cfg: TrainConfig, scratch: str, env: dict[str, str] | None) -> dict[str, str]:
+    """``env`` for the replicas: with the settings chosen for the link once for the whole job
+    (:mod:`lowcomm.train.tuning`), by one process of a replica's shape run here first, when the
+    job is tuned. Its log: ``<out>/tuning.log``."""
+    from lowcomm.train.errors import WorkerFailed
+    from lowcomm.train.tuning import TUNED_ENV, why_untuned
+
+    env = dict(env or {})
+    if why_untuned(cfg) is not None:
+        return env
+    assert cfg.out is not None
+    config_path = os.path.join(scratch, "tuning.json")
+    record_path = os.path.join(scratch, "tuned.json")
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(cfg.to_dict(), f)
+    own_env = {
+        **os.environ,
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        # as one replica's process among the job's on this machine's cores
+        "LOCAL_WORLD_SIZE": str(cfg.world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        **env,
+    }
+    log_path = os.path.join(cfg.out, "tuning.log")
+    args = [config_path, record_path]
+    process: ReplicaProcess
+    if start_method() == "forkserver":
+        from lowcomm.train.tuning import main as tuning_main
+
+        open(log_path, "wb").close()
+        process = ForkedCommand(tuning_main, args, own_env, log_path, module="lowcomm.train.tuning")
+    else:
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "lowcomm.train.tuning", *args],
+                env=own_env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    try:
+        code = process.wait(timeout=TUNING_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
+        code = None
+    if code != 0 or not os.path.exists(record_path):
+        raise WorkerFailed(
+            0,
+            f"choosing the settings for the link failed (exit code {code}; its log: {log_path}); "
+            "give them yourself with --tune-link off",
+        )
+    env[TUNED_ENV] = record_path
+    with open(record_path, encoding="utf-8") as f:
+        record = json.load(f)["record"]
+    if record is not None:
+        from lowcomm.train.report import describe_choice
+
+        logger.info("settings from the link %s: %s", record["link"], describe_choice(record))
+    return env
+
+
 def _stop(running: list[RunningReplica], sig: int = signal.SIGTERM) -> None:
     """Stop every process of ``running`` (``sig``, then SIGKILL after 10 s)."""
     processes = [p for r in running for p in r.processes]
@@ -347,6 +419,7 @@ def launch_replicas(
         tempfile.TemporaryDirectory(prefix="lowcomm-replicas-") as scratch,
     ):
         stop_on_term = _TermAsExit()
+        env = _tune_replicas(cfg, scratch, env)
         running = [_start(cfg, lighthouse.address, rid, 0, scratch, env) for rid in ids]
         started = list(running)
         restarts = dict.fromkeys(ids, 0)
@@ -512,6 +585,8 @@ def _job_summary(
         "steps": cfg.steps,
         "sync_every": cfg.sync_every,
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
+        # the settings chosen for the link, once for every replica
+        "link_tuning": None if first is None else first.get("link_tuning"),
         "started_at": t0,
         "wall_time_s": wall_s,
         "tokens_trained": trained * tokens_per_step,

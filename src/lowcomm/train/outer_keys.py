@@ -98,13 +98,14 @@ def job_outer_defaults(
     steps: int,
     sync_every: int,
     n_layer: int,
+    fault_tolerance: bool = False,
     overlap: int | None = None,
 ) -> dict[str, Any]:
     """The job's defaults for ``algo`` (:data:`JOB_OUTER_DEFAULTS` and :func:`job_sync_warmup`),
     fitted to the job's own settings so that a default never makes them invalid: for the
     fragment methods, 1 fragment where H is odd or the model has a single block, and an overlap
-    below H (CO2's overlap of 1 fits every H). ``overlap``, the user's: CoCoDC at full
-    overlap takes :data:`COCODC_FULL_OVERLAP`."""
+    below H (below H / fragments with ``fault_tolerance``; CO2's overlap of 1 fits every H).
+    ``overlap``, the user's: CoCoDC at full overlap takes :data:`COCODC_FULL_OVERLAP`."""
     out: dict[str, Any] = {
         "sync_warmup": job_sync_warmup(steps, sync_every),
         "sync_warmup_compression": JOB_WARMUP_COMPRESSION,
@@ -116,7 +117,9 @@ def job_outer_defaults(
     if p is not None:
         if sync_every % p or n_layer < p:
             out["num_fragments"] = 1
-        out["overlap"] = min(out["overlap"], sync_every - 1)
+        # fewer steps in flight than H (elastic: than H / P, one sync in flight at a time)
+        limit = sync_every // out["num_fragments"] if fault_tolerance else sync_every
+        out["overlap"] = max(0, min(out["overlap"], limit - 1))
     return out
 
 

@@ -314,6 +314,7 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
             ),
         ),
         *([("link", summary["link"])] if summary.get("link") else []),
+        *_tuning_rows({"link_tuning": summary.get("link_tuning")}),
         ("steps", f"{summary['steps']:,}"),
         (
             "tokens trained",

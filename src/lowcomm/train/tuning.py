@@ -21,12 +21,23 @@ user did not give.
 Rank 0 chooses and every rank takes its choice. The choice, the figures behind it and the
 predicted step time go into ``summary.json`` (``link_tuning``) and the printed summary; a
 checkpoint keeps them, and a resumed run restores them instead of measuring again.
+
+**An elastic job** (``--fault-tolerance``) chooses once, before its replicas start: the launcher
+runs one process of a replica's shape (:func:`main`, ``python -m lowcomm.train.tuning``) that
+times the step and the codecs as above for a sync among ``replicas`` replicas over the emulated
+``--link`` (or the ``--tune-link`` profile), with the elastic limits (only algorithms that run
+elastic; fewer steps in flight than H / fragments), and every replica — a restarted one too —
+takes that record (:data:`TUNED_ENV`), so the quorum's replicas always sync with the same
+settings. Replicas started one by one (``--lighthouse``) are not tuned: each would choose from
+its own timings.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -42,7 +53,15 @@ from lowcomm.train.topology import Topology
 from lowcomm.tune.choose import LinkProfile, choose_algorithm, choose_sync_settings
 from lowcomm.tune.evidence import FALLBACKS, evidence_for
 
-__all__ = ["TUNED_KEYS", "measure_link", "tune_to_link"]
+__all__ = [
+    "TUNED_ENV",
+    "TUNED_KEYS",
+    "elastic_tuning",
+    "main",
+    "measure_link",
+    "tune_to_link",
+    "why_untuned",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +79,16 @@ DECODE_SHARE = 0.3
 """The share of a one-rank compressed mean's work that decodes its one payload (torch.profiler
 on the default model, one thread: int8 7.3 of 26.2 ms, int2 9.4 of 31.0 ms)."""
 
+TUNED_ENV = "LOWCOMM_TUNED"
+"""In an elastic job's replicas: the file holding ``{"record": ...}``, the settings chosen for
+the link once for the whole job (``None``: not tuned), written by the launcher's tuning
+process (:func:`main`)."""
+
 TUNED_CODECS = ("int8", "int4", "int2")
 """The codecs whose CPU time a tuned job measures at start-up (:func:`_codec_seconds`)."""
 
 
-def _tunable(cfg: TrainConfig) -> str | None:
+def why_untuned(cfg: TrainConfig) -> str | None:
     """Why ``cfg`` is not tuned, or ``None`` when it is."""
     entry = REGISTRY[cfg.algo]
     if cfg.tune_link == "off":
@@ -74,12 +98,33 @@ def _tunable(cfg: TrainConfig) -> str | None:
     if evidence_for(cfg.algo) is None:
         return f"{cfg.algo} is not tuned: its settings were never measured per token"
     if cfg.fault_tolerance:
-        # (its link measurement and its warm start assume a fixed group of ranks)
-        return "an elastic job is not tuned yet: give --compression for its link yourself"
+        why = elastic_tuning(cfg)
+        if why is not None:
+            return why
     if cfg.value("shard_outer_state"):
         return "sharded outer state is not compressed"
     if cfg.documents:
         return "a documents job's step time follows its documents, not one timed step"
+    return None
+
+
+def elastic_tuning(cfg: TrainConfig) -> str | None:
+    """Why the elastic job ``cfg`` is not tuned before its replicas start, or ``None`` when
+    it is (module docstring)."""
+    if cfg.lighthouse is not None:
+        return (
+            "replicas started one by one (--lighthouse) are not tuned: each would choose from "
+            "its own timings; give every replica the same settings (those lowcomm train "
+            "--fault-tolerance --link LINK chooses are in its summary)"
+        )
+    if cfg.link is None and cfg.tune_link in ("auto", "measure"):
+        # the replicas meet only in torchft's quorums: there is no fixed group to time
+        return (
+            "the link between elastic replicas is not measured (they meet only in torchft's "
+            "quorums): give --link or --tune-link PROFILE"
+            if cfg.tune_link == "measure"
+            else "no emulated link"
+        )
     return None
 
 
@@ -202,10 +247,13 @@ def tune_to_link(
     """``cfg`` with the settings chosen for its link (module docstring), and the record of the
     choice (``None``: not tuned). ``resumed``: the state of the checkpoint a resumed run
     continues from, whose record (or its absence: not tuned) is applied as it is."""
+    if resumed is None and cfg.fault_tolerance and os.environ.get(TUNED_ENV):
+        with open(os.environ[TUNED_ENV], encoding="utf-8") as f:
+            resumed = {"tuned": json.load(f)["record"]}  # the job's choice, made once
     if resumed is not None:
         saved = resumed.get("tuned")
         return (cfg, None) if saved is None else (_apply(cfg, saved), saved)
-    if _tunable(cfg) is not None:
+    if why_untuned(cfg) is not None:
         return cfg, None
     kwargs = cfg.algorithm_kwargs()
     given = {k for k in TUNED_KEYS if cfg.value(k) is not None}
@@ -214,7 +262,10 @@ def tune_to_link(
     if profile is None:
         return cfg, None
     step_s = _step_time(cfg, gpt, corpus, topology.rank, device)
-    workers = cfg.nodes if cfg.hierarchical else topology.world
+    if cfg.fault_tolerance:  # (the tuning process: one process of a replica)
+        workers = cfg.replicas
+    else:
+        workers = cfg.nodes if cfg.hierarchical else topology.world
     fallbacks = _fallbacks(cfg) if cfg.algo_from_link else {}
     codecs = [*TUNED_CODECS, *{c["compression"] for c in fallbacks.values() if c["compression"]}]
     codec_s = _codec_seconds(gpt, device, codecs, workers)
@@ -235,6 +286,7 @@ def tune_to_link(
             steps=cfg.steps,
             max_fragments=cfg.n_layer,
             codec_s=codec_s,
+            elastic=cfg.fault_tolerance,
         )
         switch = None
         if fallbacks:  # the default job: another algorithm where its own cannot hide its syncs
@@ -299,3 +351,45 @@ def _apply(cfg: TrainConfig, record: dict[str, Any]) -> TrainConfig:
     except ConfigError as e:
         logger.warning("the settings chosen from the link do not apply (%s); kept the job's", e)
         return cfg
+
+
+def _tune_job(out: str) -> Any:
+    """The tuning process's job: the choice for the elastic job's replicas, into ``out``."""
+
+    def job(cfg: TrainConfig, *, device: torch.device) -> None:
+        from lowcomm.runfiles import write_json
+        from lowcomm.train.model import build_gpt
+        from lowcomm.train.nodes import NodeGroups
+        from lowcomm.train.source import DataSource
+
+        # one process of a replica, on its own: no Manager, no quorum
+        topology = Topology(cfg, 0, 1, NodeGroups(node=None, cross=None))
+        data = DataSource.load(cfg, topology, device)
+        torch.manual_seed(cfg.seed)
+        gpt = build_gpt(cfg, data.vocab_size).to(device)
+        _, record = tune_to_link(cfg, topology, gpt, data.corpus, device)
+        write_json(out, {"record": record})
+
+    return job
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lowcomm.train.tuning CONFIG_JSON OUT_JSON``: the settings an elastic job's
+    replicas take from its link, chosen once by this process (started by the launcher, with
+    the environment of one process of a replica), written to ``OUT_JSON``."""
+    from lowcomm.train.config import config_from_dict
+    from lowcomm.train.worker import run_worker
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        raise SystemExit("usage: python -m lowcomm.train.tuning CONFIG_JSON OUT_JSON")
+    with open(args[0], encoding="utf-8") as f:
+        cfg = config_from_dict(json.load(f), source=args[0])
+    run_worker(cfg, False, None, _tune_job(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    from lowcomm.procs.forkserver import exit_now
+
+    exit_now(main())

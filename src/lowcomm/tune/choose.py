@@ -203,14 +203,16 @@ def _resolved(settings: Mapping[str, Any], sync_every: int) -> dict[str, Any]:
     return out
 
 
-def _fits(settings: Mapping[str, Any], sync_every: int, max_fragments: int) -> bool:
+def _fits(
+    settings: Mapping[str, Any], sync_every: int, max_fragments: int, elastic: bool = False
+) -> bool:
     """Whether a measured setting applies to a job of H = ``sync_every`` on a model of
     ``max_fragments`` blocks: P fragments of more than one step each, fewer than H steps in
-    flight."""
+    flight (``elastic``: fewer than H / P, one sync in flight across a quorum)."""
     p = int(settings.get("num_fragments") or 1)
     if p > 1 and (p > max_fragments or sync_every % p or sync_every // p <= 1):
         return False
-    return int(settings.get("overlap") or 0) < sync_every
+    return int(settings.get("overlap") or 0) < (sync_every // p if elastic else sync_every)
 
 
 def warm_length(share: Fraction, steps: int, sync_every: int) -> int:
@@ -271,6 +273,7 @@ def choose_sync_settings(
     steps: int | None = None,
     max_fragments: int = 1,
     codec_s: Mapping[str, float] | None = None,
+    elastic: bool = False,
 ) -> SyncChoice:
     """The sync settings of ``algo`` for ``link`` (module docstring).
 
@@ -292,6 +295,8 @@ def choose_sync_settings(
         codec_s: the time one compressed mean of the model takes a worker's compute with each
             codec (encoding, error feedback, decoding; measured by the job at start-up): a
             sync adds it once a round, a warm step every step. Left out: the link alone.
+        elastic: the job runs under fault tolerance, one sync in flight across a quorum: only
+            settings with fewer than H / ``num_fragments`` steps in flight.
     """
     if not (step_time_s > 0 and math.isfinite(step_time_s)):
         raise ValueError(f"step_time_s must be a finite number > 0, got {step_time_s!r}")
@@ -327,7 +332,7 @@ def choose_sync_settings(
         resolved = _resolved(settings, sync_every)
         if resolved == untuned_sync or measured.cost > MAX_COST:
             continue
-        if _fits(resolved, sync_every, max_fragments) and not changes_given(resolved):
+        if _fits(resolved, sync_every, max_fragments, elastic) and not changes_given(resolved):
             syncs.append((resolved, measured))
     warms: list[tuple[int, str | None, Measured]] = [
         (warm_steps, current.get("sync_warmup_compression"), _UNTUNED)
@@ -346,7 +351,7 @@ def choose_sync_settings(
     for settings, share, codec, _ in evidence.combined:
         resolved = _resolved(settings, sync_every)
         known = any({**untuned_sync, **s} == {**untuned_sync, **resolved} for s, _ in syncs)
-        fits = _fits(resolved, sync_every, max_fragments)
+        fits = _fits(resolved, sync_every, max_fragments, elastic)
         if not known and fits and not changes_given(resolved):
             syncs.append((resolved, _PART))
         if warm_steps > 0 and n_steps > 0:
