@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, Targeted, _checks, format_chaos
+from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, Targeted, check_run, format_chaos
+from lowcomm.bench.chaos_links import _WorkerKiller
+from lowcomm.bench.soak import Soak, _SoakOver
 from lowcomm.cli import main
 from lowcomm.train.elastic import RunningReplica, _behind
 from lowcomm.train.faults import fault_point
@@ -72,6 +74,132 @@ def test_the_mtbf_loop_kills_one_replica_every_period_once_all_have_synced(
         assert sum(r.process.poll() is None for r in replicas) == 2
     finally:
         _end(replicas)
+
+
+def _running(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("R", "S")
+
+
+def _write(folder: Path, *records: dict[str, object]) -> None:
+    with open(folder / "metrics.jsonl", "a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_a_killed_replicas_core_is_held_by_a_spinner_until_its_restart_is_healed(
+    tmp_path: Path,
+) -> None:
+    # the fairness correction of --links: the others must not run faster while it is away
+    replicas = _replicas(tmp_path, 3, syncs=2)
+    loop = MtbfLoop(3, period_s=10.0, seed=0, spin=True)
+    assert loop.spinners is not None
+    back = None
+    try:
+        loop(0.0, replicas, False)
+        loop(10.0, replicas, False)
+        (kill,) = loop.actions
+        victim = next(r for r in replicas if r.replica_id == kill["replica"])
+        victim.process.wait(timeout=10)
+        spinner = loop.spinners.away[victim.replica_id]
+        assert spinner.poll() is None and _running(spinner.pid)
+        # its restart, not healed yet: the spinner stays; healed: it goes
+        folder = tmp_path / f"{victim.replica_id}.1"
+        folder.mkdir()
+        _write(folder, {"kind": "step", "step": 1})
+        back = RunningReplica(
+            victim.replica_id, 1, str(folder), [subprocess.Popen(["sleep", "60"])], time.time()
+        )
+        alive = [r for r in replicas if r is not victim] + [back]
+        loop(10.5, alive, False)
+        assert victim.replica_id in loop.spinners.away
+        _write(folder, {"kind": "healed", "step": 8})
+        loop(11.0, alive, False)
+        assert not loop.spinners.away and spinner.wait(timeout=10) == -signal.SIGKILL
+        assert loop.spinners.spun_s > 0
+    finally:
+        loop.release()
+        _end(replicas + ([back] if back else []))
+
+
+def test_the_soak_kills_and_starts_at_random_but_keeps_two_up_to_date_then_ends_healed(
+    tmp_path: Path,
+) -> None:
+    replicas = _replicas(tmp_path, 4, syncs=2)
+    soak = Soak(4, seed=3, end_s=100.0, event_s=1.0)
+    alive = list(replicas)
+    try:
+        soak(0.0, alive, False)  # every replica has synced: events start
+        now = 0.0
+        for _ in range(40):
+            now += 1.0
+            soak(now, alive, False)
+            for r in list(alive):
+                if any(a["replica"] == r.replica_id for a in soak.actions):
+                    r.process.wait(timeout=10)
+                    alive.remove(r)
+            assert len(alive) >= 2  # never fewer than two up to date
+        kills = [a for a in soak.actions if a["signal"] == "SIGKILL"]
+        starts = [a for a in soak.actions if a["signal"] == "start"]
+        assert kills and starts  # both kinds of event, drawn 0.4 / 0.6
+        assert len(kills) == 2  # the third would leave fewer than two up to date
+        away = {r.replica_id for r in replicas if r not in alive}
+        assert soak.away <= away and all(soak.held(i) for i in soak.away)
+        # the end: everything away starts; the job stops once all 4 are back, healed, and
+        # each has committed one more sync
+        back = []
+        for rid in sorted(away):
+            folder = tmp_path / f"{rid}.1"
+            folder.mkdir()
+            process = subprocess.Popen(["sleep", "60"])
+            back.append(RunningReplica(rid, 1, str(folder), [process], time.time()))
+        soak(100.0, alive, False)
+        assert not soak.away and not any(soak.held(r.replica_id) for r in replicas)
+        everyone = alive + back
+        soak(101.0, everyone, False)  # the returning ones are not healed yet
+        for r in back:
+            _write(Path(r.folder), {"kind": "healed", "step": 40})
+        soak(102.0, everyone, False)  # all healed: each must commit one more sync
+        for r in everyone[:-1]:
+            _write(Path(r.folder), {"kind": "sync", "sync": 9, "anchor": "a"})
+        soak(103.0, everyone, False)
+        _write(Path(everyone[-1].folder), {"kind": "sync", "sync": 9, "anchor": "a"})
+        with pytest.raises(_SoakOver):
+            soak(104.0, everyone, False)
+        assert soak.final == sorted(r.replica_id for r in everyone) and not soak.unhealed
+    finally:
+        _end(replicas)
+        _end(back)
+
+
+def test_the_checkpoint_restart_loop_kills_one_worker_of_the_latest_attempt_per_period(
+    tmp_path: Path,
+) -> None:
+    pids, out = tmp_path / "pids", tmp_path / "run"
+    pids.mkdir()
+    out.mkdir()
+    old = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    new = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    for attempt, procs in ((0, old), (1, new)):
+        for rank, p in enumerate(procs):
+            (pids / f"rank{rank}.attempt{attempt}").write_text(str(p.pid))
+    try:
+        killer = _WorkerKiller(str(out), str(pids), 1.0, 0, 8, time.time() + 60)
+        time.sleep(2.0)
+        assert not killer.kills  # the job has not trained 8 steps yet
+        _write(out, {"kind": "step", "step": 8})
+        deadline = time.monotonic() + 20
+        while not killer.kills and time.monotonic() < deadline:
+            time.sleep(0.1)
+        killer.stop()
+        (kill,) = killer.kills[:1]
+        assert new[kill["rank"]].wait(timeout=10) == -signal.SIGKILL
+        assert all(p.poll() is None for p in old)  # never a worker of an earlier attempt
+    finally:
+        for p in old + new:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
 
 
 def _victims(tmp_path: Path, seed: int) -> list[str]:
@@ -155,7 +283,7 @@ def test_the_checks_find_an_anchor_that_differs_between_replicas(tmp_path: Path)
     (tmp_path / "replicas" / "replica_1.1" / "summary.json").write_text(
         json.dumps({"elastic": {"attempt": 1, "heals": [], "ready_at": 3.0}})
     )
-    checks = _checks(str(tmp_path), None)
+    checks = check_run(str(tmp_path), None)
     assert checks["syncs_checked"] == 2 and not checks["anchors_identical"]
     assert checks["round_s"] == pytest.approx(2.0)
     # a restarted replica that finished without a heal would have trained from its own start
@@ -199,7 +327,9 @@ def test_the_table_says_which_runs_survived() -> None:
         (["--chaos", "--workers", "2"], "--workers must be at least 3"),
         (["--chaos", "--faults", "flood"], "unknown 'flood'"),
         (["--chaos", "--mtbf", "0"], "--mtbf must be > 0"),
-        (["--chaos", "--links", "1gbit"], "--links is not a flag of --chaos"),
+        (["--chaos", "--links", "fast"], "fast"),
+        (["--chaos", "--soak", "0"], "--soak must be more than 0"),
+        (["--soak", "5"], "--soak is a flag of --chaos"),
         (["--chaos", "--quick"], "--chaos is a run of its own"),
         (["--mtbf", "30"], "--mtbf is a flag of --chaos"),
     ],

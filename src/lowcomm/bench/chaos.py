@@ -40,6 +40,8 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,12 +49,15 @@ from typing import Any
 from lowcomm.registry import ELASTIC
 from lowcomm.train.elastic import HEARTBEAT_TIMEOUT_S, RunningReplica, read_replica_records
 
-__all__ = ["CHAOS_KINDS", "ChaosSpec", "format_chaos", "run_chaos"]
+__all__ = ["CHAOS_KINDS", "ChaosSpec", "MtbfLoop", "Spinners", "format_chaos", "run_chaos"]
 
 logger = logging.getLogger(__name__)
 
 CHAOS_KINDS = ("sync", "donor", "stall", "below-min", "never-returns")
 """The targeted faults (module docstring)."""
+
+SOAK_MAX_MINUTES = 24 * 60.0
+"""The longest soak (``--soak``: :mod:`lowcomm.bench.soak`)."""
 
 
 @dataclasses.dataclass
@@ -77,6 +82,13 @@ class ChaosSpec:
     """Bound on one sync's collective (a stalled replica's peers wait this long at most)."""
     run_timeout_s: float = 1800.0
     """A run still going after this long is stopped and reported as such."""
+    links: list[str] | None = None
+    """Goodput over slow links instead of the targeted faults
+    (:func:`lowcomm.bench.chaos_links.run_link_chaos`): per link and algorithm, the fault-free,
+    MTBF and checkpoint-restart runs of the job chosen for it."""
+    soak: float | None = None
+    """Minutes of the soak instead (:func:`lowcomm.bench.soak.run_soak`); its link: the first
+    of ``links`` (default 100mbit)."""
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.algos if a not in ELASTIC]
@@ -100,17 +112,29 @@ class ChaosSpec:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 24 for --chaos")
         if not self.mtbf > 0:
             raise ValueError(f"--mtbf must be > 0 seconds, got {self.mtbf}")
+        if self.links is not None:
+            from lowcomm.link import EmulatedLink
+
+            if not self.links:
+                raise ValueError("--links: give at least one link (e.g. 100mbit,10mbit)")
+            for link in self.links:
+                EmulatedLink.parse(link)  # (a bad one names itself)
+        if self.soak is not None and not 0 < self.soak <= SOAK_MAX_MINUTES:
+            raise ValueError(
+                f"--soak must be more than 0 and at most {SOAK_MAX_MINUTES:g} minutes, got "
+                f"{self.soak}"
+            )
 
 
 # --- faults the parent makes (chaos= of launch_replicas) ---------------------------------------
 
 
-def _syncs_done(folder: str) -> int:
+def syncs_done(folder: str) -> int:
     """Sync records in a replica's ``metrics.jsonl`` so far."""
     return sum(r.get("kind") == "sync" for r in read_replica_records(folder))
 
 
-class _Chaos:
+class ChaosSchedule:
     """A fault schedule: waits until every replica has committed ``warm_syncs`` syncs, then
     :meth:`act` s on every poll (at most every half second). Records what it did."""
 
@@ -136,7 +160,7 @@ class _Chaos:
         self._polled = now
         if self.ready_at is None:
             if len(running) == self.workers and all(
-                _syncs_done(r.folder) >= self.warm_syncs for r in running
+                syncs_done(r.folder) >= self.warm_syncs for r in running
             ):
                 self.ready_at = now
             return
@@ -164,26 +188,80 @@ class _Chaos:
         self.stopped.clear()
 
 
-class MtbfLoop(_Chaos):
-    """SIGKILL one running replica, chosen at random (seeded), every ``period_s`` seconds."""
+class Spinners:
+    """The fairness correction of a run with replicas away on a machine they share: while a
+    killed replica is away (until its next start is healed), a process spins on the core it
+    would have used, so that the others do not run faster for its absence."""
 
-    def __init__(self, workers: int, period_s: float, seed: int) -> None:
+    def __init__(self) -> None:
+        self.away: dict[str, subprocess.Popen[bytes]] = {}
+        self.spun_s = 0.0
+        self._since: dict[str, float] = {}
+
+    def start(self, replica_id: str) -> None:
+        if replica_id in self.away:
+            return
+        self.away[replica_id] = subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self._since[replica_id] = time.monotonic()
+
+    def back(self, running: list[RunningReplica]) -> None:
+        """Stop the spinner of every replica whose new start has been healed."""
+        for r in running:
+            if r.replica_id in self.away and r.attempt > 0 and healed(r.folder):
+                self._stop(r.replica_id)
+
+    def _stop(self, replica_id: str) -> None:
+        proc = self.away.pop(replica_id)
+        proc.kill()
+        proc.wait(timeout=30)
+        self.spun_s += time.monotonic() - self._since.pop(replica_id)
+
+    def release(self) -> None:
+        for replica_id in list(self.away):
+            self._stop(replica_id)
+
+
+def healed(folder: str) -> bool:
+    return any(r.get("kind") == "healed" for r in read_replica_records(folder))
+
+
+class MtbfLoop(ChaosSchedule):
+    """SIGKILL one running replica, chosen at random (seeded), every ``period_s`` seconds; with
+    ``spin``, a :class:`Spinners` process holds each killed replica's core until it is back."""
+
+    def __init__(self, workers: int, period_s: float, seed: int, *, spin: bool = False) -> None:
         super().__init__(workers)
         self.period_s = period_s
         self.rng = random.Random(seed)
         self.last: float | None = None
+        self.spinners = Spinners() if spin else None
 
     def act(self, now: float, running: list[RunningReplica]) -> None:
         assert self.ready_at is not None
+        if self.spinners is not None:
+            self.spinners.back(running)
         last = self.ready_at if self.last is None else self.last
         if now - last < self.period_s or not running:
             return
         self.last = now
         victim = self.rng.choice(sorted(running, key=lambda r: r.replica_id))
         self.signal(now, victim, signal.SIGKILL)
+        if self.spinners is not None:
+            self.spinners.start(victim.replica_id)
+
+    def release(self) -> None:
+        super().release()
+        if self.spinners is not None:
+            self.spinners.release()
 
 
-class Targeted(_Chaos):
+class Targeted(ChaosSchedule):
     """One targeted fault, ``after_s`` seconds after every replica committed its warm syncs:
     ``kill`` (SIGKILL the replicas named) or ``stall`` (SIGSTOP them, SIGCONT ``stall_s``
     later)."""
@@ -225,7 +303,7 @@ class Targeted(_Chaos):
 # --- one run ----------------------------------------------------------------------------------
 
 
-def _train_config(spec: ChaosSpec, algo: str, steps: int, out: str, **extra: Any) -> Any:
+def train_config(spec: ChaosSpec, algo: str, steps: int, out: str, **extra: Any) -> Any:
     from lowcomm.train.config import config_from_dict
 
     values: dict[str, Any] = {
@@ -245,7 +323,7 @@ def _train_config(spec: ChaosSpec, algo: str, steps: int, out: str, **extra: Any
     return config_from_dict(values, source="bench --chaos").with_paths()
 
 
-def _replica_folders(out: str) -> list[str]:
+def replica_folders(out: str) -> list[str]:
     root = os.path.join(out, "replicas")
     if not os.path.isdir(root):
         return []
@@ -254,18 +332,19 @@ def _replica_folders(out: str) -> list[str]:
     )
 
 
-def _checks(out: str, summary: dict[str, Any] | None) -> dict[str, Any]:
+def check_run(out: str, summary: dict[str, Any] | None) -> dict[str, Any]:
     """What a run's replicas wrote, checked: anchors identical at every sync, finished models
     identical, faults healed, round length and heal waits."""
     anchors: dict[int, set[str]] = {}
     times: list[float] = []
     ready: dict[str, float] = {}
     returned = returned_healed = 0
-    for folder in _replica_folders(out):
+    for folder in replica_folders(out):
         syncs = [r for r in read_replica_records(folder) if r.get("kind") == "sync"]
         for r in syncs:
             if r.get("committed", True):
-                anchors.setdefault(int(r["sync"]), set()).add(str(r["anchor"]))
+                digest = f"{r['anchor']}/{r.get('outer_state', '')}"
+                anchors.setdefault(int(r["sync"]), set()).add(digest)
         if os.path.basename(folder) == "replica_0":
             times = [float(r["time"]) for r in syncs if "time" in r]
         try:
@@ -289,13 +368,13 @@ def _checks(out: str, summary: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _run(
+def run_elastic(
     spec: ChaosSpec,
     algo: str,
     kind: str,
     steps: int,
     *,
-    chaos: _Chaos | None = None,
+    chaos: ChaosSchedule | None = None,
     env: dict[str, str] | None = None,
     progress: Callable[[str], None],
     **extra: Any,
@@ -306,7 +385,7 @@ def _run(
     out = os.path.join(spec.out, "runs", f"{algo}-{kind}")
     if os.path.isdir(out):
         shutil.rmtree(out)
-    cfg = _train_config(spec, algo, steps, out, **extra)
+    cfg = train_config(spec, algo, steps, out, **extra)
     progress(f"chaos: {algo} {kind} ({spec.workers} replicas, {steps} steps)")
     summary: dict[str, Any] | None
     error = None
@@ -332,7 +411,7 @@ def _run(
                 summary = json.load(f)
         except (OSError, ValueError):
             summary = None
-    checks = _checks(out, summary)
+    checks = check_run(out, summary)
     faults = (summary or {}).get("faults") or []
     heal_waits = []
     for f in faults:
@@ -366,6 +445,20 @@ def _run(
         "healed": sum(f.get("healed_at_s") is not None for f in faults),
         "heals": (summary or {}).get("heals", 0),
         "fault_to_healed_s": [f["fault_to_healed_s"] for f in faults if f.get("fault_to_healed_s")],
+        "heal_bytes": [f.get("heal_bytes") for f in faults if f.get("healed_at_s") is not None],
+        "heal_transfer_s": [
+            f.get("heal_transfer_s") for f in faults if f.get("healed_at_s") is not None
+        ],
+        "goodput": (
+            (summary or {}).get("tokens_trained", 0) / (time.time() - t0)
+            if (summary or {}).get("tokens_trained")
+            else None
+        ),
+        "spun_s": (
+            chaos.spinners.spun_s
+            if isinstance(chaos, MtbfLoop) and chaos.spinners is not None
+            else None
+        ),
         "startup_to_healed_s": heal_waits,
         "participants": (summary or {}).get("participants_per_sync") or [],
         "chaos": [] if chaos is None else chaos.actions,
@@ -388,9 +481,9 @@ def run_chaos(
     mid = spec.targeted_steps // 2
     w = spec.workers
     for algo in spec.algos:
-        ref = _run(spec, algo, "fault-free", spec.steps, progress=progress)
+        ref = run_elastic(spec, algo, "fault-free", spec.steps, progress=progress)
         runs.append(ref)
-        mtbf = _run(
+        mtbf = run_elastic(
             spec,
             algo,
             "mtbf",
@@ -399,10 +492,10 @@ def run_chaos(
             progress=progress,
             max_restarts=1000,
         )
-        runs.append(_versus(mtbf, ref))
+        runs.append(versus(mtbf, ref))
         if "sync" in spec.faults:
             runs.append(
-                _run(
+                run_elastic(
                     spec,
                     algo,
                     "sync",
@@ -415,7 +508,7 @@ def run_chaos(
     first = spec.algos[0]
     if "donor" in spec.faults:
         runs.append(
-            _run(
+            run_elastic(
                 spec,
                 first,
                 "donor",
@@ -428,7 +521,7 @@ def run_chaos(
         )
     if "stall" in spec.faults:
         runs.append(
-            _run(
+            run_elastic(
                 spec,
                 first,
                 "stall",
@@ -440,7 +533,7 @@ def run_chaos(
         )
     if "below-min" in spec.faults:
         runs.append(
-            _run(
+            run_elastic(
                 spec,
                 first,
                 "below-min",
@@ -453,7 +546,7 @@ def run_chaos(
         )
     if "never-returns" in spec.faults:
         runs.append(
-            _run(
+            run_elastic(
                 spec,
                 first,
                 "never-returns",
@@ -469,17 +562,19 @@ def run_chaos(
     return results
 
 
-def _versus(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+def versus(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """``run`` with its throughput and final loss as shares of ``ref``'s."""
     tps, ref_tps = run.get("tokens_per_s"), ref.get("tokens_per_s")
     loss, ref_loss = run.get("val_loss_final"), ref.get("val_loss_final")
     run["tokens_per_s_vs_fault_free"] = tps / ref_tps if tps and ref_tps else None
+    good, ref_good = run.get("goodput"), ref.get("goodput")
+    run["goodput_vs_fault_free"] = good / ref_good if good and ref_good else None
     run["val_loss_vs_fault_free"] = loss / ref_loss - 1 if loss and ref_loss else None
     run["round_s_fault_free"] = ref.get("round_s")
     return run
 
 
-def _verdict(run: dict[str, Any]) -> str:
+def survived(run: dict[str, Any]) -> str:
     """Survived: finished, anchors identical at every sync, the finished replicas' models
     identical, every restarted replica that finished the job healed first."""
     ok = (
@@ -509,7 +604,7 @@ def format_chaos(results: dict[str, Any]) -> str:
         heals = run["fault_to_healed_s"]
         parts = run["participants"]
         lines.append(
-            f"| {run['algo']} | {run['kind']} | {run['steps']} | {_verdict(run)} | "
+            f"| {run['algo']} | {run['kind']} | {run['steps']} | {survived(run)} | "
             f"{num(run['tokens_per_s'], ',.0f')} | "
             f"{num(run.get('tokens_per_s_vs_fault_free'), '.0%')} | "
             f"{num(run['val_loss_final'], '.3f')} | "

@@ -53,8 +53,9 @@ class BenchFlags:
     """the chaos benchmark instead of the matrix: elastic jobs (--fault-tolerance) of --algos
     (default co2,diloco,streaming) with --workers replicas (default 4), fault-free and with a
     replica SIGKILLed every --mtbf seconds (default 30) over --steps (default 960), then
-    targeted --faults over --targeted-steps (default 240); writes chaos.md and results.json
-    (default out runs/chaos)"""
+    targeted --faults over --targeted-steps (default 240); with --links, goodput over each link
+    instead (fault-free, MTBF and checkpoint-restart runs of the job chosen for the link,
+    against the no-sync ceiling); writes chaos.md and results.json (default out runs/chaos)"""
     mtbf: float | None = flag(None, metavar="S")
     """--chaos: seconds between two kills (default 30)"""
     faults: list[str] | None = flag(None, metavar="K,L", parse=csv_list)
@@ -62,6 +63,10 @@ class BenchFlags:
     for none)"""
     targeted_steps: int | None = flag(None, metavar="N")
     """--chaos: inner steps of the jobs with one targeted fault (default 240)"""
+    soak: float | None = flag(None, metavar="MINUTES")
+    """--chaos: a soak instead: the first of --algos over the first of --links (default
+    100mbit) for MINUTES while replicas die and are started at random (kill 0.4, start 0.6 per
+    event); fails on a digest mismatch, a stall over 60 s or a replica left unhealed"""
     balance: bool = flag(False, keep_default=True)
     """the balancing benchmark instead of the matrix: lowcomm train --documents under every
     assignment of documents to ranks, with DDP and CO2, and splitting long documents on fast and
@@ -234,7 +239,7 @@ _BALANCE_KEYS |= {"n_layer", "n_embd", "n_head", "corpus"}
 _SWITCHES: tuple[str, ...] = ("quick", "convergence", "balance", "cost_model", "long", "reuse")
 _SWITCHES += ("overwrite", "chaos", "codec_only", "ddp_parity_only")
 _CHAOS_KEYS = {"algos", "workers", "steps", "targeted_steps", "mtbf", "faults", "seed", "out"}
-_CHAOS_KEYS |= {"data"}
+_CHAOS_KEYS |= {"data", "links", "soak"}
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,9 +301,22 @@ def _run_chaos(args: argparse.Namespace) -> int:
             f"--out {spec.out!r} already holds results; choose another folder or pass --overwrite"
         )
     command = "lowcomm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    results = run_chaos(
-        spec, command=command, progress=lambda text: print(text, file=sys.stderr, flush=True)
-    )
+    progress = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if spec.soak is not None:
+        from lowcomm.bench.soak import format_soak, run_soak
+
+        results = run_soak(spec, command=command, progress=progress)
+        print(format_soak(results))
+        print(f"results: {results_path} (+ chaos.md; the job's replicas under runs/)")
+        return 0 if results["runs"][0]["passed"] else 1
+    if spec.links is not None:
+        from lowcomm.bench.chaos_links import format_link_chaos, run_link_chaos
+
+        results = run_link_chaos(spec, command=command, progress=progress)
+        print(format_link_chaos(results))
+        print(f"results: {results_path} (+ chaos.md; every run under runs/)")
+        return 0
+    results = run_chaos(spec, command=command, progress=progress)
     print(format_chaos(results))
     print(f"results: {results_path} (+ chaos.md; every run's replicas under runs/)")
     return 0
@@ -362,7 +380,7 @@ def _run_bench(args: argparse.Namespace, prog: str) -> int:
                 "--chaos is a run of its own: drop --quick, --convergence, --balance, --cost-model"
             )
         return _run_chaos(args)
-    for key in ("mtbf", "faults", "targeted_steps"):
+    for key in ("mtbf", "faults", "targeted_steps", "soak"):
         if key in vars(args):
             raise ValueError(f"--{key.replace('_', '-')} is a flag of --chaos; add it")
     if args.cost_model:

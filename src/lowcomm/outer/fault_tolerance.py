@@ -20,10 +20,15 @@ if TYPE_CHECKING:
     from lowcomm.compress.lgreco import LGreCo
     from lowcomm.elastic.sync import FaultTolerance
     from lowcomm.outer.pace import Pace
-    from lowcomm.outer.warm import WarmStart
     from lowcomm.schedules import Schedule
 
 __all__ = ["ElasticEngine", "ElasticSyncs"]
+
+
+class _Warm(Protocol):
+    """What the elastic syncs read of the engine's warm start (its compressors)."""
+
+    compressors: list[Compressor]
 
 
 class ElasticEngine(Protocol):
@@ -38,7 +43,7 @@ class ElasticEngine(Protocol):
     shard_outer_state: bool
     pace: Pace | None
     warmup: int
-    warm: WarmStart
+    warm: _Warm
     overlap: int
     interval: int
 

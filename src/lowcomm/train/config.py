@@ -38,11 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowcomm.elastic.replica import DROPPED_RESIDUAL
 from lowcomm.hparams import Hyperparameters, field_docstrings
 from lowcomm.outer.diloco import SlowMo
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.registry import BASELINES, REGISTRY, names
+from lowcomm.train.elastic_config import check_elastic_overlap, check_fault_tolerance
 from lowcomm.train.errors import ConfigError, check_float, check_int, check_string, config_error
 from lowcomm.train.layout import DEFAULT_WORKERS, NODE_SHARDING, resolve_layout
 from lowcomm.train.outer_keys import (
@@ -387,7 +387,7 @@ class TrainConfig:
         check_int("checkpoint_every", self.checkpoint_every, low=0)
         check_int("keep_checkpoints", self.keep_checkpoints, low=1)
         check_int("max_restarts", self.max_restarts, low=0)
-        self._check_fault_tolerance()
+        check_fault_tolerance(self)
         self._check_speeds()
         check_float("collective_timeout", self.collective_timeout, low=0.0, low_open=True)
         if self.n_embd % self.n_head:
@@ -436,7 +436,7 @@ class TrainConfig:
                 )
         self._check_paths()
         self._check_outer()
-        self._check_elastic_overlap()
+        check_elastic_overlap(self)
 
     def stretch(self, rank: int, world: int) -> float:
         """How many times its own compute each inner step of ``rank`` takes (``speeds``):
@@ -747,103 +747,6 @@ class TrainConfig:
                 "documents",
                 "with node groups is supported for ddp only (an outer algorithm across nodes "
                 "would need per-step balancing inside each node): drop --nodes or use ddp",
-            )
-
-    def _check_fault_tolerance(self) -> None:
-        """Elastic replicas: what they run on, refused up front with the reason."""
-        if not isinstance(self.fault_tolerance, bool):
-            raise ConfigError(
-                "fault_tolerance", f"must be true or false, got {self.fault_tolerance!r}"
-            )
-        check_int("min_replicas", self.min_replicas, low=1)
-        if self.dropped_residual not in DROPPED_RESIDUAL:
-            raise ConfigError(
-                "dropped_residual",
-                f"must be one of {', '.join(DROPPED_RESIDUAL)}, got {self.dropped_residual!r}",
-            )
-        if self.lighthouse is not None:
-            check_string("lighthouse", self.lighthouse)
-        if self.replica_id is not None:
-            check_string("replica_id", self.replica_id)
-        if not self.fault_tolerance:
-            for key in ("lighthouse", "replica_id"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(key, "needs fault_tolerance (--fault-tolerance)")
-            return
-        if self.lighthouse is not None and self.replica_id is None:
-            raise ConfigError(
-                "replica_id", "is needed with lighthouse: the name of this replica (replica_3)"
-            )
-        if self.replica_id is not None and self.lighthouse is None:
-            raise ConfigError(
-                "lighthouse",
-                "is needed with replica_id: the address of the Lighthouse to join (without "
-                "both, lowcomm train starts the Lighthouse and every replica itself)",
-            )
-        if self.lighthouse is None and self.min_replicas > self.replicas:
-            flag = "--nodes" if self.nodes > 1 else "--workers"
-            raise ConfigError(
-                "min_replicas",
-                f"({self.min_replicas}) is more than the {self.replicas} replicas started "
-                f"({flag}); use at most {self.replicas}",
-            )
-        from lowcomm.registry import ELASTIC as supported
-
-        if self.algo not in supported:
-            raise ConfigError(
-                "algo",
-                f"{self.algo!r} does not run with fault_tolerance (elastic syncs are an outer "
-                f"algorithm's, one in flight at a time); use one of {', '.join(supported)}",
-            )
-        refused = [
-            (
-                self.nodes > 1 and self.lighthouse is not None,
-                "nodes",
-                "with lighthouse this command is one replica; make it a node group of M "
-                "processes by starting it under torchrun --nproc-per-node M instead",
-            ),
-            (
-                self.node_sharding != "none",
-                "node_sharding",
-                "a replica's processes keep whole AdamW states, which a joiner takes from its "
-                "donor; leave node_sharding none",
-            ),
-            (
-                self.checkpoint_every > 0,
-                "checkpoint_every",
-                "replicas heal from each other, "
-                "not from disk; disk checkpoints of an elastic job are not supported yet",
-            ),
-            (self.resume is not None, "resume", "an elastic job cannot resume from disk yet"),
-            (
-                bool(self.value("shard_outer_state")),
-                "shard_outer_state",
-                "each replica would own the shard of the outer state its rank in the group "
-                "names; a quorum that changes moves the owners, and a joiner heals from one "
-                "donor, which holds only its own shard",
-            ),
-            (self.documents, "documents", "the document stream plans over a fixed group"),
-            (self.ceiling_steps > 0, "ceiling_steps", "not measured in an elastic job"),
-        ]
-        for bad, key, why in refused:
-            if bad:
-                raise ConfigError(key, f"is not supported with fault_tolerance: {why}")
-
-    def _check_elastic_overlap(self) -> None:
-        """With fault_tolerance, refuse a sync in flight across the next sync point (CO2 at
-        full overlap): once the algorithm's keywords are resolved."""
-        kwargs = self.algorithm_kwargs()
-        if not self.fault_tolerance or ("overlap" not in kwargs and self.algo != "co2"):
-            return
-        overlap = kwargs.get("overlap")
-        if overlap is None:  # CO2's own default: the paper's schedule, H
-            overlap = self.sync_every
-        if int(overlap) >= self.sync_every // int(kwargs.get("num_fragments") or 1):
-            raise ConfigError(
-                "overlap",
-                f"({overlap}) is not supported with fault_tolerance: a sync would be launched "
-                "before the last one is applied, while torchft's Manager holds one quorum at a "
-                "time; use an overlap below sync_every / num_fragments (the job's CO2 uses 1)",
             )
 
     def _check_paths(self) -> None:

@@ -227,14 +227,16 @@ def _tune_replicas(cfg: TrainConfig, scratch: str, env: dict[str, str] | None) -
     args = [config_path, record_path]
     process: ReplicaProcess
     if start_method() == "forkserver":
-        from lowcomm.train.tuning import main as tuning_main
+        from lowcomm.train.tuning_process import main as tuning_main
 
         open(log_path, "wb").close()
-        process = ForkedCommand(tuning_main, args, own_env, log_path, module="lowcomm.train.tuning")
+        process = ForkedCommand(
+            tuning_main, args, own_env, log_path, module="lowcomm.train.tuning_process"
+        )
     else:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "lowcomm.train.tuning", *args],
+                [sys.executable, "-m", "lowcomm.train.tuning_process", *args],
                 env=own_env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -385,6 +387,7 @@ def launch_replicas(
     env: dict[str, str] | None = None,
     chaos: Callable[[float, list[RunningReplica], bool], None] | None = None,
     status: Callable[[dict[str, Any]], None] | None = None,
+    hold: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` as ``cfg.replicas`` elastic replicas on this machine (module docstring):
     a Lighthouse on 127.0.0.1, one process per replica (``procs_per_node`` with node groups),
@@ -395,7 +398,9 @@ def launch_replicas(
     ``env`` is added to every replica's environment; ``chaos(seconds since the start, running
     replicas, whether a replica finished the job)`` is called every poll (the chaos benchmark's
     faults: it may signal the replicas' processes). ``status`` receives the job's state about
-    once a second (:func:`job_status`): the progress line of ``lowcomm train``.
+    once a second (:func:`job_status`): the progress line of ``lowcomm train``. ``hold(replica
+    id)``: while it returns True, a replica that left is not restarted (it is, at the first
+    poll where it returns False; the soak's random starts).
 
     Raises:
         lowcomm.train.errors.WorkerFailed: no replica finished the job.
@@ -423,11 +428,25 @@ def launch_replicas(
         running = [_start(cfg, lighthouse.address, rid, 0, scratch, env) for rid in ids]
         started = list(running)
         restarts = dict.fromkeys(ids, 0)
+        held: list[RunningReplica] = []  # left, to be restarted once hold() lets them
         done_at: float | None = None
         reported = 0.0
+
+        def restart(r: RunningReplica) -> None:
+            restarts[r.replica_id] += 1
+            running.append(
+                _start(cfg, lighthouse.address, r.replica_id, restarts[r.replica_id], scratch, env)
+            )
+            started.append(running[-1])
+            events.append(_event("restart", running[-1], t0))
+
         try:
-            while running:
+            while running or (held and done_at is None):
                 time.sleep(poll_s)
+                assert hold is not None or not held
+                for r in [r for r in held if done_at is None and hold and not hold(r.replica_id)]:
+                    held.remove(r)
+                    restart(r)
                 if done_at is not None and time.time() - done_at > FINISH_GRACE_S:
                     events += [_event("stopped", r, t0) for r in running]
                     break  # the rest are behind a finished job: stopped below
@@ -465,19 +484,10 @@ def launch_replicas(
                         "; restarting it" if restarts[r.replica_id] < cfg.max_restarts else "",
                     )
                     if restarts[r.replica_id] < cfg.max_restarts and done_at is None:
-                        restarts[r.replica_id] += 1
-                        running.append(
-                            _start(
-                                cfg,
-                                lighthouse.address,
-                                r.replica_id,
-                                restarts[r.replica_id],
-                                scratch,
-                                env,
-                            )
-                        )
-                        started.append(running[-1])
-                        events.append(_event("restart", running[-1], t0))
+                        if hold is not None and hold(r.replica_id):
+                            held.append(r)
+                        else:
+                            restart(r)
         finally:
             _stop(running)
             stop_on_term.restore()

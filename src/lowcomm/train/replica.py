@@ -55,6 +55,18 @@ def _host_for(lighthouse: str) -> str:
     return socket.gethostname()
 
 
+def _outer_digest(algo: Any) -> str:
+    """A checksum of every fragment's outer state (its optimizer's buffers; beside the anchor,
+    what the replicas of a committed sync must hold bit for bit)."""
+    tensors = [
+        t.detach().reshape(-1).float()
+        for f in algo.fragments
+        if f.outer is not None
+        for t in f.outer.tensors()
+    ]
+    return checksum(torch.cat(tensors)) if tensors else "-"
+
+
 class ElasticReplica:
     """This process as one replica of an elastic job (see the module docstring)."""
 
@@ -119,8 +131,9 @@ class ElasticReplica:
 
     def synced(self, algo: Any) -> dict[str, Any] | None:
         """After ``algo.step()``: a record of the sync it applied, if it applied one — whether
-        it was committed, the syncs committed so far, the quorum's size and a checksum of the
-        anchor, which every replica that committed the sync must hold bit for bit — else
+        it was committed, the syncs committed so far, the quorum's size and checksums of the
+        anchor and the outer state, which every replica that committed the sync must hold bit
+        for bit — else
         ``None``. A warm-start step committed: a ``warm_step`` record (its count, the
         quorum's size, the anchor's checksum: θ after the step)."""
         ft = algo.ft
@@ -146,6 +159,7 @@ class ElasticReplica:
             "sync": ft.step,
             "participants": ft.participants[-1] if ft.participants else None,
             "anchor": checksum(torch.cat([v.reshape(-1) for v in algo.anchor_views])),
+            "outer_state": _outer_digest(algo),
             "failed_syncs": ft.failed_syncs,
         }
 

@@ -23,7 +23,7 @@ predicted step time go into ``summary.json`` (``link_tuning``) and the printed s
 checkpoint keeps them, and a resumed run restores them instead of measuring again.
 
 **An elastic job** (``--fault-tolerance``) chooses once, before its replicas start: the launcher
-runs one process of a replica's shape (:func:`main`, ``python -m lowcomm.train.tuning``) that
+runs one process of a replica's shape (``python -m lowcomm.train.tuning_process``) that
 times the step and the codecs as above for a sync among ``replicas`` replicas over the emulated
 ``--link`` (or the ``--tune-link`` profile), with the elastic limits (only algorithms that run
 elastic; fewer steps in flight than H / fragments), and every replica — a restarted one too —
@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -57,7 +56,6 @@ __all__ = [
     "TUNED_ENV",
     "TUNED_KEYS",
     "elastic_tuning",
-    "main",
     "measure_link",
     "tune_to_link",
     "why_untuned",
@@ -82,7 +80,7 @@ on the default model, one thread: int8 7.3 of 26.2 ms, int2 9.4 of 31.0 ms)."""
 TUNED_ENV = "LOWCOMM_TUNED"
 """In an elastic job's replicas: the file holding ``{"record": ...}``, the settings chosen for
 the link once for the whole job (``None``: not tuned), written by the launcher's tuning
-process (:func:`main`)."""
+process (:mod:`lowcomm.train.tuning_process`)."""
 
 TUNED_CODECS = ("int8", "int4", "int2")
 """The codecs whose CPU time a tuned job measures at start-up (:func:`_codec_seconds`)."""
@@ -351,45 +349,3 @@ def _apply(cfg: TrainConfig, record: dict[str, Any]) -> TrainConfig:
     except ConfigError as e:
         logger.warning("the settings chosen from the link do not apply (%s); kept the job's", e)
         return cfg
-
-
-def _tune_job(out: str) -> Any:
-    """The tuning process's job: the choice for the elastic job's replicas, into ``out``."""
-
-    def job(cfg: TrainConfig, *, device: torch.device) -> None:
-        from lowcomm.runfiles import write_json
-        from lowcomm.train.model import build_gpt
-        from lowcomm.train.nodes import NodeGroups
-        from lowcomm.train.source import DataSource
-
-        # one process of a replica, on its own: no Manager, no quorum
-        topology = Topology(cfg, 0, 1, NodeGroups(node=None, cross=None))
-        data = DataSource.load(cfg, topology, device)
-        torch.manual_seed(cfg.seed)
-        gpt = build_gpt(cfg, data.vocab_size).to(device)
-        _, record = tune_to_link(cfg, topology, gpt, data.corpus, device)
-        write_json(out, {"record": record})
-
-    return job
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lowcomm.train.tuning CONFIG_JSON OUT_JSON``: the settings an elastic job's
-    replicas take from its link, chosen once by this process (started by the launcher, with
-    the environment of one process of a replica), written to ``OUT_JSON``."""
-    from lowcomm.train.config import config_from_dict
-    from lowcomm.train.worker import run_worker
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        raise SystemExit("usage: python -m lowcomm.train.tuning CONFIG_JSON OUT_JSON")
-    with open(args[0], encoding="utf-8") as f:
-        cfg = config_from_dict(json.load(f), source=args[0])
-    run_worker(cfg, False, None, _tune_job(args[1]))
-    return 0
-
-
-if __name__ == "__main__":
-    from lowcomm.procs.forkserver import exit_now
-
-    exit_now(main())

@@ -39,6 +39,7 @@ from lowcomm.train.failures import attempt, describe_attempt, is_peer_loss, reco
 from lowcomm.train.loop import train
 
 __all__ = [
+    "PID_DIR_ENV",
     "Placement",
     "host_loopback_store",
     "main",
@@ -260,6 +261,12 @@ def run_worker(
         raise
 
 
+PID_DIR_ENV = "LOWCOMM_PID_DIR"
+"""For benchmarks only: a folder where every worker writes its process id, in
+``rank<R>.attempt<A>`` (the chaos benchmark's checkpoint-restart runs kill a worker by it). Not a
+user setting."""
+
+
 def _run_worker(
     cfg: TrainConfig,
     launched_locally: bool,
@@ -270,6 +277,10 @@ def _run_worker(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     _setup_worker_logging(rank, cfg.quiet)
+    pids = os.environ.get(PID_DIR_ENV)
+    if pids:  # (benchmarks: which process is which rank, to signal one)
+        with open(os.path.join(pids, f"rank{rank}.attempt{attempt()}"), "w") as f:
+            f.write(str(os.getpid()))
     placement = place_workers(cfg.backend, local_world, device=getattr(cfg, "device", "auto"))
     # Workers on one machine share its cores; oversubscribing them slows everyone down.
     torch.set_num_threads(placement.threads())
