@@ -178,6 +178,10 @@ def run_soak(
     gaps = [b[1] - a[1] for a, b in zip(after, after[1:], strict=False)]
     stall = max(gaps, default=None)
     kills = sum(a["signal"] == "SIGKILL" for a in soak.actions)
+    # every start after a kill (a folder replica_N.K; only replicas up to date are killed, so
+    # each must have been healed before the end)
+    returns = [f for f in replica_folders(out) if "." in os.path.basename(f)]
+    returns_healed = sum(healed(f) for f in returns)
     run = {
         "algo": algo,
         "kind": "soak",
@@ -191,6 +195,8 @@ def run_soak(
         "longest_without_sync_s": stall,
         "stall_bound_s": SOAK_STALL_S,
         "unhealed": soak.unhealed,
+        "returns": len(returns),
+        "returns_healed": returns_healed,
         "chaos": soak.actions,
         **checks,
     }
@@ -200,6 +206,7 @@ def run_soak(
         and stall is not None
         and stall <= SOAK_STALL_S
         and not soak.unhealed
+        and returns_healed == len(returns)
         and kills > 0
     )
     results = {"command": command, "spec": dataclasses.asdict(spec), "runs": [run]}
@@ -224,7 +231,7 @@ def format_soak(results: dict[str, Any]) -> str:
         ),
         (
             "returning replicas healed",
-            f"{run['returned_healed']} of {run['returned']} that finished"
+            f"{run['returns_healed']} of {run['returns']} starts after a kill"
             + (f"; unhealed at the end: {', '.join(run['unhealed'])}" if run["unhealed"] else ""),
         ),
     ]

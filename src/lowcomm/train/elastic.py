@@ -477,11 +477,15 @@ def launch_replicas(
                         done_at = done_at or time.time()
                         continue
                     events.append(_event("fault", r, t0, code))
+                    again = restarts[r.replica_id] < cfg.max_restarts
+                    kept = again and hold is not None and hold(r.replica_id)
                     logger.warning(
                         "replica %s left the job (exit code %d)%s",
                         r.replica_id,
                         code,
-                        "; restarting it" if restarts[r.replica_id] < cfg.max_restarts else "",
+                        "; it stays away until it is started"
+                        if kept
+                        else ("; restarting it" if again else ""),
                     )
                     if restarts[r.replica_id] < cfg.max_restarts and done_at is None:
                         if hold is not None and hold(r.replica_id):
