@@ -320,6 +320,54 @@ def test_the_table_says_which_runs_survived() -> None:
     assert "| diloco | sync | 96 | **no** |" in table[3]
 
 
+def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_run() -> None:
+    from lowcomm.bench.chaos import versus
+    from lowcomm.bench.chaos_links import format_link_chaos
+
+    elastic = {
+        "algo": "co2",
+        "link": "10mbit",
+        "status": "finished",
+        "val_loss_final": 1.5,
+        "anchors_identical": True,
+        "replicas_identical": True,
+        "returned": 2,
+        "returned_healed": 2,
+        "settings": {"compression": "int4"},
+    }
+    ref = {**elastic, "kind": "10mbit-fault-free", "goodput": 8000.0, "faults": 0}
+    mtbf = {
+        **elastic,
+        "kind": "10mbit-mtbf",
+        "goodput": 7200.0,
+        "val_loss_final": 1.53,
+        "faults": 2,
+        "fault_to_healed_s": [5.0, 9.0],
+        "heal_bytes": [4.0e6, 4.0e6],
+        "heal_transfer_s": [3.5, 3.6],
+    }
+    ckpt = {
+        "algo": "co2",
+        "link": "10mbit",
+        "kind": "10mbit-checkpoint-restart",
+        "status": "finished",
+        "goodput": 4000.0,
+        "val_loss_final": 1.5,
+        "faults": 3,
+        "settings": {"compression": "int4"},
+    }
+    runs = [{"kind": "ceiling", "goodput": 10_000.0}, ref, versus(mtbf, ref), versus(ckpt, ref)]
+    table = format_link_chaos({"runs": runs}).splitlines()
+    assert table[0] == "No-sync ceiling (`--algo none`): 10,000 tokens/s."
+    rows = table[4:]
+    assert rows[0].startswith("| 10mbit | co2 | fault-free | yes | 8,000 | 0.80 | - | 1.500 |")
+    assert "| mtbf | yes | 7,200 | 0.72 | 90% | 1.530 | +2.0% | 2 | 5.0-9.0 | 4.0 | 3.5-3.6 |" in (
+        rows[1]
+    )
+    assert "| checkpoint-restart | yes | 4,000 | 0.40 | 50% |" in rows[2]
+    assert rows[2].endswith("| compression int4 |")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class _WorkerKiller:
     """The MTBF loop of a fixed group (the checkpoint-restart runs): once the job has trained
-    ``ready_steps`` steps, SIGKILL one worker of the latest attempt, chosen at random (seeded),
+    ``ready_steps`` steps (the warm start and two rounds, where the elastic loop starts), SIGKILL one worker of the latest attempt, chosen at random (seeded),
     every ``period_s`` seconds; the launcher then restarts the whole group from the last
     checkpoint. A thread, stopped by :meth:`stop`."""
 
@@ -137,8 +137,11 @@ def _run_fixed(
         os.environ[PID_DIR_ENV] = pids
         try:
             if kill:
+                # the first kill where the elastic MTBF loop's comes: every replica two
+                # syncs past the warm start
+                ready = cfg.sync_warmup_steps() + 2 * cfg.sync_every
                 killer = _WorkerKiller(
-                    out, pids, spec.mtbf, spec.seed, 2 * cfg.sync_every, t0 + spec.run_timeout_s
+                    out, pids, spec.mtbf, spec.seed, ready, t0 + spec.run_timeout_s
                 )
             summary = launch(cfg)
         except WorkerFailed as e:
