@@ -361,8 +361,9 @@ def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_ru
     assert table[0] == "No-sync ceiling (`--algo none`): 10,000 tokens/s."
     rows = table[4:]
     assert rows[0].startswith("| 10mbit | co2 | fault-free | yes | 8,000 | 0.80 | - | 1.500 |")
-    assert "| mtbf | yes | 7,200 | 0.72 | 90% | 1.530 | +2.0% | 2 | 5.0-9.0 | 4.0 | 3.5-3.6 |" in (
-        rows[1]
+    assert (
+        "| mtbf | yes | 7,200 | 0.72 | 90% | 1.530 | +2.0% | 2 | 5.0-9.0 | 4.0 | 3.5-3.6 |"
+        in (rows[1])
     )
     assert "| checkpoint-restart | yes | 4,000 | 0.40 | 50% |" in rows[2]
     assert rows[2].endswith("| compression int4 |")

@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 class _WorkerKiller:
     """The MTBF loop of a fixed group (the checkpoint-restart runs): once the job has trained
-    ``ready_steps`` steps (the warm start and two rounds, where the elastic loop starts), SIGKILL one worker of the latest attempt, chosen at random (seeded),
-    every ``period_s`` seconds; the launcher then restarts the whole group from the last
-    checkpoint. A thread, stopped by :meth:`stop`."""
+    ``ready_steps`` steps (the warm start and two rounds, where the elastic loop starts),
+    SIGKILL one worker of the latest attempt, chosen at random (seeded), every ``period_s``
+    seconds; the launcher then restarts the whole group from the last checkpoint. A thread,
+    stopped by :meth:`stop`."""
 
     def __init__(
         self, out: str, pids: str, period_s: float, seed: int, ready_steps: int, deadline: float
