@@ -320,6 +320,23 @@ def test_the_table_says_which_runs_survived() -> None:
     assert "| diloco | sync | 96 | **no** |" in table[3]
 
 
+def test_the_lighthouse_waits_for_a_heal_over_the_link_before_leaving_a_late_replica_out() -> None:
+    # a donor's link carries the heal before its next collectives: the quorum's join timeout
+    # covers twice the heal's time on the emulated link (the default model: 0.84 M parameters,
+    # five fp32 words each), so a donor is not left out and healed again in turn
+    from lowcomm.train.config import config_from_dict
+    from lowcomm.train.elastic import JOIN_TIMEOUT_S, join_timeout
+
+    def timeout(**values: object) -> float:
+        return join_timeout(config_from_dict({"fault_tolerance": True, **values}, source="t"))
+
+    assert timeout() == JOIN_TIMEOUT_S
+    heal_bytes = 4 * 5 * (12 * 4 * 128**2 + (256 + 64) * 128)  # context 64
+    assert timeout(link="10mbit") == pytest.approx(2.0 + 2 * (0.030 + 8 * heal_bytes / 10e6))
+    assert timeout(link="100mbit") < timeout(link="10mbit") < 60.0
+    assert timeout(link="1mbit") == 60.0
+
+
 def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_run() -> None:
     from lowcomm.bench.chaos import versus
     from lowcomm.bench.chaos_links import format_link_chaos

@@ -46,6 +46,7 @@ __all__ = [
     "RunningReplica",
     "format_elastic_summary",
     "job_status",
+    "join_timeout",
     "launch_replicas",
     "read_replica_records",
     "replica_generator",
@@ -59,6 +60,30 @@ JOIN_TIMEOUT_S = 2.0
 yet: replicas on one machine reach a sync within this of each other; one later than this is left
 out of that sync and healed at the next. (A quorum of the same members as the last forms at
 once.)"""
+JOIN_TIMEOUT_MAX_S = 60.0
+"""The longest join timeout :func:`join_timeout` gives (torchft's own default)."""
+HEAL_WORDS = 5
+"""fp32 words a heal carries per trainable parameter: the parameter, the inner AdamW's two
+moments, the anchor and the outer momentum (what :func:`join_timeout` prices)."""
+
+
+def join_timeout(cfg: TrainConfig) -> float:
+    """The Lighthouse's join timeout for ``cfg``: :data:`JOIN_TIMEOUT_S`, plus, over an
+    emulated link, twice the time a heal takes on it. A donor's link carries the heal before
+    its next collectives, so the donor and its joiner reach the next sync that much after the
+    others; a quorum that went on without them would leave them behind, to be healed again —
+    each heal delaying its own donor in turn."""
+    if cfg.link is None:
+        return JOIN_TIMEOUT_S
+    from lowcomm.link import EmulatedLink
+    from lowcomm.train.nodes import node_link
+
+    link = node_link(EmulatedLink.parse(cfg.link), cfg)
+    parameters = 12 * cfg.n_layer * cfg.n_embd**2 + (256 + cfg.block_size) * cfg.n_embd
+    heal_s = link.latency_s + 8.0 * 4 * HEAL_WORDS * parameters / link.bandwidth_bps
+    return min(JOIN_TIMEOUT_MAX_S, JOIN_TIMEOUT_S + 2.0 * heal_s)
+
+
 HEARTBEAT_TIMEOUT_S = 2.0
 """A replica silent for longer is dead: the next quorum leaves it out. Until then the others wait
 for it at their next sync, so this is what one fault costs them."""
@@ -382,7 +407,7 @@ def launch_replicas(
     cfg: TrainConfig,
     *,
     poll_s: float = 0.1,
-    join_timeout_s: float = JOIN_TIMEOUT_S,
+    join_timeout_s: float | None = None,
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     env: dict[str, str] | None = None,
     chaos: Callable[[float, list[RunningReplica], bool], None] | None = None,
@@ -398,7 +423,8 @@ def launch_replicas(
     ``env`` is added to every replica's environment; ``chaos(seconds since the start, running
     replicas, whether a replica finished the job)`` is called every poll (the chaos benchmark's
     faults: it may signal the replicas' processes). ``status`` receives the job's state about
-    once a second (:func:`job_status`): the progress line of ``lowcomm train``. ``hold(replica
+    once a second (:func:`job_status`): the progress line of ``lowcomm train``.
+    ``join_timeout_s``: the Lighthouse's (default :func:`join_timeout`). ``hold(replica
     id)``: while it returns True, a replica that left is not restarted (it is, at the first
     poll where it returns False; the soak's random starts).
 
@@ -418,7 +444,7 @@ def launch_replicas(
     with (
         Lighthouse(
             min_replicas=cfg.min_replicas,
-            join_timeout_s=join_timeout_s,
+            join_timeout_s=join_timeout(cfg) if join_timeout_s is None else join_timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
         ) as lighthouse,
         tempfile.TemporaryDirectory(prefix="lowcomm-replicas-") as scratch,
