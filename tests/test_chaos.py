@@ -322,7 +322,7 @@ def test_the_table_says_which_runs_survived() -> None:
 
 def test_the_lighthouse_waits_for_a_heal_over_the_link_before_leaving_a_late_replica_out() -> None:
     # a donor's link carries the heal before its next collectives: the quorum's join timeout
-    # covers twice the heal's time on the emulated link (the default model: 0.84 M parameters,
+    # covers twice the heal's time on the emulated link (the default model: 0.83 M parameters,
     # five fp32 words each), so a donor is not left out and healed again in turn
     from lowcomm.train.config import config_from_dict
     from lowcomm.train.elastic import JOIN_TIMEOUT_S, join_timeout
