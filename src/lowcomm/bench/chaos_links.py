@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, run_elastic, survived, versus
+from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, run_elastic, survived, train_config, versus
 from lowcomm.train.elastic import read_replica_records
 
 __all__ = ["format_link_chaos", "run_link_chaos"]
@@ -101,7 +101,6 @@ def _run_fixed(
     recovers)."""
     import tempfile
 
-    from lowcomm.train.config import config_from_dict
     from lowcomm.train.errors import WorkerFailed
     from lowcomm.train.launcher import launch
     from lowcomm.train.preflight import check_environment, prepare_output
@@ -110,20 +109,7 @@ def _run_fixed(
     out = os.path.join(spec.out, "runs", f"{algo}-{kind}")
     if os.path.isdir(out):
         shutil.rmtree(out)
-    values: dict[str, Any] = {
-        "algo": algo,
-        "workers": spec.workers,
-        "steps": spec.steps,
-        "seed": spec.seed,
-        "collective_timeout": spec.collective_timeout,
-        "name": os.path.basename(out),
-        "out": out,
-        "overwrite": True,
-        "quiet": True,
-        **({"data": spec.data} if spec.data is not None else {}),
-        **extra,
-    }
-    cfg = config_from_dict(values, source="bench --chaos").with_paths()
+    cfg = train_config(spec, algo, spec.steps, out, fault_tolerance=False, **extra)
     if kill:
         cfg = cfg.replace(checkpoint_every=cfg.sync_every, max_restarts=1000)
     progress(f"chaos: {algo} {kind} ({spec.workers} workers, {spec.steps} steps)")

@@ -192,27 +192,17 @@ def _start(
     }
     args = [config_path, "--failure-dir", scratch]
     os.makedirs(folder, exist_ok=True)
-    forked = start_method() == "forkserver"
-    if forked:
+    forked: Callable[[list[str]], int] | None = None
+    if start_method() == "forkserver":
         from lowcomm.train.worker import main as worker_main  # (loads the training stack)
+
+        forked = worker_main
     processes: list[ReplicaProcess] = []
     for j in range(procs):
         log_name = "process.log" if j == 0 else f"process.{j}.log"
         own_env = {**env, "RANK": str(j), "LOCAL_RANK": str(j)}
-        with open(os.path.join(folder, log_name), "wb") as log:
-            if forked:  # without importing torch again (see lowcomm.procs.forkserver)
-                processes.append(ForkedCommand(worker_main, args, own_env, log.name))
-                continue
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "lowcomm.train", *args],
-                    env=own_env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        log_path = os.path.join(folder, log_name)
+        processes.append(_command("lowcomm.train", forked, args, own_env, log_path))
     return RunningReplica(replica_id, attempt, folder, processes, time.time(), store)
 
 
@@ -250,24 +240,12 @@ def _tune_replicas(cfg: TrainConfig, scratch: str, env: dict[str, str] | None) -
     }
     log_path = os.path.join(cfg.out, "tuning.log")
     args = [config_path, record_path]
-    process: ReplicaProcess
+    forked: Callable[[list[str]], int] | None = None
     if start_method() == "forkserver":
         from lowcomm.train.tuning_process import main as tuning_main
 
-        open(log_path, "wb").close()
-        process = ForkedCommand(
-            tuning_main, args, own_env, log_path, module="lowcomm.train.tuning_process"
-        )
-    else:
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "lowcomm.train.tuning_process", *args],
-                env=own_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        forked = tuning_main
+    process = _command("lowcomm.train.tuning_process", forked, args, own_env, log_path)
     try:
         code = process.wait(timeout=TUNING_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -288,6 +266,31 @@ def _tune_replicas(cfg: TrainConfig, scratch: str, env: dict[str, str] | None) -
 
         logger.info("settings from the link %s: %s", record["link"], describe_choice(record))
     return env
+
+
+def _command(
+    module: str,
+    main: Callable[[list[str]], int] | None,
+    args: list[str],
+    env: dict[str, str],
+    log_path: str,
+) -> ReplicaProcess:
+    """``python -m MODULE ARGS`` with ``env`` in a session of its own, its output to
+    ``log_path`` (emptied first): forked from the server when ``main`` (MODULE's entry point) is
+    given, without importing torch again (:mod:`lowcomm.procs.forkserver`), else a fresh
+    interpreter."""
+    if main is not None:
+        open(log_path, "wb").close()
+        return ForkedCommand(main, args, env, log_path, module=module)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _stop(running: list[RunningReplica], sig: int = signal.SIGTERM) -> None:
