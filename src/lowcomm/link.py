@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,18 +56,24 @@ _SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 @dataclass
 class LinkModel:
-    """FIFO completion times of transfers on one link (pure: times are passed in)."""
+    """FIFO completion times of transfers on one link (pure: times are passed in). Threads may
+    book transfers on one model (a replica's syncs and a heal it serves in the background)."""
 
     bandwidth_bps: float
     latency_s: float
     free_at: float = float("-inf")
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def schedule(self, now: float, wire_bytes: int) -> float:
         """Book a transfer of ``wire_bytes`` started at ``now``; return its completion time."""
-        start = max(now, self.free_at)
-        busy = 8.0 * wire_bytes / self.bandwidth_bps
-        self.free_at = start + busy
-        return start + busy + self.latency_s
+        with self._lock:
+            start = max(now, self.free_at)
+            busy = 8.0 * wire_bytes / self.bandwidth_bps
+            self.free_at = start + busy
+            return start + busy + self.latency_s
+
+
+_SHARED_LOCK = threading.Lock()
 
 
 def wait_until(
@@ -99,6 +105,7 @@ class EmulatedLink:
         self.bandwidth_bps = float(bandwidth_bps)
         self.latency_s = float(latency_s)
         self.name = name or f"{_fmt_rate(self.bandwidth_bps)}:{self.latency_s * 1e3:g}ms"
+        self._shared: LinkModel | None = None
 
     @classmethod
     def parse(cls, spec: str) -> EmulatedLink:
@@ -123,6 +130,15 @@ class EmulatedLink:
     def model(self) -> LinkModel:
         """A fresh completion-time model of this link."""
         return LinkModel(self.bandwidth_bps, self.latency_s)
+
+    def shared_model(self) -> LinkModel:
+        """The one completion-time model of this link that everything of this process going
+        through it books on (an elastic replica's syncs and the heals it sends or receives:
+        they queue behind each other, as on one network link)."""
+        with _SHARED_LOCK:
+            if self._shared is None:
+                self._shared = self.model()
+            return self._shared
 
     def communicator(
         self,

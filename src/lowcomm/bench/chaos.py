@@ -342,7 +342,7 @@ def check_run(out: str, summary: dict[str, Any] | None) -> dict[str, Any]:
     for folder in replica_folders(out):
         syncs = [r for r in read_replica_records(folder) if r.get("kind") == "sync"]
         for r in syncs:
-            if r.get("committed", True):
+            if r.get("committed", True) and not r.get("catching_up"):
                 digest = f"{r['anchor']}/{r.get('outer_state', '')}"
                 anchors.setdefault(int(r["sync"]), set()).add(digest)
         if os.path.basename(folder) == "replica_0":

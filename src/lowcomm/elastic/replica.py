@@ -212,8 +212,12 @@ class Replica:
         transport: Any = None,
         pg: Any = None,
         dropped_residual: str = "keep",
+        heal: str = "background",
+        group_size: int = 1,
     ) -> None:
         self.manager = manager
+        self.group_size = group_size
+        """The processes of this replica (a node group: several)."""
         self.pg = pg
         """The replicas' process group (``set_collective_timeout``)."""
         self.transport = transport
@@ -224,10 +228,14 @@ class Replica:
         self.dropped_residual = check_dropped_residual(dropped_residual)
         """With compressed syncs: what a replica's error-feedback residual keeps when its sync
         is dropped (:data:`DROPPED_RESIDUAL`)."""
+        self.heal = check_heal(heal)
+        """How this replica receives a heal past the warm start (:data:`HEALS`)."""
 
     def shutdown(self) -> None:
         """Stop the Manager (its heartbeats end: the others' next quorum leaves this replica
-        out) and its store."""
+        out) and its store — once the joiners it serves a state to in the background have it."""
+        if self.transport is not None and hasattr(self.transport, "wait_served"):
+            self.transport.wait_served()
         self.manager.shutdown(wait=False)
         self.store = None
 
@@ -248,6 +256,7 @@ def replica_manager(
     store_port: int | None = None,
     link: EmulatedLink | None = None,
     dropped_residual: str = "keep",
+    heal: str = "background",
 ) -> Replica:
     """A ``torchft.Manager`` for this process as (part of) one replica, as lowcomm's outer
     algorithms drive it (``fault_tolerance=``): a blocking quorum at each sync, the commit vote
@@ -281,6 +290,10 @@ def replica_manager(
         dropped_residual: with compressed syncs, what this replica's error-feedback residual
             keeps when a sync is dropped: ``keep`` (what the encoding of the dropped round left
             over stays) or ``reset`` (0); see :data:`DROPPED_RESIDUAL`.
+        heal: how a heal past the warm start reaches this replica: ``background`` (the
+            default: the quorum carries the counters, the tensors follow while the replicas
+            sync on; the joiner catches up with the syncs it took part in meanwhile) or
+            ``blocking`` (everything inside the quorum, which waits for it); see :data:`HEALS`.
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
@@ -288,6 +301,7 @@ def replica_manager(
     from torchft import Manager
 
     check_dropped_residual(dropped_residual)
+    check_heal(heal)
 
     from lowcomm.elastic.transport import TensorTransport
 
@@ -313,7 +327,9 @@ def replica_manager(
             "(store_addr, store_port; torchrun's MASTER_ADDR and MASTER_PORT)"
         )
     pg = _replica_gloo(timeout, _seconds(rendezvous_timeout_s, "rendezvous_timeout_s"))
-    transport = TensorTransport(pg, timeout, link.model() if link is not None else None)
+    transport = TensorTransport(
+        pg, timeout, link.shared_model() if link is not None else None, host=host
+    )
     try:
         with _manager_server_on(host):
             manager = Manager(
@@ -341,7 +357,9 @@ def replica_manager(
             f"replica {replica_id}: cannot reach the Lighthouse at {lighthouse} within "
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
-    return Replica(manager, store, replica_id, min_replicas, transport, pg, dropped_residual)
+    return Replica(
+        manager, store, replica_id, min_replicas, transport, pg, dropped_residual, heal, group_size
+    )
 
 
 DROPPED_RESIDUAL = ("keep", "reset")
@@ -357,4 +375,24 @@ def check_dropped_residual(value: Any) -> str:
         raise ValueError(
             f"dropped_residual must be one of {', '.join(DROPPED_RESIDUAL)}, got {value!r}"
         )
+    return str(value)
+
+
+HEALS = ("background", "blocking")
+"""How a replica that joins past the warm start is healed
+(:meth:`lowcomm.outer.fault_tolerance.ElasticSyncs.heal_state`): ``background`` — its quorum
+carries the donor's counters only; the anchor, the outer state and the inner optimizer's
+moments follow on a connection of their own while every replica, the joiner too, goes on
+syncing; the joiner takes part in those syncs without contributing, keeps their averages, and
+once the donor's tensors have arrived applies the outer steps it missed to them, bit for bit
+as the others did (the survivors never wait for the transfer); ``blocking`` — everything in
+the quorum, which every member of the next sync waits for. Inside the warm start (every
+replica holds one θ), for a replica of several processes (their transfers would arrive at
+different syncs, while DDP inside the replica needs one θ on all of them) and for LocalSGD (no
+outer state: its anchor is the average itself) a heal is blocking either way."""
+
+
+def check_heal(value: Any) -> str:
+    if value not in HEALS:
+        raise ValueError(f"heal must be one of {', '.join(HEALS)}, got {value!r}")
     return str(value)

@@ -21,10 +21,13 @@ neither dilutes the average nor doubles its donor's contribution.
 
 **Healing** sends, from a donor chosen by torchft (spread round-robin over the up-to-date
 replicas), everything registered with the Manager: the algorithm's state (anchors, outer
-optimizer, counters: ``local_step``, rounds), the model's parameters, the inner optimizer's state
-(a new replica takes its donor's) and whatever the caller registers beside them (a training job:
-its data position). The healed replica then stands where its donor stood — inside the step that
-launches the sync — and takes part in that launch.
+optimizer, counters: ``local_step``, rounds), the inner optimizer's state (a new replica takes
+its donor's), inside the warm start the model's parameters, and whatever the caller registers
+beside them (:meth:`lowcomm.outer.fault_tolerance.ElasticSyncs.heal_state`). The healed replica
+then stands where its donor stood — inside the step that launches the sync — and takes part in
+that launch. Healed in the background (the default past the warm start), its quorum brings the
+counters only and the tensors follow while every replica syncs on
+(:data:`lowcomm.elastic.replica.HEALS`).
 """
 
 from __future__ import annotations
@@ -268,9 +271,11 @@ class _Waiting:
         self._thread.join()
 
 
-TIMEOUT_FACTOR = 20.0
+TIMEOUT_FACTOR = 5.0
 """A sync's collective may take this many times the slowest of the last ones before it is
-given up (:meth:`FaultTolerance.collective_timeout`)."""
+given up (:meth:`FaultTolerance.collective_timeout`): a collective that slow has lost a member
+(a heal in the background shares a donor's link with its syncs, which then take up to about
+twice their time)."""
 MIN_TIMEOUT_S = 10.0
 """…and at least this long."""
 
@@ -377,7 +382,7 @@ class ManagedCommunicator(Communicator):
         self.group = None
         self.stats = CommStats()
         self.link = link
-        self.model = link.model() if link is not None else None
+        self.model = link.shared_model() if link is not None else None
         self._clock = clock
         self._sleep = sleep
 

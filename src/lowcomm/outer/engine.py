@@ -133,6 +133,7 @@ class OuterAlgorithm:
             )
         self.inner = inner_optimizer
         self.elastic_syncs: ElasticSyncs | None = None
+        self._replay_lr_factor: float | None = None
         """The elastic syncs (``fault_tolerance``: :mod:`lowcomm.outer.fault_tolerance`)."""
         if fault_tolerance is not None:
             self.elastic_syncs = ElasticSyncs(self, fault_tolerance, process_group)
@@ -251,6 +252,8 @@ class OuterAlgorithm:
         ``initial_lr``, else over the highest lr seen so far)."""
         if getattr(self.config, "outer_lr_schedule", "constant") != "inner":
             return None
+        if self._replay_lr_factor is not None:
+            return self._replay_lr_factor
         group = self.inner.param_groups[0]
         lr = float(group["lr"])
         self._peak_lr = max(self._peak_lr, lr)
@@ -515,8 +518,9 @@ class OuterAlgorithm:
         self.sync_points += 1
         if self.pace is not None:
             self.pace.applied(k, self.local_step)
-        if self.ft is not None:
-            self.ft.contributing = True
+        if self.elastic_syncs is not None:
+            self.elastic_syncs.ft.contributing = not self.elastic_syncs.catching_up
+            self.elastic_syncs.after_apply()
 
     def on_average(
         self,
@@ -532,8 +536,23 @@ class OuterAlgorithm:
         if not finite.read()[0]:
             self._on_non_finite(frag, sync)
             return False
+        elastic = self.elastic_syncs
+        if elastic is not None and elastic.catching_up:  # (kept, applied once it has caught up)
+            elastic.missed(frag, sync, avg, self.outer_lr_factor())
+            return True
         self._update(frag, sync, avg, anchor)
         return True
+
+    def replay_update(
+        self, frag: AnyFragment, sync: Sync, avg: list[torch.Tensor], lr_factor: float | None
+    ) -> None:
+        """Step ``frag``'s update rule with a past sync's average, as at its time (its outer lr
+        factor): how a replica healed in the background catches up."""
+        self._replay_lr_factor = lr_factor
+        try:
+            self._update(frag, sync, avg)
+        finally:
+            self._replay_lr_factor = None
 
     def _update(
         self,
@@ -563,6 +582,8 @@ class OuterAlgorithm:
                 drained = bool(self._in_flight)
                 for k in sorted(self._in_flight):
                     self._apply(k)
+                if self.elastic_syncs is not None:
+                    self.elastic_syncs.complete_heal()  # (healed in the background: caught up)
                 self._after_finish(drained)
                 for frag in self.fragments:
                     frag.anchor.copy_to(frag.params)

@@ -6,6 +6,8 @@ refuse."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from lowcomm.schedules import Schedule
 
 __all__ = ["ElasticEngine", "ElasticSyncs"]
+
+logger = logging.getLogger(__name__)
 
 
 class _Warm(Protocol):
@@ -45,6 +49,8 @@ class ElasticEngine(Protocol):
     warmup: int
     warm: _Warm
     overlap: int
+    local_step: int
+    fragments: list[AnyFragment]
     interval: int
 
     comm: Communicator
@@ -54,6 +60,10 @@ class ElasticEngine(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], *, _healing: bool = False) -> None: ...
+
+    def replay_update(
+        self, frag: AnyFragment, sync: Any, avg: list[torch.Tensor], lr_factor: float | None
+    ) -> None: ...
 
 
 class ElasticSyncs:
@@ -87,12 +97,24 @@ class ElasticSyncs:
         self.dropped_residual = check_dropped_residual(getattr(replica, "dropped_residual", "keep"))
         """With compressed syncs, what a dropped sync leaves in the residuals: ``keep`` or
         ``reset`` (:data:`lowcomm.elastic.replica.DROPPED_RESIDUAL`)."""
+        from lowcomm.elastic.transport import TensorTransport
+
+        background = getattr(replica, "heal", "blocking") == "background"
+        own = isinstance(getattr(replica, "transport", None), TensorTransport)
+        self.background = background and own and getattr(replica, "group_size", 1) == 1
+        """Whether heals past the warm start reach this replica in the background (the
+        replica's ``heal``, over lowcomm's transport)."""
+        self._pending: Any = None
+        self._quiet_launch = False
+        self._missed: list[tuple[AnyFragment, Any, list[torch.Tensor], float | None]] = []
+        self.caught_up_at: list[float] = []
+        """When each background heal of this replica completed (``time.time()``)."""
 
     def attach(self) -> None:
         """Refuse what elastic syncs do not support yet (with the reason), then register what a
         donor sends a replica it heals."""
         self._refuse()
-        self.ft.register("lowcomm", self._heal_state, self._load_heal_state)
+        self.ft.register("lowcomm", self.heal_state, self.load_heal_state)
 
     def _refuse(self) -> None:
         engine = self.engine
@@ -135,6 +157,8 @@ class ElasticSyncs:
         error, not the joiner's) and rounding noise seeded by its rank in the quorum."""
         healed = self.ft.join()
         self._restart_compressors()
+        if self.catching_up:
+            self.ft.contributing = False
         return healed
 
     def quorum(self) -> bool:
@@ -144,6 +168,9 @@ class ElasticSyncs:
         healed = self.ft.quorum()
         if healed:
             self._restart_compressors()
+        if self.catching_up or self._quiet_launch:
+            self.ft.contributing = False
+        self._quiet_launch = False
         return healed
 
     def warm_quorum(self) -> bool:
@@ -181,6 +208,10 @@ class ElasticSyncs:
         its compressor's residual kept or reset, as the replica's ``dropped_residual`` says)."""
         sync = frag.pending[0]
         sync.handle.wait()
+        if self._pending is not None and self._pending.failed():
+            # the donor's state will not come (the donor died): vote this sync down, so that
+            # this replica is behind at the next quorum and healed there again
+            self._pending.error_to(self.ft.manager)
         if self.ft.commit():
             return True
         frag.drop()
@@ -188,21 +219,174 @@ class ElasticSyncs:
             frag.compressor.reset_residuals()
         return False
 
-    def _heal_state(self) -> dict[str, Any]:
-        """What a donor sends a replica it heals (in torchft's quorum thread, while this
-        replica's loop waits in the quorum: nothing is in flight)."""
-        engine = self.engine
-        return {
-            "algorithm": engine.state_dict(),
-            "params": [p.detach().clone() for p in engine.params],
-            "inner": engine.inner.state_dict(),
-            "warm_steps": self.ft.warm_steps,
-        }
+    # -- healing ------------------------------------------------------------------------------
 
-    def _load_heal_state(self, state: dict[str, Any]) -> None:
+    @property
+    def catching_up(self) -> bool:
+        """Whether this replica was healed in the background and its donor's tensors have not
+        been applied yet: it syncs without contributing and keeps the averages it took part in
+        (:meth:`missed`), its own anchor and θ meaningless until :meth:`complete_heal`."""
+        return self._pending is not None
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a donor sends a replica it heals (in torchft's quorum thread, while this
+        replica's loop waits in the quorum: nothing is in flight), no more than the joiner
+        needs: the algorithm's state without what is this replica's own (error-feedback
+        residuals: a joiner restarts its compressors; the merge's snapshots: dead between a
+        sync's apply and the next launch, where every quorum is), the inner optimizer's state,
+        and — inside the warm start, where every replica holds one θ — the parameters. Past
+        the warm start the joiner's parameters are the anchor, the inner optimizer's moments
+        travel in bf16, and with ``heal="background"`` everything but the counters goes in a
+        :class:`~lowcomm.elastic.transport.Background` part (for algorithms with an outer
+        state: LocalSGD's anchor is the average itself)."""
+        if self.catching_up:
+            # chosen as a donor before its own donor's state has arrived (torchft takes the
+            # first up-to-date replica): catch up here, in the quorum, where the loop waits
+            # and nothing is in flight, then send as any donor does (its own first sync after
+            # it goes out without a contribution: it has no progress of its own yet)
+            logger.info("asked to heal a replica while catching up: completing the catch-up first")
+            self.complete_heal()
+            self._quiet_launch = True
         engine = self.engine
-        engine.load_state_dict(state["algorithm"], _healing=True)
-        with torch.no_grad():
-            load_tensors({"params": state["params"]}, "params", engine.params)
-        engine.inner.load_state_dict(state["inner"])
+        warm = engine.local_step < engine.warmup
+        inner = engine.inner.state_dict()
+        algorithm = _without_own(engine.state_dict())
+        state: dict[str, Any] = {"warm_steps": self.ft.warm_steps}
+        if warm:
+            params = [p.detach().clone() for p in engine.params]
+            return {**state, "algorithm": algorithm, "inner": inner, "params": params}
+        if not (self.background and all(f.outer is not None for f in engine.fragments)):
+            return {**state, "algorithm": algorithm, "inner": _bf16_moments(inner)}
+        from lowcomm.elastic.transport import Background
+
+        counters, tensors = _split_tensors(algorithm)
+        bulk = Background({"algorithm": tensors, "inner": _bf16_moments(inner)})
+        return {**state, "algorithm": counters, "background": bulk}
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Load :meth:`heal_state` on the joiner: what the donor left out is this replica's own
+        (taken from its own state); without parameters, θ is the anchor. With a background
+        part, only the counters now: the rest when it has arrived (:meth:`complete_heal`)."""
+        engine = self.engine
+        self._pending, self._missed = None, []  # (healed again: an earlier transfer is dropped)
+        algorithm = _filled(state["algorithm"], engine.state_dict())
+        engine.load_state_dict(algorithm, _healing=True)
         self.ft.warm_steps = int(state.get("warm_steps", 0))
+        if "background" in state:
+            self._pending = state["background"]
+            self.ft.contributing = False
+            return
+        with torch.no_grad():
+            if "params" in state:
+                load_tensors({"params": state["params"]}, "params", engine.params)
+            else:
+                for frag in engine.fragments:
+                    frag.anchor.copy_to(frag.params)
+        engine.inner.load_state_dict(state["inner"])  # (moments cast back to the parameters')
+
+    def missed(
+        self, frag: AnyFragment, sync: Any, avg: list[torch.Tensor], lr_factor: float | None
+    ) -> None:
+        """While catching up: the average of a sync this replica took part in (finite), kept
+        to be applied, with the outer lr factor of its time, once the donor's state is here."""
+        self._missed.append((frag, sync, [t.clone() for t in avg], lr_factor))
+
+    def after_apply(self) -> None:
+        """After a sync point was applied: complete a background heal whose state has arrived
+        (nothing is in flight here)."""
+        if self._pending is not None and self._pending.done():
+            self.complete_heal()
+
+    def complete_heal(self) -> None:
+        """Wait for the background part of this replica's heal (if any), load it — the
+        anchor and outer state as its donor had them at the heal, the counters staying this
+        replica's — and apply the outer steps of the syncs it took part in since, in order;
+        θ ← the anchor, the compressors restarted. A transfer that failed raises
+        ``RuntimeError`` (the replica cannot go on: restarted, it is healed again)."""
+        if self._pending is None:
+            return
+        received = self._pending.result()
+        engine = self.engine
+        with torch.no_grad():
+            engine.load_state_dict(
+                _filled(received["algorithm"], engine.state_dict()), _healing=True
+            )
+            engine.inner.load_state_dict(received["inner"])
+            for frag, sync, avg, lr_factor in self._missed:
+                engine.replay_update(frag, sync, avg, lr_factor)
+            for frag in engine.fragments:
+                frag.anchor.copy_to(frag.params)
+        missed = len(self._missed)
+        self._pending, self._missed = None, []
+        self._restart_compressors()
+        self.caught_up_at.append(time.time())
+        logger.info("caught up: the donor's state arrived; %d missed outer steps applied", missed)
+
+
+def _without_own(state: Any) -> Any:
+    """An algorithm's ``state_dict`` without this replica's own parts: every compressor's
+    residuals, and the merge's snapshots."""
+    if isinstance(state, dict):
+        return {
+            k: _without_own(v)
+            for k, v in state.items()
+            if k != "snapshots" and not (k == "residuals" and "codec" in state)
+        }
+    if isinstance(state, list) and state and all(isinstance(v, dict) for v in state):
+        return [_without_own(v) for v in state]
+    return state
+
+
+def _split_tensors(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``state_dict`` as (its counters and settings, its tensors): dicts split key by key
+    (lists of dicts element by element), any other value that holds a tensor to the second."""
+
+    def holds_tensor(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return True
+        if isinstance(v, (list, tuple)):
+            return any(holds_tensor(x) for x in v)
+        if isinstance(v, dict):
+            return any(holds_tensor(x) for x in v.values())
+        return False
+
+    counters: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            counters[k], tensors[k] = _split_tensors(v)
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            pairs = [_split_tensors(x) for x in v]
+            counters[k], tensors[k] = [p[0] for p in pairs], [p[1] for p in pairs]
+        elif holds_tensor(v):
+            tensors[k] = v
+        else:
+            counters[k] = v
+    return counters, tensors
+
+
+def _filled(received: Any, own: Any) -> Any:
+    """``received`` with what :func:`_without_own` left out taken from ``own``."""
+    if isinstance(received, dict) and isinstance(own, dict):
+        return {**own, **{k: _filled(v, own.get(k)) for k, v in received.items()}}
+    if (
+        isinstance(received, list)
+        and isinstance(own, list)
+        and len(received) == len(own)
+        and all(isinstance(v, dict) for v in received)
+    ):
+        return [_filled(r, o) for r, o in zip(received, own)]
+    return received
+
+
+def _bf16_moments(inner: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` whose floating-point state tensors (AdamW's moments) are
+    bf16: ``load_state_dict`` casts them back to the parameters' dtype."""
+
+    def half(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+            return v.to(torch.bfloat16)
+        return v
+
+    state = {i: {k: half(v) for k, v in s.items()} for i, s in inner["state"].items()}
+    return {**inner, "state": state}

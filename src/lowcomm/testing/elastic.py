@@ -5,8 +5,10 @@ algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event
 * ``{"event": "sync", "committed", "sync", "participants", "anchor", "params", "local_step"}``
   after every sync point (``committed``: whether this one was; ``sync``: syncs committed so far;
   ``anchor`` and ``params``: checksums);
-* ``{"event": "healed", "donor", "mine"}``: right after this replica was healed, the checksum of
-  the state its donor had when it sent it and of the state this replica holds now;
+* ``{"event": "healed", "donor", "mine", "background"}``: right after this replica was healed,
+  the checksum of the state its donor had when it sent it and of the state this replica holds
+  now (both ``None`` for a heal in the background: its sync records then say ``catching_up``,
+  with no anchor, until the donor's state has arrived);
 * ``{"event": "done", ...}`` with the final checksums;
 * ``{"event": "closed"}`` once its torchft Manager is shut down.
 
@@ -52,9 +54,11 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     return checksum(torch.cat([t.detach().reshape(-1).float() for t in tensors]))
 
 
-def _state_digest(algo: Any, model: nn.Module, inner: torch.optim.Optimizer) -> str:
-    moments = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    params = list(model.parameters())
+def _state_digest(algo: Any, params: list[torch.Tensor], inner_state: dict[str, Any]) -> str:
+    """A checksum of the anchor, ``params`` and an inner optimizer ``state_dict``'s tensors."""
+    moments = [
+        v for s in inner_state["state"].values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
     return _digest([*algo.anchor_views, *params, *[m.reshape(-1) for m in moments]])
 
 
@@ -162,12 +166,26 @@ def _run(
         log.write(json.dumps(record) + "\n")
         log.flush()
 
-    # the donor's state as it sends it, checked by the joiner against its own after the heal
+    # the state the donor sends, checked by the joiner against its own after the heal: the
+    # anchor, the parameters (past the warm start the joiner's are the anchor) and the inner
+    # optimizer's state (past the warm start its moments in bf16)
+    # (healed in the background, only the counters come with the quorum: the tensors are
+    # checked by the anchors of the syncs after it caught up, which every replica holds alike)
     def donor_state() -> dict[str, Any]:
-        return {"digest": _state_digest(algo, model, inner)}
+        sent = algo.elastic_syncs.heal_state()
+        if "background" in sent:
+            return {"digest": None}
+        params = sent.get("params") or algo.anchor_views
+        return {"digest": _state_digest(algo, params, sent["inner"])}
 
     def healed(state: dict[str, Any]) -> None:
-        write(event="healed", donor=state["digest"], mine=_state_digest(algo, model, inner))
+        background = state["digest"] is None
+        mine = (
+            None
+            if background
+            else _state_digest(algo, list(model.parameters()), inner.state_dict())
+        )
+        write(event="healed", donor=state["digest"], mine=mine, background=background)
 
     ft.register("test", donor_state, healed)
     if die:
@@ -217,12 +235,14 @@ def _run(
             warm_seen = (algo.local_step, ft.warm_steps)
         if algo.sync_points != seen:
             seen = algo.sync_points
+            catching_up = algo.elastic_syncs.catching_up
             write(
                 event="sync",
                 committed=ft.step > committed,
+                catching_up=catching_up,
                 sync=ft.step,
                 participants=ft.participants[-1] if ft.participants else None,
-                anchor=_digest(algo.anchor_views),
+                anchor=None if catching_up else _digest(algo.anchor_views),
                 params=_digest(list(model.parameters())),
                 local_step=algo.local_step,
                 failed=ft.failed_syncs,

@@ -63,17 +63,19 @@ once.)"""
 JOIN_TIMEOUT_MAX_S = 60.0
 """The longest join timeout :func:`join_timeout` gives (torchft's own default)."""
 HEAL_WORDS = 5
-"""fp32 words a heal carries per trainable parameter: the parameter, the inner AdamW's two
-moments, the anchor and the outer momentum (what :func:`join_timeout` prices)."""
+"""fp32 words a heal past the warm start carries per trainable parameter, at most among the
+job's algorithms: the anchor, CO2's three outer buffers (momentum, gap statistic, last
+update) and the inner AdamW's two moments in bf16 (what :func:`join_timeout` prices)."""
 
 
 def join_timeout(cfg: TrainConfig) -> float:
     """The Lighthouse's join timeout for ``cfg``: :data:`JOIN_TIMEOUT_S`, plus, over an
-    emulated link, twice the time a heal takes on it. A donor's link carries the heal before
-    its next collectives, so the donor and its joiner reach the next sync that much after the
-    others; a quorum that went on without them would leave them behind, to be healed again —
-    each heal delaying its own donor in turn."""
-    if cfg.link is None:
+    emulated link with heals that block (``heal`` blocking, or replicas of several processes),
+    twice the time a heal takes on it. A donor's link then carries the heal before its next
+    collectives, so the donor and its joiner reach the next sync that much after the others; a
+    quorum that went on without them would leave them behind, to be healed again — each heal
+    delaying its own donor in turn. A heal in the background delays no one."""
+    if cfg.link is None or (cfg.heal == "background" and cfg.procs_per_replica == 1):
         return JOIN_TIMEOUT_S
     from lowcomm.link import EmulatedLink
     from lowcomm.train.nodes import node_link
@@ -548,7 +550,8 @@ def _read_summary(folder: str) -> dict[str, Any] | None:
 
 def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
     """What one replica process added to the job, from its ``metrics.jsonl``: the inner steps
-    it trained that reached the model — from its start (or the step it was healed to) to the
+    it trained that reached the model — from its start (or the step it was healed to; healed in
+    the background, the sync at which its donor's state had arrived and was applied) to the
     end of the job if it finished, else to its last sync (a killed replica's work since is
     lost) — and the times it was healed at."""
     start, last_sync, last_step = 0, None, 0
@@ -561,6 +564,10 @@ def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
             heals.append(float(record.get("time", 0.0)))
         elif kind == "sync":
             last_sync = int(record["step"])
+            if record.get("catching_up"):  # healed in the background, not caught up yet: its
+                start = last_sync  # steps so far reached no model
+            elif record.get("caught_up") and heals:  # the heal completed here
+                start, heals[-1] = last_sync, float(record.get("time", heals[-1]))
         if kind in ("step", "sync"):
             last_step = max(last_step, int(record.get("step", 0)))
     end = last_step if finished else (last_sync if last_sync is not None else start)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowcomm.elastic.replica import DROPPED_RESIDUAL
+from lowcomm.elastic.replica import DROPPED_RESIDUAL, HEALS
 from lowcomm.train.errors import ConfigError, check_int, check_string
 
 __all__ = ["check_elastic_overlap", "check_fault_tolerance"]
@@ -22,6 +22,8 @@ def check_fault_tolerance(cfg: Any) -> None:
             "dropped_residual",
             f"must be one of {', '.join(DROPPED_RESIDUAL)}, got {cfg.dropped_residual!r}",
         )
+    if cfg.heal not in HEALS:
+        raise ConfigError("heal", f"must be one of {', '.join(HEALS)}, got {cfg.heal!r}")
     if cfg.lighthouse is not None:
         check_string("lighthouse", cfg.lighthouse)
     if cfg.replica_id is not None:

@@ -108,6 +108,7 @@ class ElasticReplica:
             quorum_timeout_s=max(600.0, cfg.collective_timeout),
             link=link,
             dropped_residual=cfg.dropped_residual,
+            heal=cfg.heal,
             **group,
         )
         self.steps_trained = 0
@@ -121,6 +122,7 @@ class ElasticReplica:
         self._seen_syncs = 0
         self._seen_warm = 0
         self._committed = 0
+        self._caught_up = 0
 
     def generator(self, step: int) -> torch.Generator:
         """This process's batch generator for ``step`` (:func:`replica_generator` of its
@@ -151,7 +153,7 @@ class ElasticReplica:
             return None
         self._seen_syncs = algo.sync_points
         committed, self._committed = ft.step > self._committed, ft.step
-        return {
+        record = {
             "kind": "sync",
             "committed": committed,
             "time": time.time(),
@@ -162,6 +164,15 @@ class ElasticReplica:
             "outer_state": _outer_digest(algo),
             "failed_syncs": ft.failed_syncs,
         }
+        elastic = algo.elastic_syncs
+        if elastic.catching_up:
+            # healed in the background, its donor's state not here yet: it took part in this
+            # sync without contributing, and holds no anchor of its own
+            record.update(catching_up=True, anchor=None, outer_state=None)
+        elif len(elastic.caught_up_at) > self._caught_up:
+            self._caught_up = len(elastic.caught_up_at)
+            record["caught_up"] = True  # (the donor's state arrived: healed from here on)
+        return record
 
     def follow(self, local_step: int, step: int) -> int:
         """After ``algo.step()`` of ``step``: the step the loop continues from (the donor's,
