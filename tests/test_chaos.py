@@ -324,19 +324,18 @@ def test_the_lighthouse_waits_for_a_heal_over_the_link_before_leaving_a_late_rep
     # with heals that block, a donor's link carries the heal before its next collectives: the
     # quorum's join timeout covers twice the heal's time on the emulated link (the default
     # model: 0.83 M parameters, five fp32 words each), so a donor is not left out and healed
-    # again in turn; a heal in the background (the default) delays no one
+    # again in turn (heals block by default); a heal in the background delays no one
     from lowcomm.train.config import config_from_dict
     from lowcomm.train.elastic import JOIN_TIMEOUT_S, join_timeout
 
     def timeout(**values: object) -> float:
         return join_timeout(config_from_dict({"fault_tolerance": True, **values}, source="t"))
 
-    assert timeout() == JOIN_TIMEOUT_S == timeout(link="10mbit")
+    assert timeout() == JOIN_TIMEOUT_S == timeout(link="10mbit", heal="background")
     heal_bytes = 4 * 5 * (12 * 4 * 128**2 + (256 + 64) * 128)  # context 64
-    blocking = pytest.approx(2.0 + 2 * (0.030 + 8 * heal_bytes / 10e6))
-    assert timeout(link="10mbit", heal="blocking") == blocking
-    assert timeout(link="100mbit", heal="blocking") < timeout(link="10mbit", heal="blocking") < 60
-    assert timeout(link="1mbit", heal="blocking") == 60.0
+    assert timeout(link="10mbit") == pytest.approx(2.0 + 2 * (0.030 + 8 * heal_bytes / 10e6))
+    assert timeout(link="100mbit") < timeout(link="10mbit") < 60.0
+    assert timeout(link="1mbit") == 60.0
 
 
 def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_run() -> None:

@@ -212,7 +212,7 @@ class Replica:
         transport: Any = None,
         pg: Any = None,
         dropped_residual: str = "keep",
-        heal: str = "background",
+        heal: str = "blocking",
         group_size: int = 1,
     ) -> None:
         self.manager = manager
@@ -256,7 +256,7 @@ def replica_manager(
     store_port: int | None = None,
     link: EmulatedLink | None = None,
     dropped_residual: str = "keep",
-    heal: str = "background",
+    heal: str = "blocking",
 ) -> Replica:
     """A ``torchft.Manager`` for this process as (part of) one replica, as lowcomm's outer
     algorithms drive it (``fault_tolerance=``): a blocking quorum at each sync, the commit vote
@@ -290,10 +290,10 @@ def replica_manager(
         dropped_residual: with compressed syncs, what this replica's error-feedback residual
             keeps when a sync is dropped: ``keep`` (what the encoding of the dropped round left
             over stays) or ``reset`` (0); see :data:`DROPPED_RESIDUAL`.
-        heal: how a heal past the warm start reaches this replica: ``background`` (the
-            default: the quorum carries the counters, the tensors follow while the replicas
-            sync on; the joiner catches up with the syncs it took part in meanwhile) or
-            ``blocking`` (everything inside the quorum, which waits for it); see :data:`HEALS`.
+        heal: how a heal past the warm start reaches this replica: ``blocking`` (the default:
+            everything inside the quorum, which waits for it) or ``background`` (the quorum
+            carries the counters, the tensors follow while the replicas sync on; the joiner
+            catches up with the syncs it took part in meanwhile); see :data:`HEALS`.
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
@@ -378,18 +378,20 @@ def check_dropped_residual(value: Any) -> str:
     return str(value)
 
 
-HEALS = ("background", "blocking")
+HEALS = ("blocking", "background")
 """How a replica that joins past the warm start is healed
-(:meth:`lowcomm.outer.fault_tolerance.ElasticSyncs.heal_state`): ``background`` — its quorum
-carries the donor's counters only; the anchor, the outer state and the inner optimizer's
-moments follow on a connection of their own while every replica, the joiner too, goes on
-syncing; the joiner takes part in those syncs without contributing, keeps their averages, and
-once the donor's tensors have arrived applies the outer steps it missed to them, bit for bit
-as the others did (the survivors never wait for the transfer); ``blocking`` — everything in
-the quorum, which every member of the next sync waits for. Inside the warm start (every
-replica holds one θ), for a replica of several processes (their transfers would arrive at
-different syncs, while DDP inside the replica needs one θ on all of them) and for LocalSGD (no
-outer state: its anchor is the average itself) a heal is blocking either way."""
+(:meth:`lowcomm.outer.fault_tolerance.ElasticSyncs.heal_state`): ``blocking`` — the default:
+everything in the quorum, which every member of the next sync waits for; ``background`` — its
+quorum carries the donor's counters only; the anchor, the outer state and the inner
+optimizer's moments follow on a connection of their own while every replica, the joiner too,
+goes on syncing; the joiner takes part in those syncs without contributing, keeps their
+averages, and once the donor's tensors have arrived applies the outer steps it missed to them,
+bit for bit as the others did (the survivors never wait for the transfer). Until then the joiner
+holds no state while torchft counts it up to date: if every replica that holds the state dies
+meanwhile, the job's progress is lost — for faults rarer than a heal's transfer. Inside the
+warm start (every replica holds one θ), for a replica of several processes (their transfers
+would arrive at different syncs, while DDP inside the replica needs one θ on all of them) and
+for LocalSGD (no outer state: its anchor is the average itself) a heal blocks either way."""
 
 
 def check_heal(value: Any) -> str:

@@ -59,7 +59,7 @@ LENGTH_TAG = 1
 """The tag of the message that announces a heal's size."""
 BYTES_TAG = 2
 """The tag of the message that carries a heal's state."""
-CHUNK_BYTES = 1 << 16
+CHUNK_BYTES = 1 << 18
 """A background state's transfer goes out (and is paced on an emulated link) in chunks of this
 many bytes: a sync's transfer waits behind at most one."""
 BACKGROUND_KEY = "lowcomm_background"

@@ -275,6 +275,12 @@ class CO2State:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.momentum, *self.gap_stat, *self.last_update]
 
+    def heal_free(self) -> list[str]:
+        """The state_dict keys a healed replica need not receive: without the gap-aware
+        penalty nothing reads the gap statistic (0) or the last update (rewritten whole by
+        the next step, before anything reads it)."""
+        return [] if self.config.gap_penalty == "gap_aware" else ["gap_stat", "last_update"]
+
     def settings(self) -> dict[str, Any]:
         return {}
 

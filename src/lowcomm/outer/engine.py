@@ -381,6 +381,9 @@ class OuterAlgorithm:
         with explain_lost_collectives(type(self).__name__, "step()", lambda: self.local_step):
             try:
                 self._step()
+                elastic = self.elastic_syncs
+                if elastic is not None and elastic.catching_up and not self._in_flight:
+                    elastic.catch_up()  # (nothing in flight: catch up as soon as it can)
             finally:
                 if self.pace is not None:
                     self.pace.end()
@@ -520,7 +523,7 @@ class OuterAlgorithm:
             self.pace.applied(k, self.local_step)
         if self.elastic_syncs is not None:
             self.elastic_syncs.ft.contributing = not self.elastic_syncs.catching_up
-            self.elastic_syncs.after_apply()
+            self.elastic_syncs.catch_up()
 
     def on_average(
         self,

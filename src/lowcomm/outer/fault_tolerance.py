@@ -250,7 +250,10 @@ class ElasticSyncs:
         engine = self.engine
         warm = engine.local_step < engine.warmup
         inner = engine.inner.state_dict()
-        algorithm = _without_own(engine.state_dict())
+        free = {"snapshots"}  # (the merge's: dead at every quorum)
+        for frag in engine.fragments:
+            free.update(getattr(frag.outer, "heal_free", list)())
+        algorithm = _without_own(engine.state_dict(), free)
         state: dict[str, Any] = {"warm_steps": self.ft.warm_steps}
         if warm:
             params = [p.detach().clone() for p in engine.params]
@@ -291,11 +294,12 @@ class ElasticSyncs:
         to be applied, with the outer lr factor of its time, once the donor's state is here."""
         self._missed.append((frag, sync, [t.clone() for t in avg], lr_factor))
 
-    def after_apply(self) -> None:
-        """After a sync point was applied: complete a background heal whose state has arrived
-        (nothing is in flight here)."""
-        if self._pending is not None and self._pending.done():
-            self.complete_heal()
+    def catch_up(self) -> None:
+        """Where nothing is in flight (after a sync point was applied, or any step between
+        syncs): complete a background heal whose state has arrived."""
+        pending = self._pending
+        if pending is not None and pending.done() and not pending.failed():
+            self.complete_heal()  # (a failed one is voted down at the next commit)
 
     def complete_heal(self) -> None:
         """Wait for the background part of this replica's heal (if any), load it — the
@@ -323,17 +327,18 @@ class ElasticSyncs:
         logger.info("caught up: the donor's state arrived; %d missed outer steps applied", missed)
 
 
-def _without_own(state: Any) -> Any:
-    """An algorithm's ``state_dict`` without this replica's own parts: every compressor's
-    residuals, and the merge's snapshots."""
+def _without_own(state: Any, free: set[str]) -> Any:
+    """An algorithm's ``state_dict`` without this replica's own parts (every compressor's
+    residuals) and the entries named in ``free`` (the merge's snapshots; the outer states'
+    ``heal_free``), at any depth."""
     if isinstance(state, dict):
         return {
-            k: _without_own(v)
+            k: _without_own(v, free)
             for k, v in state.items()
-            if k != "snapshots" and not (k == "residuals" and "codec" in state)
+            if k not in free and not (k == "residuals" and "codec" in state)
         }
     if isinstance(state, list) and state and all(isinstance(v, dict) for v in state):
-        return [_without_own(v) for v in state]
+        return [_without_own(v, free) for v in state]
     return state
 
 

@@ -14,7 +14,8 @@ algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event
 
 A job's name is an algorithm, or ``ALGO+CODEC`` (compressed syncs, e.g. ``diloco+int4``) and
 optionally ``+reset`` (``dropped_residual="reset"``); its sync records then hold ``residual``,
-the sum of squares of the compressor's residuals after the sync. ``ALGO+warm`` adds a warm start
+the sum of squares of the compressor's residuals after the sync; ``+bg`` heals in the
+background (``heal="background"``). ``ALGO+warm`` adds a warm start
 of 3 rounds with int8 gradient means, one quorum per step; each of its steps writes
 ``{"event": "warm", "committed", "warm_step", "participants", "params", "local_step"}``.
 ``--step-sleep S`` sleeps S seconds after every inner step (a replica that trains at a pace).
@@ -129,7 +130,8 @@ def _run(
 
     algo_name, *codec = name.split("+")
     warm = "warm" in codec
-    codec = [c for c in codec if c != "warm"]
+    background = "bg" in codec
+    codec = [c for c in codec if c not in ("warm", "bg")]
     reset = codec[-1:] == ["reset"]
     codec = codec[:-1] if reset else codec
     replica = replica_manager(
@@ -138,6 +140,7 @@ def _run(
         timeout_s=args.timeout,
         quorum_timeout_s=60,
         dropped_residual="reset" if reset else "keep",
+        heal="background" if background else "blocking",
     )
     model, inner = _build(args)
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "sync_warmup": 0}

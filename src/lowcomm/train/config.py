@@ -303,11 +303,12 @@ class TrainConfig:
     dropped_residual: str = "keep"
     """With fault_tolerance and compression: what a replica's error-feedback residual keeps when
     its sync is dropped (a replica left during it): keep (what was not sent stays) or reset."""
-    heal: str = "background"
+    heal: str = "blocking"
     """With fault_tolerance: how a replica that (re)joins past the warm start is healed:
+    blocking (everything in the quorum, which the next sync of every replica waits for) or
     background (its quorum brings the donor's counters; the tensors follow while every replica
-    syncs on, and it catches up on the syncs it missed) or blocking (everything in the quorum,
-    which the next sync of every replica waits for)."""
+    syncs on, and it catches up on the syncs it missed; see docs/fault-tolerance.md for what it
+    risks)."""
 
     @property
     def world_size(self) -> int:

@@ -63,9 +63,10 @@ once.)"""
 JOIN_TIMEOUT_MAX_S = 60.0
 """The longest join timeout :func:`join_timeout` gives (torchft's own default)."""
 HEAL_WORDS = 5
-"""fp32 words a heal past the warm start carries per trainable parameter, at most among the
-job's algorithms: the anchor, CO2's three outer buffers (momentum, gap statistic, last
-update) and the inner AdamW's two moments in bf16 (what :func:`join_timeout` prices)."""
+"""fp32 words a heal past the warm start carries per trainable parameter, at most: the anchor,
+CO2's three outer buffers with the gap-aware penalty (momentum, gap statistic, last update; the
+momentum alone without it) and the inner AdamW's two moments in bf16 (what
+:func:`join_timeout` prices)."""
 
 
 def join_timeout(cfg: TrainConfig) -> float:
@@ -74,7 +75,8 @@ def join_timeout(cfg: TrainConfig) -> float:
     twice the time a heal takes on it. A donor's link then carries the heal before its next
     collectives, so the donor and its joiner reach the next sync that much after the others; a
     quorum that went on without them would leave them behind, to be healed again — each heal
-    delaying its own donor in turn. A heal in the background delays no one."""
+    delaying its own donor in turn. A heal in the background (``heal`` background) delays no
+    one."""
     if cfg.link is None or (cfg.heal == "background" and cfg.procs_per_replica == 1):
         return JOIN_TIMEOUT_S
     from lowcomm.link import EmulatedLink
@@ -556,6 +558,7 @@ def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
     lost) — and the times it was healed at."""
     start, last_sync, last_step = 0, None, 0
     heals: list[float] = []
+    catching_up = False
     for record in read_replica_records(folder):
         kind = record.get("kind")
         if kind == "healed":
@@ -565,9 +568,12 @@ def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
         elif kind == "sync":
             last_sync = int(record["step"])
             if record.get("catching_up"):  # healed in the background, not caught up yet: its
-                start = last_sync  # steps so far reached no model
+                start, catching_up = last_sync, True  # steps so far reached no model
             elif record.get("caught_up") and heals:  # the heal completed here
                 start, heals[-1] = last_sync, float(record.get("time", heals[-1]))
+                catching_up = False
+    if catching_up and heals:
+        heals.pop()  # (it never caught up: not healed)
         if kind in ("step", "sync"):
             last_step = max(last_step, int(record.get("step", 0)))
     end = last_step if finished else (last_sync if last_sync is not None else start)
