@@ -441,6 +441,15 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     assert syncs[0].get("catching_up") and len(caught) == 1, syncs
     assert all(r.get("catching_up") for r in syncs[: caught[0]])
     assert not any(r.get("catching_up") for r in syncs[caught[0] :])
+    # tokens trained that reached the model (2 x 16 a step): replica 0's 32 steps, replica 1's
+    # up to its last sync before it died, and its restart's from the sync it caught up at
+    first = [
+        json.loads(line)
+        for line in (out / "replicas" / "replica_1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    died_after = max((r["step"] for r in first if r["kind"] == "sync"), default=0)
+    steps = 32 + died_after + (32 - syncs[caught[0]]["step"])
+    assert summary["tokens_trained"] == 2 * 16 * steps, (summary["tokens_trained"], steps)
     own = json.loads((out / "replicas" / "replica_1.1" / "summary.json").read_text())["elastic"]
     assert own["first_step"] == healed["step"] and own["heals"]
     # every committed sync's anchor, as each process recorded it: one checksum per sync (6

@@ -572,10 +572,10 @@ def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
             elif record.get("caught_up") and heals:  # the heal completed here
                 start, heals[-1] = last_sync, float(record.get("time", heals[-1]))
                 catching_up = False
-    if catching_up and heals:
-        heals.pop()  # (it never caught up: not healed)
         if kind in ("step", "sync"):
             last_step = max(last_step, int(record.get("step", 0)))
+    if catching_up and heals:
+        heals.pop()  # (it never caught up: not healed)
     end = last_step if finished else (last_sync if last_sync is not None else start)
     return max(0, end - start), heals
 
