@@ -133,8 +133,8 @@ class OuterAlgorithm:
             )
         self.inner = inner_optimizer
         self.elastic_syncs: ElasticSyncs | None = None
-        self._replay_lr_factor: float | None = None
         """The elastic syncs (``fault_tolerance``: :mod:`lowcomm.outer.fault_tolerance`)."""
+        self._replay_lr_factor: float | None = None
         if fault_tolerance is not None:
             self.elastic_syncs = ElasticSyncs(self, fault_tolerance, process_group)
             self.comm: Communicator = ManagedCommunicator(
