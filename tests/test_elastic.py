@@ -154,20 +154,22 @@ def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("job", ["diloco+warm", "diloco+warm+backward"])
 def test_a_warm_step_whose_quorum_loses_a_replica_is_skipped_and_a_later_joiner_heals_past_it(
-    tmp_path: Path,
+    tmp_path: Path, job: str
 ) -> None:
     # the warm start elastic: 12 warm steps (int8 gradient means, a quorum each), then syncs
     # every 4. Replica 2 dies (SIGKILL) right after joining warm step 3's quorum: the
     # survivors' mean fails in flight and both skip that step alike. It comes back only once
     # the others are past the warm start: its first quorum (its own warm step 1) heals it
-    # from a donor at a sync's launch, and it takes part in that sync.
+    # from a donor at a sync's launch, and it takes part in that sync. With +backward each
+    # warm step's quorum is joined before its forward and every mean goes out during backward.
     log, out = tmp_path / "events.jsonl", tmp_path / "replicas.log"
     pace = ("--step-sleep", "0.1", "--timeout", "20")
     with Lighthouse(min_replicas=1, heartbeat_timeout_s=1.0, join_timeout_s=2.0) as lighthouse:
 
         def spawn(replica: int, *extra: str) -> subprocess.Popen[bytes]:
-            return _spawn(lighthouse.address, replica, "diloco+warm", log, out, *pace, *extra)
+            return _spawn(lighthouse.address, replica, job, log, out, *pace, *extra)
 
         procs = [spawn(0), spawn(1)]
         dying = spawn(2, "--die-after-quorum", "3")
@@ -194,6 +196,11 @@ def test_a_warm_step_whose_quorum_loses_a_replica_is_skipped_and_a_later_joiner_
     for e in warm:
         by_step.setdefault(e["local_step"], set()).add(e["params"])
     assert all(len(v) == 1 for v in by_step.values()), by_step
+    launched = {e["in_backward"] for e in warm}
+    if job.endswith("+backward"):  # every bucket of every warm step, before the optimizer's
+        assert len(launched) == 1 and launched.pop() > 0, launched
+    else:
+        assert launched == {None}
     # the returning replica: healed once, with its donor's exact state, at a sync's launch
     heals = [e for e in events if e["event"] == "healed"]
     assert len(heals) == 1 and heals[0]["replica"] == "replica_2"
@@ -335,6 +342,37 @@ def test_the_job_runs_elastic_what_the_registry_says() -> None:
         else:
             with pytest.raises(ConfigError, match=f"algo '{name}' does not run with"):
                 config_from_dict(values, source="test")
+
+
+@pytest.mark.parametrize("gap_penalty", ["none", "gap_aware"])
+def test_a_healed_co2_replica_holds_the_outer_state_digest_of_its_donor(gap_penalty: str) -> None:
+    # a CO2 heal leaves out the gap buffers nothing reads without the gap-aware penalty: the
+    # joiner keeps its own there, so the sync records' digest of the outer state (what every
+    # replica of a committed sync must hold alike) covers what the heal carries, no more
+    from types import SimpleNamespace
+
+    from lowcomm.outer.co2 import CO2Config, CO2State
+    from lowcomm.train.replica import _outer_digest
+
+    config = CO2Config(gap_penalty=gap_penalty)
+    anchors = [[torch.zeros(6), torch.zeros(3)] for _ in range(2)]
+    donor, joiner = (CO2State(config, a, lambda: None) for a in anchors)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        donor.step(anchors[0], [torch.randn(6, generator=gen), torch.randn(3, generator=gen)])
+    joiner.step(anchors[1], [torch.randn(6, generator=gen), torch.randn(3, generator=gen)])
+    digest = [
+        _outer_digest(SimpleNamespace(fragments=[SimpleNamespace(outer=s)]))
+        for s in (donor, joiner)
+    ]
+    assert digest[0] != digest[1]
+    free = donor.heal_free()
+    assert free == ([] if gap_penalty == "gap_aware" else ["gap_stat", "last_update"])
+    sent = {k: v for k, v in donor.state_dict().items() if k not in free}
+    joiner.load_state_dict({**joiner.state_dict(), **sent})
+    assert _outer_digest(SimpleNamespace(fragments=[SimpleNamespace(outer=joiner)])) == digest[0]
+    if free:  # its own gap buffers stayed: the full state differs, the shared one does not
+        assert any(not torch.equal(a, b) for a, b in zip(donor.tensors(), joiner.tensors()))
 
 
 def test_what_elastic_syncs_do_not_support_is_refused_with_the_reason() -> None:
@@ -491,16 +529,17 @@ def _records(out: Path, folder: str, kind: str) -> list[dict[str, Any]]:
 def test_a_replica_healed_during_the_warm_start_ends_each_warm_step_as_its_donor(
     tmp_path: Path, monkeypatch: Any, capsys: Any
 ) -> None:
-    # the job's warm start (8 of 32 steps, an int8 gradient mean every step, a quorum each);
-    # replica 1 is SIGKILLed after warm step 3; its restart joins at its first step, is healed
-    # from replica 0 waiting in warm step 4's quorum, takes that step's mean without
-    # contributing, and from then on both hold θ bit for bit after every warm step
+    # the job's warm start (8 of 32 steps, an int8 gradient mean every step, a quorum each,
+    # joined before the step's forward: the means go out during backward); replica 1 is
+    # SIGKILLed after warm step 3; its restart joins at its first step, is healed from replica
+    # 0 waiting in warm step 4's quorum, computes that step's gradient on the donor's θ and
+    # contributes it, and from then on both hold θ bit for bit after every warm step
     out, printed = _kill_one_and_train(tmp_path, monkeypatch, capsys, "1:3:kill")
     assert "faults              1; healed 1" in printed.out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["replicas_identical"]
     (healed,) = _records(out, "replica_1.1", "healed")
-    assert healed["step"] == 4  # the donor's warm step 4, taken with it
+    assert healed["step"] == 3  # where the donor stood: after warm step 3, before step 4
     donor = {r["warm_step"]: r["anchor"] for r in _records(out, "replica_0", "warm_step")}
     joiner = {r["warm_step"]: r["anchor"] for r in _records(out, "replica_1.1", "warm_step")}
     assert sorted(donor) == list(range(1, 9)) and sorted(joiner) == list(range(4, 9))

@@ -281,6 +281,12 @@ class CO2State:
         the next step, before anything reads it)."""
         return [] if self.config.gap_penalty == "gap_aware" else ["gap_stat", "last_update"]
 
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """What every replica of a committed sync holds alike: :meth:`tensors` less those of
+        :meth:`heal_free` (a healed replica keeps its own, unused ones)."""
+        free = self.heal_free()
+        return [t for key, ts in self._named().items() if key not in free for t in ts]
+
     def settings(self) -> dict[str, Any]:
         return {}
 

@@ -632,17 +632,20 @@ class OuterAlgorithm:
     ) -> None:
         """Launch the warm start's gradient means during backward, a bucket as soon as its
         gradients are accumulated, instead of all at the optimizer's step, which then only
-        waits: the link carries the first buckets while backward computes the rest. Buckets
-        in reverse parameter order, the order backward produces them, laid out as DDP's: the
-        first of up to ``first_bucket_mb``, the others of up to ``bucket_cap_mb`` (``None``:
-        this algorithm's ``bucket_cap_mb``, 25 MB by default), and the last
-        ``first_bucket_mb`` of gradients in smaller ones
-        (:func:`~lowcomm.outer.warm.warm_buckets`). The same means bit for bit (every codec
-        encodes each tensor on its own), except that stochastic rounding draws per bucket.
-        Only for loops that run exactly one backward per inner step and leave the gradients
-        alone between it and ``optimizer.step()`` (no gradient accumulation, no clipping);
-        call before :meth:`load_state_dict`. A no-op without a warm start."""
+        waits. Buckets in the order backward produces them, laid out as DDP's: the first of
+        up to ``first_bucket_mb``, the others of up to ``bucket_cap_mb`` (``None``: this
+        algorithm's, 25 MB by default), the last ``first_bucket_mb`` of gradients in smaller
+        ones (:func:`~lowcomm.outer.warm.warm_buckets`). The same means bit for bit, except
+        that stochastic rounding draws per bucket. Only for loops that run one backward per
+        inner step and leave the gradients alone until ``optimizer.step()`` (no accumulation,
+        no clipping); call before :meth:`load_state_dict`. With fault tolerance, see
+        :meth:`before_forward`. A no-op without a warm start."""
         self.warm.during_backward(bucket_cap_mb, first_bucket_mb)
+
+    def before_forward(self) -> None:
+        """Call at each inner step's start (lr set, before forward): with fault tolerance, a
+        warm step that overlaps backward joins its quorum here (else at the optimizer step)."""
+        self.warm.before_forward()
 
     def before_inner_step(self) -> None:
         """Inside the warm start (``sync_warmup``), average the gradients over the ranks (see

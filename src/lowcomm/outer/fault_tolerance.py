@@ -173,16 +173,21 @@ class ElasticSyncs:
         self._quiet_launch = False
         return healed
 
-    def warm_quorum(self) -> bool:
+    def warm_quorum(self, *, before_forward: bool = False) -> bool:
         """Before a warm step's gradient mean (the warm start: one Manager step per inner
         step, as torchft's DDP takes): join its quorum (this replica's first: as
         :meth:`join`, but the warm step's own commit follows); returns whether this replica
         was healed in it. Healed from a donor inside the warm start, it stands where the donor
         stands, before that step's mean, which it takes without contributing; from a donor
-        past it, at a sync's launch (the warm start then hands over to the engine's step)."""
+        past it, at a sync's launch (the warm start then hands over to the engine's step).
+        ``before_forward``: joined before the step's forward (the warm start overlapping
+        backward), where a replica healed from a donor inside the warm start computes the
+        step's gradient on the donor's parameters: it contributes."""
         healed = self.ft.quorum(warm=True)
         if healed:
             self._restart_compressors()
+            engine = self.engine
+            self.ft.contributing = before_forward and engine.local_step < engine.warmup
         return healed
 
     def warm_commit(self, compressors: list[Compressor]) -> bool:

@@ -5,7 +5,10 @@ as DDP would, blocking (at the optimizer's step) or launched bucket by bucket du
 (:meth:`WarmStart.during_backward`), fp32 or through a codec with error feedback
 (``sync_warmup_compression``). With fault tolerance each warm step is one torchft Manager step:
 the quorum before the mean (a replica behind is healed there), the vote after it
-(:meth:`~lowcomm.outer.fault_tolerance.ElasticSyncs.warm_quorum`)."""
+(:meth:`~lowcomm.outer.fault_tolerance.ElasticSyncs.warm_quorum`); overlapping backward, the
+quorum of a warm step is joined before its forward where the loop calls
+:meth:`WarmStart.before_forward` (as torchft's optimizer wrapper joins one at ``zero_grad``), so
+that its means go out during backward."""
 
 from __future__ import annotations
 
@@ -144,6 +147,10 @@ class WarmStart:
         """With fault tolerance: this replica was healed at a warm step's quorum from a donor
         already past the warm start, at a sync's launch; the engine's next step continues
         that launch as the donor does."""
+        self.quorum_taken = False
+        """With fault tolerance, overlapping backward: the quorum of the step being computed
+        was joined before its forward (:meth:`before_forward`), so its means go out during
+        backward; else they wait for the optimizer's step, which joins it."""
         self._in_hook = False
         if steps > 0:
             self.hook = engine.inner.register_step_pre_hook(lambda *_: self._from_hook())
@@ -183,10 +190,11 @@ class WarmStart:
         self, bucket_cap_mb: float | None = None, first_bucket_mb: float = WARM_BUCKET_MB
     ) -> None:
         """Launch the means during backward, a bucket at a time
-        (:meth:`OuterAlgorithm.warm_start_during_backward`). Not with fault tolerance: each warm
-        step first joins its quorum, which may heal this replica, replacing the parameters
-        that backward is still using; its means go out at the optimizer's step."""
-        if not self.active or self.buckets or self.engine.elastic_syncs is not None:
+        (:meth:`OuterAlgorithm.warm_start_during_backward`). With fault tolerance a bucket
+        goes out during backward only once its step's quorum was joined (:attr:`quorum_taken`:
+        from the second step of a replica on), since a quorum may heal this replica, replacing
+        the parameters; it never happens during backward."""
+        if not self.active or self.buckets:
             return
         engine = self.engine
         cap = engine.config.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb
@@ -221,7 +229,9 @@ class WarmStart:
         if not self.active:
             return
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and bucket.handle is None:
+        # (with fault tolerance once this step's quorum is joined: else at the optimizer's step)
+        quorum = self.engine.elastic_syncs is None or self.quorum_taken
+        if bucket.ready == len(bucket.params) and bucket.handle is None and quorum:
             self._launch(bucket)
 
     def _factor(self) -> float:
@@ -262,6 +272,22 @@ class WarmStart:
                 pace.schedule_starts()
             self.end()
 
+    def before_forward(self) -> None:
+        """With fault tolerance, overlapping backward, inside the warm start: join this step's
+        quorum now, before its forward and after the loop set its learning rate (a donor's
+        optimizer state carries it). Healed in it, this replica stands where its donor
+        stands, before the same step, and computes its gradient as its own (it contributes);
+        healed from a donor past the warm start, its inner step changes nothing and the
+        engine's step continues that sync's launch (:attr:`healed_into_sync`)."""
+        elastic = self.engine.elastic_syncs
+        if elastic is None or not self.buckets or not self.active or self.quorum_taken:
+            return
+        healed = elastic.warm_quorum(before_forward=True)
+        if healed and not self.active:
+            self.healed_into_sync = True
+        else:
+            self.quorum_taken = True
+
     def end(self) -> None:
         """The warm start is over: its hooks are removed and its residuals dropped. (Inside
         the inner optimizer's step pre-hook — a replica healed there — the hook stays until
@@ -282,6 +308,10 @@ class WarmStart:
         (https://arxiv.org/abs/1808.07217), synchronous through the fast-moving start, local
         after it. A mean holding NaN or Inf skips the step alike on every rank (gradients set
         to None) or raises (``nan_policy="raise"``)."""
+        if self.healed_into_sync:  # (at the quorum before this step's forward)
+            for p in self.engine.params:
+                p.grad = None
+            return
         if not self.active:
             self.end()
             return
@@ -338,8 +368,18 @@ class WarmStart:
 
     def _average_launched(self) -> None:
         """The warm start overlapping backward, at the optimizer's step: launch what backward
-        did not (parameters without a gradient), wait for every bucket, set the means."""
+        did not (parameters without a gradient, or every bucket where this step's quorum is
+        joined only now), wait for every bucket, vote (with fault tolerance), set the means."""
         engine = self.engine
+        elastic = engine.elastic_syncs
+        taken, self.quorum_taken = self.quorum_taken, False
+        if elastic is not None and not taken and elastic.warm_quorum() and not self.active:
+            self.healed_into_sync = True  # (as in average_grads)
+            for bucket in self.buckets:
+                bucket.ready = 0
+            for p in engine.params:
+                p.grad = None
+            return
         with torch.no_grad(), record_function(f"{engine.profile_tag}::warm_start"):
             for bucket in self.buckets:  # in the same order on every rank
                 if bucket.handle is None:
@@ -358,6 +398,10 @@ class WarmStart:
                     "in an inner step); leave the warm start at the optimizer's step for loops "
                     "that accumulate gradients"
                 )
+            if elastic is not None and not elastic.warm_commit(self.compressors):
+                for p in engine.params:  # voted down: skipped alike on every replica
+                    p.grad = None
+                return
             means = [b for bucket in self.buckets for b in bucket.buf.buffers]
             if not HostFlags(finite_flag(means)).read()[0]:
                 engine.guards.skip_warm_step(self.compressors)

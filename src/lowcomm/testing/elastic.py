@@ -17,7 +17,10 @@ optionally ``+reset`` (``dropped_residual="reset"``); its sync records then hold
 the sum of squares of the compressor's residuals after the sync; ``+bg`` heals in the
 background (``heal="background"``). ``ALGO+warm`` adds a warm start
 of 3 rounds with int8 gradient means, one quorum per step; each of its steps writes
-``{"event": "warm", "committed", "warm_step", "participants", "params", "local_step"}``.
+``{"event": "warm", "committed", "warm_step", "participants", "params", "local_step",
+"in_backward"}``; ``+backward`` sends them during backward, each step's quorum joined before
+its forward (``warm_start_during_backward()``, ``before_forward()``), and ``in_backward`` counts
+the step's buckets launched before the optimizer's step (``None`` without ``+backward``).
 ``--step-sleep S`` sleeps S seconds after every inner step (a replica that trains at a pace).
 
 Every record also names its ``algo``. ``--algo A,B,...`` with ``--lighthouse ADDR_A,ADDR_B,...``
@@ -131,7 +134,8 @@ def _run(
     algo_name, *codec = name.split("+")
     warm = "warm" in codec
     background = "bg" in codec
-    codec = [c for c in codec if c not in ("warm", "bg")]
+    in_backward = "backward" in codec
+    codec = [c for c in codec if c not in ("warm", "bg", "backward")]
     reset = codec[-1:] == ["reset"]
     codec = codec[:-1] if reset else codec
     replica = replica_manager(
@@ -163,6 +167,8 @@ def _run(
     algo = cls[algo_name](model, inner, fault_tolerance=replica, **kwargs)
     ft = algo.ft
     assert ft is not None
+    if in_backward:
+        algo.warm_start_during_backward()
 
     def write(**record: Any) -> None:
         record = {"replica": args.replica_id, "algo": name, "t": time.time(), **record}
@@ -219,8 +225,11 @@ def _run(
     while ft.step < args.syncs and guard < 100 * args.syncs * args.sync_every:
         guard += 1
         x = torch.randn(8, 16, generator=gen)
+        if in_backward:
+            algo.before_forward()
         loss = ((model(x) - x.flip(1)) ** 2).mean()
         loss.backward()
+        sent = sum(b.handle is not None for b in algo.warm.buckets) if in_backward else None
         inner.step()
         inner.zero_grad()
         algo.step()
@@ -234,6 +243,7 @@ def _run(
                 participants=ft.quorum_size,
                 params=_digest(list(model.parameters())),
                 local_step=algo.local_step,
+                in_backward=sent,
             )
             warm_seen = (algo.local_step, ft.warm_steps)
         if algo.sync_points != seen:

@@ -105,6 +105,16 @@ __all__ = ["FAULT_ENV", "check_same_job", "train"]
 logger = logging.getLogger(__name__)
 
 
+def _set_lr(inner: torch.optim.Optimizer, step: float, cfg: TrainConfig) -> float:
+    """Set and return the learning rate of ``step`` (:func:`_lr_at`) in every group of
+    ``inner``, its peak as ``initial_lr`` (as torch's LR schedulers name it)."""
+    lr = _lr_at(step, cfg)
+    for group in inner.param_groups:
+        group["lr"] = lr
+        group["initial_lr"] = cfg.lr
+    return lr
+
+
 def _lr_at(step: float, cfg: TrainConfig) -> float:
     """Inner learning rate for 1-based step ``step``: linear warm-up over ``warmup`` steps, then
     constant or a cosine decay to ``min_lr_ratio * lr`` at the last step (with dynamic local
@@ -309,13 +319,16 @@ class _Job:
         self.warm_clock = None
         while not self.finished(step):
             step += 1
-            lr = _lr_at(step if algo is None else algo.steps_done(including_next=True), cfg)
-            for group in inner.param_groups:
-                group["lr"] = lr
-                group["initial_lr"] = cfg.lr  # the peak, as torch's LR schedulers name it
+            done = step if algo is None else algo.steps_done(including_next=True)
+            lr = _set_lr(inner, done, cfg)
             loss = None
             if algo is None or algo.takes_step():  # (dynamic local steps pass some positions)
                 t0 = clock()
+                now = sync.before_forward(step)
+                if now != step:  # healed before this step's forward: it takes the donor's
+                    step = now
+                    records.jumped(step - 1)
+                    lr = _set_lr(inner, step, cfg)  # (the donor's optimizer state had it)
                 with self.autocast():
                     loss = data.loss(sync.model, step)
                 records.trained(step, loss)

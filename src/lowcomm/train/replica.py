@@ -57,12 +57,13 @@ def _host_for(lighthouse: str) -> str:
 
 def _outer_digest(algo: Any) -> str:
     """A checksum of every fragment's outer state (its optimizer's buffers; beside the anchor,
-    what the replicas of a committed sync must hold bit for bit)."""
+    what the replicas of a committed sync must hold bit for bit: CO2's unused gap buffers,
+    which a heal leaves to the joiner, are left out)."""
     tensors = [
         t.detach().reshape(-1).float()
         for f in algo.fragments
         if f.outer is not None
-        for t in f.outer.tensors()
+        for t in getattr(f.outer, "shared_tensors", f.outer.tensors)()
     ]
     return checksum(torch.cat(tensors)) if tensors else "-"
 
@@ -146,7 +147,7 @@ class ElasticReplica:
                 "time": time.time(),
                 "step": algo.local_step,
                 "warm_step": ft.warm_steps,
-                "participants": ft.quorum_size,
+                "participants": ft.voted_size,
                 "anchor": checksum(torch.cat([v.reshape(-1) for v in algo.anchor_views])),
             }
         if algo.sync_points == self._seen_syncs:
@@ -178,17 +179,19 @@ class ElasticReplica:
         """After ``algo.step()`` of ``step``: the step the loop continues from (the donor's,
         right after this replica was healed)."""
         self.steps_trained += 1
-        if local_step != step:  # healed: its counters are its donor's
-            self.heal_times.append(time.time())
-            logger.info(
-                "replica %s healed: continues at step %d (was at %d)",
-                self.replica_id,
-                local_step,
-                step,
-            )
-            step = local_step
+        step = self.healed_to(local_step, step)
         if self.first_step is None:
             self.first_step = step
+        return step
+
+    def healed_to(self, step: int, was: int) -> int:
+        """The step the loop stands at, ``step`` (the algorithm's count), noting a heal where
+        it differs from the loop's (``was``): its counters are its donor's now."""
+        if step != was:
+            self.heal_times.append(time.time())
+            logger.info(
+                "replica %s healed: continues at step %d (was at %d)", self.replica_id, step, was
+            )
         return step
 
     def arm(self, algo: Any, step: int, mode: str) -> None:

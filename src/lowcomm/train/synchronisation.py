@@ -149,6 +149,18 @@ class Synchronisation:
         if self.node_meter is not None:
             self.node_meter.backward_done()
 
+    def before_forward(self, step: int) -> int:
+        """At the start of ``step``, its learning rate set: an elastic warm step's quorum
+        (:meth:`~lowcomm.outer.engine.OuterAlgorithm.before_forward`). Returns the step the
+        loop stands at: ``step``, or the donor's right after this replica was healed there."""
+        if self.algo is None:
+            return step
+        self.algo.before_forward()
+        elastic = self.topology.elastic if self.topology is not None else None
+        if elastic is None or self.algo.warm.healed_into_sync:
+            return step  # (healed into a sync's launch: followed at the step's end, as ever)
+        return elastic.healed_to(self.algo.local_step + 1, step)
+
     def after_step(self, step: int) -> tuple[int, dict[str, Any] | None]:
         """After the inner optimizer's step of ``step``: the outer algorithm's step. Returns the
         step the loop stands at afterwards — ``step``, or in an elastic job the donor's step
