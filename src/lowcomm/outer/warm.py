@@ -191,9 +191,9 @@ class WarmStart:
     ) -> None:
         """Launch the means during backward, a bucket at a time
         (:meth:`OuterAlgorithm.warm_start_during_backward`). With fault tolerance a bucket
-        goes out during backward only once its step's quorum was joined (:attr:`quorum_taken`:
-        from the second step of a replica on), since a quorum may heal this replica, replacing
-        the parameters; it never happens during backward."""
+        goes out during backward only where its step's quorum was joined before the forward
+        (:meth:`before_forward`): a quorum may heal this replica, replacing the parameters
+        backward reads, so it is never joined during backward."""
         if not self.active or self.buckets:
             return
         engine = self.engine
