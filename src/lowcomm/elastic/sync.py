@@ -95,9 +95,6 @@ class FaultTolerance:
         self.participants: list[int] = []
         self.quorum_size = 0
         """The size of the last quorum this replica joined (a sync's or a warm step's)."""
-        self.voted_size = 0
-        """The size of the quorum of the last Manager step this replica voted on (a warm step
-        overlapping backward joins the next step's quorum before its record is written)."""
         self.quorum_wait_s = 0.0
         """Seconds this replica's loop waited in its quorums (for the others to reach the sync,
         for a returning replica, or for its own heal): not in the communicator's blocked time."""
@@ -216,7 +213,6 @@ class FaultTolerance:
         """Vote on the sync in flight (after its collective was waited for): whether every
         member may apply it."""
         ok = bool(self.manager.should_commit())
-        self.voted_size = self.quorum_size
         if not ok:
             self.failed_syncs += 1
             error = self.manager.errored()

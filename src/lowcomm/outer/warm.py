@@ -309,8 +309,7 @@ class WarmStart:
         after it. A mean holding NaN or Inf skips the step alike on every rank (gradients set
         to None) or raises (``nan_policy="raise"``)."""
         if self.healed_into_sync:  # (at the quorum before this step's forward)
-            for p in self.engine.params:
-                p.grad = None
+            self._no_inner_step()
             return
         if not self.active:
             self.end()
@@ -325,8 +324,7 @@ class WarmStart:
             # step changes nothing (the parameters are the donor's), the engine's step
             # continues the launch
             self.healed_into_sync = True
-            for p in engine.params:
-                p.grad = None
+            self._no_inner_step()
             return
         with torch.no_grad(), record_function(f"{engine.profile_tag}::warm_start"):
             grads = [
@@ -354,8 +352,7 @@ class WarmStart:
             if elastic is not None and not elastic.warm_commit(self.compressors):
                 # voted down (a replica left while the means were in flight): the step is
                 # skipped alike on every replica of the quorum
-                for p in engine.params:
-                    p.grad = None
+                self._no_inner_step()
                 return
             # one verdict for every mean, read where the host has just waited for them
             if not HostFlags(finite_flag([b for buf in bufs for b in buf.buffers])).read()[0]:
@@ -377,8 +374,7 @@ class WarmStart:
             self.healed_into_sync = True  # (as in average_grads)
             for bucket in self.buckets:
                 bucket.ready = 0
-            for p in engine.params:
-                p.grad = None
+            self._no_inner_step()
             return
         with torch.no_grad(), record_function(f"{engine.profile_tag}::warm_start"):
             for bucket in self.buckets:  # in the same order on every rank
@@ -399,8 +395,7 @@ class WarmStart:
                     "that accumulate gradients"
                 )
             if elastic is not None and not elastic.warm_commit(self.compressors):
-                for p in engine.params:  # voted down: skipped alike on every replica
-                    p.grad = None
+                self._no_inner_step()  # voted down: skipped alike on every replica
                 return
             means = [b for bucket in self.buckets for b in bucket.buf.buffers]
             if not HostFlags(finite_flag(means)).read()[0]:
@@ -415,6 +410,11 @@ class WarmStart:
                         grads.append(p.grad)
                         views.append(mean)
             torch._foreach_copy_(grads, views)
+
+    def _no_inner_step(self) -> None:
+        """This step's inner optimizer step changes nothing: every gradient set to None."""
+        for p in self.engine.params:
+            p.grad = None
 
     def _waited_since(self, t0: float) -> None:
         """Dynamic local steps: the time since ``t0`` was spent waiting for a warm-start mean,

@@ -147,7 +147,7 @@ class ElasticReplica:
                 "time": time.time(),
                 "step": algo.local_step,
                 "warm_step": ft.warm_steps,
-                "participants": ft.voted_size,
+                "participants": ft.quorum_size,
                 "anchor": checksum(torch.cat([v.reshape(-1) for v in algo.anchor_views])),
             }
         if algo.sync_points == self._seen_syncs:
