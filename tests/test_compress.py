@@ -628,6 +628,9 @@ def test_a_quorum_rescales_the_mean_or_leaves_a_failed_sync_undecoded(
         def scale(self) -> float:
             return self._scale
 
+        def senders(self) -> torch.Tensor:
+            return torch.ones(1)
+
     shapes = [torch.Size([12, 10]), torch.Size([10])]
     xs = [_x(tuple(s), seed=i) for i, s in enumerate(shapes)]
     out = {}
@@ -649,6 +652,40 @@ def test_a_quorum_rescales_the_mean_or_leaves_a_failed_sync_undecoded(
     for plain, failed in zip(out["plain"][1], out["failed"][1]):
         if not spec.startswith("powersgd"):  # (PowerSGD's residual is set in its 2nd phase)
             assert torch.equal(plain, failed)
+
+
+def test_a_sparse_mean_over_a_quorum_leaves_out_the_replicas_that_do_not_contribute() -> None:
+    """Elastic syncs: a replica healed at the quorum sends the encoding of zeros and counts 0.
+    SparseLoCo's mean over the ranks that sent each element leaves its payload out (its top-k
+    of zeros would otherwise count as sent): the mean of three payloads, the third a
+    non-contributor's, is that of the first two bit for bit. The tensors sent raw in the same
+    bucket (too small to compress) take the quorum's N / contributors, as every other codec's
+    mean does."""
+    from lowcomm.compress.flat import FlatLayout
+    from lowcomm.compress.sparse import Sparse, SparseSection
+
+    codec = Sparse(density=0.125, chunk=4)
+    shapes = [torch.Size([8, 8]), torch.Size([2]), torch.Size([8, 4])]
+    layout = FlatLayout([codec if codec.compresses(s) else Raw() for s in shapes], shapes, "cpu")
+    assert {type(s).__name__ for s in layout.sections} == {"SparseSection", "RawSection"}
+    n = sum(math.prod(s) for s in shapes)
+    contributions = [_x((n,), seed=1), _x((n,), seed=2), torch.zeros(n)]
+    payloads = [layout.encode(x, generator=None)[0] for x in contributions]
+    two, three = torch.empty(n), torch.empty(n)
+    layout.decode_mean(torch.cat(payloads[:2]), 2, out=two)
+    layout.decode_mean(
+        torch.cat(payloads), 3, out=three, senders=torch.tensor([1.0, 1.0, 0.0]), scale=1.5
+    )
+    sparse = torch.zeros(n, dtype=torch.bool)
+    for section in layout.sections:
+        if isinstance(section, SparseSection):
+            section.put(sparse, torch.ones(section.numel, dtype=torch.bool))
+    assert sparse.any() and not sparse.all()
+    assert torch.equal(three[sparse], two[sparse])
+    torch.testing.assert_close(three[~sparse], two[~sparse])
+    # counted as senders, the zeros pull the mean of elements only some ranks kept towards 0
+    layout.decode_mean(torch.cat(payloads), 3, out=three)
+    assert not torch.equal(three[sparse], two[sparse])
 
 
 def test_without_error_feedback_nothing_is_kept(single_rank_group: None) -> None:

@@ -41,8 +41,12 @@ def _spawn(
 
 KILLED_IN_A_SYNC = ["diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc"]
 # compressed syncs through the quorum: int4 all-gathered, PowerSGD's two all-reduces; a dropped
-# sync's residuals kept (the default) and reset
-KILLED_IN_A_SYNC += ["diloco+int4", "slowmo+powersgd:2+reset"]
+# sync's residuals kept (the default) and reset; SparseLoCo: its own sparse codec, each
+# element's mean over the replicas that sent it (the joiner's zeros left out), its accumulator
+# as the residual. Paced: a compressed sync's survivors see the failure at once (its first
+# collective is an all-gather on the quorum's group) and would finish before the killed
+# replica is back
+KILLED_IN_A_SYNC += ["diloco+int4+paced", "slowmo+powersgd:2+reset+paced", "sparseloco+paced"]
 # healed in the background: the joiner applies the outer steps it missed (one fragment, two)
 KILLED_IN_A_SYNC += ["co2+bg", "streaming+bg"]
 
@@ -123,12 +127,13 @@ def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on
     assert any(e["failed"] >= 1 for e in syncs if e["replica"] in ("replica_0", "replica_1"))
     dropped = [e for e in syncs if not e["committed"]]
     assert dropped
-    if algo.split("+")[0] in ("diloco", "slowmo", "co2"):  # one fragment: θ back to the anchor
-        for e in dropped:
+    if algo.split("+")[0] in ("diloco", "slowmo", "co2", "sparseloco"):  # one fragment: θ
+        for e in dropped:  # back to the anchor
             assert e["params"] == e["anchor"] and e["anchor"] in anchors.get(e["sync"], set())
-    if [t for t in algo.split("+")[1:] if t != "bg"]:  # compressed: what a dropped sync left
+    compressed = [t for t in algo.split("+")[1:] if t not in ("bg", "paced")]
+    if algo.startswith("sparseloco") or compressed:  # what a dropped sync left
         # in the survivors' residuals
-        if algo.endswith("+reset"):
+        if "+reset" in algo:
             assert all(e["residual"] == 0 for e in dropped)
         else:  # kept: what the dropped round's encoding did not send (int4 sends little exactly)
             assert all(e["residual"] > 0 for e in dropped)
@@ -333,7 +338,9 @@ def test_the_job_runs_elastic_what_the_registry_says() -> None:
     from lowcomm.registry import ELASTIC, REGISTRY
     from lowcomm.train.config import ConfigError, config_from_dict
 
-    assert set(ELASTIC) == {"co2", "diloco", "streaming", "cocodc", "localsgd", "slowmo"}
+    assert set(ELASTIC) == {
+        *("co2", "diloco", "streaming", "cocodc", "localsgd", "slowmo", "sparseloco")
+    }
     assert chaos.ELASTIC is ELASTIC and not REGISTRY["noloco"].cls.elastic  # type: ignore[union-attr]
     for name in REGISTRY:
         values = {"fault_tolerance": True, "algo": name, "sync_every": 4, "steps": 8}
@@ -554,34 +561,41 @@ def test_a_replica_healed_during_the_warm_start_ends_each_warm_step_as_its_donor
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("link", ["10mbit", "1mbit"])
 def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_replica(
-    tmp_path: Path, monkeypatch: Any, capsys: Any
+    tmp_path: Path, monkeypatch: Any, capsys: Any, link: str
 ) -> None:
-    # the default job (CO2 chosen from the link, its warm start) over emulated 10 Mbit/s:
-    # the settings are chosen once, before the replicas start, by one process of a replica's
-    # shape; both replicas and replica 1's restart take that one record; SparseLoCo (which
-    # the default job may switch to on a slow link) is not a candidate: it does not run elastic
+    # the default job over an emulated slow link: the settings are chosen once, before the
+    # replicas start, by one process of a replica's shape; both replicas and replica 1's
+    # restart take that one record. On 10 Mbit/s: CO2 with settings (and a warm start) from
+    # the link. On 1 Mbit/s, where none of CO2's hides its syncs: SparseLoCo in its place,
+    # elastic too (a replica killed and healed, each element's mean over those that sent it)
     from lowcomm.cli import main
     from lowcomm.testing.jobs import tiny_job_args
     from lowcomm.train.faults import FAULT_ENV
 
     monkeypatch.setenv(FAULT_ENV, "1:10:kill")
     out = tmp_path / "run"
-    argv = ["train", *tiny_job_args(steps=32, workers=None), "--link", "10mbit"]
+    argv = ["train", *tiny_job_args(steps=32, workers=None), "--link", link]
     argv += ["--fault-tolerance", "--min-replicas", "2", "--max-restarts", "1"]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "faults              1; healed 1" in printed.out
     summary = json.loads((out / "summary.json").read_text())
     record = summary["link_tuning"]
-    assert record is not None and record["link"].startswith("10mbit (emulated)")
-    assert "tuned to link       10mbit (emulated)" in printed.out
-    assert summary["algo"] == "co2" and "replaced" not in record  # (not SparseLoCo)
+    assert record is not None and record["link"].startswith(f"{link} (emulated)")
+    assert f"tuned to link       {link} (emulated)" in printed.out
     chosen = record["settings"]
-    assert chosen and set(chosen) <= {"compression", "sync_warmup", "sync_warmup_compression"}
+    if link == "10mbit":
+        assert summary["algo"] == "co2" and "replaced" not in record
+        assert chosen and set(chosen) <= {"compression", "sync_warmup", "sync_warmup_compression"}
+    else:
+        assert summary["algo"] == "sparseloco" and record["replaced"]["algo"] == "co2"
+        assert "algorithm           sparseloco (sync every 4 steps, elastic)" in printed.out
     for folder in ("replica_0", "replica_1.1"):  # (the one killed wrote no summary)
         own = json.loads((out / "replicas" / folder / "summary.json").read_text())
         assert own["link_tuning"] == record, folder
+        assert own["algo"] == summary["algo"]
         if "compression" in chosen:
             assert own["compression"] == chosen["compression"]
         if "sync_warmup_compression" in chosen:

@@ -66,6 +66,11 @@ class QuorumMean(Protocol):
         """The factor the decoded mean is multiplied by: N / the replicas that contributed
         (a replica healed at this sync's quorum sends zeros and does not count)."""
 
+    def senders(self) -> torch.Tensor:
+        """A weight per rank of the quorum, in the all-gather's order: 1 for a replica that
+        contributed, 0 for one that did not (a sparse mean over the ranks that sent each
+        element leaves the zeros of the latter out)."""
+
 
 class ErrorFeedback(Protocol):
     """What a :class:`CompressedHandle` reports back to the rank's error-feedback state while it
@@ -274,22 +279,26 @@ class CompressedHandle(Handle):
                 on_device = max(0.0, min(t_done, t1) - self.t_launch)
             self.stats.in_flight_s += on_device
             failed = self.quorum is not None and self.quorum.failed()
+            scale, senders = 1.0, None
+            if self.quorum is not None and not failed:
+                scale, senders = self.quorum.scale(), self.quorum.senders()
             with record_function("lowcomm::compress::decode"):
                 for g in self.gather if not failed else []:
-                    self._decode_gather(g, n)
+                    self._decode_gather(g, n, senders, scale)
                 for lr in self.low_rank if not failed else []:
                     self._decode_low_rank(lr, n)
-            if self.quorum is not None and not failed:
-                scale = self.quorum.scale()
-                if scale != 1.0:
-                    torch._foreach_mul_(self.views, scale)
+            scaled = [self.views[i] for lr in self.low_rank for i in [*lr.compressed, *lr.raw]]
+            if scale != 1.0 and scaled and not failed:
+                torch._foreach_mul_(scaled, scale)
             self._done = True
             self.compressor.release(self)
             return self.views
 
-    def _decode_gather(self, g: GatherGroup, n: int) -> None:
+    def _decode_gather(
+        self, g: GatherGroup, n: int, senders: torch.Tensor | None = None, scale: float = 1.0
+    ) -> None:
         assert g.out is not None
-        g.layout.decode_mean(g.gathered, n, out=g.out)
+        g.layout.decode_mean(g.gathered, n, out=g.out, senders=senders, scale=scale)
         if g.target is not None:
             g.target.copy_(g.out)
         elif g.copy_back:

@@ -150,10 +150,33 @@ class FlatLayout:
             section.encode_feedback(x, residual, mine, payload[a:b], generator)
         return payload
 
-    def decode_mean(self, gathered: torch.Tensor, world_size: int, *, out: torch.Tensor) -> None:
+    def decode_mean(
+        self,
+        gathered: torch.Tensor,
+        world_size: int,
+        *,
+        out: torch.Tensor,
+        senders: torch.Tensor | None = None,
+        scale: float = 1.0,
+    ) -> None:
         """The mean over ranks of every element into ``out`` (the bucket, fp32), from
         ``gathered`` (the ranks' payloads in rank order, ``world_size × size`` bytes): every
-        payload decoded, summed in rank order in fp32 and divided by N."""
+        payload decoded, summed in rank order in fp32 and divided by N.
+
+        Over a quorum where some replicas send zeros and do not count (elastic syncs):
+        ``senders``, one weight a rank (1 for a replica that contributes, 0 for one that does
+        not), and ``scale`` = N / the contributors. The means over N are multiplied by
+        ``scale``; a sparse section's mean over the ranks that sent each element
+        (:class:`~lowcomm.compress.sparse.SparseSection`) leaves out the ranks of weight 0
+        instead, and is not scaled."""
         rows = gathered.view(world_size, self.size)
+        over_senders = []
         for section, (a, b) in zip(self.sections, self.section_spans):
-            section.decode_into(out, rows[:, a:b], world_size)
+            if isinstance(section, SparseSection):
+                over_senders.append((section, rows[:, a:b]))
+            else:
+                section.decode_into(out, rows[:, a:b], world_size)
+        if scale != 1.0:
+            out.mul_(scale)  # (the sparse sections' elements are written after it)
+        for sparse, data in over_senders:
+            sparse.decode_into(out, data, world_size, senders=senders)

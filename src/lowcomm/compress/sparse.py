@@ -338,9 +338,18 @@ class SparseSection(Section):
             for e in self._views(residual):
                 torch.nan_to_num_(e, nan=0.0, posinf=0.0, neginf=0.0)
 
-    def decode_into(self, flat: torch.Tensor, data: torch.Tensor, world: int) -> None:
+    def decode_into(
+        self,
+        flat: torch.Tensor,
+        data: torch.Tensor,
+        world: int,
+        *,
+        senders: torch.Tensor | None = None,
+    ) -> None:
         """Each element's mean over the ranks that sent it (their values summed in rank
-        order), 0 where none did, into the section's elements of ``flat``."""
+        order), 0 where none did, into the section's elements of ``flat``. ``senders``: a
+        weight per rank, 0 for a rank whose payload does not count (a replica healed at an
+        elastic sync's quorum sends zeros, whose top-k would otherwise count as sent)."""
         t = self.tiling
         rows = data.reshape(world * self.count, self.per_tensor)
         at = self.head + self.index_nbytes
@@ -357,10 +366,13 @@ class SparseSection(Section):
         values = values.view(world, -1)
         total = torch.zeros(self.count * self.n, dtype=torch.float32, device=data.device)
         count = torch.zeros_like(total)
-        ones = torch.ones_like(values[0])
+        ones = torch.ones_like(values)
+        if senders is not None:  # (on the device: no host read of who counts)
+            weight = senders.to(values.dtype).view(world, 1)
+            values, ones = values * weight, ones * weight
         for r in range(world):  # the sum in rank order
             total.index_put_((local[r],), values[r], accumulate=True)
-            count.index_put_((local[r],), ones, accumulate=True)
+            count.index_put_((local[r],), ones[r], accumulate=True)
         total.div_(count.clamp_(min=1.0))
         row = 0
         for view, (_, _, length) in zip(self._views(flat), self.chains):

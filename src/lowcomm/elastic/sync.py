@@ -337,11 +337,12 @@ class QuorumWork:
 
 class _CompressedQuorum:
     """A compressed sync's view of its quorum (:class:`~lowcomm.compress.collectives.QuorumMean`):
-    the contributors' count, all-reduced beside the payloads."""
+    whether each replica contributes (1 or 0), all-gathered beside the payloads in their
+    order."""
 
-    def __init__(self, ft: FaultTolerance, count: torch.Tensor, work: Any, world: int) -> None:
+    def __init__(self, ft: FaultTolerance, flags: torch.Tensor, work: Any, world: int) -> None:
         self.ft = ft
-        self.count = count
+        self.flags = flags
         self.work = work
         self.world = world
         self.t0 = time.monotonic()
@@ -352,8 +353,11 @@ class _CompressedQuorum:
 
     def scale(self) -> float:
         self.ft.collective_s = [*self.ft.collective_s[-7:], time.monotonic() - self.t0]
-        contributors = float(self.count[0])
+        contributors = float(self.flags.sum())
         return self.world / contributors if 1 <= contributors < self.world else 1.0
+
+    def senders(self) -> torch.Tensor:
+        return self.flags
 
 
 class ManagedCommunicator(Communicator):
@@ -427,20 +431,21 @@ class ManagedCommunicator(Communicator):
         factors all-reduced) on the quorum's process group, and beside them the count of the
         replicas that contribute. A replica healed at this quorum encodes zeros (its residuals
         are 0 since its heal) and counts 0: the decoded sum over the quorum is rescaled to the
-        mean over the contributors. A failed collective decodes nothing; the vote drops the
-        sync."""
+        mean over the contributors, and a sparse mean over the ranks that sent each element
+        leaves its zeros out (each replica's flag is all-gathered, in the payloads' order). A
+        failed collective decodes nothing; the vote drops the sync."""
         if not self.ft.contributing:
             for b in buckets.buffers:
                 b.zero_()
         device = buckets.buffers[0].device if buckets.buffers else None
-        count = torch.tensor([1.0 if self.ft.contributing else 0.0], device=device)
+        flag = torch.tensor([1.0 if self.ft.contributing else 0.0], device=device)
         self.ft.before_collective()
-        count_work = self.ft.manager.allreduce(count, reduce_op=dist.ReduceOp.SUM)
-        count_work = self._through_link(count_work, count.numel() * count.element_size(), True)
         world = self.world_size
+        flags = torch.zeros(world, device=device)
+        flags_work = self._launch_all_gather(flags, flag)
         handle = super().compressed_mean_async(buckets, compressor, own=own)
         if isinstance(handle, CompressedHandle):
-            handle.quorum = _CompressedQuorum(self.ft, count, count_work, world)
+            handle.quorum = _CompressedQuorum(self.ft, flags, flags_work, world)
         return handle
 
     def _through_link(self, work: Any, nbytes: int, reduce: bool) -> Any:

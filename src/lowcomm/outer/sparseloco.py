@@ -133,9 +133,6 @@ class SparseLoCo(OuterAlgorithm):
     Config: ClassVar[type[OuterConfig]] = SparseLoCoConfig
     config: SparseLoCoConfig
     schedule = SPARSE_GATHER
-    # (not yet: its mean divides each element by the ranks that sent it, which the zeros a
-    # replica healed at the quorum sends would count as sent)
-    elastic = False
     _apply_unlaunched = True
 
     @property

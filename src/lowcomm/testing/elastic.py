@@ -14,14 +14,17 @@ algorithm over torchft (``fault_tolerance=``) and writes one JSON line per event
 
 A job's name is an algorithm, or ``ALGO+CODEC`` (compressed syncs, e.g. ``diloco+int4``) and
 optionally ``+reset`` (``dropped_residual="reset"``); its sync records then hold ``residual``,
-the sum of squares of the compressor's residuals after the sync; ``+bg`` heals in the
+the sum of squares of the compressor's residuals after the sync (``sparseloco`` compresses
+with its own codec: its records hold its accumulator's); ``+bg`` heals in the
 background (``heal="background"``). ``ALGO+warm`` adds a warm start
 of 3 rounds with int8 gradient means, one quorum per step; each of its steps writes
 ``{"event": "warm", "committed", "warm_step", "participants", "params", "local_step",
 "in_backward"}``; ``+backward`` sends them during backward, each step's quorum joined before
 its forward (``warm_start_during_backward()``, ``before_forward()``), and ``in_backward`` counts
 the step's buckets launched before the optimizer's step (``None`` without ``+backward``).
-``--step-sleep S`` sleeps S seconds after every inner step (a replica that trains at a pace).
+``--step-sleep S`` sleeps S seconds after every inner step (a replica that trains at a pace);
+``+paced`` in a job's name sleeps 0.15 s more in that job (its survivors of a kill then train for
+longer than a restarted replica takes to start).
 
 Every record also names its ``algo``. ``--algo A,B,...`` with ``--lighthouse ADDR_A,ADDR_B,...``
 (one Lighthouse each) runs one job after the other in this process, each from a fresh model and
@@ -135,7 +138,8 @@ def _run(
     warm = "warm" in codec
     background = "bg" in codec
     in_backward = "backward" in codec
-    codec = [c for c in codec if c not in ("warm", "bg", "backward")]
+    pace = args.step_sleep + (0.15 if "paced" in codec else 0.0)
+    codec = [c for c in codec if c not in ("warm", "bg", "backward", "paced")]
     reset = codec[-1:] == ["reset"]
     codec = codec[:-1] if reset else codec
     replica = replica_manager(
@@ -163,6 +167,7 @@ def _run(
         "co2": lowcomm.CO2,
         "streaming": lowcomm.StreamingDiLoCo,
         "cocodc": lowcomm.CoCoDC,
+        "sparseloco": lowcomm.SparseLoCo,
     }
     algo = cls[algo_name](model, inner, fault_tolerance=replica, **kwargs)
     ft = algo.ft
@@ -233,8 +238,8 @@ def _run(
         inner.step()
         inner.zero_grad()
         algo.step()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        if pace:
+            time.sleep(pace)
         if warm and algo.local_step <= algo.warmup and algo.local_step != warm_seen[0]:
             write(
                 event="warm",

@@ -632,7 +632,8 @@ def _job_summary(
     participants = list(survivor.get("participants", []))
     return {
         "status": "finished" if finished else "failed",
-        "algo": cfg.algo,
+        # (the replicas' own: the settings from the link may have switched the default job's)
+        "algo": (first or {}).get("algo") or cfg.algo,
         "name": cfg.name,
         "out": cfg.out,
         "replicas": cfg.replicas,
