@@ -214,6 +214,7 @@ class Replica:
         dropped_residual: str = "keep",
         heal: str = "blocking",
         group_size: int = 1,
+        heal_inner: str = "bf16",
     ) -> None:
         self.manager = manager
         self.group_size = group_size
@@ -230,6 +231,9 @@ class Replica:
         is dropped (:data:`DROPPED_RESIDUAL`)."""
         self.heal = check_heal(heal)
         """How this replica receives a heal past the warm start (:data:`HEALS`)."""
+        self.heal_inner = check_heal_inner(heal_inner)
+        """What of its donor's inner optimizer state a heal past the warm start brings this
+        replica (:data:`HEAL_INNER`)."""
 
     def shutdown(self) -> None:
         """Stop the Manager (its heartbeats end: the others' next quorum leaves this replica
@@ -257,6 +261,7 @@ def replica_manager(
     link: EmulatedLink | None = None,
     dropped_residual: str = "keep",
     heal: str = "blocking",
+    heal_inner: str = "bf16",
 ) -> Replica:
     """A ``torchft.Manager`` for this process as (part of) one replica, as lowcomm's outer
     algorithms drive it (``fault_tolerance=``): a blocking quorum at each sync, the commit vote
@@ -294,6 +299,9 @@ def replica_manager(
             everything inside the quorum, which waits for it) or ``background`` (the quorum
             carries the counters, the tensors follow while the replicas sync on; the joiner
             catches up with the syncs it took part in meanwhile); see :data:`HEALS`.
+        heal_inner: what of the donor's inner optimizer state a heal past the warm start
+            brings: ``bf16`` (its moments in bf16, the default) or ``none`` (the joiner's inner
+            optimizer starts afresh; a smaller heal); see :data:`HEAL_INNER`.
 
     Returns the :class:`Replica` (``.manager``; ``.shutdown()`` stops it).
     """
@@ -302,6 +310,7 @@ def replica_manager(
 
     check_dropped_residual(dropped_residual)
     check_heal(heal)
+    check_heal_inner(heal_inner)
 
     from lowcomm.elastic.transport import TensorTransport
 
@@ -358,7 +367,9 @@ def replica_manager(
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
     return Replica(
-        manager, store, replica_id, min_replicas, transport, pg, dropped_residual, heal, group_size
+        *(manager, store, replica_id, min_replicas, transport, pg, dropped_residual, heal),
+        group_size,
+        heal_inner,
     )
 
 
@@ -397,4 +408,22 @@ for LocalSGD (no outer state: its anchor is the average itself) a heal blocks ei
 def check_heal(value: Any) -> str:
     if value not in HEALS:
         raise ValueError(f"heal must be one of {', '.join(HEALS)}, got {value!r}")
+    return str(value)
+
+
+HEAL_INNER = ("bf16", "none")
+"""What of its donor's inner optimizer state a replica healed past the warm start receives
+(:meth:`lowcomm.outer.fault_tolerance.ElasticSyncs.heal_state`). Past the warm start a replica's
+inner moments are its own (its own gradients made them); the joiner has none. ``bf16`` — the
+default: the donor's, in bf16 (a third of the heal of the default job: the anchor and the outer
+momentum are the rest, in fp32, as every replica must hold them alike); ``none`` — none: the
+joiner's inner optimizer starts afresh, as at the job's start (its state cleared, AdamW's step
+count with it, so its first steps are bias-corrected), and the heal carries the anchor and the
+outer state alone. Inside the warm start, where every replica holds one θ and one optimizer
+state, the joiner takes its donor's exactly either way."""
+
+
+def check_heal_inner(value: Any) -> str:
+    if value not in HEAL_INNER:
+        raise ValueError(f"heal_inner must be one of {', '.join(HEAL_INNER)}, got {value!r}")
     return str(value)

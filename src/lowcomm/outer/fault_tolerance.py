@@ -104,6 +104,9 @@ class ElasticSyncs:
         self.background = background and own and getattr(replica, "group_size", 1) == 1
         """Whether heals past the warm start reach this replica in the background (the
         replica's ``heal``, over lowcomm's transport)."""
+        self.heal_inner: str = getattr(replica, "heal_inner", "bf16")
+        """What of the donor's inner optimizer state a heal past the warm start carries (the
+        replica's ``heal_inner``: :data:`lowcomm.elastic.replica.HEAL_INNER`)."""
         self._pending: Any = None
         self._quiet_launch = False
         self._missed: list[tuple[AnyFragment, Any, list[torch.Tensor], float | None]] = []
@@ -263,12 +266,13 @@ class ElasticSyncs:
         if warm:
             params = [p.detach().clone() for p in engine.params]
             return {**state, "algorithm": algorithm, "inner": inner, "params": params}
+        moments = _bf16_moments(inner) if self.heal_inner == "bf16" else None
         if not (self.background and all(f.outer is not None for f in engine.fragments)):
-            return {**state, "algorithm": algorithm, "inner": _bf16_moments(inner)}
+            return {**state, "algorithm": algorithm, "inner": moments}
         from lowcomm.elastic.transport import Background
 
         counters, tensors = _split_tensors(algorithm)
-        bulk = Background({"algorithm": tensors, "inner": _bf16_moments(inner)})
+        bulk = Background({"algorithm": tensors, "inner": moments})
         return {**state, "algorithm": counters, "background": bulk}
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
@@ -290,7 +294,7 @@ class ElasticSyncs:
             else:
                 for frag in engine.fragments:
                     frag.anchor.copy_to(frag.params)
-        engine.inner.load_state_dict(state["inner"])  # (moments cast back to the parameters')
+        _load_inner(engine.inner, state["inner"])
 
     def missed(
         self, frag: AnyFragment, sync: Any, avg: list[torch.Tensor], lr_factor: float | None
@@ -320,7 +324,7 @@ class ElasticSyncs:
             engine.load_state_dict(
                 _filled(received["algorithm"], engine.state_dict()), _healing=True
             )
-            engine.inner.load_state_dict(received["inner"])
+            _load_inner(engine.inner, received["inner"])
             for frag, sync, avg, lr_factor in self._missed:
                 engine.replay_update(frag, sync, avg, lr_factor)
             for frag in engine.fragments:
@@ -387,6 +391,15 @@ def _filled(received: Any, own: Any) -> Any:
     ):
         return [_filled(r, o) for r, o in zip(received, own)]
     return received
+
+
+def _load_inner(inner: Any, state: dict[str, Any] | None) -> None:
+    """The inner optimizer's state a heal brought (moments cast back to the parameters'
+    dtype), or, where it brought none (``heal_inner`` none), the optimizer's state cleared: it
+    starts afresh, as at the job's start (its settings and learning rates stay)."""
+    if state is None:
+        state = {**inner.state_dict(), "state": {}}
+    inner.load_state_dict(state)
 
 
 def _bf16_moments(inner: dict[str, Any]) -> dict[str, Any]:

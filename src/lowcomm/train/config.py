@@ -309,6 +309,10 @@ class TrainConfig:
     background (its quorum brings the donor's counters; the tensors follow while every replica
     syncs on, and it catches up on the syncs it missed; see docs/fault-tolerance.md for what it
     risks)."""
+    heal_inner: str = "bf16"
+    """With fault_tolerance: what of its donor's inner optimizer state a replica healed past the
+    warm start receives: bf16 (the donor's moments in bf16) or none (its inner optimizer starts
+    afresh: a heal a third smaller on the default job)."""
 
     @property
     def world_size(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowcomm.elastic.replica import DROPPED_RESIDUAL, HEALS
+from lowcomm.elastic.replica import DROPPED_RESIDUAL, HEAL_INNER, HEALS
 from lowcomm.train.errors import ConfigError, check_int, check_string
 
 __all__ = ["check_elastic_overlap", "check_fault_tolerance"]
@@ -24,6 +24,10 @@ def check_fault_tolerance(cfg: Any) -> None:
         )
     if cfg.heal not in HEALS:
         raise ConfigError("heal", f"must be one of {', '.join(HEALS)}, got {cfg.heal!r}")
+    if cfg.heal_inner not in HEAL_INNER:
+        raise ConfigError(
+            "heal_inner", f"must be one of {', '.join(HEAL_INNER)}, got {cfg.heal_inner!r}"
+        )
     if cfg.lighthouse is not None:
         check_string("lighthouse", cfg.lighthouse)
     if cfg.replica_id is not None:

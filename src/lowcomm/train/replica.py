@@ -110,6 +110,7 @@ class ElasticReplica:
             link=link,
             dropped_residual=cfg.dropped_residual,
             heal=cfg.heal,
+            heal_inner=cfg.heal_inner,
             **group,
         )
         self.steps_trained = 0
