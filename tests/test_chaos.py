@@ -472,6 +472,11 @@ def test_a_syncs_collective_is_bounded_by_the_last_ones() -> None:
 
     class Manager:  # the scheduling under test needs none of a Manager's work
         start_quorum = should_commit = allreduce = register_state_dict_fn = staticmethod(nothing)
+        errored = staticmethod(nothing)
+        size = 4
+
+        def num_participants(self) -> int:
+            return self.size
 
     class Group:
         bound: timedelta | None = None
@@ -491,3 +496,20 @@ def test_a_syncs_collective_is_bounded_by_the_last_ones() -> None:
     ft.collective_s = [0.4, 3.0, 0.9]
     ft.before_collective()
     assert Replica.pg.bound == timedelta(seconds=TIMEOUT_FACTOR * 3.0) > timedelta(seconds=10)
+    # a quorum that grew (a replica came back): its collectives wait for the joiner's heal, so
+    # they are not bounded by the last syncs' time, and their own time (the heal's) does not
+    # stretch the bound of the syncs after it
+    ft.quorum()
+    assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
+    Replica.manager.size = 3  # one left
+    ft.quorum()
+    assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
+    Replica.manager.size = 4  # it is back
+    ft.quorum()
+    assert ft.grown and ft.collective_timeout() is None
+    ft.record_collective(25.0)  # (its heal's time)
+    assert ft.collective_s == [0.4, 3.0, 0.9]
+    ft.quorum()  # the next sync, the same four: bounded again, by the syncs without a heal
+    assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
+    ft.record_collective(1.0)
+    assert ft.collective_s == [0.4, 3.0, 0.9, 1.0]

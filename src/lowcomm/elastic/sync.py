@@ -102,7 +102,11 @@ class FaultTolerance:
         """Warm-start steps committed (each a Manager step of its own: not counted in
         :attr:`step`); a healed replica takes its donor's count."""
         self.collective_s: list[float] = []
-        """How long the collectives of the last committed syncs took (launch to done)."""
+        """How long the collectives of the last committed syncs took (launch to done), those of
+        quorums that grew left out (:meth:`record_collective`)."""
+        self.grown = False
+        """Whether the last quorum holds more replicas than the one before it: a replica
+        (re)joined, and the collectives of that quorum wait for its heal."""
         self._healed_now = False
 
     def collective_timeout(self) -> float | None:
@@ -110,10 +114,19 @@ class FaultTolerance:
         slowest of the last syncs' (at least :data:`MIN_TIMEOUT_S`), so that a peer that died
         in the middle of it — whose neighbours fail at once, but whose neighbours' neighbours
         would wait for data that never comes — costs seconds, not the whole collective timeout;
-        ``None`` (the full timeout) before any sync completed."""
-        if not self.collective_s:
+        ``None`` (the full timeout) before any sync completed, and in a quorum that grew (its
+        collectives wait for a joiner's heal, which takes what the heal takes)."""
+        if not self.collective_s or self.grown:
             return None
         return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(self.collective_s[-8:]))
+
+    def record_collective(self, seconds: float) -> None:
+        """A committed sync's collectives took ``seconds``: remembered for
+        :meth:`collective_timeout`, unless its quorum grew (the time then holds a joiner's
+        heal, which would stretch the bound of the syncs after it: a survivor stuck in a
+        collective a dead peer left would wait that much longer)."""
+        if not self.grown:
+            self.collective_s = [*self.collective_s[-7:], seconds]
 
     def before_collective(self) -> None:
         """Bound the sync's collective about to be launched (:meth:`collective_timeout`)."""
@@ -168,7 +181,9 @@ class FaultTolerance:
                 error,
             )
         self.contributing = not healed
-        self.quorum_size = int(self.manager.num_participants())
+        size = int(self.manager.num_participants())
+        self.grown = 0 < self.quorum_size < size
+        self.quorum_size = size
         if not warm:
             self.participants.append(self.quorum_size)
         if healed:
@@ -306,7 +321,7 @@ class ManagedHandle(Handle):
             return self.buffers
         super().wait()  # divisor 1: the Manager's works never raise
         if self.ft is not None and self.ft.manager.errored() is None:
-            self.ft.collective_s = [*self.ft.collective_s[-7:], time.monotonic() - self.t0]
+            self.ft.record_collective(time.monotonic() - self.t0)
         contributors = float(self.count[0])
         if contributors >= 1:
             torch._foreach_div_(self.buffers, contributors)
@@ -352,7 +367,7 @@ class _CompressedQuorum:
         return self.ft.manager.errored() is not None
 
     def scale(self) -> float:
-        self.ft.collective_s = [*self.ft.collective_s[-7:], time.monotonic() - self.t0]
+        self.ft.record_collective(time.monotonic() - self.t0)
         contributors = float(self.flags.sum())
         return self.world / contributors if 1 <= contributors < self.world else 1.0
 
