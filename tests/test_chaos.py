@@ -480,6 +480,7 @@ def test_a_syncs_collective_is_bounded_by_the_last_ones() -> None:
 
     class Group:
         bound: timedelta | None = None
+        rendezvous = 1  # (one for every quorum whose members changed)
 
         def set_collective_timeout(self, timeout: timedelta) -> None:
             self.bound = timeout
@@ -513,3 +514,14 @@ def test_a_syncs_collective_is_bounded_by_the_last_ones() -> None:
     assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
     ft.record_collective(1.0)
     assert ft.collective_s == [0.4, 3.0, 0.9, 1.0]
+    # as many replicas, but other ones (one died after the last quorum, its restart is in this
+    # one): the members changed, the group met again, and a joiner's heal may be in it
+    Replica.pg.rendezvous += 1
+    ft.quorum()
+    assert ft.grown and ft.collective_timeout() is None
+    ft.quorum()
+    assert not ft.grown
+    Replica.manager.size = 3  # fewer, and others: a replica left (no joiner)
+    Replica.pg.rendezvous += 1
+    ft.quorum()
+    assert not ft.grown

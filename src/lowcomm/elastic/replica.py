@@ -184,9 +184,12 @@ def _replica_gloo(
             super().__init__(timeout=rendezvous_timeout)
             self.collective_timeout = collective_timeout
             self._backend: Any = None
+            self.rendezvous = 0
+            """Rendezvous so far: one for every quorum whose members changed."""
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             pg = super()._create_pg(store, rank, world_size)  # connected within the rendezvous
+            self.rendezvous += 1
             self._backend = pg._get_backend(torch.device("cpu"))
             self._backend._set_default_timeout(self.collective_timeout)
             return pg

@@ -105,8 +105,10 @@ class FaultTolerance:
         """How long the collectives of the last committed syncs took (launch to done), those of
         quorums that grew left out (:meth:`record_collective`)."""
         self.grown = False
-        """Whether the last quorum holds more replicas than the one before it: a replica
-        (re)joined, and the collectives of that quorum wait for its heal."""
+        """Whether the last quorum may hold a replica that (re)joined (more replicas than the
+        one before it, or as many but other ones): the collectives of that quorum wait for
+        its heal."""
+        self._rendezvous: int | None = None
         self._healed_now = False
 
     def collective_timeout(self) -> float | None:
@@ -182,7 +184,14 @@ class FaultTolerance:
             )
         self.contributing = not healed
         size = int(self.manager.num_participants())
-        self.grown = 0 < self.quorum_size < size
+        # the replicas' process group meets again whenever the quorum's members change: as many
+        # replicas as before, but not the same ones, may hold a joiner too (one left, one came)
+        seen = getattr(getattr(self.replica, "pg", None), "rendezvous", None)
+        other = seen is not None and self._rendezvous is not None and seen != self._rendezvous
+        self._rendezvous = seen
+        self.grown = self.quorum_size > 0 and (
+            size > self.quorum_size or (other and size == self.quorum_size)
+        )
         self.quorum_size = size
         if not warm:
             self.participants.append(self.quorum_size)
