@@ -501,27 +501,27 @@ def test_a_syncs_collective_is_bounded_by_the_last_ones() -> None:
     # they are not bounded by the last syncs' time, and their own time (the heal's) does not
     # stretch the bound of the syncs after it
     ft.quorum()
-    assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
+    assert not ft.new_members and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
     Replica.manager.size = 3  # one left
     ft.quorum()
-    assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
+    assert not ft.new_members and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
     Replica.manager.size = 4  # it is back
     ft.quorum()
-    assert ft.grown and ft.collective_timeout() is None
+    assert ft.new_members and ft.collective_timeout() is None
     ft.record_collective(25.0)  # (its heal's time)
     assert ft.collective_s == [0.4, 3.0, 0.9]
     ft.quorum()  # the next sync, the same four: bounded again, by the syncs without a heal
-    assert not ft.grown and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
+    assert not ft.new_members and ft.collective_timeout() == TIMEOUT_FACTOR * 3.0
     ft.record_collective(1.0)
     assert ft.collective_s == [0.4, 3.0, 0.9, 1.0]
     # as many replicas, but other ones (one died after the last quorum, its restart is in this
     # one): the members changed, the group met again, and a joiner's heal may be in it
     Replica.pg.rendezvous += 1
     ft.quorum()
-    assert ft.grown and ft.collective_timeout() is None
+    assert ft.new_members and ft.collective_timeout() is None
     ft.quorum()
-    assert not ft.grown
+    assert not ft.new_members
     Replica.manager.size = 3  # fewer, and others: a replica left (no joiner)
     Replica.pg.rendezvous += 1
     ft.quorum()
-    assert not ft.grown
+    assert not ft.new_members

@@ -287,9 +287,9 @@ class CompressedHandle(Handle):
                     self._decode_gather(g, n, senders, scale)
                 for lr in self.low_rank if not failed else []:
                     self._decode_low_rank(lr, n)
-            scaled = [self.views[i] for lr in self.low_rank for i in [*lr.compressed, *lr.raw]]
-            if scale != 1.0 and scaled and not failed:
-                torch._foreach_mul_(scaled, scale)
+            if scale != 1.0 and self.low_rank:  # (the gathered means are scaled as decoded)
+                low_rank = [self.views[i] for g in self.low_rank for i in [*g.compressed, *g.raw]]
+                torch._foreach_mul_(low_rank, scale)
             self._done = True
             self.compressor.release(self)
             return self.views

@@ -366,10 +366,10 @@ class SparseSection(Section):
         values = values.view(world, -1)
         total = torch.zeros(self.count * self.n, dtype=torch.float32, device=data.device)
         count = torch.zeros_like(total)
-        ones = torch.ones_like(values)
+        ones = torch.ones_like(values[0]).expand(world, -1)
         if senders is not None:  # (on the device: no host read of who counts)
-            weight = senders.to(values.dtype).view(world, 1)
-            values, ones = values * weight, ones * weight
+            ones = senders.to(values.dtype).view(world, 1).expand_as(values)
+            values = values * ones
         for r in range(world):  # the sum in rank order
             total.index_put_((local[r],), values[r], accumulate=True)
             count.index_put_((local[r],), ones[r], accumulate=True)

@@ -370,9 +370,16 @@ def replica_manager(
             f"{connect_timeout_s:g} s ({why}); start it first or check the address"
         ) from None
     return Replica(
-        *(manager, store, replica_id, min_replicas, transport, pg, dropped_residual, heal),
-        group_size,
-        heal_inner,
+        manager,
+        store,
+        replica_id,
+        min_replicas,
+        transport,
+        pg,
+        dropped_residual=dropped_residual,
+        heal=heal,
+        group_size=group_size,
+        heal_inner=heal_inner,
     )
 
 

@@ -103,8 +103,8 @@ class FaultTolerance:
         :attr:`step`); a healed replica takes its donor's count."""
         self.collective_s: list[float] = []
         """How long the collectives of the last committed syncs took (launch to done), those of
-        quorums that grew left out (:meth:`record_collective`)."""
-        self.grown = False
+        quorums with new members left out (:meth:`record_collective`)."""
+        self.new_members = False
         """Whether the last quorum may hold a replica that (re)joined (more replicas than the
         one before it, or as many but other ones): the collectives of that quorum wait for
         its heal."""
@@ -116,18 +116,18 @@ class FaultTolerance:
         slowest of the last syncs' (at least :data:`MIN_TIMEOUT_S`), so that a peer that died
         in the middle of it — whose neighbours fail at once, but whose neighbours' neighbours
         would wait for data that never comes — costs seconds, not the whole collective timeout;
-        ``None`` (the full timeout) before any sync completed, and in a quorum that grew (its
-        collectives wait for a joiner's heal, which takes what the heal takes)."""
-        if not self.collective_s or self.grown:
+        ``None`` (the full timeout) before any sync completed, and in a quorum with new members
+        (its collectives wait for a joiner's heal, which takes what the heal takes)."""
+        if not self.collective_s or self.new_members:
             return None
         return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(self.collective_s[-8:]))
 
     def record_collective(self, seconds: float) -> None:
         """A committed sync's collectives took ``seconds``: remembered for
-        :meth:`collective_timeout`, unless its quorum grew (the time then holds a joiner's
-        heal, which would stretch the bound of the syncs after it: a survivor stuck in a
-        collective a dead peer left would wait that much longer)."""
-        if not self.grown:
+        :meth:`collective_timeout`, unless its quorum had new members (the time then holds a
+        joiner's heal, which would stretch the bound of the syncs after it: a survivor stuck in
+        a collective a dead peer left would wait that much longer)."""
+        if not self.new_members:
             self.collective_s = [*self.collective_s[-7:], seconds]
 
     def before_collective(self) -> None:
@@ -189,7 +189,7 @@ class FaultTolerance:
         seen = getattr(getattr(self.replica, "pg", None), "rendezvous", None)
         other = seen is not None and self._rendezvous is not None and seen != self._rendezvous
         self._rendezvous = seen
-        self.grown = self.quorum_size > 0 and (
+        self.new_members = self.quorum_size > 0 and (
             size > self.quorum_size or (other and size == self.quorum_size)
         )
         self.quorum_size = size
