@@ -1,8 +1,8 @@
 """``lowcomm train --algo ddp`` against plain torch ``DistributedDataParallel``: the step time of
 each, side by side in one run, on the job's default GPT and the same batches, 2 workers over
 gloo on 127.0.0.1, no emulated link (:mod:`lowcomm.bench.ddp_parity`: two DDP copies of the
-model in the same processes, one step each in turn, the order flipping every pair). Issue 54
-asks for lowcomm within 3% of torch. Reproduce (2 to 4 minutes on 2 cores, the longer when
+model in the same processes, one step each in turn, the order flipping every pair). The goal
+is lowcomm within 3% of torch. Reproduce (2 to 4 minutes on 2 cores, the longer when
 other work shares them)::
 
     python benchmarks/ddp_parity.py

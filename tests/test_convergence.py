@@ -10,7 +10,7 @@ import os
 import pytest
 
 from lowcomm.bench.convergence import ConvergenceSpec, algo_fields, run_convergence
-from lowcomm.bench.convergence_report import assemble, format_markdown, wall_time
+from lowcomm.bench.convergence_report import assemble, format_markdown, steps_within, wall_time
 from lowcomm.cli import main
 from lowcomm.testing.jobs import TINY_JOB
 
@@ -83,9 +83,17 @@ def test_assemble_merges_seeds_and_times_the_target_on_each_link():
         {"algo": "co2", "workers": 2, "link": "100mbit", "step_time_s": 0.2},
         {"algo": "diloco", "workers": 2, "link": "100mbit", "step_time_s": 0.5},
     ]
+    # bytes on the wire: a worker's whole job (1,500 tokens a worker): DDP 100 a token, CO2 1
+    # and 3 on its seeds (2 a token), DiLoCo's not recorded
+    runs[0]["wire_bytes"] = runs[1]["wire_bytes"] = 150_000
+    runs[2]["wire_bytes"], runs[3]["wire_bytes"] = 1_500, 4_500
     results = assemble(spec, runs, timings)
     cells = {c["algo"]: c for c in results["cells"]}
     ddp, co2, diloco = cells["ddp"], cells["co2"], cells["diloco"]
+    assert ddp["wire_bytes_per_token"] == pytest.approx(100.0)
+    assert co2["wire_bytes_per_token"] == pytest.approx(2.0)
+    assert co2["fewer_bytes_than_ddp"] == pytest.approx(50.0)
+    assert diloco["wire_bytes_per_token"] is None and diloco["fewer_bytes_than_ddp"] is None
     assert ddp["val_loss_mean"] == pytest.approx(2.1)
     assert ddp["val_loss_std"] == pytest.approx(math.sqrt(0.02))
     assert [p[2] for p in ddp["curve"]] == pytest.approx([5.0, 3.1, 2.3, 2.1])
@@ -106,8 +114,16 @@ def test_assemble_merges_seeds_and_times_the_target_on_each_link():
     # the only blocking algorithm never reaches the target: CO2 is sooner
     assert goals["co2, 2 workers, 100mbit: sooner than every blocking algorithm"]["met"] is True
     assert goals["co2, 2 workers, 1gbit: not slower than DDP to DDP's final loss"]["met"] is None
+    # equal time: CO2's whole job took 6 s, the fastest; by then DDP had trained 6 steps and
+    # DiLoCo 12, each read off its mean curve between the evaluations at steps 0 and 10, 10 and 20
+    assert co2["equal_time"]["100mbit"] == {"seconds": 6.0, "steps": 30.0, "val_loss": 2.05}
+    assert ddp["equal_time"]["100mbit"]["steps"] == pytest.approx(6.0)
+    assert ddp["equal_time"]["100mbit"]["val_loss"] == pytest.approx(5.0 + 0.6 * (3.1 - 5.0))
+    assert diloco["equal_time"]["100mbit"]["val_loss"] == pytest.approx(4.0 + 0.2 * (3.0 - 4.0))
     text = format_markdown(results)
     assert "not reached" in text and "2.050 ± 0.071" in text
+    assert "val loss at 6 s, 100mbit (steps)" in text and "3.860 (6)" in text
+    assert "2.0, 50×" in text
 
 
 def test_a_run_of_longer_jobs_alone_is_reported_and_plotted(tmp_path):
@@ -146,6 +162,10 @@ def test_a_warm_start_is_timed_at_its_own_step_time():
     # 10 warm steps at 1.5 s, 20 more at 0.2 s
     assert co2["time_to_target_s"] == {"100mbit": pytest.approx(19.0)}
     assert wall_time(co2, "100mbit", 5) == pytest.approx(7.5)
+    # and back: the steps trained in a time, in the warm start or after it, at most the job's
+    assert steps_within(co2, "100mbit", 7.5) == pytest.approx(5)
+    assert steps_within(co2, "100mbit", 17.0) == pytest.approx(20)
+    assert steps_within(co2, "100mbit", 60.0) == pytest.approx(30)
 
 
 def test_sync_to_round_reads_the_rounds_after_the_warm_start(tmp_path):
@@ -333,3 +353,23 @@ def test_cli_keeps_convergence_and_matrix_flags_apart(tmp_path, capsys):
     assert main(["bench", "--convergence", "--algos", "ddp,nope", "--out", str(tmp_path)]) == 2
     assert "unknown algorithm 'nope'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "results.json")
+
+
+def test_an_entry_that_names_its_link_times_what_its_loss_job_chose(tmp_path):
+    # co2/tune_link=10mbit: the first loss job chooses for the link; its timing jobs (short,
+    # on every link) and other seeds take that choice as given instead of choosing again
+    from lowcomm.bench.convergence import _names_link
+
+    assert _names_link("co2/tune_link=10mbit") and not _names_link("co2/tune_link=off")
+    assert not _names_link("co2") and not _names_link("co2/tune_link=auto")
+    spec = ConvergenceSpec(out=str(tmp_path), algos=["ddp", "co2/tune_link=10mbit"])
+    first = spec.train_config("co2/tune_link=10mbit", 2, 0)
+    assert first.tune_link == "10mbit"  # the first loss job chooses
+    chosen = {"compression": "int4", "sync_warmup_compression": "int2"}
+    timing = spec.train_config("co2/tune_link=10mbit", 2, 0, 1, "1mbit", settings=chosen)
+    assert timing.tune_link == "off" and timing.link == "1mbit"
+    kwargs = timing.algorithm_kwargs()
+    assert kwargs["compression"] == "int4" and kwargs["sync_warmup_compression"] == "int2"
+    assert timing.sync_warmup_steps() == timing.steps // 2  # its own warm start, timed apart
+    other_seed = spec.train_config("co2/tune_link=10mbit", 2, 1, settings=chosen)
+    assert other_seed.tune_link == "off" and other_seed.algorithm_kwargs()["compression"] == "int4"

@@ -17,7 +17,7 @@ buffers allocated once. The three alternate (the order flipping every repeat, af
 warm-up of each), so that drift in the machine's speed hits them alike; the buckets are refilled
 with the same delta before each codec call, outside the clock, and the residual carries over as
 in training. Reported: the medians of each time, and the median over repeats of each repeat's
-codec / clone (``ratio``, the figure issue 54 sets a target for) and codec / copy
+codec / clone (``ratio``, the figure the bench's codec goal is set on) and codec / copy
 (``ratio_to_copy``). The copy is the floor of the memory traffic: a clone also allocates, and on
 Linux an allocation larger than glibc's mmap threshold (which adapts, up to 32 MB) comes as
 fresh pages from the kernel, whose faults can make a clone cost up to 3 copies.

@@ -100,6 +100,12 @@ def sync_to_round(cfg: Any) -> float | None:
     return float(per_round / (steps_per_round * compute))
 
 
+def _names_link(algo: str) -> bool:
+    """Whether the entry ``algo`` names the link its settings are chosen for
+    (``co2/tune_link=10mbit``)."""
+    return str(algo_fields(algo).get("tune_link", "off")) not in ("off", "auto")
+
+
 def _job(cfg: Any, reuse: bool) -> tuple[dict[str, Any], bool]:
     """Run one job (or reuse its finished summary when ``reuse`` and the settings match)."""
     from lowcomm.train.launcher import launch
@@ -159,12 +165,14 @@ def run_convergence(
     ]
     runs: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []
-    chosen: dict[tuple[str, str, int], dict[str, Any]] = {}
+    chosen: dict[tuple[str, str | None, int], dict[str, Any]] = {}
     for i, (algo, tuned_for, w, seed, length, link) in enumerate(jobs, 1):
         label = algo if tuned_for is None else label_for(algo, tuned_for)
         settings = None
         if tuned_for is not None:
             settings = chosen.get((algo, tuned_for, w), {}).get("settings")
+        elif (algo, None, w) in chosen:  # an entry that names its link: its first choice
+            settings = chosen[(algo, None, w)].get("settings")
         cfg = spec.train_config(algo, w, seed, length, link, tuned_for=tuned_for, settings=settings)
         t0 = time.perf_counter()
         summary, reused = _job(cfg, spec.reuse)
@@ -173,6 +181,8 @@ def run_convergence(
             # the cell's first job chose its settings for the link: the others take them
             record = summary.get("link_tuning") or {"settings": {}}
             chosen[(algo, tuned_for, w)] = record
+        elif tuned_for is None and settings is None and _names_link(algo):
+            chosen[(algo, None, w)] = summary.get("link_tuning") or {"settings": {}}
         row = {"algo": label, "base": cfg.algo, "workers": w, "steps": cfg.steps}
         if tuned_for is not None:
             record = chosen[(algo, tuned_for, w)]
@@ -184,6 +194,9 @@ def run_convergence(
             row.update(seed=seed, length=length, curve=_read_curve(cfg.out))
             row["warm_steps"] = cfg.sync_warmup_steps()
             row.update(val_loss_final=summary["val_loss_final"], tokens=summary["tokens"])
+            wire = (summary.get("comm_mean") or {}).get("wire_bytes")
+            if wire is not None:  # a worker's bytes on the wire over the whole job
+                row["wire_bytes"] = wire
             runs.append(row)
             what = f"seed {seed}, {length}x: val {row['val_loss_final']:.3f}"
         else:

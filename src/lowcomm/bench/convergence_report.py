@@ -26,7 +26,7 @@ from lowcomm.schedules import BLOCKING
 if TYPE_CHECKING:
     from lowcomm.bench.convergence_spec import ConvergenceSpec
 
-__all__ = ["assemble", "format_markdown", "wall_time", "write_report"]
+__all__ = ["assemble", "equal_time", "format_markdown", "steps_within", "wall_time", "write_report"]
 
 GAP_GOALS = {"diloco": 0.02, "streaming": 0.02, "cocodc": 0.02, "co2": 0.03}
 """Largest gap to DDP's validation loss at equal tokens each algorithm's defaults must meet."""
@@ -50,11 +50,54 @@ def wall_time(cell: dict[str, Any], link: str, steps: float) -> float:
     return k * warm + (steps - k) * cell["step_time_s"][link]
 
 
+def steps_within(cell: dict[str, Any], link: str, seconds: float) -> float:
+    """The steps of ``cell`` trained in ``seconds`` on ``link`` (the inverse of
+    :func:`wall_time`), at most the cell's own."""
+    k = min(float(cell.get("warm_steps", 0)), float(cell["steps"]))
+    warm = cell.get("warm_step_time_s", {}).get(link, 0.0)
+    if warm > 0 and k * warm >= seconds:
+        return seconds / warm
+    steps = k + (seconds - k * warm) / cell["step_time_s"][link]
+    return min(steps, float(cell["steps"]))
+
+
+def _loss_at(curve: Sequence[Sequence[float]], step: float) -> float | None:
+    """The validation loss at ``step``, linear between evaluations (``None`` before the first)."""
+    previous: Sequence[float] | None = None
+    for point in curve:
+        if point[1] >= step:
+            if previous is None:
+                return float(point[2]) if point[1] == step else None
+            frac = (step - previous[1]) / (point[1] - previous[1])
+            return float(previous[2] + frac * (point[2] - previous[2]))
+        previous = point
+    return None if previous is None else float(previous[2])
+
+
+def equal_time(cells: list[dict[str, Any]]) -> None:
+    """Sets each cell's ``equal_time``: per link it was timed on, the loss it had reached in
+    the time the fastest cell of its length and worker count (timed on that link) took for its
+    whole job: ``{link: {"seconds", "steps", "val_loss"}}``. The fastest ends at its final
+    loss; a slower one is read off its curve where it stood then."""
+    for c in cells:
+        c["equal_time"] = {}
+        group = [g for g in cells if (g["length"], g["workers"]) == (c["length"], c["workers"])]
+        for link in c["step_time_s"]:
+            budget = min(wall_time(g, link, g["steps"]) for g in group if link in g["step_time_s"])
+            steps = steps_within(c, link, budget)
+            c["equal_time"][link] = {
+                "seconds": budget,
+                "steps": steps,
+                "val_loss": _loss_at(c["curve"], steps),
+            }
+
+
 def _cell(
     runs: list[dict[str, Any]], timings: dict[str, float], warm: dict[str, float]
 ) -> dict[str, Any]:
     finals = [r["val_loss_final"] for r in runs]
     first = runs[0]
+    wire = [r["wire_bytes"] for r in runs if r.get("wire_bytes") is not None]
     return {
         "algo": first["algo"],
         "base": first["base"],
@@ -63,6 +106,10 @@ def _cell(
         "steps": first["steps"],
         "tokens": first["tokens"],
         "tokens_per_step": first["tokens"] // first["steps"],
+        # a worker's bytes on the wire per token it trained (None: not recorded)
+        "wire_bytes_per_token": (
+            statistics.fmean(wire) / (first["tokens"] / first["workers"]) if wire else None
+        ),
         "seeds": [r["seed"] for r in runs],
         "val_loss_final": finals,
         "val_loss_mean": statistics.fmean(finals),
@@ -115,6 +162,11 @@ def assemble(
     for c in cells:
         ddp = _find(cells, reference, c["workers"], c["length"]) if reference else None
         c["target"] = None if ddp is None else ddp["val_loss_mean"]
+        mine, theirs = (
+            c["wire_bytes_per_token"],
+            None if ddp is None else ddp["wire_bytes_per_token"],
+        )
+        c["fewer_bytes_than_ddp"] = None if not (mine and theirs) else theirs / mine
         c["gap"] = None if ddp is None else c["val_loss_mean"] / ddp["val_loss_mean"] - 1
         steps = None
         if c["target"] is not None:
@@ -124,6 +176,7 @@ def assemble(
         c["time_to_target_s"] = {
             link: None if steps is None else wall_time(c, link, steps) for link in c["step_time_s"]
         }
+    equal_time(cells)
     tuned = tuned_against_untuned(cells)
     return {
         "kind": "convergence",
@@ -343,7 +396,8 @@ def format_markdown(results: dict[str, Any]) -> str:
             f"{fmt(target, '.3f')} (DDP's final mean loss)",
             "",
         ]
-        header = ["algo", "val loss (mean ± std)", "vs DDP", "tokens to target"]
+        header = ["algo", "val loss (mean ± std)", "vs DDP", "bytes/token, × fewer than DDP"]
+        header += ["tokens to target"]
         header += [f"time to target, {link} (s)" for link in links]
         header += [f"ms/step, {link}" for link in links]
         header += [f"sync / round, {link}" for link in links]
@@ -353,6 +407,7 @@ def format_markdown(results: dict[str, Any]) -> str:
                 c["algo"],
                 f"{c['val_loss_mean']:.3f} ± {c['val_loss_std']:.3f}",
                 fmt(c["gap"], "+.1%"),
+                _bytes(c),
                 fmt(c["tokens_to_target"], ",.0f", "not reached"),
             ]
             for link in links:
@@ -367,6 +422,7 @@ def format_markdown(results: dict[str, Any]) -> str:
                 row.append(fmt(c.get("sync_to_round", {}).get(link), ".2f"))
             rows.append(row)
         lines += [*table(header, rows), ""]
+        lines += _equal_time_table(group, links)
     tuned = results.get("tuned") or []
     if tuned:
         lines += ["## Tuned for the link against untuned", ""]
@@ -412,6 +468,46 @@ def format_markdown(results: dict[str, Any]) -> str:
     if results.get("elapsed_s") is not None:
         lines += [f"Elapsed: {results['elapsed_s'] / 60:.1f} min", ""]
     return "\n".join(lines)
+
+
+def _bytes(cell: dict[str, Any]) -> str:
+    """A worker's wire bytes per token, and how many times fewer than DDP's."""
+    per = cell.get("wire_bytes_per_token")
+    if per is None:
+        return "-"
+    fewer = cell.get("fewer_bytes_than_ddp")
+    return fmt(per, ",.1f") + ("" if fewer is None else f", {fewer:,.0f}×")
+
+
+def _equal_time_table(group: list[dict[str, Any]], links: list[str]) -> list[str]:
+    """Each cell's loss at the time the fastest of ``group`` took on each link, and the steps
+    it had trained by then."""
+    timed = [link for link in links if any(link in c.get("equal_time", {}) for c in group)]
+    if not timed:
+        return []
+    budgets = {}
+    for link in timed:
+        budgets[link] = next(
+            c["equal_time"][link]["seconds"] for c in group if link in c["equal_time"]
+        )
+    header = ["algo"] + [f"val loss at {budgets[link]:.0f} s, {link} (steps)" for link in timed]
+    rows = []
+    for c in group:
+        row = [c["algo"]]
+        for link in timed:
+            at = c.get("equal_time", {}).get(link)
+            if at is None:
+                row.append("-")
+                continue
+            loss = fmt(at["val_loss"], ".3f", "not evaluated yet")
+            row.append(f"{loss} ({at['steps']:.0f})")
+        rows.append(row)
+    return [
+        "Equal time: the loss each had reached when the fastest had finished.",
+        "",
+        *table(header, rows),
+        "",
+    ]
 
 
 def write_report(results: dict[str, Any], out: str) -> list[str]:

@@ -115,7 +115,9 @@ class ConvergenceSpec:
 
         ``tuned_for``: a link the entry is tuned for (:meth:`tuned_per_link`). Its first loss
         job chooses the settings for that link (``tune_link`` that link, as the job would on
-        it); every other job of the cell runs with those ``settings`` as given."""
+        it); every other job of the cell runs with those ``settings`` as given. An entry that
+        names its link (``ALGO/tune_link=10mbit``) likewise: ``settings`` (its first loss job's
+        choice) are given to its other jobs as they are, with ``tune_link`` off."""
         from lowcomm.train.config import config_from_dict
 
         values: dict[str, Any] = {**self.train_overrides, **algo_fields(algo)}
@@ -131,6 +133,11 @@ class ConvergenceSpec:
                 values["tune_link"] = tuned_for
             else:
                 values.update(settings)
+        elif settings is not None:
+            # an entry that names its link: its first loss job's choice, given as it is to
+            # every other job of the entry (a timing job, short and on another link, would
+            # choose again for its own length and machine, and time other settings)
+            values.update(settings, tune_link="off")
         base = config_from_dict(values, source=f"--algos {algo!r}")
         steps = (self.steps or base.steps) * length
         if link is None:

@@ -40,7 +40,7 @@ CODEC_GOAL: dict[str, Any] = {
     "limit": 8.0,
     "codecs": ["int8", "int4", "int2", "topk:0.01"],
 }
-"""Issue 54's target for the codec row (:mod:`lowcomm.bench.codec`): at 10 M parameters (the
+"""The target for the codec row (:mod:`lowcomm.bench.codec`): at 10 M parameters (the
 ``gpt`` layout), encode + decode + error feedback within 8 clones on the CPU, for each of these
 codecs."""
 
@@ -156,7 +156,7 @@ def _machine() -> dict[str, Any]:
 
 
 def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The issue's performance goals, each ``met`` True/False (or None: not measured); a goal
+    """The bench's performance goals, each ``met`` True/False (or None: not measured); a goal
     measured as a cell's ratio to its ceiling also has its ``noise``, the ratio times the
     ceiling's relative standard error (None: fewer than two segments)."""
 
@@ -231,7 +231,7 @@ def _goals(cells: list[dict[str, Any]], overhead: dict[str, Any] | None) -> list
 
 
 def codec_goal(codec: dict[str, Any] | None) -> dict[str, Any]:
-    """The codec row's goal (issue 54): at its size and layout (10 M parameters, ``gpt``),
+    """The codec row's goal: at its size and layout (10 M parameters, ``gpt``),
     the worst ratio to a clone of the goal's codecs that the row measured, at most its limit
     (8); ``None`` (not measured) when the row has none of them at that size. ``codec``: the
     :func:`lowcomm.bench.codec.measure_codecs` result, or ``None``."""
