@@ -221,6 +221,7 @@ class Fallback:
 FALLBACKS: tuple[Fallback, ...] = (
     # the job's SparseLoCo (no warm start, α 2, β 0.8, 16 × 16 tiles) 1.425, 1.374, 1.415
     # (mean 1.405) at 5f76058 against the default job's CO2 1.429, 1.355, 1.330 (mean 1.371);
+    # run again at 06423db 1.425, 1.390, 1.402 (mean 1.406, the same gap within 0.1 point);
     # docs/studies/slow-links.md, "SparseLoCo: links of 1 Mbit/s"
     Fallback(
         "sparseloco",
