@@ -373,3 +373,52 @@ def test_an_entry_that_names_its_link_times_what_its_loss_job_chose(tmp_path):
     assert timing.sync_warmup_steps() == timing.steps // 2  # its own warm start, timed apart
     other_seed = spec.train_config("co2/tune_link=10mbit", 2, 1, settings=chosen)
     assert other_seed.tune_link == "off" and other_seed.algorithm_kwargs()["compression"] == "int4"
+
+
+def test_the_harness_gives_an_entrys_first_choice_to_its_other_jobs(tmp_path, monkeypatch):
+    # the harness's scheduling alone (its jobs stand in for lowcomm train): the first loss job
+    # of co2/tune_link=10mbit chooses int4 for the link; its other seed's loss job and its
+    # timing job on each link run int4 as given, choosing nothing again
+    import lowcomm.bench.convergence as convergence
+
+    ran = []
+
+    def job(cfg, reuse):
+        ran.append(cfg)
+        k = cfg.sync_warmup_steps()
+        evals = [(0, 0.0), (cfg.steps, 0.1 * cfg.steps)] + ([(k, 0.2 * k)] if k else [])
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "metrics.jsonl"), "w", encoding="utf-8") as f:
+            for step, train_s in sorted(evals):
+                record = {"kind": "eval", "step": step, "tokens": step, "train_s": train_s}
+                f.write(json.dumps({**record, "val_loss": 5.0 - step / cfg.steps}) + "\n")
+        choosing = cfg.tune_link not in ("off", "auto")
+        summary = {
+            "val_loss_final": 4.0,
+            "tokens": 100 * cfg.steps,
+            "train_time_s": 0.1 * cfg.steps,
+        }
+        summary["link_tuning"] = {"settings": {"compression": "int4"}} if choosing else None
+        return summary, False
+
+    monkeypatch.setattr(convergence, "_job", job)
+    spec = ConvergenceSpec(
+        out=str(tmp_path),
+        algos=["ddp", "co2/tune_link=10mbit"],
+        workers=[2],
+        seeds=[0, 1],
+        links=["1mbit", "100mbit"],
+        steps=24,
+        timing_steps=12,
+    )
+    run_convergence(spec)
+    co2 = [cfg for cfg in ran if cfg.algo == "co2"]
+    assert [(cfg.seed, cfg.link) for cfg in co2] == [
+        (0, None),
+        (1, None),
+        (0, "1mbit"),
+        (0, "100mbit"),
+    ]
+    assert co2[0].tune_link == "10mbit"  # the first chooses
+    for cfg in co2[1:]:
+        assert cfg.tune_link == "off" and cfg.algorithm_kwargs()["compression"] == "int4"

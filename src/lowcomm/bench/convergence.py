@@ -168,24 +168,19 @@ def run_convergence(
     chosen: dict[tuple[str, str | None, int], dict[str, Any]] = {}
     for i, (algo, tuned_for, w, seed, length, link) in enumerate(jobs, 1):
         label = algo if tuned_for is None else label_for(algo, tuned_for)
-        settings = None
-        if tuned_for is not None:
-            settings = chosen.get((algo, tuned_for, w), {}).get("settings")
-        elif (algo, None, w) in chosen:  # an entry that names its link: its first choice
-            settings = chosen[(algo, None, w)].get("settings")
+        # a cell tuned per link, or an entry that names its link: its first loss job chooses
+        # the settings for the link, and every other job of it takes that choice
+        chooses, key = tuned_for is not None or _names_link(algo), (algo, tuned_for, w)
+        settings = chosen[key].get("settings") if key in chosen else None
         cfg = spec.train_config(algo, w, seed, length, link, tuned_for=tuned_for, settings=settings)
         t0 = time.perf_counter()
         summary, reused = _job(cfg, spec.reuse)
         took = "reused" if reused else f"{time.perf_counter() - t0:.0f} s"
-        if tuned_for is not None and settings is None:
-            # the cell's first job chose its settings for the link: the others take them
-            record = summary.get("link_tuning") or {"settings": {}}
-            chosen[(algo, tuned_for, w)] = record
-        elif tuned_for is None and settings is None and _names_link(algo):
-            chosen[(algo, None, w)] = summary.get("link_tuning") or {"settings": {}}
+        if chooses and key not in chosen:
+            chosen[key] = summary.get("link_tuning") or {"settings": {}}
         row = {"algo": label, "base": cfg.algo, "workers": w, "steps": cfg.steps}
         if tuned_for is not None:
-            record = chosen[(algo, tuned_for, w)]
+            record = chosen[key]
             row.update(entry=algo, tuned_for=tuned_for, chosen=record.get("settings", {}))
             row["predicted"] = {
                 k: record.get(k) for k in ("step_s", "warm_step_s", "cost", "evidence")

@@ -128,16 +128,12 @@ class ConvergenceSpec:
         # link to choose for (ALGO/tune_link=10mbit), for both; an entry tuned per link takes
         # its first loss job's choice for that link in every other job of its cell
         values.setdefault("tune_link", "off")
-        if tuned_for is not None:
-            if settings is None:
-                values["tune_link"] = tuned_for
-            else:
-                values.update(settings)
-        elif settings is not None:
-            # an entry that names its link: its first loss job's choice, given as it is to
-            # every other job of the entry (a timing job, short and on another link, would
-            # choose again for its own length and machine, and time other settings)
+        if settings is not None:
+            # the first loss job's choice, given as it is (a timing job, short and on another
+            # link, would choose again for its own length and machine, and time other settings)
             values.update(settings, tune_link="off")
+        elif tuned_for is not None:
+            values["tune_link"] = tuned_for
         base = config_from_dict(values, source=f"--algos {algo!r}")
         steps = (self.steps or base.steps) * length
         if link is None:
