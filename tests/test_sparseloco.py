@@ -141,6 +141,11 @@ def test_the_ends_of_the_accumulators_range_are_allowed() -> None:
     # β = 1: plain error feedback, nothing unsent decays; β = 0: nothing carried over
     for beta in (0.0, 1.0, 1):
         lowcomm.SparseLoCo.validate(sync_every=12, error_decay=beta)
+    # density 1 keeps every element (a dense sync through the same path), as (0, 1] says
+    for density in (1.0, 1):
+        lowcomm.SparseLoCo.validate(sync_every=12, density=density)
+    with pytest.raises(HyperparameterError, match=r"must be in \(0, 1\]"):
+        lowcomm.SparseLoCo.validate(sync_every=12, density=1.5)
 
 
 # -- the algorithm on real ranks, against the reference --------------------------------------

@@ -88,7 +88,11 @@ class SparseLoCoConfig(OuterConfig):
         doc="elements kept per tile: k = round(density·chunk²) (1/64: 64 of 4096, 146× smaller "
         "than fp32 with 2-bit values)",
         check=check_number(
-            "must be in (0, 1], got {value!r}; e.g. {key}=0.02", 0, 1, open_low=True
+            "must be in (0, 1], got {value!r}; e.g. {key}=0.02",
+            0,
+            1,
+            open_low=True,
+            open_high=False,
         ),
     )
     chunk: int = hyper(
