@@ -105,17 +105,25 @@ def test_the_mean_is_over_the_ranks_that_sent_each_element() -> None:
     want = torch.zeros(16)
     want[[0, 1, 2, 3, 8, 9]] = torch.tensor([3.0, 1.0, 2.0, 1.0, 6.0, 5.0])
     assert torch.equal(out, want)  # not (a + b) / 2: an element one rank kept keeps its value
+    # γ = 1.5: where both sent, their sum over 2^1.5; where one did, its value as it is
+    powered = FlatLayout([Sparse(density=0.25, chunk=4, bits=32, power=1.5)], [shape], "cpu")
+    powered.decode_mean(torch.cat(payloads), 2, out=out)
+    want[[0, 1]] = torch.tensor([6.0, 2.0]) / 2**1.5
+    assert torch.equal(out, want)
 
 
 def test_specs_parse_and_bad_ones_name_the_fix() -> None:
     assert parse_compression("sparse") == Sparse()
     assert parse_compression("sparse:0.03:chunk=32:bits=4") == Sparse(0.03, 32, 4)
     assert Sparse(0.03, 32, 4).spec == "sparse:0.03:chunk=32:bits=4"
+    assert parse_compression("sparse:chunk=16:power=1.5") == Sparse(chunk=16, power=1.5)
+    assert Sparse(chunk=16, power=1.5).spec == "sparse:0.015625:chunk=16:power=1.5"
     for bad, fix in [
         ("sparse:0", "density must be in (0, 1]"),
         ("sparse:bits=3", "bits must be 2, 4 or 32"),
         ("sparse:chunk=0", "chunk must be an integer >= 1"),
         ("sparse:rank=2", "unknown option(s) rank"),
+        ("sparse:power=-1", "power must be a finite number >= 0"),
     ]:
         with pytest.raises(ValueError, match=None) as info:
             parse_compression(bad)
@@ -129,6 +137,7 @@ def test_specs_parse_and_bad_ones_name_the_fix() -> None:
         ("bits", 3, "must be"),
         ("density", 0.0, "must be in (0, 1]"),
         ("error_decay", 1.5, "must be in [0, 1]"),
+        ("sender_power", -0.5, "must be a number >= 0"),
     ],
 )
 def test_bad_settings_name_the_key(key: str, value: Any, fragment: str) -> None:
@@ -155,6 +164,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "blocking": {"chunk": 4, "density": 0.25},
     "overlap-full": {"chunk": 4, "density": 0.3, "bits": 4, "overlap": H, "error_decay": 0.8},
     "merge-full": {"chunk": 4, "density": 0.25, "overlap": H, "merge": "delay_corrected"},
+    "power": {"chunk": 4, "density": 0.25, "sender_power": 1.5},
 }
 
 
@@ -234,7 +244,15 @@ def test_resumed_ranks_match_the_reference_bit_for_bit(resumed: dict, settings: 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "wrong", [{"error_decay": 0.9}, {"density": 0.2}, {"outer_lr": 0.9}, "sum", "mean-over-all"]
+    "wrong",
+    [
+        {"error_decay": 0.9},
+        {"density": 0.2},
+        {"outer_lr": 0.9},
+        {"sender_power": 1.5},
+        "sum",
+        "mean-over-all",
+    ],
 )
 def test_a_wrong_decay_density_lr_or_aggregation_does_not_match(
     resumed: dict, wrong: Any, monkeypatch: pytest.MonkeyPatch

@@ -29,7 +29,9 @@ Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training wi
   element's value is the **mean over the ranks that sent it** (their values summed in rank order,
   divided by how many they are); an element no rank sent is 0. This is the official code's
   ``scatter_reduce(mean, include_self=False)``: not a mean over all N ranks, which would shrink
-  every element that only some ranks kept.
+  every element that only some ranks kept. ``power`` = γ (lowcomm's, 1 the paper's) divides
+  the sum by n^γ instead, n the ranks that sent the element: γ > 1 takes a shorter step where
+  several ranks agree than where one alone sent, an element one rank sent keeping its value.
 
 A bucket's tensors of one shape are one :class:`SparseSection`, encoded together through
 strided views of the bucket (a model's layers repeat their shapes: a fixed number of operations
@@ -174,6 +176,7 @@ class Sparse(ElementwiseCodec):
     density: float = DEFAULT_DENSITY
     chunk: int = DEFAULT_CHUNK
     bits: int = 2
+    power: float = 1.0
 
     def __post_init__(self) -> None:
         d = self.density
@@ -186,6 +189,11 @@ class Sparse(ElementwiseCodec):
                 f"sparse bits must be 2, 4 or 32 (fp32 values), got {self.bits!r}; "
                 "e.g. 'sparse:bits=2'"
             )
+        g = self.power
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
+            raise ValueError(
+                f"sparse power must be a finite number >= 0, got {g!r}; e.g. 'sparse:power=1.5'"
+            )
 
     @property
     def spec(self) -> str:
@@ -194,13 +202,15 @@ class Sparse(ElementwiseCodec):
             s += f":chunk={self.chunk}"
         if self.bits != 2:
             s += f":bits={self.bits}"
+        if self.power != 1:
+            s += f":power={self.power:g}"
         return s
 
     @classmethod
     def from_spec(
         cls, spec: str, name: str, positional: list[str], keyed: dict[str, str]
     ) -> Sparse:
-        reject_unknown(spec, keyed, ("density", "chunk", "bits"))
+        reject_unknown(spec, keyed, ("density", "chunk", "bits", "power"))
         if len(positional) > 1:
             raise ValueError(
                 f"compression {spec!r}: sparse takes one density, e.g. 'sparse:0.02:bits=2'"
@@ -209,8 +219,9 @@ class Sparse(ElementwiseCodec):
         density = DEFAULT_DENSITY if raw is None else float_option(spec, "density", raw)
         chunk = int_option(spec, "chunk", keyed.get("chunk", str(DEFAULT_CHUNK)))
         bits = int_option(spec, "bits", keyed.get("bits", "2"))
+        power = float_option(spec, "power", keyed.get("power", "1"))
         try:
-            return cls(density=density, chunk=chunk, bits=bits)
+            return cls(density=density, chunk=chunk, bits=bits, power=power)
         except ValueError as e:
             raise ValueError(f"compression {spec!r}: {e}") from None
 
@@ -347,9 +358,10 @@ class SparseSection(Section):
         senders: torch.Tensor | None = None,
     ) -> None:
         """Each element's mean over the ranks that sent it (their values summed in rank
-        order), 0 where none did, into the section's elements of ``flat``. ``senders``: a
-        weight per rank, 0 for a rank whose payload does not count (a replica healed at an
-        elastic sync's quorum sends zeros, whose top-k would otherwise count as sent)."""
+        order; divided by n^γ with ``power`` γ ≠ 1), 0 where none did, into the section's
+        elements of ``flat``. ``senders``: a weight per rank, 0 for a rank whose payload does
+        not count (a replica healed at an elastic sync's quorum sends zeros, whose top-k would
+        otherwise count as sent)."""
         t = self.tiling
         rows = data.reshape(world * self.count, self.per_tensor)
         at = self.head + self.index_nbytes
@@ -373,7 +385,10 @@ class SparseSection(Section):
         for r in range(world):  # the sum in rank order
             total.index_put_((local[r],), values[r], accumulate=True)
             count.index_put_((local[r],), ones[r], accumulate=True)
-        total.div_(count.clamp_(min=1.0))
+        count.clamp_(min=1.0)
+        if self.codec.power != 1:
+            count.pow_(float(self.codec.power))
+        total.div_(count)
         row = 0
         for view, (_, _, length) in zip(self._views(flat), self.chains):
             view.copy_(total[row * self.n : (row + length) * self.n].view(length, self.n))

@@ -9,7 +9,7 @@ engine: one fragment. Every H inner steps, on each rank i, with Δᵢ = A − θ
    magnitudes, their values quantised to 2 bits with a codebook fitted to them
    (:mod:`lowcomm.compress.sparse`); eᵢ ← eᵢ − Δ̂ᵢ (what was sent, as the others decode it);
 3. all-gather the ranks' (indices, values); Δ̄ = each element's mean over the ranks that sent
-   it (0 where none did);
+   it (0 where none did); with ``sender_power`` γ ≠ 1 their sum divided by n^γ, n those ranks;
 4. A ← A − α·Δ̄ (plain SGD, no momentum); θᵢ ← A.
 
 With ``overlap=τ`` > 0 a round's sync is launched τ steps before the round ends and applied at
@@ -28,10 +28,14 @@ Where lowcomm differs from the official code, and why:
   fp32 (the code sums in fp32 in an order of its own): the same values up to the last bit,
   independent of the summation order and the device;
 * indices are sent as ⌈log₂ s²⌉-bit fields (12 bits), as the production code packs them, where
-  the research code gathers int64; the bytes on the wire are those counted.
+  the research code gathers int64; the bytes on the wire are those counted;
+* ``sender_power`` γ (1, the paper's mean, by default) is lowcomm's: an element several ranks
+  sent takes the sum of their values over n^γ, so γ > 1 steps less where they agree than the
+  mean does, while an element one rank sent keeps its value (on 4 workers the mean's steps
+  where several agree were too long for ``lowcomm train``'s job, ``docs/algorithms/sparseloco.md``).
 
 Paper symbols → arguments: H ``sync_every``, β ``error_decay``, α ``outer_lr``, k/s²
-``density``, s ``chunk``; the values' bits ``bits``.
+``density``, s ``chunk``; the values' bits ``bits``; lowcomm's γ ``sender_power``.
 
 Example::
 
@@ -106,6 +110,13 @@ class SparseLoCoConfig(OuterConfig):
         doc="bits of a kept value: 2 or 4 (a codebook fitted per tensor), or 32 (fp32)",
         check=_check_bits,
     )
+    sender_power: float = hyper(
+        1.0,
+        doc="Δ̄ of an element: the sum of what the n ranks that sent it sent, over n^γ (1: their "
+        "mean, the paper's; 0: their sum; 1.5: a shorter step where ranks agree)",
+        symbol="γ",
+        check=check_number("must be a number >= 0, got {value!r}; e.g. {key}=1.5", 0),
+    )
     merge: str = merge()
     overlap: int = hyper(
         0,
@@ -124,7 +135,12 @@ class SparseLoCoConfig(OuterConfig):
     @property
     def compression(self) -> Sparse:
         """The codec of the syncs: chunk-wise top-k with quantised values."""
-        return Sparse(density=float(self.density), chunk=int(self.chunk), bits=int(self.bits))
+        return Sparse(
+            density=float(self.density),
+            chunk=int(self.chunk),
+            bits=int(self.bits),
+            power=float(self.sender_power),
+        )
 
 
 class SparseLoCo(OuterAlgorithm):

@@ -1,8 +1,9 @@
 """SparseLoCo's reference, from the paper's equations: every worker's accumulator
 e ← β·e + Δ, the top-k of every tile of e quantised to a 4-level (or 16-level) codebook, e less
 what was sent, the outer step A ← A − α·Δ̄ with Δ̄ each element's mean over the workers that sent
-it; at τ > 0 the sync applied τ steps after its launch (at τ = H one round later), then
-θ ← A, or θ ← A + (θ − θ_s) with the delay-corrected merge. Written tensor by tensor and tile
+it (its sum over n^γ, n those workers, with ``sender_power`` γ); at τ > 0 the sync applied τ
+steps after its launch (at τ = H one round later), then θ ← A, or θ ← A + (θ − θ_s) with the
+delay-corrected merge. Written tensor by tensor and tile
 by tile, apart from :mod:`lowcomm.compress.sparse`."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SparseLoCoReference(Reference):
         self.density = float(hyper["density"])
         self.chunk = int(hyper["chunk"])
         self.bits = int(hyper["bits"])
+        self.power = float(hyper["sender_power"])
         self.tau = int(hyper["overlap"])
         self.keep = hyper["merge"] == "delay_corrected"
         self.errors = [[torch.zeros_like(a) for a in world.anchor] for _ in range(world.n)]
@@ -124,7 +126,7 @@ class SparseLoCoReference(Reference):
             elif self.aggregation == "mean-over-all":
                 out.append(total / w.n)
             else:
-                out.append(total / count.clamp(min=1))
+                out.append(total / count.clamp(min=1) ** self.power)
         return out
 
     def _update(self, avg: list[torch.Tensor]) -> None:
