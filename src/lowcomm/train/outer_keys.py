@@ -63,7 +63,9 @@ every job with the warm start of :func:`job_sync_warmup`):
   0.6 2.7% above DDP) and 2 workers not (seed 1: β 0.8 0.2%, 0.7 2.9%), so 0.8. Tiles of
   16 × 16 (4 kept of each), not the paper's 64 × 64: 8-bit indices instead of 12, 1.4× fewer
   bytes, at no loss (seed 1, 2 workers: 0.6% above DDP against 1.4%). Over three seeds: 0.3%
-  below DDP on 2 workers, 2.3% above on 4 (``docs/studies/slow-links.md``).
+  below DDP on 2 workers, 2.3% above on 4 (on another machine, whose kernels round otherwise,
+  0.1% below and 3.0% above; ``docs/studies/slow-links.md``). The mean over the senders, not
+  ``sender_power`` 1.5: 2.0% above DDP on 4 workers but 0.5% above on 2.
 """
 
 
