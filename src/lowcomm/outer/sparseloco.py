@@ -31,8 +31,9 @@ Where lowcomm differs from the official code, and why:
   the research code gathers int64; the bytes on the wire are those counted;
 * ``sender_power`` γ (1, the paper's mean, by default) is lowcomm's: an element several ranks
   sent takes the sum of their values over n^γ, so γ > 1 steps less where they agree than the
-  mean does, while an element one rank sent keeps its value (on 4 workers the mean's steps
-  where several agree were too long for ``lowcomm train``'s job, ``docs/algorithms/sparseloco.md``).
+  mean does, while an element one rank sent keeps its value (screened for the 4-worker job:
+  1.5 within the seeds' noise of the mean, so the job keeps the mean;
+  ``docs/studies/slow-links.md``).
 
 Paper symbols → arguments: H ``sync_every``, β ``error_decay``, α ``outer_lr``, k/s²
 ``density``, s ``chunk``; the values' bits ``bits``; lowcomm's γ ``sender_power``.

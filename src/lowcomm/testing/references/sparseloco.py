@@ -3,8 +3,8 @@ e ← β·e + Δ, the top-k of every tile of e quantised to a 4-level (or 16-lev
 what was sent, the outer step A ← A − α·Δ̄ with Δ̄ each element's mean over the workers that sent
 it (its sum over n^γ, n those workers, with ``sender_power`` γ); at τ > 0 the sync applied τ
 steps after its launch (at τ = H one round later), then θ ← A, or θ ← A + (θ − θ_s) with the
-delay-corrected merge. Written tensor by tensor and tile
-by tile, apart from :mod:`lowcomm.compress.sparse`."""
+delay-corrected merge. Written tensor by tensor and tile by tile, apart from
+:mod:`lowcomm.compress.sparse`."""
 
 from __future__ import annotations
 
