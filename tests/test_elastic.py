@@ -566,14 +566,12 @@ def test_a_replica_healed_during_the_warm_start_ends_each_warm_step_as_its_donor
 def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_replica(
     tmp_path: Path, monkeypatch: Any, capsys: Any, link: str
 ) -> None:
-    # the default job over an emulated slow link: the settings are chosen once, before the
-    # replicas start, by one process of a replica's shape; both replicas and replica 1's
-    # restart take that one record. On 10 Mbit/s: CO2 with settings (and a warm start) from
-    # the link. On 250 kbit/s, where none of CO2's hides its syncs: SparseLoCo in its place,
-    # elastic too (a replica killed and healed, each element's mean over those that sent it).
-    # (On 1 Mbit/s the tiny job's choice sits at the switch's threshold, SparseLoCo predicted
-    # at 0.48 of CO2's time against the 0.5 it needs, and flips with the measured compute; at
-    # 250 kbit/s it is 0.23.)
+    # a job over an emulated slow link: the settings are chosen once, before the replicas
+    # start, by one process of a replica's shape; both replicas and replica 1's restart take
+    # that one record. On 10 Mbit/s, --algo co2: CO2 with settings (and a warm start) from the
+    # link. On 250 kbit/s the default job, where none of CO2's hides its syncs: SparseLoCo in
+    # its place, elastic too (a replica killed and healed, each element's mean over those that
+    # sent it).
     from lowcomm.cli import main
     from lowcomm.testing.jobs import tiny_job_args
     from lowcomm.train.faults import FAULT_ENV
@@ -581,6 +579,8 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
     monkeypatch.setenv(FAULT_ENV, "1:10:kill")
     out = tmp_path / "run"
     argv = ["train", *tiny_job_args(steps=32, workers=None), "--link", link]
+    if link == "10mbit":
+        argv += ["--algo", "co2"]
     argv += ["--fault-tolerance", "--min-replicas", "2", "--max-restarts", "1"]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr()

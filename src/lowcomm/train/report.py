@@ -180,7 +180,7 @@ def describe_choice(record: dict[str, Any]) -> str:
             {line.rsplit(", ", 1)[-1].rstrip(")") for line in record.get("evidence", [])}
         )
         where = f", measured in {' and '.join(studies)}" if studies else ""
-        against = "the default job" if record.get("replaced") else "the untuned job"
+        against = "DDP's" if record.get("replaced") else "the untuned job"
         expected = f"; expected loss per token {record['cost']:+.1%} against {against}{where}"
     text = f"{chosen or 'the defaults'} ({predicted}{expected})"
     replaced = record.get("replaced")

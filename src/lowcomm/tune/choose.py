@@ -49,6 +49,7 @@ from lowcomm.registry import REGISTRY
 from lowcomm.schedules import ONE_ROUND_STALE
 from lowcomm.tune.cost import Algorithm, Network, Workload, step_time
 from lowcomm.tune.evidence import (
+    DEFAULT_JOB,
     FALLBACKS,
     MAX_COST,
     NOISE,
@@ -67,15 +68,17 @@ __all__ = [
     "choose_sync_settings",
     "encoded_ratio",
     "sync_seconds",
+    "tokens_to",
     "warm_length",
 ]
 
-FALLBACK_MARGIN = 0.5
+FALLBACK_MARGIN = 0.9
 """The default job changes its algorithm (:func:`choose_algorithm`) only where the other is
-predicted to reach its loss in at most this share of its own predicted time: the other's
-per-token cost is measured on 2 workers and 3 seeds, and varies by ±4% from seed to seed.
-On the default job with 75 ms of compute a step that is 1 Mbit/s (0.16 of CO2's time), not
-10 Mbit/s (0.75)."""
+predicted to reach DDP's loss in at most this share of its own predicted time: a tenth, the
+step times' noise on a loaded machine, and room for what the default job's per-token gain is
+not credited beyond :data:`~lowcomm.tune.evidence.NOISE` (it goes on to a lower loss). On the
+default job on 2 workers with 100 ms of compute a step that is 1 Mbit/s (0.14 of CO2's time)
+and 10 Mbit/s (0.74), not 100 Mbit/s, where CO2 hides its syncs."""
 
 SLACK = 0.1
 """The syncs count as hidden (:attr:`SyncChoice.hidden`) where the predicted step is at most
@@ -406,7 +409,7 @@ def choose_sync_settings(
             warm_s = warm_step(warm_codec) if k > 0 else None
             job_s = (k * (warm_s or 0.0) + max(0, n_steps - k) * step_s) if n_steps else step_s
             credit = max(option.cost, -NOISE) if option.cost <= -RESOLUTION else 0.0
-            score = job_s * (1.0 + credit / TOKEN_EXCHANGE)
+            score = job_s * tokens_to(option.cost)
             key = (round(score, 9), round(credit, 9), option.order)
             if best is None or key < best[0]:
                 best = (key, option, job_s, warm_s)
@@ -444,6 +447,16 @@ def choose_sync_settings(
     )
 
 
+def tokens_to(cost: float) -> float:
+    """The share of a job's tokens it takes to reach a loss ``cost`` (a share) below the loss it
+    ends at, as the tuner prices it: 1 + c / :data:`~lowcomm.tune.evidence.TOKEN_EXCHANGE`, a
+    gain (c < 0) credited up to :data:`~lowcomm.tune.evidence.NOISE` and not at all under
+    :data:`~lowcomm.tune.evidence.RESOLUTION`, a loss (c > 0) counted whole."""
+    if cost < 0:
+        cost = max(cost, -NOISE) if cost <= -RESOLUTION else 0.0
+    return 1.0 + cost / TOKEN_EXCHANGE
+
+
 def choose_algorithm(
     own: SyncChoice,
     algo: str,
@@ -455,26 +468,31 @@ def choose_algorithm(
     candidates: Mapping[str, Mapping[str, Any]],
     codec_s: Mapping[str, float] | None = None,
 ) -> SyncChoice | None:
-    """Another algorithm for the default job (``algo`` with its chosen settings ``own``, from
-    :func:`choose_sync_settings`), or ``None`` to keep it.
+    """Another algorithm for the default job (``algo``, :data:`~lowcomm.tune.evidence.
+    DEFAULT_JOB`'s, with its chosen settings ``own`` from :func:`choose_sync_settings`), or
+    ``None`` to keep it.
 
-    Only where ``own`` does not hide its syncs. Each of
+    Only where ``own`` does not hide its syncs. Each job is priced by its predicted time to
+    DDP's loss at the job's tokens (the target of lowcomm's time to target): its predicted job
+    time times :func:`tokens_to` of its measured loss per token against DDP's on the nearest
+    number of workers measured (:class:`~lowcomm.tune.evidence.AgainstDDP`; ``own``'s the
+    default job's, its settings' cost added). Each of
     :data:`~lowcomm.tune.evidence.FALLBACKS` in ``candidates`` (by name: its settings in the
     job, ``sync_every`` and its schedule's keywords, ``compression`` the codec spec of its
-    syncs, ``sync_warmup`` its warm-start steps) is priced by its time to the default job's
-    final loss: its predicted job time (the cost model's step on ``link``, its codec's work
-    ``codec_s`` once a round) times 1 + c / :data:`~lowcomm.tune.evidence.TOKEN_EXCHANGE`, c
-    its measured loss per token above the default job's (the tokens it needs more to get
-    there). One with a warm start is not a candidate: its every warm step crosses the link.
-    The fastest replaces ``algo`` if it is predicted to reach that loss in at most
-    :data:`FALLBACK_MARGIN` of the time ``own`` takes. The result's ``settings`` hold
-    ``{"algo": name}``; its ``cost`` is c."""
-    if own.hidden:
+    syncs, ``sync_warmup`` its warm-start steps) is timed by the cost model on ``link``, its
+    codec's work ``codec_s`` once a round. One with a warm start is not a candidate: its every
+    warm step crosses the link. The fastest replaces ``algo`` if it is predicted to reach DDP's
+    loss in at most :data:`FALLBACK_MARGIN` of the time ``own`` takes. The result's
+    ``settings`` hold ``{"algo": name}``; its ``cost`` is its loss per token against DDP's."""
+    if own.hidden or algo != DEFAULT_JOB.algo:
         return None
     shapes = [tuple(s) for s in shapes]
     params = max(1.0, float(sum(math.prod(s) for s in shapes)))
     work = Workload(parameters=params, tokens_per_step=1.0, step_time_s=own.compute_s)
-    own_s = own.job_s if own.job_s is not None else own.step_s * steps
+    measured_with, default = DEFAULT_JOB.at(workers)
+    own_cost = (1.0 + default.cost) * (1.0 + (own.cost or 0.0)) - 1.0
+    own_job_s = own.job_s if own.job_s is not None else own.step_s * steps
+    own_s = own_job_s * tokens_to(own_cost)
     best: tuple[float, SyncChoice] | None = None
     for fallback in FALLBACKS:
         settings = candidates.get(fallback.algo)
@@ -492,8 +510,8 @@ def choose_algorithm(
         codec = settings.get("compression")
         step_s = timing.step_s + dict(codec_s or {}).get(codec or "", 0.0) / h
         job_s = step_s * steps
-        cost = fallback.measured.cost
-        to_loss_s = job_s * (1.0 + max(0.0, cost) / TOKEN_EXCHANGE)
+        n, measured = fallback.at(workers)
+        to_loss_s = job_s * tokens_to(measured.cost)
         if to_loss_s > FALLBACK_MARGIN * own_s or (best is not None and to_loss_s >= best[0]):
             continue
         round_sync = timing.comm_s * h
@@ -502,8 +520,9 @@ def choose_algorithm(
             f"{algo}'s syncs, {own.sync_s:.3g} s a round against {h} x "
             f"{own.compute_s * 1e3:.3g} ms of compute with its best measured settings, are not "
             f"hidden; {fallback.algo} ({codec or 'fp32'}): {round_sync:.3g} s a round, "
-            f"predicted to reach that job's loss in {to_loss_s:.3g} s (its {cost:+.1%} per "
-            f"token as {max(0.0, cost) / TOKEN_EXCHANGE:.0%} more tokens) against {own_s:.3g} s"
+            f"predicted to reach DDP's loss in {to_loss_s:.3g} s (its {measured.cost:+.1%} per "
+            f"token against DDP's on {n} workers) against {own_s:.3g} s ({algo}'s "
+            f"{own_cost:+.1%} with its settings, on {measured_with} workers)"
         )
         choice = SyncChoice(
             {"algo": fallback.algo},
@@ -514,8 +533,11 @@ def choose_algorithm(
             hidden,
             reason,
             job_s=job_s,
-            cost=cost,
-            evidence=(f"{fallback.algo}: {fallback.measured.describe()}",),
+            cost=measured.cost,
+            evidence=(
+                f"{fallback.algo} on {n} workers: {measured.describe()}",
+                f"{algo} on {measured_with} workers: {default.describe()}",
+            ),
         )
         best = (to_loss_s, choice)
     return None if best is None else best[1]

@@ -21,14 +21,15 @@ from fractions import Fraction
 from typing import Any
 
 __all__ = [
+    "DEFAULT_JOB",
     "EVIDENCE",
     "FALLBACKS",
     "MAX_COST",
     "NOISE",
     "RESOLUTION",
     "TOKEN_EXCHANGE",
+    "AgainstDDP",
     "AlgorithmEvidence",
-    "Fallback",
     "Measured",
     "evidence_for",
 ]
@@ -207,25 +208,54 @@ def evidence_for(algo: str) -> AlgorithmEvidence | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fallback:
-    """An algorithm the default job (no ``--algo``, no outer setting given) may run instead of
-    its own when the link is too slow for any measured setting of its own to hide its syncs."""
+class AgainstDDP:
+    """An algorithm's job (``lowcomm train --algo ALGO`` with the job's defaults, on a link
+    where it hides its syncs) at equal tokens against DDP's, by number of workers: what the
+    default job weighs when it chooses its algorithm for a slow link
+    (:func:`lowcomm.tune.choose.choose_algorithm`)."""
 
     algo: str
-    """The ``--algo`` it switches to, with that algorithm's job defaults."""
-    measured: Measured
-    """Its loss at equal tokens against the default job's (the untuned CO2 job), positive:
-    what it gives up per token, priced in time with :data:`TOKEN_EXCHANGE`."""
+    """The ``--algo`` it runs, with that algorithm's job defaults."""
+    by_workers: Mapping[int, Measured]
+    """Its loss at equal tokens against DDP's (+0.03: 3% higher, worse), by the number of
+    workers it was measured with."""
+
+    def at(self, workers: int) -> tuple[int, Measured]:
+        """The measurement for ``workers``: that of the nearest number of workers measured, the
+        larger of two as near (a gap per token that grows with the workers is not flattered)."""
+        n = min(self.by_workers, key=lambda k: (abs(k - workers), -k))
+        return n, self.by_workers[n]
 
 
-FALLBACKS: tuple[Fallback, ...] = (
-    # the job's SparseLoCo (no warm start, α 2, β 0.8, 16 × 16 tiles) 1.425, 1.374, 1.415
-    # (mean 1.405) at 5f76058 against the default job's CO2 1.429, 1.355, 1.330 (mean 1.371);
-    # run again at 06423db 1.425, 1.390, 1.402 (mean 1.406, the same gap within 0.1 point);
-    # docs/studies/slow-links.md, "SparseLoCo: links of 1 Mbit/s"
-    Fallback(
+DEFAULT_JOB = AgainstDDP(
+    "co2",
+    {
+        # 1.429, 1.355, 1.330 (mean 1.372) at 611a02a against DDP's 1.408;
+        # docs/studies/tuning.md
+        2: _m(-0.026, "co2/tune_link=off", _TUNING),
+        # 1.284, 1.288, 1.270 (mean 1.281) at 5eabe63 against DDP's 1.274, 1.272, 1.266 (mean
+        # 1.271); docs/studies/slow-links.md, "SparseLoCo: links of 1 Mbit/s"
+        4: _m(0.008, "co2", _SLOW),
+    },
+)
+"""The default job's algorithm, untuned, against DDP: CO2 with fp32 syncs one step stale and a
+warm start of a quarter of the steps in int8. Its settings chosen for a link are priced on top
+by their own cost against this job (:data:`EVIDENCE`)."""
+
+_SPARSELOCO = "sparseloco/sync_warmup=0/outer_lr=2.0/error_decay=0.8/chunk=16"
+
+FALLBACKS: tuple[AgainstDDP, ...] = (
+    # the job's SparseLoCo (no warm start, α 2, β 0.8, 16 × 16 tiles) at 06423db, DDP run
+    # again beside it: 1.425, 1.390, 1.402 (mean 1.406) against 1.486, 1.371, 1.365 (mean
+    # 1.407) on 2 workers; 1.312, 1.300, 1.314 (mean 1.309) against 1.274, 1.272, 1.266 on 4
+    # (on another machine type 1.305, 1.297, 1.299: +2.3%); docs/studies/slow-links.md,
+    # "SparseLoCo: links of 1 Mbit/s"
+    AgainstDDP(
         "sparseloco",
-        _m(0.024, "sparseloco/sync_warmup=0/outer_lr=2.0/error_decay=0.8/chunk=16", _SLOW),
+        {
+            2: _m(-0.001, _SPARSELOCO, _SLOW),
+            4: _m(0.030, _SPARSELOCO, _SLOW),
+        },
     ),
 )
 """What the default job may switch to on a slow link, in the order preferred among equals."""
