@@ -18,7 +18,7 @@ from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, Targeted, check_run, format
 from lowcomm.bench.chaos_links import _WorkerKiller
 from lowcomm.bench.soak import Soak, _SoakOver
 from lowcomm.cli import main
-from lowcomm.train.elastic import RunningReplica, _behind
+from lowcomm.train.elastic import RunningReplica, _behind, _stop
 from lowcomm.train.faults import fault_point
 
 
@@ -269,6 +269,28 @@ def test_a_replica_behind_the_finished_job_is_named_to_stop(tmp_path: Path) -> N
         assert _behind([late, stale], first) == [stale]
     finally:
         _end(replicas)
+
+
+def test_stopping_a_replica_whose_processes_end_meanwhile_raises_nothing(tmp_path: Path) -> None:
+    # the launcher checks that a process runs, then signals its group: a process that ends in
+    # between (on the SIGTERM just sent) leaves no group to signal, and that is stopped, not an
+    # error (it failed a job that had finished: ProcessLookupError from os.killpg)
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    process.kill()
+    process.wait(timeout=10)  # its group is gone
+
+    class EndedAfterTheCheck:
+        pid = process.pid
+
+        def poll(self) -> int | None:
+            return None  # as it was when checked
+
+        def wait(self, timeout: float | None = None) -> int:
+            return process.wait(timeout)
+
+    replica = RunningReplica("replica_0", 0, str(tmp_path), [EndedAfterTheCheck()], time.time())
+    _stop([replica])
+    assert process.returncode == -signal.SIGKILL
 
 
 def test_the_checks_find_an_anchor_that_differs_between_replicas(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ here too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -302,15 +303,22 @@ def _stop(running: list[RunningReplica], sig: int = signal.SIGTERM) -> None:
     processes = [p for r in running for p in r.processes]
     for p in processes:
         if p.poll() is None:
-            os.killpg(p.pid, sig)
-            os.killpg(p.pid, signal.SIGCONT)  # one stopped (SIGSTOP) handles it too
+            _signal_group(p.pid, sig)
+            _signal_group(p.pid, signal.SIGCONT)  # one stopped (SIGSTOP) handles it too
     deadline = time.monotonic() + 10
     for p in processes:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            _signal_group(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """``sig`` to the process group of ``pid``; a group already gone (its processes ended
+    between the check and the signal, e.g. on the SIGTERM just sent) is stopped already."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
 
 
 STATUS_EVERY_S = 1.0
