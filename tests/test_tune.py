@@ -624,3 +624,34 @@ def test_what_the_job_does_not_tune_says_why() -> None:
         why(algo="diloco", fault_tolerance=True, link=None, tune_link="measure")
     )
     assert why(algo="diloco", fault_tolerance=True, link=None) == "no emulated link"
+
+
+def test_an_elastic_job_heals_in_the_background_where_a_heal_is_long_and_the_link_idle() -> None:
+    from lowcomm.train.tuning import HEAL_BACKGROUND_SHARE, choose_heal
+
+    params = sum(torch.Size(s).numel() for s in SHAPES)  # 0.83 M: a heal of 6.6 MB and more
+    link = LinkProfile.parse("10mbit", emulated=True)
+
+    def heal(step_s: float, sync_s: float, on: LinkProfile = link, inner: str = "bf16") -> Any:
+        record = {"step_s": step_s, "sync_s": sync_s}
+        return choose_heal(record, sync_every=12, parameters=params, link=on, heal_inner=inner)
+
+    # SparseLoCo on 10 Mbit/s, 4 workers: 69 ms of syncs in a round of 12 x 216 ms (3% of the
+    # link); a blocking heal would hold every replica 5.37 s, two rounds
+    chosen, why = heal(0.216, 0.069)
+    assert chosen == "background" and "3% of the link" in why and "5.37 s" in why
+    # CO2 with int4 syncs there: 1.09 s of a 3 s round (36%): the heal would share the link
+    chosen, why = heal(0.25, 1.09)
+    assert chosen == "blocking" and "36% of the link" in why
+    # the share's bound is inclusive
+    round_s = 12 * 0.216
+    assert heal(0.216, HEAL_BACKGROUND_SHARE * round_s)[0] == "background"
+    assert heal(0.216, (HEAL_BACKGROUND_SHARE + 0.01) * round_s)[0] == "blocking"
+    # a fast link: a heal takes less than a round, and blocking costs nothing worth the risk
+    chosen, why = heal(0.1, 0.01, LinkProfile.parse("1gbit", emulated=True))
+    assert chosen == "blocking" and "at most a round" in why
+    # the joiner's own inner optimizer (heal_inner none) halves the heal: on 100 Mbit/s with
+    # 30 ms steps, 0.54 s (the moments too) is more than a 0.36 s round, 0.27 s is not
+    fast = LinkProfile.parse("100mbit", emulated=True)
+    assert heal(0.03, 0.01, fast)[0] == "background"
+    assert heal(0.03, 0.01, fast, inner="none")[0] == "blocking"

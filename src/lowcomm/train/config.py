@@ -303,12 +303,14 @@ class TrainConfig:
     dropped_residual: str = "keep"
     """With fault_tolerance and compression: what a replica's error-feedback residual keeps when
     its sync is dropped (a replica left during it): keep (what was not sent stays) or reset."""
-    heal: str = "blocking"
+    heal: str | None = None
     """With fault_tolerance: how a replica that (re)joins past the warm start is healed:
     blocking (everything in the quorum, which the next sync of every replica waits for) or
     background (its quorum brings the donor's counters; the tensors follow while every replica
     syncs on, and it catches up on the syncs it missed; see docs/fault-tolerance.md for what it
-    risks)."""
+    risks). Not given: chosen with the settings from the link (background where a blocking heal
+    would hold every replica for more than a round and the syncs leave the link mostly idle,
+    :func:`lowcomm.train.tuning.choose_heal`), else blocking."""
     heal_inner: str = "bf16"
     """With fault_tolerance: what of its donor's inner optimizer state a replica healed past the
     warm start receives: bf16 (the donor's moments in bf16) or none (its inner optimizer starts

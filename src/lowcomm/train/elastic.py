@@ -215,16 +215,19 @@ TUNING_TIMEOUT_S = 900.0
 """How long the process that chooses an elastic job's settings from its link may take."""
 
 
-def _tune_replicas(cfg: TrainConfig, scratch: str, env: dict[str, str] | None) -> dict[str, str]:
+def _tune_replicas(
+    cfg: TrainConfig, scratch: str, env: dict[str, str] | None
+) -> tuple[dict[str, str], dict[str, Any] | None]:
     """``env`` for the replicas: with the settings chosen for the link once for the whole job
     (:mod:`lowcomm.train.tuning`), by one process of a replica's shape run here first, when the
-    job is tuned. Its log: ``<out>/tuning.log``."""
+    job is tuned; and that choice's record (``None``: not tuned). Its log:
+    ``<out>/tuning.log``."""
     from lowcomm.train.errors import WorkerFailed
     from lowcomm.train.tuning import TUNED_ENV, why_untuned
 
     env = dict(env or {})
     if why_untuned(cfg) is not None:
-        return env
+        return env, None
     assert cfg.out is not None
     config_path = os.path.join(scratch, "tuning.json")
     record_path = os.path.join(scratch, "tuned.json")
@@ -270,7 +273,7 @@ def _tune_replicas(cfg: TrainConfig, scratch: str, env: dict[str, str] | None) -
         from lowcomm.train.report import describe_choice
 
         logger.info("settings from the link %s: %s", record["link"], describe_choice(record))
-    return env
+    return env, record
 
 
 def _command(
@@ -451,21 +454,26 @@ def launch_replicas(
     from lowcomm.train.errors import WorkerFailed
 
     assert cfg.out is not None and cfg.name is not None
-    os.makedirs(cfg.out, exist_ok=True)
+    out = cfg.out
+    os.makedirs(out, exist_ok=True)
     ids = [f"replica_{i}" for i in range(cfg.replicas)]
     events: list[dict[str, Any]] = []
     finished: list[RunningReplica] = []
     t0 = time.time()
-    with (
-        Lighthouse(
-            min_replicas=cfg.min_replicas,
-            join_timeout_s=join_timeout(cfg) if join_timeout_s is None else join_timeout_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-        ) as lighthouse,
-        tempfile.TemporaryDirectory(prefix="lowcomm-replicas-") as scratch,
-    ):
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="lowcomm-replicas-"))
         stop_on_term = _TermAsExit()
-        env = _tune_replicas(cfg, scratch, env)
+        env, record = _tune_replicas(cfg, scratch, env)
+        heal = ((record or {}).get("settings") or {}).get("heal")
+        if cfg.heal is None and heal is not None:  # chosen for the link: the Lighthouse's too
+            cfg = cfg.replace(heal=heal)
+        lighthouse = stack.enter_context(
+            Lighthouse(
+                min_replicas=cfg.min_replicas,
+                join_timeout_s=join_timeout(cfg) if join_timeout_s is None else join_timeout_s,
+                heartbeat_timeout_s=heartbeat_timeout_s,
+            )
+        )
         running = [_start(cfg, lighthouse.address, rid, 0, scratch, env) for rid in ids]
         started = list(running)
         restarts = dict.fromkeys(ids, 0)
@@ -538,13 +546,13 @@ def launch_replicas(
             stop_on_term.restore()
     wall_s = time.time() - t0
     summary = _job_summary(cfg, started, finished, events, wall_s, t0)
-    write_json(os.path.join(cfg.out, "summary.json"), summary)
+    write_json(os.path.join(out, "summary.json"), summary)
     if not finished:
         last = events[-1] if events else {"replica": ids[0], "exit_code": None}
         raise WorkerFailed(
             0,
             f"no replica finished the job (the last to leave: {last['replica']}, exit code "
-            f"{last['exit_code']}; logs in {os.path.join(cfg.out, 'replicas')})",
+            f"{last['exit_code']}; logs in {os.path.join(out, 'replicas')})",
         )
     return summary
 

@@ -22,7 +22,7 @@ def check_fault_tolerance(cfg: Any) -> None:
             "dropped_residual",
             f"must be one of {', '.join(DROPPED_RESIDUAL)}, got {cfg.dropped_residual!r}",
         )
-    if cfg.heal not in HEALS:
+    if cfg.heal is not None and cfg.heal not in HEALS:
         raise ConfigError("heal", f"must be one of {', '.join(HEALS)}, got {cfg.heal!r}")
     if cfg.heal_inner not in HEAL_INNER:
         raise ConfigError(

@@ -109,7 +109,7 @@ class ElasticReplica:
             quorum_timeout_s=max(600.0, cfg.collective_timeout),
             link=link,
             dropped_residual=cfg.dropped_residual,
-            heal=cfg.heal,
+            heal=cfg.heal or "blocking",
             heal_inner=cfg.heal_inner,
             **group,
         )

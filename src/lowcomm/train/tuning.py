@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -54,7 +55,9 @@ from lowcomm.tune.evidence import FALLBACKS, evidence_for
 
 __all__ = [
     "TUNED_ENV",
+    "HEAL_BACKGROUND_SHARE",
     "TUNED_KEYS",
+    "choose_heal",
     "elastic_tuning",
     "measure_link",
     "tune_to_link",
@@ -76,6 +79,13 @@ TUNED_KEYS = (
 DECODE_SHARE = 0.3
 """The share of a one-rank compressed mean's work that decodes its one payload (torch.profiler
 on the default model, one thread: int8 7.3 of 26.2 ms, int2 9.4 of 31.0 ms)."""
+
+HEAL_BACKGROUND_SHARE = 0.25
+"""An elastic job whose ``heal`` is not given heals in the background only where its syncs are
+predicted to take at most this share of the link (:func:`choose_heal`). Measured on 10mbit with
+a kill every 30 s (docs/fault-tolerance.md): SparseLoCo, whose syncs take 3% of it, kept 89% of
+its fault-free goodput healing in the background against 76% blocking; CO2 with int4 syncs
+(about 40% of it) kept 34% against 77%, its heal's transfer slowed by the syncs beside it."""
 
 TUNED_ENV = "LOWCOMM_TUNED"
 """In an elastic job's replicas: the file holding ``{"record": ...}``, the settings chosen for
@@ -308,6 +318,21 @@ def tune_to_link(
                 "codec_s": codec_s,
                 "replaced": {"algo": cfg.algo, **choice.as_dict()},
             }
+        if cfg.fault_tolerance and cfg.heal is None:  # how a joiner is healed, on this link
+            h = (
+                cfg.sync_every
+                if switch is None
+                else fallbacks[switch.settings["algo"]]["sync_every"]
+            )
+            heal, why = choose_heal(
+                record[0],
+                sync_every=int(h),
+                parameters=sum(math.prod(s) for s in shapes),
+                link=profile,
+                heal_inner=cfg.heal_inner,
+            )
+            record[0]["settings"] = {**record[0]["settings"], "heal": heal}
+            record[0]["heal_reason"] = why
     dist.broadcast_object_list(record, src=0)
     tuned = _apply(cfg, record[0])
     if topology.is_main:
@@ -315,6 +340,35 @@ def tune_to_link(
 
         logger.info("settings from the link %s: %s", record[0]["link"], describe_choice(record[0]))
     return tuned, record[0]
+
+
+def choose_heal(
+    record: dict[str, Any], *, sync_every: int, parameters: int, link: LinkProfile, heal_inner: str
+) -> tuple[str, str]:
+    """How an elastic job that did not give ``heal`` heals a replica that joins past the warm
+    start, from the settings chosen for its link (``record``: a ``link_tuning`` record, its
+    predicted ``step_s`` and a round's ``sync_s``), and why: ``background`` where a blocking heal
+    would hold every replica for more than a round (its transfer, at least the anchor in fp32
+    and, with ``heal_inner`` bf16, the inner moments in bf16: 8 bytes a parameter, over
+    ``link``) and the syncs take at most :data:`HEAL_BACKGROUND_SHARE` of the link (the
+    transfer then has most of it to itself); else ``blocking``, which every replica waits for
+    but which never shares the link."""
+    round_s = float(record["step_s"]) * sync_every
+    share = float(record["sync_s"]) / round_s if round_s > 0 else 1.0
+    words = 2 if heal_inner == "bf16" else 1
+    heal_s = link.latency_s + 8.0 * 4 * words * parameters / link.bandwidth_bps
+    if heal_s > round_s and share <= HEAL_BACKGROUND_SHARE:
+        return "background", (
+            f"a blocking heal would hold every replica {heal_s:.3g} s, more than a round "
+            f"({round_s:.3g} s), and the syncs take {share:.0%} of the link"
+        )
+    why = (
+        f"the syncs take {share:.0%} of the link (over {HEAL_BACKGROUND_SHARE:.0%}: a heal in "
+        "the background would share it)"
+        if share > HEAL_BACKGROUND_SHARE
+        else f"a heal takes {heal_s:.3g} s, at most a round ({round_s:.3g} s)"
+    )
+    return "blocking", why
 
 
 def _describe(settings: dict[str, Any]) -> str:
@@ -343,7 +397,7 @@ def _fallbacks(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
 
 def _apply(cfg: TrainConfig, record: dict[str, Any]) -> TrainConfig:
     chosen = record.get("settings", {})
-    settings = {k: v for k, v in chosen.items() if k in TUNED_KEYS or k == "algo"}
+    settings = {k: v for k, v in chosen.items() if k in TUNED_KEYS or k in ("algo", "heal")}
     try:
         return cfg.replace(**settings)
     except ConfigError as e:
