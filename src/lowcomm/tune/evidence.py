@@ -11,6 +11,11 @@ that job; a combination never measured as a whole by its settings' costs added.
 An algorithm without an entry here is not tuned: its settings were never measured per token,
 and a codec or a shorter warm start chosen for its speed alone can cost it far more loss than it
 saves time (DiLoCo lost 19% per token with a warm start cut to 72 steps where CO2 lost 0.5%).
+
+What the default job weighs when it chooses its algorithm for a slow link
+(:func:`lowcomm.tune.choose.choose_algorithm`) is measured otherwise: :data:`DEFAULT_JOB` and
+:data:`FALLBACKS` are whole jobs against DDP's at equal tokens, by the number of workers
+(:class:`AgainstDDP`).
 """
 
 from __future__ import annotations
