@@ -562,16 +562,18 @@ def test_a_replica_healed_during_the_warm_start_ends_each_warm_step_as_its_donor
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("link", ["10mbit", "250kbit:100ms"])
+@pytest.mark.parametrize(
+    ("link", "algo"), [("10mbit", "co2"), ("250kbit:100ms", None), ("10mbit", "sparseloco")]
+)
 def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_replica(
-    tmp_path: Path, monkeypatch: Any, capsys: Any, link: str
+    tmp_path: Path, monkeypatch: Any, capsys: Any, link: str, algo: str | None
 ) -> None:
     # a job over an emulated slow link: the settings are chosen once, before the replicas
     # start, by one process of a replica's shape; both replicas and replica 1's restart take
     # that one record. On 10 Mbit/s, --algo co2: CO2 with settings (and a warm start) from the
     # link. On 250 kbit/s the default job, where none of CO2's hides its syncs: SparseLoCo in
     # its place, elastic too (a replica killed and healed, each element's mean over those that
-    # sent it).
+    # sent it). --algo sparseloco given keeps its settings as given, but the heal is chosen.
     from lowcomm.cli import main
     from lowcomm.testing.jobs import tiny_job_args
     from lowcomm.train.faults import FAULT_ENV
@@ -579,8 +581,8 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
     monkeypatch.setenv(FAULT_ENV, "1:10:kill")
     out = tmp_path / "run"
     argv = ["train", *tiny_job_args(steps=32, workers=None), "--link", link]
-    if link == "10mbit":
-        argv += ["--algo", "co2"]
+    if algo is not None:
+        argv += ["--algo", algo]
     argv += ["--fault-tolerance", "--min-replicas", "2", "--max-restarts", "1"]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr()
@@ -590,7 +592,11 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
     assert record is not None and record["link"].startswith(f"{link} (emulated)")
     assert f"tuned to link       {link} (emulated)" in printed.out
     chosen = record["settings"]
-    if link == "10mbit":
+    if algo == "sparseloco":  # the heal alone, the rest as given
+        assert summary["algo"] == "sparseloco" and set(chosen) == {"heal"}
+        assert record["as_given"] == "sparseloco is not tuned" and "replaced" not in record
+        assert "the other settings as given (sparseloco is not tuned)" in printed.out
+    elif algo == "co2":
         assert summary["algo"] == "co2" and "replaced" not in record
         tuned = {"compression", "sync_warmup", "sync_warmup_compression", "heal"}
         assert chosen and set(chosen) <= tuned

@@ -655,3 +655,50 @@ def test_an_elastic_job_heals_in_the_background_where_a_heal_is_long_and_the_lin
     fast = LinkProfile.parse("100mbit", emulated=True)
     assert heal(0.03, 0.01, fast)[0] == "background"
     assert heal(0.03, 0.01, fast, inner="none")[0] == "blocking"
+
+
+def test_an_elastic_job_whose_settings_are_not_tuned_still_chooses_its_heal() -> None:
+    from lowcomm.train.tuning import heals_from_link, why_untuned
+    from lowcomm.tune.choose import price_as_given
+
+    def cfg(**kw: Any) -> TrainConfig:
+        base = {"algo": "sparseloco", "fault_tolerance": True, "link": "10mbit", "workers": 4}
+        return TrainConfig(**{**base, **kw})
+
+    # --algo sparseloco given: not tuned, but its heal is chosen from the link
+    assert why_untuned(cfg()) == "sparseloco is not tuned" and heals_from_link(cfg())
+    # not where the heal is given, tuning is off, the link is unknown, or the job is fixed
+    assert not heals_from_link(cfg(heal="blocking"))
+    assert not heals_from_link(cfg(tune_link="off"))
+    assert not heals_from_link(cfg(link=None))
+    assert not heals_from_link(cfg(fault_tolerance=False))
+    # its round priced with its own settings: SparseLoCo's exact bytes all-gathered on 4 workers
+    # (4 of every 16 x 16 values, 10 bits each) once every 12 steps of 216 ms, blocking
+    link = LinkProfile.parse("10mbit", emulated=True)
+    params = sum(torch.Size(s).numel() for s in SHAPES)
+    own = cfg().algorithm
+    cadence = {"density": own.density, "chunk": own.chunk, "bits": own.bits, "overlap": 0}
+    timing = price_as_given(
+        "sparseloco",
+        cadence,
+        sync_every=12,
+        codec="sparse:0.015625:chunk=16",
+        link=link,
+        workers=4,
+        shapes=SHAPES,
+        compute_s=0.216,
+    )
+    sent = params / 256 * 4 * 10 / 8  # bytes a worker sends
+    expected = link.network().allgather_time(sent, 4)
+    assert timing.comm_s * 12 == pytest.approx(expected, rel=1e-9)
+    assert timing.step_s == pytest.approx(0.216 + expected / 12, rel=1e-9)
+
+    # an int4 CO2 round all-gathers the codec's bytes, not the fp32 ones
+    def diloco(codec: str | None) -> float:
+        t = price_as_given(
+            "diloco", {}, sync_every=12, codec=codec, link=link, workers=4, shapes=SHAPES,
+            compute_s=0.216,
+        )  # fmt: skip
+        return t.comm_s
+
+    assert 0.1 < diloco("int4") / diloco(None) < 0.3

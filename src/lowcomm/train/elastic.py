@@ -223,10 +223,10 @@ def _tune_replicas(
     job is tuned; and that choice's record (``None``: not tuned). Its log:
     ``<out>/tuning.log``."""
     from lowcomm.train.errors import WorkerFailed
-    from lowcomm.train.tuning import TUNED_ENV, why_untuned
+    from lowcomm.train.tuning import TUNED_ENV, heals_from_link, why_untuned
 
     env = dict(env or {})
-    if why_untuned(cfg) is not None:
+    if why_untuned(cfg) is not None and not heals_from_link(cfg):
         return env, None
     assert cfg.out is not None
     config_path = os.path.join(scratch, "tuning.json")

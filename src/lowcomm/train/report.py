@@ -183,6 +183,8 @@ def describe_choice(record: dict[str, Any]) -> str:
         against = "DDP's" if record.get("replaced") else "the untuned job"
         expected = f"; expected loss per token {record['cost']:+.1%} against {against}{where}"
     text = f"{chosen or 'the defaults'} ({predicted}{expected})"
+    if record.get("as_given"):  # only the heal chosen: say why the rest is not
+        text += f"; the other settings as given ({record['as_given']})"
     replaced = record.get("replaced")
     if replaced:  # the default job's algorithm gave way: say why
         text += f"; in place of {replaced['algo']}: {record['reason']}"

@@ -58,6 +58,7 @@ __all__ = [
     "HEAL_BACKGROUND_SHARE",
     "TUNED_KEYS",
     "choose_heal",
+    "heals_from_link",
     "elastic_tuning",
     "measure_link",
     "tune_to_link",
@@ -261,7 +262,10 @@ def tune_to_link(
     if resumed is not None:
         saved = resumed.get("tuned")
         return (cfg, None) if saved is None else (_apply(cfg, saved), saved)
-    if why_untuned(cfg) is not None:
+    untuned = why_untuned(cfg)
+    if untuned is not None:
+        if heals_from_link(cfg):
+            return _heal_only(cfg, topology, gpt, corpus, device, untuned)
         return cfg, None
     kwargs = cfg.algorithm_kwargs()
     given = {k for k in TUNED_KEYS if cfg.value(k) is not None}
@@ -340,6 +344,76 @@ def tune_to_link(
 
         logger.info("settings from the link %s: %s", record[0]["link"], describe_choice(record[0]))
     return tuned, record[0]
+
+
+def heals_from_link(cfg: TrainConfig) -> bool:
+    """Whether the elastic job ``cfg``, whose other settings are not tuned (:func:`why_untuned`),
+    still chooses how it heals from its link: ``heal`` not given, the link known before the
+    replicas start (:func:`elastic_tuning`), ``--tune-link`` not off, and the step timed as one
+    (not a documents job)."""
+    return (
+        cfg.fault_tolerance
+        and cfg.heal is None
+        and cfg.tune_link != "off"
+        and elastic_tuning(cfg) is None
+        and not cfg.documents
+        and REGISTRY[cfg.algo].is_outer
+    )
+
+
+def _heal_only(
+    cfg: TrainConfig,
+    topology: Topology,
+    gpt: nn.Module,
+    corpus: Any,
+    device: torch.device,
+    untuned: str,
+) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The heal of an elastic job whose other settings are kept as given (``untuned``: why):
+    its step timed as a tuned job's is, its round's syncs priced on the link with its own
+    settings (:func:`lowcomm.tune.choose.price_as_given`), then :func:`choose_heal`. The
+    record holds ``{"heal": ...}`` as its only setting and ``as_given``: why the rest is
+    not tuned."""
+    from lowcomm.tune.choose import price_as_given
+
+    profile = _profile(cfg, topology, None)
+    if profile is None:
+        return cfg, None
+    step_s = _step_time(cfg, gpt, corpus, topology.rank, device)
+    shapes = [tuple(p.shape) for p in gpt.parameters() if p.requires_grad]
+    schedule = REGISTRY[cfg.algo].schedule
+    cadence = {k: getattr(cfg.algorithm, k) for k in schedule.keywords if hasattr(cfg.algorithm, k)}
+    timing = price_as_given(
+        cfg.algo,
+        cadence,
+        sync_every=cfg.sync_every,
+        codec=sync_codec(cfg.algorithm),
+        link=profile,
+        workers=cfg.replicas,
+        shapes=shapes,
+        compute_s=step_s,
+    )
+    record: dict[str, Any] = {
+        "link": profile.describe(),
+        "settings": {},
+        "step_s": timing.step_s,
+        "compute_s": step_s,
+        "sync_s": timing.comm_s * cfg.sync_every,
+        "as_given": untuned,
+    }
+    heal, why = choose_heal(
+        record,
+        sync_every=cfg.sync_every,
+        parameters=sum(math.prod(s) for s in shapes),
+        link=profile,
+        heal_inner=cfg.heal_inner,
+    )
+    record["settings"] = {"heal": heal}
+    record["heal_reason"] = why
+    from lowcomm.train.report import describe_choice
+
+    logger.info("settings from the link %s: %s", record["link"], describe_choice(record))
+    return _apply(cfg, record), record
 
 
 def choose_heal(

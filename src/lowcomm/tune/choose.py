@@ -46,8 +46,8 @@ from fractions import Fraction
 from typing import Any
 
 from lowcomm.registry import REGISTRY
-from lowcomm.schedules import ONE_ROUND_STALE
-from lowcomm.tune.cost import Algorithm, Network, Workload, step_time
+from lowcomm.schedules import ONE_ROUND_STALE, SPARSE_GATHER
+from lowcomm.tune.cost import Algorithm, Network, StepTime, Workload, step_time
 from lowcomm.tune.evidence import (
     DEFAULT_JOB,
     FALLBACKS,
@@ -67,6 +67,7 @@ __all__ = [
     "choose_algorithm",
     "choose_sync_settings",
     "encoded_ratio",
+    "price_as_given",
     "sync_seconds",
     "tokens_to",
     "warm_length",
@@ -194,6 +195,31 @@ class _CodecNetwork:
 
     def exchange_time(self, payload_bytes: float, group: int) -> float:
         return self.net.exchange_time(payload_bytes, group)
+
+
+def price_as_given(
+    algo: str,
+    cadence: Mapping[str, Any],
+    *,
+    sync_every: int,
+    codec: str | None,
+    link: LinkProfile,
+    workers: int,
+    shapes: Iterable[Sequence[int]],
+    compute_s: float,
+) -> StepTime:
+    """The cost model's inner step of ``algo`` with its settings as they are (``cadence``: its
+    schedule's keywords, ``codec`` the spec of its syncs' codec, ``None`` for fp32) on ``link``
+    among ``workers``, for a model of ``shapes`` whose inner step computes for ``compute_s``: a
+    compressed sync all-gathers the codec's bytes; SparseLoCo's schedule counts its own."""
+    shapes = [tuple(s) for s in shapes]
+    params = max(1.0, float(sum(math.prod(s) for s in shapes)))
+    work = Workload(parameters=params, tokens_per_step=1.0, step_time_s=compute_s)
+    algorithm = Algorithm(**{**cadence, "name": algo, "sync_every": sync_every})
+    network: Any = link.network()
+    if codec is not None and REGISTRY[algo].schedule is not SPARSE_GATHER:
+        network = _CodecNetwork(link, codec, encoded_ratio(codec, shapes))
+    return step_time(algorithm, work, network, workers)
 
 
 def _resolved(settings: Mapping[str, Any], sync_every: int) -> dict[str, Any]:
@@ -487,8 +513,6 @@ def choose_algorithm(
     if own.hidden or algo != DEFAULT_JOB.algo:
         return None
     shapes = [tuple(s) for s in shapes]
-    params = max(1.0, float(sum(math.prod(s) for s in shapes)))
-    work = Workload(parameters=params, tokens_per_step=1.0, step_time_s=own.compute_s)
     measured_with, default = DEFAULT_JOB.at(workers)
     own_cost = (1.0 + default.cost) * (1.0 + (own.cost or 0.0)) - 1.0
     own_job_s = own.job_s if own.job_s is not None else own.step_s * steps
@@ -500,14 +524,17 @@ def choose_algorithm(
             continue
         schedule = REGISTRY[fallback.algo].schedule
         h = int(settings["sync_every"])
-        cadence = {k: settings[k] for k in schedule.keywords if k in settings}
-        timing = step_time(
-            Algorithm(**{**cadence, "name": fallback.algo, "sync_every": h}),
-            work,
-            link.network(),
-            workers,
-        )
         codec = settings.get("compression")
+        timing = price_as_given(
+            fallback.algo,
+            {k: settings[k] for k in schedule.keywords if k in settings},
+            sync_every=h,
+            codec=codec,
+            link=link,
+            workers=workers,
+            shapes=shapes,
+            compute_s=own.compute_s,
+        )
         step_s = timing.step_s + dict(codec_s or {}).get(codec or "", 0.0) / h
         job_s = step_s * steps
         n, measured = fallback.at(workers)
