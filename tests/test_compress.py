@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -206,6 +207,81 @@ def test_topk_keeps_the_largest_exactly(shape: tuple[int, ...], density: float) 
     assert torch.equal(y.reshape(-1)[kept], x.reshape(-1)[kept])
     if not kept.all():
         assert x.reshape(-1)[~kept].abs().max() <= x.reshape(-1)[kept].abs().min()
+
+
+def _by_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(x.abs(), k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+@pytest.mark.parametrize(
+    "kind", ["normal", "zeros", "rounded", "nan", "inf", "off_sample", "on_sample"]
+)
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.one_of(st.integers(1, 1100), st.integers(1100, 40_000)),
+    st.floats(0.0005, 0.2),
+    st.integers(0, 2**16),
+)
+def test_selecting_on_the_cpu_keeps_what_torch_topk_keeps(
+    kind: str, rows: int, n: int, density: float, seed: int
+) -> None:
+    # lowcomm's NumPy selection on the CPU (a bound from every 16th element, the candidates
+    # above it, their k largest; the whole row where the sample misled it) against torch.topk:
+    # the same magnitudes kept (NaN the largest), k distinct indices a row, ascending, and the
+    # same indices wherever the k-th magnitude is not repeated
+    from lowcomm.compress.formats import largest
+
+    g = torch.Generator().manual_seed(seed)
+    k = max(1, min(n - 1, round(density * n))) if n > 1 else 1
+    x = torch.randn(rows, n, generator=g)
+    if kind == "zeros":  # most values 0: the k-th magnitude repeated
+        x[:, torch.randperm(n, generator=g)[: n * 9 // 10]] = 0.0
+    elif kind == "rounded":
+        x = x.round()
+    elif kind == "nan":
+        x[0, torch.randint(0, n, (3,), generator=g)] = float("nan")
+    elif kind == "inf":
+        x[-1, torch.randint(0, n, (2,), generator=g)] = float("-inf")
+    elif kind == "off_sample":  # the large values where the sample never looks
+        x *= 1e-3
+        x[:, 5::16] = torch.randn(rows, len(range(5, n, 16)), generator=g)
+    elif kind == "on_sample":  # the large values only where it looks
+        x[:, ::16] *= 100.0
+    got, want = largest(x, k), _by_topk(x, k)
+    assert got.shape == want.shape == (rows, k) and got.dtype == torch.int64
+    assert torch.equal(got, got.sort(dim=1).values)
+    assert all(len(set(r.tolist())) == k for r in got)
+    mine = x.abs().gather(1, got).nan_to_num(nan=math.inf).sort(dim=1).values
+    theirs = x.abs().gather(1, want).nan_to_num(nan=math.inf).sort(dim=1).values
+    assert torch.equal(mine, theirs)
+    if kind in ("normal", "off_sample", "on_sample"):  # (no magnitude repeated)
+        assert torch.equal(got, want)
+
+
+def test_a_top_k_payload_is_the_same_whichever_way_the_cpu_selects(
+    single_rank_group: None, monkeypatch: Any
+) -> None:
+    # the flat top-k section (tensors of one size as rows) and the per-tensor codec encode
+    # the same bytes with NumPy's selection and with torch.topk's
+    from lowcomm.compress import formats
+
+    shapes = [(64, 512), (64, 512), (512,), (300, 7)]
+    g = torch.Generator().manual_seed(5)
+    buckets = FlatBuckets(shapes, bucket_cap_mb=25)
+    values = [torch.randn(b.numel(), generator=g) for b in buckets.buffers]
+
+    def encoded() -> list[torch.Tensor]:
+        compressor = Compressor("topk:0.01", buckets.shapes, error_feedback=True)
+        torch._foreach_copy_(buckets.buffers, values)
+        Communicator().compressed_mean_async(buckets, compressor).wait()
+        single = TopK(0.01).encode(values[0][:4000])
+        return [b.clone() for b in buckets.buffers] + [single]
+
+    with_numpy = encoded()
+    monkeypatch.setattr(formats, "HOST_SELECTION", False)
+    with_torch = encoded()
+    assert all(torch.equal(a, b) for a, b in zip(with_numpy, with_torch, strict=True))
 
 
 @settings(max_examples=50, deadline=None)

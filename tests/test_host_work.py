@@ -17,6 +17,8 @@ group (the codecs, error feedback and collectives run as in a world of two):
   same total size, equal counts, for every outer algorithm's sync, uncompressed and with every
   codec that travels by all-gather (the quantisers with and without stochastic rounding, sign,
   top-k, bf16: :mod:`lowcomm.compress.flat`), and the warm start, fp32 and through a codec.
+  Top-k selects by ``torch.topk`` in these checks, as on a GPU (on the CPU it selects with
+  NumPy, which has no device to wait for).
   PowerSGD (a matrix product per tensor) and L-GreCo (its choice depends on the tensors'
   sizes) are not in (b). Operations are counted at the top level: a ``_foreach_`` operation
   over many tensors counts once (on CUDA it launches one kernel per few dozen tensors; on the
@@ -37,7 +39,18 @@ import lowcomm
 from lowcomm import schedules
 from lowcomm.registry import REGISTRY
 
-pytestmark = pytest.mark.usefixtures("single_rank_group")
+pytestmark = pytest.mark.usefixtures("single_rank_group", "device_selection")
+
+
+@pytest.fixture
+def device_selection(monkeypatch: Any) -> None:
+    """Top-k selects by ``torch.topk`` here, as on a GPU: on the CPU lowcomm selects with NumPy
+    (:data:`lowcomm.compress.formats.HOST_SELECTION`), host work with no device to wait for,
+    which is not the path these checks are about."""
+    from lowcomm.compress import formats
+
+    monkeypatch.setattr(formats, "HOST_SELECTION", False)
+
 
 H = 4
 NUMEL = 8192  # 4 tensors of 2,048 values, or 64 of 128: whole blocks either way

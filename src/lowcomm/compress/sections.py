@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lowcomm.compress.formats import ElementwiseCodec, TopK
+from lowcomm.compress.formats import ElementwiseCodec, TopK, largest
 
 
 def _ranges(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -189,7 +189,7 @@ class TopKSection(Section):
 
     def _select(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k largest magnitudes: their indices (ascending) and values."""
-        idx = torch.topk(rows.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        idx = largest(rows, self.k)
         return idx, rows.gather(1, idx)
 
     def _bytes(self, indices: list[torch.Tensor], kept: list[torch.Tensor]) -> torch.Tensor:
