@@ -259,6 +259,29 @@ def test_selecting_on_the_cpu_keeps_what_torch_topk_keeps(
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_codes_pack_and_unpack_the_same_with_numpy_and_with_torch(
+    bits: int, monkeypatch: Any
+) -> None:
+    # a bucket's codes packed 8/bits to a byte (NumPy on the CPU: one multiplication a word,
+    # a table lookup a byte) as torch's shifts pack them, and as pack_bits lays them out;
+    # unpacked from every rank's strided slice of the gathered bytes alike
+    from lowcomm.compress import blocked, formats
+
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3 * 4096,), generator=g).to(torch.uint8)
+    gathered = torch.randint(0, 256, (3, 1000), generator=g).to(torch.uint8)
+    ranks = gathered[:, 200:712]  # (3, 512), rows 1000 bytes apart
+    with_numpy = blocked._pack(codes, bits), blocked._unpack(ranks, bits)
+    monkeypatch.setattr(formats, "NUMPY_ON_CPU", False)
+    with_torch = blocked._pack(codes, bits), blocked._unpack(ranks, bits)
+    assert torch.equal(with_numpy[0], with_torch[0])
+    assert torch.equal(with_numpy[0], pack_bits(codes, bits))
+    assert torch.equal(with_numpy[1], with_torch[1])
+    assert with_numpy[1].shape == (3, 512 * 8 // bits)
+    assert torch.equal(with_numpy[1][1], unpack_bits(ranks[1].contiguous(), bits, 512 * 8 // bits))
+
+
 def test_a_top_k_payload_is_the_same_whichever_way_the_cpu_selects(
     single_rank_group: None, monkeypatch: Any
 ) -> None:
@@ -279,7 +302,7 @@ def test_a_top_k_payload_is_the_same_whichever_way_the_cpu_selects(
         return [b.clone() for b in buckets.buffers] + [single]
 
     with_numpy = encoded()
-    monkeypatch.setattr(formats, "HOST_SELECTION", False)
+    monkeypatch.setattr(formats, "NUMPY_ON_CPU", False)
     with_torch = encoded()
     assert all(torch.equal(a, b) for a, b in zip(with_numpy, with_torch, strict=True))
 

@@ -17,8 +17,8 @@ group (the codecs, error feedback and collectives run as in a world of two):
   same total size, equal counts, for every outer algorithm's sync, uncompressed and with every
   codec that travels by all-gather (the quantisers with and without stochastic rounding, sign,
   top-k, bf16: :mod:`lowcomm.compress.flat`), and the warm start, fp32 and through a codec.
-  Top-k selects by ``torch.topk`` in these checks, as on a GPU (on the CPU it selects with
-  NumPy, which has no device to wait for).
+  The codecs run torch's operations in these checks, as on a GPU (on the CPU top-k selects
+  and the quantisers pack their codes with NumPy, which has no device to wait for).
   PowerSGD (a matrix product per tensor) and L-GreCo (its choice depends on the tensors'
   sizes) are not in (b). Operations are counted at the top level: a ``_foreach_`` operation
   over many tensors counts once (on CUDA it launches one kernel per few dozen tensors; on the
@@ -44,12 +44,12 @@ pytestmark = pytest.mark.usefixtures("single_rank_group", "device_selection")
 
 @pytest.fixture
 def device_selection(monkeypatch: Any) -> None:
-    """Top-k selects by ``torch.topk`` here, as on a GPU: on the CPU lowcomm selects with NumPy
-    (:data:`lowcomm.compress.formats.HOST_SELECTION`), host work with no device to wait for,
-    which is not the path these checks are about."""
+    """The codecs run torch's operations here, as on a GPU: on the CPU lowcomm selects top-k's
+    values and packs codes with NumPy (:data:`lowcomm.compress.formats.NUMPY_ON_CPU`), host
+    work with no device to wait for, which is not the path these checks are about."""
     from lowcomm.compress import formats
 
-    monkeypatch.setattr(formats, "HOST_SELECTION", False)
+    monkeypatch.setattr(formats, "NUMPY_ON_CPU", False)
 
 
 H = 4

@@ -8,9 +8,12 @@ are the bucket itself, encoded, fed back and decoded a chunk of rows at a time (
 from __future__ import annotations
 
 import sys
+from typing import Any
 
+import numpy as np
 import torch
 
+from lowcomm.compress import formats
 from lowcomm.compress.formats import Quantize, Sign, divisor
 from lowcomm.compress.sections import Section, as_type, left_over_
 
@@ -20,13 +23,38 @@ _WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 """The integer type holding the 8/b codes of one packed byte, one code per byte of it."""
 
 
+_NP_WORD = {1: np.uint64, 2: np.uint32, 4: np.uint16}
+_GATHER = {1: 0x0102040810204080, 2: 0x01041040, 4: 0x0110}
+"""Multiplying an unsigned word of 8/b codes (one a byte) by this puts code i at bit
+8(w − 1) + b·i (w the word's bytes) and every other product below or above those bits, with no
+carry between them: the word's top byte is then the codes packed."""
+
+
+def _spread(bits: int) -> Any:
+    """The codes of each byte value as one word of 8/bits bytes, one code a byte: a NumPy table
+    of 256 words."""
+    values = np.arange(256, dtype=np.uint8)[:, None]
+    shifts = (bits * np.arange(8 // bits, dtype=np.uint8))[None, :]
+    codes = (values >> shifts) & np.uint8((1 << bits) - 1)
+    return np.ascontiguousarray(codes).view(_NP_WORD[bits]).reshape(-1)
+
+
+_SPREAD = {b: _spread(b) for b in (1, 2)}
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes (uint8, each < 2^bits, a multiple of 8/bits of them) packed 8/bits to a byte as
     :func:`~lowcomm.compress.formats.pack_bits` packs them: the 8/bits codes of a byte, one per
-    byte of a little-endian word, shifted together (a few operations on words, not one per
-    field)."""
+    byte of a little-endian word, gathered into its top byte by one multiplication on the CPU
+    (NumPy's unsigned words wrap; :data:`~lowcomm.compress.formats.NUMPY_ON_CPU`), shifted
+    together elsewhere (a few operations on words, not one per field)."""
     if bits == 8:
         return codes
+    if codes.device.type == "cpu" and formats.NUMPY_ON_CPU and codes.is_contiguous():
+        kind = _NP_WORD[bits]
+        words = codes.numpy().view(kind)
+        top = 8 * (np.dtype(kind).itemsize - 1)
+        return torch.from_numpy(((words * kind(_GATHER[bits])) >> kind(top)).astype(np.uint8))
     word = codes.view(_WORD[bits])
     out = word.clone()
     for k in range(1, 8 // bits):
@@ -39,6 +67,10 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     little-endian word, one code per byte."""
     if bits == 8:
         return packed
+    if bits < 4 and packed.device.type == "cpu" and formats.NUMPY_ON_CPU:  # a lookup a byte
+        # (4-bit codes: torch's one shift of the words is faster than a lookup a byte)
+        words = np.take(_SPREAD[bits], packed.numpy())
+        return torch.from_numpy(words.view(np.uint8))
     word = packed.to(_WORD[bits])
     out = word.clone()
     for k in range(1, 8 // bits):

@@ -156,15 +156,18 @@ def largest(values: torch.Tensor, k: int) -> torch.Tensor:
     ``torch.topk`` of the magnitudes."""
     n = values.shape[-1]
     cpu = values.device.type == "cpu" and values.dtype == torch.float32
-    if cpu and HOST_SELECTION and 0 < k < n:
+    if cpu and NUMPY_ON_CPU and 0 < k < n:
         rows = values.detach().reshape(-1, n).numpy()
         return torch.from_numpy(_largest_cpu(rows, k)).reshape(*values.shape[:-1], k)
     return torch.topk(values.abs(), k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
-HOST_SELECTION = True
-"""Whether :func:`largest` selects with NumPy on the CPU (``False``: ``torch.topk`` there too,
-the path a GPU runs; the structural tests of what the sync path asks of a device set it so)."""
+NUMPY_ON_CPU = True
+"""Whether the codecs use NumPy on the CPU where it is faster than torch's CPU kernels:
+:func:`largest` (top-k's selection) and the packing and unpacking of a quantiser's or the
+sign codec's codes (:mod:`lowcomm.compress.blocked`). ``False``: torch's operations there too,
+the path a GPU runs (the structural tests of what the sync path asks of a device set it so);
+the bytes are the same either way."""
 
 LARGEST_SAMPLE = 16
 """:func:`_largest_cpu` bounds each row's k-th largest magnitude from below by every this-th
