@@ -650,6 +650,47 @@ def test_a_node_group_replica_restarts_as_a_unit_and_heals_every_process(
     assert healed["step"] % 4 == 0 and healed["step"] >= 12
 
 
+def test_the_tokens_a_replica_trained_count_what_reached_the_model(tmp_path: Path) -> None:
+    # the goodput's count from a replica's records: its steps up to each sync it committed;
+    # a round dropped (a sync not committed), the work since its last committed sync when it
+    # is healed or killed, and a background heal's steps until its donor's state arrived are
+    # lost; a survivor healed mid-run keeps what it committed before
+    from lowcomm.train.elastic import _contribution
+
+    def sync(step: int, committed: bool = True, **flags: bool) -> dict[str, Any]:
+        return {"kind": "sync", "step": step, "committed": committed, "time": step, **flags}
+
+    def healed(step: int) -> dict[str, Any]:
+        return {"kind": "healed", "step": step, "time": step}
+
+    def steps(*at: int) -> list[dict[str, Any]]:
+        return [{"kind": "step", "step": k} for k in at]
+
+    def count(records: list[dict[str, Any]], finished: bool) -> tuple[int, list[float]]:
+        folder = tmp_path / f"replica_{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        (folder / "metrics.jsonl").write_text(text + '{"kind": "st')  # a line cut by a kill
+        return _contribution(str(folder), finished)
+
+    # a survivor whose sync at 36 failed (a peer killed in it), behind at 48, healed there in
+    # the background, caught up at 72, finished at 96: 0-24 and 72-96
+    survivor = [sync(12), sync(24), sync(36, committed=False), sync(48, catching_up=True)]
+    survivor += [healed(48), sync(60, catching_up=True), sync(72, caught_up=True), sync(84)]
+    survivor += steps(90, 96)
+    assert count(survivor, finished=True) == (48, [72.0])
+    # a returning replica healed blocking in the quorum of its first sync (recorded at the
+    # donor's step), killed after its step 410: 384-408
+    joiner = [sync(384), healed(384), sync(396), sync(408), *steps(410)]
+    assert count(joiner, finished=False) == (24, [384.0])
+    # killed after a sync that was not committed: up to the last committed one
+    assert count([sync(12), sync(24), sync(36, committed=False), *steps(40)], False) == (24, [])
+    # healed in the background and never caught up: nothing, and not healed
+    assert count([sync(180, catching_up=True), healed(180), *steps(190)], True) == (0, [])
+    # a fault-free replica: every step
+    assert count([sync(12), sync(24), *steps(30, 32)], True) == (32, [])
+
+
 def test_a_replicas_batches_are_a_function_of_its_step() -> None:
     from lowcomm.train.elastic import replica_generator
 

@@ -568,32 +568,46 @@ def _read_summary(folder: str) -> dict[str, Any] | None:
 
 def _contribution(folder: str, finished: bool) -> tuple[int, list[float]]:
     """What one replica process added to the job, from its ``metrics.jsonl``: the inner steps
-    it trained that reached the model — from its start (or the step it was healed to; healed in
-    the background, the sync at which its donor's state had arrived and was applied) to the
-    end of the job if it finished, else to its last sync (a killed replica's work since is
-    lost) — and the times it was healed at."""
-    start, last_sync, last_step = 0, None, 0
+    it trained that reached the model, and the times it was healed at. Its work counts from
+    its start, or from the step it was healed to (healed in the background, the sync at which
+    its donor's state had arrived and was applied), up to each sync it committed; what it
+    trained since its last committed sync is lost where a sync is not committed (the round
+    dropped), where it is healed (its state replaced by its donor's: a survivor behind the
+    others is healed too, and its work before stays counted) and where it is killed. A
+    replica that finished counts to its last step."""
+    banked, last_step = 0, 0
+    start: int | None = 0  # where the work not yet committed began (None: catching up)
+    last: tuple[int, int] = (-1, 0)  # the last sync that counted steps: its step, how many
     heals: list[float] = []
-    catching_up = False
     for record in read_replica_records(folder):
         kind = record.get("kind")
         if kind == "healed":
-            if not heals:
-                start = int(record["step"])
             heals.append(float(record.get("time", 0.0)))
+            if start is not None:  # (healed in the background: counts once caught up)
+                start = int(record["step"])
+                if last[0] == start:  # healed in that sync's quorum: its step is the donor's
+                    banked -= last[1]
+                    last = (-1, 0)
         elif kind == "sync":
-            last_sync = int(record["step"])
+            step = int(record["step"])
             if record.get("catching_up"):  # healed in the background, not caught up yet: its
-                start, catching_up = last_sync, True  # steps so far reached no model
-            elif record.get("caught_up") and heals:  # the heal completed here
-                start, heals[-1] = last_sync, float(record.get("time", heals[-1]))
-                catching_up = False
+                start = None  # steps so far reach no model
+            elif record.get("caught_up"):  # the heal completed here
+                start = step
+                if heals:
+                    heals[-1] = float(record.get("time", heals[-1]))
+            elif start is not None:
+                if record.get("committed", True):
+                    last = (step, max(0, step - start))
+                    banked += last[1]
+                start = step  # (an uncommitted sync dropped the round)
         if kind in ("step", "sync"):
             last_step = max(last_step, int(record.get("step", 0)))
-    if catching_up and heals:
+    if start is None and heals:
         heals.pop()  # (it never caught up: not healed)
-    end = last_step if finished else (last_sync if last_sync is not None else start)
-    return max(0, end - start), heals
+    if finished and start is not None:
+        banked += max(0, last_step - start)
+    return banked, heals
 
 
 def _job_summary(
