@@ -381,11 +381,9 @@ def _heal_only(
         return cfg, None
     step_s = _step_time(cfg, gpt, corpus, topology.rank, device)
     shapes = [tuple(p.shape) for p in gpt.parameters() if p.requires_grad]
-    schedule = REGISTRY[cfg.algo].schedule
-    cadence = {k: getattr(cfg.algorithm, k) for k in schedule.keywords if hasattr(cfg.algorithm, k)}
     timing = price_as_given(
         cfg.algo,
-        cadence,
+        _cadence(cfg),
         sync_every=cfg.sync_every,
         codec=sync_codec(cfg.algorithm),
         link=profile,
@@ -449,6 +447,12 @@ def _describe(settings: dict[str, Any]) -> str:
     return ", ".join(f"{k} {'none' if v is None else v}" for k, v in settings.items())
 
 
+def _cadence(cfg: TrainConfig) -> dict[str, Any]:
+    """The job's settings its algorithm's schedule is priced by (the cost model's keywords)."""
+    keywords = REGISTRY[cfg.algo].schedule.keywords
+    return {k: getattr(cfg.algorithm, k) for k in keywords if hasattr(cfg.algorithm, k)}
+
+
 def _fallbacks(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
     """The default job's settings with each algorithm of :data:`FALLBACKS` (its job defaults):
     H and its schedule's keywords, the codec of its syncs and its warm-start steps."""
@@ -459,9 +463,8 @@ def _fallbacks(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
         except ConfigError as e:  # (a job whose other settings it does not take)
             logger.info("%s is not an option for this job: %s", fallback.algo, e)
             continue
-        keywords = REGISTRY[fallback.algo].schedule.keywords
         out[fallback.algo] = {
-            **{k: getattr(alt.algorithm, k) for k in keywords if hasattr(alt.algorithm, k)},
+            **_cadence(alt),
             "sync_every": alt.sync_every,
             "compression": sync_codec(alt.algorithm),
             "sync_warmup": alt.sync_warmup_steps(),
