@@ -583,6 +583,8 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
     argv = ["train", *tiny_job_args(steps=32, workers=None), "--link", link]
     if algo is not None:
         argv += ["--algo", algo]
+    if algo == "sparseloco":  # the kill at step 10 inside its early rounds (every 2 steps)
+        argv += ["--early-steps", "12"]
     argv += ["--fault-tolerance", "--min-replicas", "2", "--max-restarts", "1"]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr()
@@ -596,13 +598,17 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
         assert summary["algo"] == "sparseloco" and set(chosen) == {"heal"}
         assert record["as_given"] == "sparseloco is not tuned" and "replaced" not in record
         assert "the other settings as given (sparseloco is not tuned)" in printed.out
+        assert summary["early_rounds"] == {"steps": 12, "sync_every": 2}
+        assert "(sync every 4 steps; every 2 for the first 12, elastic)" in printed.out
     elif algo == "co2":
         assert summary["algo"] == "co2" and "replaced" not in record
         tuned = {"compression", "sync_warmup", "sync_warmup_compression", "heal"}
         assert chosen and set(chosen) <= tuned
     else:
         assert summary["algo"] == "sparseloco" and record["replaced"]["algo"] == "co2"
-        assert "algorithm           sparseloco (sync every 4 steps, elastic)" in printed.out
+        # (its early rounds: every 2 steps for the first quarter)
+        line = "sparseloco (sync every 4 steps; every 2 for the first 8, elastic)"
+        assert f"algorithm           {line}" in printed.out
     # the heal, not given, is chosen with them, and the replicas and the Lighthouse take it:
     # blocking on both, the tiny job's syncs (4 ms of compute a step) taking most of the link
     assert chosen["heal"] == "blocking", record

@@ -165,6 +165,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "overlap-full": {"chunk": 4, "density": 0.3, "bits": 4, "overlap": H, "error_decay": 0.8},
     "merge-full": {"chunk": 4, "density": 0.25, "overlap": H, "merge": "delay_corrected"},
     "power": {"chunk": 4, "density": 0.25, "sender_power": 1.5},
+    # a sync every step for the first 9 (the resume at step 7 inside them), then every H
+    "early": {"chunk": 4, "density": 0.25, "early_every": 1, "early_steps": 9},
 }
 
 
@@ -265,6 +267,44 @@ def test_a_wrong_decay_density_lr_or_aggregation_does_not_match(
     assert not _matches(resumed["blocking"], reference_run(scenario))
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("wrong", [{"early_steps": 6}, {"early_every": 3}, {"early_steps": 0}])
+def test_a_wrong_early_schedule_does_not_match(resumed: dict, wrong: dict[str, int]) -> None:
+    scenario = _scenario("early")
+    scenario["hyper"].update(wrong)
+    assert not _matches(resumed["early"], reference_run(scenario))
+
+
+def test_early_rounds_are_whole_rounds_of_divisors_and_blocking() -> None:
+    lowcomm.SparseLoCo.validate(sync_every=12, early_every=4, early_steps=120)
+    lowcomm.SparseLoCo.validate(sync_every=12, early_every=5, overlap=12)  # (W = 0: unused)
+    for bad, key, fragment in [
+        ({"early_steps": 100}, "early_steps", "multiple of sync_every=12"),
+        ({"early_steps": 120, "early_every": 5}, "early_every", "one of 1, 2, 3, 4, 6"),
+        ({"early_steps": 120, "overlap": 12}, "early_steps", "set overlap=0"),
+        ({"early_steps": 120, "local_steps": "dynamic"}, "early_steps", "local_steps='fixed'"),
+        ({"early_every": 0}, "early_every", "must be a positive integer"),
+    ]:
+        with pytest.raises(HyperparameterError) as info:
+            lowcomm.SparseLoCo.validate(sync_every=12, **bad)
+        assert info.value.key == key and fragment in str(info.value)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_state_saved_with_other_early_rounds_is_refused() -> None:
+    model = toy_model(2)
+
+    def algo(**kw: int) -> Any:
+        inner = make_inner("adamw", model.parameters())
+        return lowcomm.SparseLoCo(model, inner, sync_every=H, check_consistency=False, **kw)
+
+    saved = algo(early_every=1, early_steps=6).state_dict()
+    with pytest.raises(ValueError, match=r"early_rounds=\[1, 6\].*early_rounds=None"):
+        algo().load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"early_rounds=None.*early_rounds=\[1, 3\]"):
+        algo(early_every=1, early_steps=3).load_state_dict(algo().state_dict())
+
+
 # -- pricing -----------------------------------------------------------------------------
 
 
@@ -299,9 +339,27 @@ def test_the_job_runs_sparseloco_without_a_warm_start_and_names_its_codec(
     tiny = tiny_job_args(steps=6, sync_every=3, eval_every=3, eval_batches=2, n_layer=1)
     sparse = train_job("--algo", "sparseloco", *tiny)
     fp32 = train_job("--algo", "diloco", "--sync-warmup", "0", *tiny)
-    assert sparse["compression"] == "sparse:0.015625:chunk=16"
+    assert sparse["compression"] == "sparse:0.015625:chunk=8"
     assert sparse["sync_warmup"] is None and "compression       sparse" in capsys.readouterr().out
     # two syncs: indices, codes and codebooks only (the 1-D tensors of the tiny GPT, which
     # gain nothing below fp32, and the codebooks keep it from the 146× of large matrices)
     assert sparse["comm_mean"]["payload_bytes"] < fp32["comm_mean"]["payload_bytes"] / 20
     assert sparse["val_loss_final"] < sparse["val_loss_initial"]
+
+
+def test_the_jobs_sparseloco_syncs_more_often_in_its_first_quarter(
+    train_job: Any, capsys: Any
+) -> None:
+    from lowcomm.testing.jobs import tiny_job_args
+
+    tiny = tiny_job_args(steps=48, sync_every=6, eval_every=24, eval_batches=2, n_layer=1)
+    early = train_job("--algo", "sparseloco", *tiny)
+    # the first quarter (12 steps) syncs every 3 (H₀ = 3: the largest divisor of 6 below it)
+    assert early["early_rounds"] == {"steps": 12, "sync_every": 3}
+    assert early["comm_mean"]["collectives"] == 4 + 6 and early["comm_mean"]["rounds"] == 8
+    assert "every 6 steps; every 3 for the first 12" in capsys.readouterr().out
+    plain = train_job("--algo", "sparseloco", "--early-steps", "0", *tiny)
+    assert plain["early_rounds"] is None and plain["comm_mean"]["collectives"] == 8
+    # the user's overlap keeps the job's rounds as they are (early rounds are blocking)
+    overlapped = train_job("--algo", "sparseloco", "--overlap", "6", *tiny)
+    assert overlapped["early_rounds"] is None

@@ -5,7 +5,9 @@ A *fragment* (some parameters with their anchor A, send buffer and outer state:
 collective started) and **applied** ``overlap`` inner steps later (wait, outer update of A,
 merge into θ). With H = ``sync_every`` and P fragments there is a sync point every H/P inner
 steps; the k-th (k = 1, 2, …) applies the fragment chosen when its collective was launched,
-``overlap`` (τ) steps earlier. An algorithm is a choice of:
+``overlap`` (τ) steps earlier (an algorithm with early rounds, ``early_steps`` W and
+``early_every`` H₀, has one every H₀ steps for the first W: one fragment, τ = 0). An algorithm
+is a choice of:
 
 ============  ===========  =======  ============================  =========================
 algorithm     fragments    τ        update rule                   merge
@@ -53,7 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from lowcomm.comm import Communicator, Handle, storage_nbytes
 from lowcomm.compress.codecs import parse_compression
 from lowcomm.compress.feedback import Compressor
-from lowcomm.device import CommStream, collective_device
+from lowcomm.device import CommStream
 from lowcomm.elastic.sync import ManagedCommunicator
 from lowcomm.guard import HostFlags, describe_tensors, explain_lost_collectives
 from lowcomm.hparams import HyperparameterError, describe, signature
@@ -154,7 +156,6 @@ class OuterAlgorithm:
         self.shard_outer_state = bool(getattr(self.config, "shard_outer_state", False))
         # inner steps taken; rounds of H completed; syncs applied
         self.local_step = self.rounds = self.sync_points = 0
-        self._steps_checked = -1  # the step count finish() last compared across the ranks
         self._hook: RemovableHandle | None = None
         self._warned_partial_at = -1
         self.profile_tag = f"lowcomm::{self.name}"
@@ -179,6 +180,10 @@ class OuterAlgorithm:
             self.keep_progress = KeepProgress(self.fragments, lambda0=lambda0)
         self.interval = self.sync_every // self.num_fragments
         """Inner steps between sync points: H / P."""
+        self.early_steps = int(getattr(self.config, "early_steps", 0))
+        """W: the first W steps of the schedule sync every ``early_every`` steps (0: none)."""
+        self.early_every = int(getattr(self.config, "early_every", 0)) if self.early_steps else 0
+        """H₀: inner steps per round in those first W steps."""
         self.pace: Pace | None = None
         """The dynamic local steps (``local_steps="dynamic"``: :mod:`lowcomm.outer.pace`)."""
         if self.config.local_steps == "dynamic":
@@ -451,17 +456,18 @@ class OuterAlgorithm:
         # at τ = H a merge that keeps the progress since launch applies first (_apply_first).
         if self._apply_first:
             self._apply_due(step)
-        if (step + self.overlap) % self.interval == 0:
+        launch = self._sync_point(step + self.overlap)
+        if launch is not None:
             if quorum and self._quorum():
                 raise _Healed  # this step's schedule is the donor's now: start it again
-            self._launch((step + self.overlap) // self.interval)
+            self._launch(launch)
         if not self._apply_first:
             self._apply_due(step)
 
     def _apply_due(self, step: int) -> None:
         """Apply the sync point that falls at ``step``, if any."""
-        if step % self.interval == 0:
-            k = step // self.interval
+        k = self._sync_point(step)
+        if k is not None:
             if k in self._in_flight:
                 self._apply(k)
             elif self._apply_unlaunched and not self._keeps_progress():
@@ -470,6 +476,19 @@ class OuterAlgorithm:
                     frag = self.fragments[self._choose_fragment(k)]
                     self._update(frag, None, None)
                     frag.anchor.copy_to(frag.params)
+
+    def _sync_point(self, position: int) -> int | None:
+        """k, the sync point at ``position`` of the schedule (inner steps after the warm start;
+        the k-th since), or ``None`` where there is none: every H / P steps; with early rounds
+        every H₀ steps up to W, then every H (one fragment, nothing in flight)."""
+        w = self.early_steps
+        if w and 0 < position <= w:
+            return position // self.early_every if position % self.early_every == 0 else None
+        if position % self.interval:
+            return None
+        if w:
+            return w // self.early_every + (position - w) // self.interval
+        return position // self.interval
 
     def _launch(self, k: int) -> None:
         f = self._choose_fragment(k)
@@ -481,6 +500,8 @@ class OuterAlgorithm:
             frag = self.fragments[f]
             rnd = math.ceil((self.local_step - self.warmup) / self.sync_every)
             label = f"fragment {f}" if self.num_fragments > 1 else f"round {rnd}"
+            if self.early_steps:
+                label = f"sync {k}"  # (rounds of H₀ steps, then of H)
             scale = 1.0
             if self.pace is not None:
                 scale = self.pace.weight(f)
@@ -591,31 +612,7 @@ class OuterAlgorithm:
                 for frag in self.fragments:
                     frag.anchor.copy_to(frag.params)
                 self.comm_stream.drain()
-            self._check_same_steps()
-
-    def _check_same_steps(self) -> None:
-        """At :meth:`finish`: every rank took as many inner steps (one small all-gather, once
-        per step count). Ranks that call :meth:`step` a different number of times would
-        otherwise end apart without a word (when their rounds happen to line up) or wait for
-        each other's collectives until they time out."""
-        if self.ft is not None or self.comm.world_size == 1:
-            return  # (replicas of an elastic job are kept in step by their quorums)
-        if self._steps_checked == self.local_step:
-            return
-        self._steps_checked = self.local_step
-        device = collective_device(self.comm)  # NCCL takes GPU tensors only
-        counts = [
-            torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.comm.world_size)
-        ]
-        mine = torch.tensor([self.local_step], dtype=torch.int64, device=device)
-        dist.all_gather(counts, mine, group=self.comm.group)
-        steps = [int(c) for c in counts]
-        if len(set(steps)) > 1:
-            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(steps))
-            raise ValueError(
-                f"{type(self).__name__}.finish(): the ranks called step() a different number "
-                f"of times ({listed}); every rank must call step() once after every inner step"
-            )
+            self.guards.check_same_steps(elastic=self.ft is not None)
 
     # -- the warm start and dynamic local steps, for the loop ----------------------------------
 
@@ -824,6 +821,8 @@ class OuterAlgorithm:
                 state = {key: mine, **state}  # and from before dynamic local steps
             if key == "merge" and mine == "reset":
                 state = {key: mine, **state}  # and from before the delay-corrected merge
+            if key == "early_rounds":
+                state = {key: None, **state}  # state_dicts from before early rounds had none
             if key not in state:
                 raise ValueError(f"not a {type(self).__name__} state_dict: missing {key!r}")
             if state[key] != mine:
@@ -890,6 +889,7 @@ class OuterAlgorithm:
             "overlap": self.overlap,
             "sync_warmup": self.warmup,
             "local_steps": self.config.local_steps,
+            "early_rounds": [self.early_every, self.early_steps] if self.early_steps else None,
             **({"merge": self.config.merge} if hasattr(self.config, "merge") else {}),
         }
 

@@ -1,13 +1,14 @@
 """The two guards of every outer algorithm (an object the engine holds, ``engine.guards``;
 checks in :mod:`lowcomm.guard`).
 
-**Consistency at start**: at the first ``step()`` the ranks compare the model as built (names,
-shapes, dtypes, a checksum; not the values after ``load_state_dict()``) and the settings, and
-fail alike naming the first difference. **Numeric guard**: an average holding NaN or Inf
-(bit-identical on every rank, so decided alike) skips that update, counted in
-``skipped_updates`` and logged; every rank zeroes the non-finite values of its inner-optimizer
-state and residuals and, if diverged, goes back to the anchor (a rank whose own contribution is
-not finite at launch does so at once). ``nan_policy="raise"`` raises instead.
+**Consistency at start** (and the step counts at ``finish()``): at the first ``step()`` the
+ranks compare the model as built (names, shapes, dtypes, a checksum; not the values after
+``load_state_dict()``) and the settings, and fail alike naming the first difference.
+**Numeric guard**: an average holding NaN or Inf (bit-identical on every rank, so decided
+alike) skips that update, counted in ``skipped_updates`` and logged; every rank zeroes the
+non-finite values of its inner-optimizer state and residuals and, if diverged, goes back to the
+anchor (a rank whose own contribution is not finite at launch does so at once).
+``nan_policy="raise"`` raises instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import torch
+import torch.distributed as dist
+
+from lowcomm.device import collective_device
 from lowcomm.guard import (
     Description,
     NonFiniteError,
@@ -29,8 +34,6 @@ from lowcomm.outer.fragment import Sync
 from lowcomm.outer.hparams import ShardableConfig
 
 if TYPE_CHECKING:
-    import torch
-
     from lowcomm.comm import Communicator
     from lowcomm.compress.codecs import Codec
     from lowcomm.compress.feedback import Compressor
@@ -98,6 +101,8 @@ class Guards:
         """Times this rank's own pseudo-gradient was not finite."""
         self.unread: list[Sync] = []
         """Launched syncs whose own verdict is not read yet."""
+        self.steps_checked = -1
+        """The step count ``finish()`` last compared across the ranks."""
 
     # -- consistency at start ------------------------------------------------------------------
 
@@ -137,6 +142,28 @@ class Guards:
             "weights) and pass the same settings, before training starts",
             process_group=self.engine.comm.group,
         )
+
+    def check_same_steps(self, *, elastic: bool) -> None:
+        """At ``finish()``: every rank took as many inner steps (one small all-gather, once per
+        step count). Ranks that call ``step()`` a different number of times would otherwise end
+        apart without a word (when their rounds happen to line up) or wait for each other's
+        collectives until they time out. Not for an ``elastic`` engine (replicas are kept in
+        step by their quorums)."""
+        engine, comm = self.engine, self.engine.comm
+        if elastic or comm.world_size == 1 or self.steps_checked == engine.local_step:
+            return
+        self.steps_checked = engine.local_step
+        device = collective_device(comm)  # NCCL takes GPU tensors only
+        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(comm.world_size)]
+        mine = torch.tensor([engine.local_step], dtype=torch.int64, device=device)
+        dist.all_gather(counts, mine, group=comm.group)
+        steps = [int(c) for c in counts]
+        if len(set(steps)) > 1:
+            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(steps))
+            raise ValueError(
+                f"{type(engine).__name__}.finish(): the ranks called step() a different number "
+                f"of times ({listed}); every rank must call step() once after every inner step"
+            )
 
     def resumed(self) -> None:
         """State was loaded: ranks resuming mid-round hold different values, so compare the

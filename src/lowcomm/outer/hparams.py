@@ -33,6 +33,7 @@ __all__ = [
     "ShardableConfig",
     "check_fragments",
     "check_overlap",
+    "check_whole_rounds",
     "fragments",
     "merge",
     "num_fragments",
@@ -99,14 +100,7 @@ class OuterConfig(Hyperparameters):
 
     def check(self) -> None:
         super().check()
-        h, k = self.sync_every, self.sync_warmup
-        if k % h:
-            example = h * max(1, round(k / h))
-            raise HyperparameterError(
-                "sync_warmup",
-                f"must be a multiple of sync_every={h} (whole rounds); e.g. {example}",
-                shown=str(k),
-            )
+        check_whole_rounds("sync_warmup", self.sync_warmup, self.sync_every)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +183,17 @@ def merge() -> Any:
         "launch: that progress is kept; one more copy of the parameters)",
         check=check_choice(MERGES),
     )
+
+
+def check_whole_rounds(key: str, steps: int, sync_every: int) -> None:
+    """``steps`` (the value of ``key``) must be whole rounds of H = ``sync_every`` steps."""
+    if steps % sync_every:
+        example = sync_every * max(1, round(steps / sync_every))
+        raise HyperparameterError(
+            key,
+            f"must be a multiple of sync_every={sync_every} (whole rounds); e.g. {example}",
+            shown=str(steps),
+        )
 
 
 def check_overlap(sync_every: int, overlap: int | None, hint: str) -> None:

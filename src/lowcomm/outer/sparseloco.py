@@ -20,6 +20,11 @@ reset leaves the sync in flight for the whole next round (CO2's one-round-stale 
 progress carried by the next Δ); the merge applies each sync at the sync point where the next
 launches, a round after its own launch.
 
+Early rounds (lowcomm's; ``early_steps`` W, ``early_every`` H₀, none by default): the first W
+inner steps after any warm start sync every H₀ steps instead of every H, the same sync each time
+(blocking, one fragment). They protect the fast-moving early phase as a synchronous warm start
+does without crossing the link every step (``docs/studies/slow-links.md``).
+
 Where lowcomm differs from the official code, and why:
 
 * the accumulator takes Δᵢ, as the paper's equations write it; the code adds α·Δᵢ and then steps
@@ -36,7 +41,8 @@ Where lowcomm differs from the official code, and why:
   ``docs/studies/slow-links.md``).
 
 Paper symbols → arguments: H ``sync_every``, β ``error_decay``, α ``outer_lr``, k/s²
-``density``, s ``chunk``; the values' bits ``bits``; lowcomm's γ ``sender_power``.
+``density``, s ``chunk``; the values' bits ``bits``; lowcomm's γ ``sender_power``, W
+``early_steps`` and H₀ ``early_every``.
 
 Example::
 
@@ -60,7 +66,14 @@ from lowcomm.hparams import (
 )
 from lowcomm.outer.engine import OuterAlgorithm
 from lowcomm.outer.fragment import OptimizerState, OuterState
-from lowcomm.outer.hparams import OuterConfig, check_overlap, merge, outer_lr, outer_lr_schedule
+from lowcomm.outer.hparams import (
+    OuterConfig,
+    check_overlap,
+    check_whole_rounds,
+    merge,
+    outer_lr,
+    outer_lr_schedule,
+)
 from lowcomm.schedules import SPARSE_GATHER
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig"]
@@ -129,9 +142,49 @@ class SparseLoCoConfig(OuterConfig):
         ),
     )
 
+    early_every: int = hyper(
+        4,
+        doc="inner steps per round in the first early_steps steps (after any warm start): "
+        "shorter rounds while the model moves fast; a divisor of sync_every",
+        symbol="H₀",
+        check=check_positive_int(4),
+    )
+    early_steps: int = hyper(
+        0,
+        doc="inner steps at the start that sync every early_every steps instead of every "
+        "sync_every, a multiple of sync_every (0: none, the paper's); blocking syncs only",
+        symbol="W",
+        check=check_number(
+            "must be an integer >= 0, got {value!r}; e.g. {key}=120", 0, integer=True
+        ),
+    )
+
     def check(self) -> None:
         super().check()
         check_overlap(self.sync_every, self.overlap, "sync_every: one round stale")
+        h, h0, w = self.sync_every, self.early_every, self.early_steps
+        if not w:
+            return
+        check_whole_rounds("early_steps", w, h)
+        if h % h0:
+            divisors = ", ".join(str(d) for d in range(1, h) if h % d == 0)
+            raise HyperparameterError(
+                "early_every", f"must divide sync_every={h}: one of {divisors}", shown=str(h0)
+            )
+        if self.overlap:
+            raise HyperparameterError(
+                "early_steps",
+                "early rounds are blocking syncs: set overlap=0, or early_steps=0 to keep "
+                f"overlap={self.overlap}",
+                shown=str(w),
+            )
+        if self.local_steps != "fixed":
+            raise HyperparameterError(
+                "early_steps",
+                "early rounds need local_steps='fixed' (rounds of H₀ steps on every rank); "
+                "set early_steps=0 for dynamic local steps",
+                shown=str(w),
+            )
 
     @property
     def compression(self) -> Sparse:

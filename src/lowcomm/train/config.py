@@ -579,6 +579,7 @@ class TrainConfig:
             n_layer=self.n_layer,
             fault_tolerance=self.fault_tolerance,
             overlap=self.outer.get("overlap"),
+            local_steps=self.outer.get("local_steps"),
         )
         for key in OUTER_KEYS[self.algo]:
             value = self.outer.get(key)

@@ -671,6 +671,7 @@ def _job_summary(
         "min_replicas": cfg.min_replicas,
         "steps": cfg.steps,
         "sync_every": cfg.sync_every,
+        "early_rounds": None if first is None else first.get("early_rounds"),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         # the settings chosen for the link, once for every replica
         "link_tuning": None if first is None else first.get("link_tuning"),

@@ -39,7 +39,7 @@ JOB_OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "diloco": dict(_TUNED_OUTER_SGD),
     "streaming": dict(_STREAMED),
     "cocodc": dict(_STREAMED),
-    "sparseloco": {"sync_warmup": 0, "outer_lr": 2.0, "error_decay": 0.8, "chunk": 16},
+    "sparseloco": {"sync_warmup": 0, "outer_lr": 2.0, "error_decay": 0.8, "chunk": 8},
 }
 """Where this job's defaults differ from the library's (which stay the papers'), per ``--algo``,
 chosen from the sweep in ``docs/studies/convergence.md`` (the 960-step job on 2 and 4 workers,
@@ -94,6 +94,27 @@ def job_sync_warmup(steps: int, sync_every: int) -> int:
     return steps // 4 // sync_every * sync_every
 
 
+def job_early_rounds(steps: int, sync_every: int) -> dict[str, int]:
+    """This job's early rounds for SparseLoCo: the steps the other algorithms' warm start takes
+    (:func:`job_sync_warmup`: a quarter, 240 of the default 960) synced every H₀ steps, H₀ the
+    largest divisor of H below H (6 of the default 12: two syncs a round); none where that is
+    1 (a prime H: a sync every step across the link) or the job is under 4 rounds.
+
+    Without them the 4-worker job lagged DDP from the start (seed 0: 27% above it at step 60,
+    11% at step 360) and ended 2.3% above it over three seeds; a warm start of 240 DDP steps
+    took seed 0 to 0.8% but crosses the link every step, one of 48 steps to 1.7%. Rounds of 6
+    steps for the first 240 (20 more syncs, which 8 × 8 tiles pay for) ended 1.8% above DDP
+    over the three seeds on 4 workers and 1.8% below it on 2 (−0.3% without); rounds of 4 for
+    the first 240 with 16 × 16 tiles 0.6% above on 4, but at 40 more syncs of a fifth more
+    bytes each (762× fewer bytes per token than DDP, short of 1000×), and for the first 120
+    with 8 × 8 tiles 2.0% above (``docs/studies/slow-links.md``)."""
+    h0 = max(d for d in range(1, sync_every) if sync_every % d == 0) if sync_every > 1 else 1
+    w = job_sync_warmup(steps, sync_every)
+    if h0 == 1 or not w:
+        return {"early_steps": 0}
+    return {"early_every": h0, "early_steps": w}
+
+
 def job_outer_defaults(
     algo: str,
     *,
@@ -102,6 +123,7 @@ def job_outer_defaults(
     n_layer: int,
     fault_tolerance: bool = False,
     overlap: int | None = None,
+    local_steps: str | None = None,
 ) -> dict[str, Any]:
     """The job's defaults for ``algo`` (:data:`JOB_OUTER_DEFAULTS` and :func:`job_sync_warmup`),
     fitted to the job's own settings so that a default never makes them invalid: for the
@@ -115,6 +137,9 @@ def job_outer_defaults(
     }
     if algo == "cocodc" and overlap == sync_every:
         out.update(COCODC_FULL_OVERLAP)
+    if algo == "sparseloco":  # (blocking rounds of fixed length only)
+        early = not overlap and local_steps in (None, "fixed")
+        out.update(job_early_rounds(steps, sync_every) if early else {"early_steps": 0})
     p = out.get("num_fragments")
     if p is not None:
         if sync_every % p or n_layer < p:

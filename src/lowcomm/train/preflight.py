@@ -240,8 +240,9 @@ def link_seconds(cfg: TrainConfig, parameters: int) -> float | None:
     """A lower bound on the seconds the job's communication takes on its emulated ``link``
     alone (compute not counted), for a model of ``parameters`` parameters: DDP's all-reduce
     every step; an outer algorithm's warm start (an all-reduce every step) and one sync per
-    round, with the settings given, or, where the settings are chosen from the link, the
-    cheapest the choice can reach (int2 syncs, the shortest warm start in int2). ``None``
+    round (and SparseLoCo's early rounds), with the settings given, or, where the settings are
+    chosen from the link, the cheapest the choice can reach (int2 syncs, the shortest warm
+    start in int2). ``None``
     without a link, or for an algorithm whose traffic this does not bound (gossip, DeMo). The
     default job, which the choice may switch to SparseLoCo (``algo_from_link``), is bounded by
     the cheaper of the two."""
@@ -276,7 +277,7 @@ def _outer_link_seconds(
     """:func:`link_seconds` of an outer algorithm's job (``None``: not bounded)."""
     from lowcomm.registry import REGISTRY
     from lowcomm.schedules import SPARSE_GATHER, sparse_bytes_per_element
-    from lowcomm.tune.choose import encoded_ratio, sync_seconds, warm_length
+    from lowcomm.tune.choose import early_syncs, encoded_ratio, sync_seconds, warm_length
     from lowcomm.tune.evidence import evidence_for
 
     entry = REGISTRY[cfg.algo]
@@ -306,9 +307,10 @@ def _outer_link_seconds(
             shortest = min(shares)
             warm = min(warm, warm_length(shortest, cfg.steps, cfg.sync_every))
     rounds = max(0, cfg.steps - warm) // cfg.sync_every
-    if sparse:  # its exact wire bytes, all-gathered
+    if sparse:  # its exact wire bytes, all-gathered, early rounds included
         a: Any = cfg.algorithm  # (a SparseLoCoConfig)
         sent = parameters * sparse_bytes_per_element(a.density, a.chunk, a.bits)
+        rounds += early_syncs(kwargs, cfg.sync_every)
         return warm * sync(warm_codec) + rounds * link.network().allgather_time(sent, n)
     return warm * sync(warm_codec) + rounds * sync(codec)
 

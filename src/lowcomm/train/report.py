@@ -131,7 +131,11 @@ def _sync_text(summary: dict[str, Any]) -> str:
     h = summary.get("sync_every")
     if h is None:
         return "never: the no-sync ceiling"
-    return "every step" if h == 1 else f"every {h} steps"
+    text = "every step" if h == 1 else f"every {h} steps"
+    early = summary.get("early_rounds")
+    if early:
+        text += f"; every {early['sync_every']} for the first {early['steps']:,}"
+    return text
 
 
 def _warm_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -305,7 +309,7 @@ def format_elastic_summary(summary: dict[str, Any], *, command_s: float | None =
         transfer = f", heal transfer {min(took):.1f}-{max(took):.1f} s ({size:.2f} MB each)"
     participants = summary.get("participants_per_sync") or []
     rows = [
-        ("algorithm", f"{summary['algo']} (sync every {summary['sync_every']} steps, elastic)"),
+        ("algorithm", f"{summary['algo']} (sync {_sync_text(summary)}, elastic)"),
         (
             "replicas",
             f"{summary['replicas']} (at least {summary['min_replicas']} per sync)"

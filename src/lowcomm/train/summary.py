@@ -98,6 +98,11 @@ def run_summary(
         "sync_warmup": (
             {"steps": warm, "compression": kwargs.get("sync_warmup_compression")} if warm else None
         ),
+        "early_rounds": (
+            {"steps": kwargs["early_steps"], "sync_every": kwargs["early_every"]}
+            if kwargs.get("early_steps")
+            else None
+        ),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         "compression": _compression_label(cfg, kwargs),
         "parameters": n_params,

@@ -50,7 +50,7 @@ from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.outer_keys import sync_codec
 from lowcomm.train.topology import Topology
-from lowcomm.tune.choose import LinkProfile, choose_algorithm, choose_sync_settings
+from lowcomm.tune.choose import EARLY_KEYS, LinkProfile, choose_algorithm, choose_sync_settings
 from lowcomm.tune.evidence import FALLBACKS, evidence_for
 
 __all__ = [
@@ -463,8 +463,10 @@ def _fallbacks(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
         except ConfigError as e:  # (a job whose other settings it does not take)
             logger.info("%s is not an option for this job: %s", fallback.algo, e)
             continue
+        early = {k: getattr(alt.algorithm, k) for k in EARLY_KEYS if hasattr(alt.algorithm, k)}
         out[fallback.algo] = {
             **_cadence(alt),
+            **early,
             "sync_every": alt.sync_every,
             "compression": sync_codec(alt.algorithm),
             "sync_warmup": alt.sync_warmup_steps(),

@@ -60,12 +60,14 @@ from lowcomm.tune.evidence import (
 )
 
 __all__ = [
+    "EARLY_KEYS",
     "FALLBACK_MARGIN",
     "SLACK",
     "LinkProfile",
     "SyncChoice",
     "choose_algorithm",
     "choose_sync_settings",
+    "early_syncs",
     "encoded_ratio",
     "price_as_given",
     "sync_seconds",
@@ -220,6 +222,16 @@ def price_as_given(
     if codec is not None and REGISTRY[algo].schedule is not SPARSE_GATHER:
         network = _CodecNetwork(link, codec, encoded_ratio(codec, shapes))
     return step_time(algorithm, work, network, workers)
+
+
+EARLY_KEYS = ("early_every", "early_steps")
+"""An algorithm's early rounds (SparseLoCo's): a sync every H₀ steps for the first W."""
+
+
+def early_syncs(settings: Mapping[str, Any], sync_every: int) -> int:
+    """The syncs early rounds add to a job of H = ``sync_every``: W / H₀ − W / H (0 without)."""
+    w = int(settings.get("early_steps") or 0)
+    return w // int(settings["early_every"]) - w // sync_every if w else 0
 
 
 def _resolved(settings: Mapping[str, Any], sync_every: int) -> dict[str, Any]:
@@ -505,10 +517,11 @@ def choose_algorithm(
     default job's, its settings' cost added). Each of
     :data:`~lowcomm.tune.evidence.FALLBACKS` in ``candidates`` (by name: its settings in the
     job, ``sync_every`` and its schedule's keywords, ``compression`` the codec spec of its
-    syncs, ``sync_warmup`` its warm-start steps) is timed by the cost model on ``link``, its
-    codec's work ``codec_s`` once a round. One with a warm start is not a candidate: its every
-    warm step crosses the link. The fastest replaces ``algo`` if it is predicted to reach DDP's
-    loss in at most :data:`FALLBACK_MARGIN` of the time ``own`` takes. The result's
+    syncs, ``sync_warmup`` its warm-start steps, :data:`EARLY_KEYS` its early rounds) is timed by
+    the cost model on ``link``, its codec's work ``codec_s`` once a round, each sync its early
+    rounds add exposing what one of its rounds' does. One with a warm start is not a candidate:
+    its every warm step crosses the link. The fastest replaces ``algo`` if it is predicted to
+    reach DDP's loss in at most :data:`FALLBACK_MARGIN` of the time ``own`` takes. The result's
     ``settings`` hold ``{"algo": name}``; its ``cost`` is its loss per token against DDP's."""
     if own.hidden or algo != DEFAULT_JOB.algo:
         return None
@@ -536,7 +549,8 @@ def choose_algorithm(
             compute_s=own.compute_s,
         )
         step_s = timing.step_s + dict(codec_s or {}).get(codec or "", 0.0) / h
-        job_s = step_s * steps
+        # early rounds (blocking): each sync more than a round's exposes what a round's does
+        job_s = step_s * steps + early_syncs(settings, h) * (step_s - own.compute_s) * h
         n, measured = fallback.at(workers)
         to_loss_s = job_s * tokens_to(measured.cost)
         if to_loss_s > FALLBACK_MARGIN * own_s or (best is not None and to_loss_s >= best[0]):

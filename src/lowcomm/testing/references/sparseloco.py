@@ -3,8 +3,8 @@ e ← β·e + Δ, the top-k of every tile of e quantised to a 4-level (or 16-lev
 what was sent, the outer step A ← A − α·Δ̄ with Δ̄ each element's mean over the workers that sent
 it (its sum over n^γ, n those workers, with ``sender_power`` γ); at τ > 0 the sync applied τ
 steps after its launch (at τ = H one round later), then θ ← A, or θ ← A + (θ − θ_s) with the
-delay-corrected merge. Written tensor by tensor and tile by tile, apart from
-:mod:`lowcomm.compress.sparse`."""
+delay-corrected merge; with early rounds a sync every H₀ steps for the first W. Written tensor
+by tensor and tile by tile, apart from :mod:`lowcomm.compress.sparse`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class SparseLoCoReference(Reference):
         self.power = float(hyper["sender_power"])
         self.tau = int(hyper["overlap"])
         self.keep = hyper["merge"] == "delay_corrected"
+        self.early_every = int(hyper["early_every"])
+        self.early_steps = int(hyper["early_steps"])
         self.errors = [[torch.zeros_like(a) for a in world.anchor] for _ in range(world.n)]
         self.pending: dict[int, list[torch.Tensor]] = {}  # sync point -> Δ̄ launched for it
         self.snapshot: list[list[torch.Tensor]] | None = None  # θ_s of every worker
@@ -141,10 +143,10 @@ class SparseLoCoReference(Reference):
         apply_first = self.keep and self.tau >= w.h
         if apply_first:
             self._sync_point(phase)
-        if (phase + self.tau) % w.h == 0:  # the launch for sync point (phase + τ) / H
+        if self._syncs_at(phase + self.tau):  # the launch for the sync point at phase + τ
             if self.keep:
                 self.snapshot = w.snapshot(range(len(w.anchor)))
-            self.pending[(phase + self.tau) // w.h] = self.mean()
+            self.pending[phase + self.tau] = self.mean()
         if not apply_first:
             self._sync_point(phase)
         if phase % w.h == 0:
@@ -153,14 +155,21 @@ class SparseLoCoReference(Reference):
     def _sync_point(self, phase: int) -> None:
         """At a sync point: its sync's update, then θ ← A (reset) or θ ← A + (θ − θ_s)."""
         w = self.world
-        if phase % w.h:
+        if not self._syncs_at(phase):
             return
-        launched = self.pending.pop(phase // w.h, None)
+        launched = self.pending.pop(phase, None)
         if launched is not None:
             self._update(launched)
         elif self.keep:
             return  # nothing launched yet: nothing to merge, θ stays
         w.to_anchor(range(len(w.anchor)), self.snapshot if self.keep else None)
+
+    def _syncs_at(self, phase: int) -> bool:
+        """Whether ``phase`` (inner steps after the warm start) is a sync point: every H₀ steps
+        up to W (early rounds), every H after."""
+        if self.early_steps and 0 < phase <= self.early_steps:
+            return phase % self.early_every == 0
+        return phase % self.world.h == 0
 
     def finish(self) -> None:
         for k in sorted(self.pending):
