@@ -108,7 +108,7 @@ def job_early_rounds(steps: int, sync_every: int) -> dict[str, int]:
     the first 240 with 16 × 16 tiles 0.6% above on 4, but at 40 more syncs of a fifth more
     bytes each (762× fewer bytes per token than DDP, short of 1000×), and for the first 120
     with 8 × 8 tiles 2.0% above (``docs/studies/slow-links.md``)."""
-    h0 = max(d for d in range(1, sync_every) if sync_every % d == 0) if sync_every > 1 else 1
+    h0 = max((d for d in range(1, sync_every) if sync_every % d == 0), default=1)
     w = job_sync_warmup(steps, sync_every)
     if h0 == 1 or not w:
         return {"early_steps": 0}
