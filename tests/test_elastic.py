@@ -47,6 +47,8 @@ KILLED_IN_A_SYNC = ["diloco", "slowmo", "localsgd", "co2", "streaming", "cocodc"
 # collective is an all-gather on the quorum's group) and would finish before the killed
 # replica is back
 KILLED_IN_A_SYNC += ["diloco+int4+paced", "slowmo+powersgd:2+reset+paced", "sparseloco+paced"]
+# the job's SparseLoCo: each sync launched a step early and merged (θ ← A + (θ − θ_s))
+KILLED_IN_A_SYNC += ["sparseloco+merge+paced"]
 # healed in the background: the joiner applies the outer steps it missed (one fragment, two)
 KILLED_IN_A_SYNC += ["co2+bg", "streaming+bg"]
 
@@ -130,7 +132,7 @@ def test_a_replica_killed_in_a_sync_leaves_the_survivors_consistent_and_heals_on
     if algo.split("+")[0] in ("diloco", "slowmo", "co2", "sparseloco"):  # one fragment: θ
         for e in dropped:  # back to the anchor
             assert e["params"] == e["anchor"] and e["anchor"] in anchors.get(e["sync"], set())
-    compressed = [t for t in algo.split("+")[1:] if t not in ("bg", "paced")]
+    compressed = [t for t in algo.split("+")[1:] if t not in ("bg", "paced", "merge")]
     if algo.startswith("sparseloco") or compressed:  # what a dropped sync left
         # in the survivors' residuals
         if "+reset" in algo:

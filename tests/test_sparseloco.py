@@ -167,19 +167,37 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "power": {"chunk": 4, "density": 0.25, "sender_power": 1.5},
     # a sync every step for the first 9 (the resume at step 7 inside them), then every H
     "early": {"chunk": 4, "density": 0.25, "early_every": 1, "early_steps": 9},
+    # rounds of 2 for the first 8 steps, then of 4, each sync launched a step before its point
+    # and merged: the save at step 7 holds the sync launched there, in flight
+    "early-overlap": {
+        "sync_every": 4,
+        "chunk": 4,
+        "density": 0.25,
+        "early_every": 2,
+        "early_steps": 8,
+        "overlap": 1,
+        "merge": "delay_corrected",
+    },
 }
 
 
+def _split(settings: str) -> tuple[int, dict[str, Any]]:
+    """H and the other keywords of ``SETTINGS[settings]``."""
+    hyper = dict(SETTINGS[settings])
+    return int(hyper.pop("sync_every", H)), hyper
+
+
 def _scenario(settings: str) -> dict[str, Any]:
+    h, hyper = _split(settings)
     return {
         "algo": "sparseloco",
         "workers": 2,
-        "sync_every": H,
+        "sync_every": h,
         "steps": STEPS,
         "inner": "adamw",
         "seed": 2,
         "bucket_cap_mb": 0.0002,
-        "hyper": dict(SETTINGS[settings]),
+        "hyper": hyper,
     }
 
 
@@ -187,11 +205,11 @@ def _resumed_worker(rank: int, world_size: int, settings: str) -> dict[str, Any]
     """The real SparseLoCo on this rank; its state saved after step ``CUT``, loaded into new
     objects, and the run continued: every round's parameters and the final ones."""
 
+    h, hyper = _split(settings)
+
     def build(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
         inner = make_inner("adamw", model.parameters())
-        algo = lowcomm.SparseLoCo(
-            model, inner, sync_every=H, bucket_cap_mb=0.0002, **SETTINGS[settings]
-        )
+        algo = lowcomm.SparseLoCo(model, inner, sync_every=h, bucket_cap_mb=0.0002, **hyper)
         return inner, algo
 
     model = toy_model(2)
@@ -200,7 +218,7 @@ def _resumed_worker(rank: int, world_size: int, settings: str) -> dict[str, Any]
     for step in range(1, STEPS + 1):
         inner_step(model, inner, rank, step, 2)
         algo.step()
-        if step % H == 0:
+        if step % h == 0:
             rounds.append([p.detach().clone() for p in trainable_params(model)])
         if step == CUT:
             buf = io.BytesIO()
@@ -268,20 +286,34 @@ def test_a_wrong_decay_density_lr_or_aggregation_does_not_match(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("wrong", [{"early_steps": 6}, {"early_every": 3}, {"early_steps": 0}])
-def test_a_wrong_early_schedule_does_not_match(resumed: dict, wrong: dict[str, int]) -> None:
-    scenario = _scenario("early")
+@pytest.mark.parametrize(
+    "settings, wrong",
+    [
+        ("early", {"early_steps": 6}),
+        ("early", {"early_every": 3}),
+        ("early", {"early_steps": 0}),
+        ("early-overlap", {"overlap": 0}),
+        ("early-overlap", {"early_steps": 0}),
+        ("early-overlap", {"merge": "reset"}),
+    ],
+)
+def test_a_wrong_early_schedule_does_not_match(
+    resumed: dict, settings: str, wrong: dict[str, Any]
+) -> None:
+    scenario = _scenario(settings)
     scenario["hyper"].update(wrong)
-    assert not _matches(resumed["early"], reference_run(scenario))
+    assert not _matches(resumed[settings], reference_run(scenario))
 
 
-def test_early_rounds_are_whole_rounds_of_divisors_and_blocking() -> None:
+def test_early_rounds_are_whole_rounds_of_divisors_with_less_in_flight() -> None:
     lowcomm.SparseLoCo.validate(sync_every=12, early_every=4, early_steps=120)
     lowcomm.SparseLoCo.validate(sync_every=12, early_every=5, overlap=12)  # (W = 0: unused)
+    lowcomm.SparseLoCo.validate(sync_every=12, early_every=4, early_steps=120, overlap=3)
     for bad, key, fragment in [
         ({"early_steps": 100}, "early_steps", "multiple of sync_every=12"),
         ({"early_steps": 120, "early_every": 5}, "early_every", "one of 1, 2, 3, 4, 6"),
-        ({"early_steps": 120, "overlap": 12}, "early_steps", "set overlap=0"),
+        ({"early_steps": 120, "overlap": 12}, "overlap", "set overlap to at most 3"),
+        ({"early_steps": 120, "early_every": 6, "overlap": 6}, "overlap", "at most 5"),
         ({"early_steps": 120, "local_steps": "dynamic"}, "early_steps", "local_steps='fixed'"),
         ({"early_every": 0}, "early_every", "must be a positive integer"),
     ]:
@@ -360,6 +392,10 @@ def test_the_jobs_sparseloco_syncs_more_often_in_its_first_quarter(
     assert "every 6 steps; every 3 for the first 12" in capsys.readouterr().out
     plain = train_job("--algo", "sparseloco", "--early-steps", "0", *tiny)
     assert plain["early_rounds"] is None and plain["comm_mean"]["collectives"] == 8
-    # the user's overlap keeps the job's rounds as they are (early rounds are blocking)
-    overlapped = train_job("--algo", "sparseloco", "--overlap", "6", *tiny)
+    # a user's overlap below H₀ keeps them (each sync launched τ steps before its point); one
+    # of H₀ or more keeps the rounds as they are (one sync in flight at a time)
+    short = train_job("--algo", "sparseloco", "--overlap", "2", *tiny)
+    assert short["early_rounds"] == {"steps": 12, "sync_every": 3}
+    assert short["comm_mean"]["collectives"] == 4 + 6
+    overlapped = train_job("--algo", "sparseloco", "--overlap", "3", *tiny)
     assert overlapped["early_rounds"] is None

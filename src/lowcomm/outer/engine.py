@@ -6,7 +6,7 @@ collective started) and **applied** ``overlap`` inner steps later (wait, outer u
 merge into θ). With H = ``sync_every`` and P fragments there is a sync point every H/P inner
 steps; the k-th (k = 1, 2, …) applies the fragment chosen when its collective was launched,
 ``overlap`` (τ) steps earlier (an algorithm with early rounds, ``early_steps`` W and
-``early_every`` H₀, has one every H₀ steps for the first W: one fragment, τ = 0). An algorithm
+``early_every`` H₀, has one every H₀ steps for the first W: one fragment, τ < H₀). An algorithm
 is a choice of:
 
 ============  ===========  =======  ============================  =========================
@@ -480,7 +480,7 @@ class OuterAlgorithm:
     def _sync_point(self, position: int) -> int | None:
         """k, the sync point at ``position`` of the schedule (inner steps after the warm start;
         the k-th since), or ``None`` where there is none: every H / P steps; with early rounds
-        every H₀ steps up to W, then every H (one fragment, nothing in flight)."""
+        every H₀ steps up to W, then every H (one fragment, τ < H₀: one sync in flight)."""
         w = self.early_steps
         if w and 0 < position <= w:
             return position // self.early_every if position % self.early_every == 0 else None

@@ -22,7 +22,8 @@ launches, a round after its own launch.
 
 Early rounds (lowcomm's; ``early_steps`` W, ``early_every`` H₀, none by default): the first W
 inner steps after any warm start sync every H₀ steps instead of every H, the same sync each time
-(blocking, one fragment). They protect the fast-moving early phase as a synchronous warm start
+(one fragment; with ``overlap`` τ, below H₀, each sync launched τ steps before its sync
+point). They protect the fast-moving early phase as a synchronous warm start
 does without crossing the link every step (``docs/studies/slow-links.md``).
 
 Where lowcomm differs from the official code, and why:
@@ -152,7 +153,7 @@ class SparseLoCoConfig(OuterConfig):
     early_steps: int = hyper(
         0,
         doc="inner steps at the start that sync every early_every steps instead of every "
-        "sync_every, a multiple of sync_every (0: none, the paper's); blocking syncs only",
+        "sync_every, a multiple of sync_every (0: none, the paper's); overlap below early_every",
         symbol="W",
         check=check_number(
             "must be an integer >= 0, got {value!r}; e.g. {key}=120", 0, integer=True
@@ -171,12 +172,12 @@ class SparseLoCoConfig(OuterConfig):
             raise HyperparameterError(
                 "early_every", f"must divide sync_every={h}: one of {divisors}", shown=str(h0)
             )
-        if self.overlap:
+        if self.overlap >= h0:
             raise HyperparameterError(
-                "early_steps",
-                "early rounds are blocking syncs: set overlap=0, or early_steps=0 to keep "
-                f"overlap={self.overlap}",
-                shown=str(w),
+                "overlap",
+                f"must be below early_every={h0} with early rounds (one sync in flight at a "
+                f"time): set overlap to at most {h0 - 1}, or early_steps=0 to keep it",
+                shown=str(self.overlap),
             )
         if self.local_steps != "fixed":
             raise HyperparameterError(

@@ -24,7 +24,9 @@ its forward (``warm_start_during_backward()``, ``before_forward()``), and ``in_b
 the step's buckets launched before the optimizer's step (``None`` without ``+backward``).
 ``--step-sleep S`` sleeps S seconds after every inner step (a replica that trains at a pace);
 ``+paced`` in a job's name sleeps 0.15 s more in that job (its survivors of a kill then train for
-longer than a restarted replica takes to start).
+longer than a restarted replica takes to start). ``+merge`` launches each sync a step before its
+sync point and applies it with the delay-corrected merge (``overlap=1``,
+``merge="delay_corrected"``).
 
 Every record also names its ``algo``. ``--algo A,B,...`` with ``--lighthouse ADDR_A,ADDR_B,...``
 (one Lighthouse each) runs one job after the other in this process, each from a fresh model and
@@ -139,7 +141,8 @@ def _run(
     background = "bg" in codec
     in_backward = "backward" in codec
     pace = args.step_sleep + (0.15 if "paced" in codec else 0.0)
-    codec = [c for c in codec if c not in ("warm", "bg", "backward", "paced")]
+    merged = "merge" in codec
+    codec = [c for c in codec if c not in ("warm", "bg", "backward", "paced", "merge")]
     reset = codec[-1:] == ["reset"]
     codec = codec[:-1] if reset else codec
     replica = replica_manager(
@@ -158,6 +161,8 @@ def _run(
         kwargs["compression"] = codec[0]
     if algo_name == "co2":
         kwargs["overlap"] = 1
+    if merged:  # (the job's SparseLoCo: a step in flight, the delay-corrected merge)
+        kwargs.update(overlap=1, merge="delay_corrected")
     if algo_name in ("streaming", "cocodc"):
         kwargs.update(num_fragments=2, overlap=1, fragments=_layers(model))
     cls = {

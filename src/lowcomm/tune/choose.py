@@ -519,10 +519,13 @@ def choose_algorithm(
     job, ``sync_every`` and its schedule's keywords, ``compression`` the codec spec of its
     syncs, ``sync_warmup`` its warm-start steps, :data:`EARLY_KEYS` its early rounds) is timed by
     the cost model on ``link``, its codec's work ``codec_s`` once a round, each sync its early
-    rounds add exposing what one of its rounds' does. One with a warm start is not a candidate:
-    its every warm step crosses the link. The fastest replaces ``algo`` if it is predicted to
-    reach DDP's loss in at most :data:`FALLBACK_MARGIN` of the time ``own`` takes. The result's
-    ``settings`` hold ``{"algo": name}``; its ``cost`` is its loss per token against DDP's."""
+    rounds add exposing what one of its rounds' does; an entry measured with steps in flight
+    (``overlap`` τ) is priced with them where the job's syncs block and τ is below its shortest
+    round. One with a warm start is not a candidate: its every warm step crosses the link. The
+    one predicted to reach DDP's loss first (the first of equals) replaces ``algo`` if it does
+    so in at most :data:`FALLBACK_MARGIN` of the time ``own`` takes. The result's ``settings``
+    hold ``{"algo": name}`` and its τ (``"overlap"``) where it has one; its ``cost`` is its
+    loss per token against DDP's."""
     if own.hidden or algo != DEFAULT_JOB.algo:
         return None
     shapes = [tuple(s) for s in shapes]
@@ -535,6 +538,13 @@ def choose_algorithm(
         settings = candidates.get(fallback.algo)
         if settings is None or int(settings.get("sync_warmup") or 0):
             continue
+        tau = fallback.overlap
+        if tau:  # its measured steps in flight, where the job's syncs block and they fit
+            early = int(settings.get("early_steps") or 0)
+            shortest = int(settings["early_every"] if early else settings["sync_every"])
+            if int(settings.get("overlap") or 0) or tau >= shortest:
+                continue
+            settings = {**settings, "overlap": tau}
         schedule = REGISTRY[fallback.algo].schedule
         h = int(settings["sync_every"])
         codec = settings.get("compression")
@@ -560,13 +570,15 @@ def choose_algorithm(
         reason = (
             f"{algo}'s syncs, {own.sync_s:.3g} s a round against {h} x "
             f"{own.compute_s * 1e3:.3g} ms of compute with its best measured settings, are not "
-            f"hidden; {fallback.algo} ({codec or 'fp32'}): {round_sync:.3g} s a round, "
+            f"hidden; {fallback.algo} ({codec or 'fp32'}"
+            + (f", each sync {tau} steps in flight" if tau else "")
+            + f"): {round_sync:.3g} s a round, "
             f"predicted to reach DDP's loss in {to_loss_s:.3g} s (its {measured.cost:+.1%} per "
             f"token against DDP's on {n} workers) against {own_s:.3g} s ({algo}'s "
             f"{own_cost:+.1%} with its settings, on {measured_with} workers)"
         )
         choice = SyncChoice(
-            {"algo": fallback.algo},
+            {"algo": fallback.algo, **({"overlap": tau} if tau else {})},
             step_s,
             own.compute_s,
             round_sync,
