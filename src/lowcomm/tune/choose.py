@@ -559,7 +559,7 @@ def choose_algorithm(
             compute_s=own.compute_s,
         )
         step_s = timing.step_s + dict(codec_s or {}).get(codec or "", 0.0) / h
-        # early rounds (blocking): each sync more than a round's exposes what a round's does
+        # early rounds: each sync more than a round's exposes what a round's does (same τ)
         job_s = step_s * steps + early_syncs(settings, h) * (step_s - own.compute_s) * h
         n, measured = fallback.at(workers)
         to_loss_s = job_s * tokens_to(measured.cost)
