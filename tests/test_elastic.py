@@ -601,6 +601,7 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
         assert record["as_given"] == "sparseloco is not tuned" and "replaced" not in record
         assert "the other settings as given (sparseloco is not tuned)" in printed.out
         assert summary["early_rounds"] == {"steps": 12, "sync_every": 2}
+        assert summary["overlap"] == 0  # (as given: blocking)
         assert "(sync every 4 steps; every 2 for the first 12, elastic)" in printed.out
     elif algo == "co2":
         assert summary["algo"] == "co2" and "replaced" not in record
@@ -609,7 +610,10 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
     else:
         assert summary["algo"] == "sparseloco" and record["replaced"]["algo"] == "co2"
         # (its early rounds: every 2 steps for the first quarter)
-        line = "sparseloco (sync every 4 steps; every 2 for the first 8, elastic)"
+        tau = summary["overlap"]  # (steps in flight, chosen from the step the job timed)
+        assert tau == int(chosen.get("overlap", 0))
+        flight = f"; {tau} step{'s' if tau > 1 else ''} in flight" if tau else ""
+        line = f"sparseloco (sync every 4 steps; every 2 for the first 8{flight}, elastic)"
         assert f"algorithm           {line}" in printed.out
     # the heal, not given, is chosen with them, and the replicas and the Lighthouse take it:
     # blocking on both, the tiny job's syncs (4 ms of compute a step) taking most of the link

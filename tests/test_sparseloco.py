@@ -396,6 +396,7 @@ def test_the_jobs_sparseloco_syncs_more_often_in_its_first_quarter(
     # of H₀ or more keeps the rounds as they are (one sync in flight at a time)
     short = train_job("--algo", "sparseloco", "--overlap", "2", *tiny)
     assert short["early_rounds"] == {"steps": 12, "sync_every": 3}
-    assert short["comm_mean"]["collectives"] == 4 + 6
+    assert short["comm_mean"]["collectives"] == 4 + 6 and short["overlap"] == 2
+    assert "every 3 for the first 12; 2 steps in flight" in capsys.readouterr().out
     overlapped = train_job("--algo", "sparseloco", "--overlap", "3", *tiny)
     assert overlapped["early_rounds"] is None

@@ -399,7 +399,8 @@ def test_the_summary_shows_the_warm_start_and_demos_compression(
     out = str(tmp_path / "c")
     assert main(["train", "--algo", "co2", *args, "--sync-warmup", "4", "--out", out]) == 0
     table = capsys.readouterr().out
-    assert "co2 (sync every 4 steps)" in table
+    assert "co2 (sync every 4 steps; 1 step in flight)" in table  # (the job's overlap)
+    assert read_summary(out)["overlap"] == 1
     assert "warm start        first 4 steps synchronous (DDP's mean, int8)" in table
     assert read_summary(out)["sync_warmup"] == {"steps": 4, "compression": "int8"}
     # DeMo's own compression, named from its settings (the summary of a DeMo job, as run_summary

@@ -672,6 +672,7 @@ def _job_summary(
         "steps": cfg.steps,
         "sync_every": cfg.sync_every,
         "early_rounds": None if first is None else first.get("early_rounds"),
+        "overlap": 0 if first is None else first.get("overlap") or 0,
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         # the settings chosen for the link, once for every replica
         "link_tuning": None if first is None else first.get("link_tuning"),

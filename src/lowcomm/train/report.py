@@ -135,6 +135,9 @@ def _sync_text(summary: dict[str, Any]) -> str:
     early = summary.get("early_rounds")
     if early:
         text += f"; every {early['sync_every']} for the first {early['steps']:,}"
+    tau = summary.get("overlap") or 0
+    if tau:
+        text += f"; {tau} step{'s' if tau > 1 else ''} in flight"
     return text
 
 

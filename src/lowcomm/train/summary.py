@@ -103,6 +103,7 @@ def run_summary(
             if kwargs.get("early_steps")
             else None
         ),
+        "overlap": int(kwargs.get("overlap") or 0),
         "link": None if cfg.link is None else f"{cfg.link} (emulated)",
         "compression": _compression_label(cfg, kwargs),
         "parameters": n_params,
