@@ -609,11 +609,11 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
         assert chosen and set(chosen) <= tuned
     else:
         assert summary["algo"] == "sparseloco" and record["replaced"]["algo"] == "co2"
-        # (its early rounds: every 2 steps for the first quarter)
+        # (its early rounds: every 2 steps for the first three eighths)
         tau = summary["overlap"]  # (steps in flight, chosen from the step the job timed)
         assert tau == int(chosen.get("overlap", 0))
         flight = f"; {tau} step{'s' if tau > 1 else ''} in flight" if tau else ""
-        line = f"sparseloco (sync every 4 steps; every 2 for the first 8{flight}, elastic)"
+        line = f"sparseloco (sync every 4 steps; every 2 for the first 12{flight}, elastic)"
         assert f"algorithm           {line}" in printed.out
     # the heal, not given, is chosen with them, and the replicas and the Lighthouse take it:
     # blocking on both, the tiny job's syncs (4 ms of compute a step) taking most of the link

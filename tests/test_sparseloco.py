@@ -379,24 +379,25 @@ def test_the_job_runs_sparseloco_without_a_warm_start_and_names_its_codec(
     assert sparse["val_loss_final"] < sparse["val_loss_initial"]
 
 
-def test_the_jobs_sparseloco_syncs_more_often_in_its_first_quarter(
+def test_the_jobs_sparseloco_syncs_more_often_in_its_first_three_eighths(
     train_job: Any, capsys: Any
 ) -> None:
     from lowcomm.testing.jobs import tiny_job_args
 
     tiny = tiny_job_args(steps=48, sync_every=6, eval_every=24, eval_batches=2, n_layer=1)
     early = train_job("--algo", "sparseloco", *tiny)
-    # the first quarter (12 steps) syncs every 3 (H₀ = 3: the largest divisor of 6 below it)
-    assert early["early_rounds"] == {"steps": 12, "sync_every": 3}
-    assert early["comm_mean"]["collectives"] == 4 + 6 and early["comm_mean"]["rounds"] == 8
-    assert "every 6 steps; every 3 for the first 12" in capsys.readouterr().out
+    # the first three eighths (18 steps: 3 rounds) sync every 3 (H₀ = 3: the largest divisor
+    # of 6 below it): 6 syncs there and 5 in the 30 steps after
+    assert early["early_rounds"] == {"steps": 18, "sync_every": 3}
+    assert early["comm_mean"]["collectives"] == 6 + 5 and early["comm_mean"]["rounds"] == 8
+    assert "every 6 steps; every 3 for the first 18" in capsys.readouterr().out
     plain = train_job("--algo", "sparseloco", "--early-steps", "0", *tiny)
     assert plain["early_rounds"] is None and plain["comm_mean"]["collectives"] == 8
     # a user's overlap below H₀ keeps them (each sync launched τ steps before its point); one
     # of H₀ or more keeps the rounds as they are (one sync in flight at a time)
     short = train_job("--algo", "sparseloco", "--overlap", "2", *tiny)
-    assert short["early_rounds"] == {"steps": 12, "sync_every": 3}
-    assert short["comm_mean"]["collectives"] == 4 + 6 and short["overlap"] == 2
-    assert "every 3 for the first 12; 2 steps in flight" in capsys.readouterr().out
+    assert short["early_rounds"] == {"steps": 18, "sync_every": 3}
+    assert short["comm_mean"]["collectives"] == 6 + 5 and short["overlap"] == 2
+    assert "every 3 for the first 18; 2 steps in flight" in capsys.readouterr().out
     overlapped = train_job("--algo", "sparseloco", "--overlap", "3", *tiny)
     assert overlapped["early_rounds"] is None

@@ -294,7 +294,7 @@ SPARSELOCO = {
     "compression": "sparse:0.015625:chunk=8",
     "sync_warmup": 0,
     "early_every": 6,
-    "early_steps": 240,
+    "early_steps": 360,
 }
 
 
@@ -336,9 +336,9 @@ def test_the_default_job_gives_way_to_sparseloco_only_where_its_own_syncs_cannot
     sync = _net("1mbit").allgather_time(sent, 2)
     assert switch.sync_s == pytest.approx(sync) and switch.warm_step_s is None
     assert switch.step_s == pytest.approx(0.075 + sync / 12)  # blocking: waited once a round
-    # its early rounds (a sync every 6 steps for the first 240): 20 more syncs, each waited for
+    # its early rounds (a sync every 6 steps for the first 360): 30 more syncs, each waited for
     # as long as a round's
-    assert switch.job_s == pytest.approx(960 * switch.step_s + 20 * sync)
+    assert switch.job_s == pytest.approx(960 * switch.step_s + 30 * sync)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("lowcomm.tune.choose.FALLBACKS", blocking)
         _, without = _switch("1mbit", {"sparseloco": {**SPARSELOCO, "early_steps": 0}})
@@ -353,17 +353,17 @@ def test_the_default_job_gives_way_to_sparseloco_only_where_its_own_syncs_cannot
 
     def predicted(tau: int, workers: int, t: float, link: str) -> tuple[float, float]:
         exposed = max(0.0, _net(link).allgather_time(sent, workers) - tau * t)
-        job_s = 960 * (t + exposed / 12) + 20 * exposed
+        job_s = 960 * (t + exposed / 12) + 30 * exposed
         return job_s, job_s * tokens_to(by_tau[tau].at(workers)[1].cost)
 
     picked = set()
     for link, workers, t in [
         ("1mbit", 2, 0.075),
-        ("1mbit", 2, 0.117),
-        ("1mbit", 4, 0.075),
+        ("1mbit", 2, 0.2),
         ("1mbit", 4, 0.25),
-        ("10mbit", 4, 0.2),
+        ("10mbit", 2, 0.117),
         ("10mbit", 4, 0.35),
+        ("20mbit:5ms", 4, 0.2),
     ]:
         _, chosen = _switch(link, workers=workers, step_time_s=t)
         times = {tau: predicted(tau, workers, t, link) for tau in by_tau}
@@ -405,7 +405,7 @@ def test_the_default_job_gives_way_to_sparseloco_only_where_its_own_syncs_cannot
     for link in ("100mbit", "1gbit"):
         own, switch = _switch(link)
         assert own.hidden and switch is None, (link, switch)
-    # 4 workers take the evidence of 4: SparseLoCo 1.8% above DDP there counts whole (26% more
+    # 4 workers take the evidence of 4: SparseLoCo 1.4% above DDP there counts whole (20% more
     # tokens), CO2 0.8% above; on 30 Mbit/s with 150 ms a step CO2's syncs are not hidden and
     # SparseLoCo's job is shorter, but not its time to DDP's loss: a gain under the margin is
     # no reason to give up CO2's lower loss per token
@@ -413,22 +413,22 @@ def test_the_default_job_gives_way_to_sparseloco_only_where_its_own_syncs_cannot
     own, switch = _switch("30mbit:20ms", workers=4, step_time_s=0.15)
     assert not own.hidden and switch is None
     sparse_s = 960 * (0.15 + _net("30mbit:20ms").allgather_time(sent, 4) / 12)
-    sparse_s += 20 * _net("30mbit:20ms").allgather_time(sent, 4)  # (its early rounds)
+    sparse_s += 30 * _net("30mbit:20ms").allgather_time(sent, 4)  # (its early rounds)
     assert sparse_s < FALLBACK_MARGIN * own.job_s  # on time alone it would switch
     own_cost = (1 + default4.cost) * (1 + own.cost) - 1
     assert sparse_s * (1 + sparse4.cost / TOKEN_EXCHANGE) > FALLBACK_MARGIN * own.job_s * (
         1 + max(0.0, own_cost) / TOKEN_EXCHANGE
     )
-    # on 1 Mbit/s, 4 workers, its syncs are most of a round: with 2 steps in flight (0.6% more
-    # loss per token there, 7% more tokens to DDP's loss than blocking's) far sooner
+    # on 1 Mbit/s, 4 workers, its syncs are most of a round: with 2 steps in flight (0.1% more
+    # loss per token there, 1.4% more tokens to DDP's loss than blocking's) far sooner
     in_flight4 = by_tau[2].by_workers[4]
-    assert in_flight4.cost > by_tau[1].by_workers[4].cost > sparse4.cost
+    assert in_flight4.cost > sparse4.cost
     own, switch = _switch("1mbit", workers=4)
     assert switch is not None and switch.settings == {"algo": "sparseloco", "overlap": 2}
     assert switch.evidence[0] == f"sparseloco on 4 workers: {in_flight4.describe()}"
-    # on 10 Mbit/s, 4 workers, with 350 ms a step its blocking syncs cost 2% of the time, less
-    # than the loss a step in flight would: blocking
-    own, switch = _switch("10mbit", workers=4, step_time_s=0.35)
+    # on 20 Mbit/s (5 ms), 4 workers, with 200 ms a step its blocking syncs cost 1% of the
+    # time, less than the loss 2 steps in flight would: blocking
+    own, switch = _switch("20mbit:5ms", workers=4, step_time_s=0.2)
     assert switch is not None and switch.settings == {"algo": "sparseloco"}
     assert switch.evidence[0] == f"sparseloco on 4 workers: {sparse4.describe()}"
     # a candidate with a warm start (an all-reduce every step) is never a slow link's choice
@@ -650,7 +650,7 @@ def test_the_default_job_on_a_link_too_slow_for_co2_runs_sparseloco(
         workers=2,
         shapes=[tuple(p.shape) for p in gpt.parameters()],
         steps=32,
-        # (its early rounds: every 4 steps for the first quarter)
+        # (its early rounds: every 4 steps for the first three eighths, in whole rounds)
         candidates={
             "sparseloco": {**SPARSELOCO, "sync_every": 8, "early_every": 4, "early_steps": 8}
         },

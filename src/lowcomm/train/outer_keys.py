@@ -72,10 +72,10 @@ every job with the warm start of :func:`job_sync_warmup`):
   below DDP on 2 workers, 2.3% above on 4 (on another machine, whose kernels round otherwise,
   0.1% below and 3.0% above; ``docs/studies/slow-links.md``). The mean over the senders, not
   ``sender_power`` 1.5: 2.0% above DDP on 4 workers but 0.5% above on 2. Tiles of 8 × 8 (1 kept
-  of each, 6-bit indices) with early rounds (:func:`job_early_rounds`): 1.8% below DDP on 2
-  workers, 1.8% above on 4. The delay-corrected merge, for an overlap given or chosen from the
-  link (blocking by default), keeps the τ steps: 1 and 2 steps in flight ended 0.2 and 0.6
-  points above the blocking job on 4 workers, 0.8 and 1.4 on 2.
+  of each, 6-bit indices) with early rounds (:func:`job_early_rounds`): 2.4% below DDP on 2
+  workers, 1.4% above on 4. The delay-corrected merge, for an overlap given or chosen from the
+  link (blocking by default), keeps the τ steps: 1 and 2 steps in flight ended 1.6% and 1.5%
+  above DDP on 4 workers, 2.1% and 0.6% below on 2.
 """
 
 
@@ -105,10 +105,10 @@ def job_sync_warmup(steps: int, sync_every: int) -> int:
 
 
 def job_early_rounds(steps: int, sync_every: int) -> dict[str, int]:
-    """This job's early rounds for SparseLoCo: the steps the other algorithms' warm start takes
-    (:func:`job_sync_warmup`: a quarter, 240 of the default 960) synced every H₀ steps, H₀ the
-    largest divisor of H below H (6 of the default 12: two syncs a round); none where that is
-    1 (a prime H: a sync every step across the link) or the job is under 4 rounds.
+    """This job's early rounds for SparseLoCo: the first three eighths of the steps, in whole
+    rounds (360 of the default 960), synced every H₀ steps, H₀ the largest divisor of H below H
+    (6 of the default 12: two syncs a round); none where that is 1 (a prime H: a sync every
+    step across the link) or the job is under 4 rounds.
 
     Without them the 4-worker job lagged DDP from the start (seed 0: 27% above it at step 60,
     11% at step 360) and ended 2.3% above it over three seeds; a warm start of 240 DDP steps
@@ -117,12 +117,16 @@ def job_early_rounds(steps: int, sync_every: int) -> dict[str, int]:
     over the three seeds on 4 workers and 1.8% below it on 2 (−0.3% without); rounds of 4 for
     the first 240 with 16 × 16 tiles 0.6% above on 4, but at 40 more syncs of a fifth more
     bytes each (762× fewer bytes per token than DDP, short of 1000×), and for the first 120
-    with 8 × 8 tiles 2.0% above (``docs/studies/slow-links.md``)."""
+    with 8 × 8 tiles 2.0% above. The gap was widest where the first 240 ended (seed 0, 2 steps
+    in flight: 7.9% above DDP at step 240, 6.2% at 360) and DDP's loss falls fastest until
+    about step 400; rounds of 6 for the first 360 (30 more syncs: 1,004× fewer bytes per token
+    than DDP on 4 workers) took the 4-worker job with 2 steps in flight from 2.4% to 1.5%
+    above DDP over three seeds, blocking from 1.8% to 1.4%, and on 2 workers blocking from 1.8%
+    to 2.4% below it (``docs/studies/slow-links.md``)."""
     h0 = max((d for d in range(1, sync_every) if sync_every % d == 0), default=1)
-    w = job_sync_warmup(steps, sync_every)
-    if h0 == 1 or not w:
+    if h0 == 1 or steps < 4 * sync_every:
         return {"early_steps": 0}
-    return {"early_every": h0, "early_steps": w}
+    return {"early_every": h0, "early_steps": steps * 3 // 8 // sync_every * sync_every}
 
 
 def job_outer_defaults(
