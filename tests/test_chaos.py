@@ -183,8 +183,10 @@ def test_the_checkpoint_restart_loop_kills_one_worker_of_the_latest_attempt_per_
     for attempt, procs in ((0, old), (1, new)):
         for rank, p in enumerate(procs):
             (pids / f"rank{rank}.attempt{attempt}").write_text(str(p.pid))
+    lost = tmp_path / "lost"
+    lost.mkdir()
     try:
-        killer = _WorkerKiller(str(out), str(pids), 1.0, 0, 8, time.time() + 60)
+        killer = _WorkerKiller(str(out), str(pids), 1.0, 0, 8, time.time() + 60, lost=str(lost))
         time.sleep(2.0)
         assert not killer.kills  # the job has not trained 8 steps yet
         _write(out, {"kind": "step", "step": 8})
@@ -195,6 +197,9 @@ def test_the_checkpoint_restart_loop_kills_one_worker_of_the_latest_attempt_per_
         (kill,) = killer.kills[:1]
         assert new[kill["rank"]].wait(timeout=10) == -signal.SIGKILL
         assert all(p.poll() is None for p in old)  # never a worker of an earlier attempt
+        # the machine is lost with the worker: attempt 2's worker of that rank fetches its state
+        assert kill["attempt"] == 1
+        assert (lost / "attempt2").read_text().split()[0] == str(kill["rank"])
     finally:
         for p in old + new:
             if p.poll() is None:
@@ -395,6 +400,9 @@ def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_ru
         "val_loss_final": 1.5,
         "faults": 3,
         "settings": {"compression": "int4"},
+        "lost_state": "link",
+        "heal_bytes": [9.0e6, 9.0e6, 9.0e6],
+        "heal_transfer_s": [7.3, 7.4, 7.3],
     }
     runs = [{"kind": "ceiling", "goodput": 10_000.0}, ref, versus(mtbf, ref), versus(ckpt, ref)]
     table = format_link_chaos({"runs": runs}).splitlines()
@@ -406,7 +414,13 @@ def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_ru
         in (rows[1])
     )
     assert "| checkpoint-restart | yes | 4,000 | 0.40 | 50% |" in rows[2]
-    assert rows[2].endswith("| compression int4 |")
+    # the killed workers' checkpoints, read across the link
+    assert rows[2].endswith("| 3 | - | 9.0 | 7.3-7.4 | compression int4 |")
+    assert table[-1] == (
+        "10mbit, co2: under the kills the elastic job has 1.80 times the goodput of "
+        "checkpoint-restart (each killed worker's machine lost, its checkpoint read across the "
+        "link)."
+    )
 
 
 @pytest.mark.parametrize(
@@ -421,6 +435,8 @@ def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_ru
         (["--soak", "5"], "--soak is a flag of --chaos"),
         (["--chaos", "--quick"], "--chaos is a run of its own"),
         (["--mtbf", "30"], "--mtbf is a flag of --chaos"),
+        (["--chaos", "--links", "10mbit", "--lost-state", "cloud"], "link or local, got 'cloud'"),
+        (["--chaos", "--lost-state", "local"], "--lost-state is a setting of the checkpoint-"),
     ],
 )
 def test_bad_chaos_settings_are_refused(

@@ -19,17 +19,23 @@ from lowcomm.cli import main
 from lowcomm.testing.jobs import TINY_JOB_ALGO_ARGS, TINY_JOB_ARGS, read_summary
 from lowcomm.testing.runs import assert_same_run, read_records
 from lowcomm.train import launcher
+from lowcomm.train.checkpoint import complete_checkpoints, rank_file
+from lowcomm.train.faults import LOST_STATE_ENV, mark_lost
 from lowcomm.train.loop import FAULT_ENV
 
 ABORT = "terminate called"  # what a C++ std::terminate at shutdown prints
 
 
-def _start(out: str, *extra: str, fault: str | None = None) -> subprocess.Popen[str]:
+def _start(
+    out: str, *extra: str, fault: str | None = None, lost: str | None = None
+) -> subprocess.Popen[str]:
     """``python -m lowcomm train`` (co2, the tiny config) in a subprocess: its stderr holds the
-    workers' too, C++ messages included."""
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    workers' too, C++ messages included (``lost``: a :data:`LOST_STATE_ENV` folder)."""
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, LOST_STATE_ENV)}
     if fault is not None:
         env[FAULT_ENV] = fault
+    if lost is not None:
+        env[LOST_STATE_ENV] = lost
     cmd = [sys.executable, "-m", "lowcomm", "train", "--algo", "co2", *TINY_JOB_ARGS]
     cmd += TINY_JOB_ALGO_ARGS["co2"]
     return subprocess.Popen(
@@ -54,13 +60,14 @@ def _wait(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
 
 def _train_at_once(
     *runs: tuple[str, tuple[str, ...], str | None],
+    lost: str | None = None,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Independent :func:`_start` runs ``(out, extra, fault)`` at once (their start-up, mostly
     imports on one core each, overlaps), each waited for (and read) in a thread of its own."""
     procs: list[subprocess.Popen[str]] = []
     try:
         for out, extra, fault in runs:
-            procs.append(_start(out, *extra, fault=fault))
+            procs.append(_start(out, *extra, fault=fault, lost=lost if fault else None))
         with ThreadPoolExecutor(len(procs)) as pool:
             return list(pool.map(_wait, procs))
     finally:
@@ -78,13 +85,20 @@ def _train(out: str, *extra: str, fault: str | None = None) -> subprocess.Comple
 @pytest.mark.timeout(300)
 def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path: Any) -> None:
     clean, restarted = str(tmp_path / "clean"), str(tmp_path / "restarted")
-    # the run without the fault and the faulted one, at once (independent runs)
+    # the run without the fault and the faulted one, at once (independent runs), over an
+    # emulated link (it delays, it does not change a bit)
     # rank 1 is SIGKILLed after step 10; the group restarts and resumes from the newest
     # complete checkpoint: step 9's, or step 6's where rank 0 had not yet finished step 9's
     # (nothing holds rank 1 back between the two: on a loaded machine it can be a step ahead)
+    # rank 1's machine is lost with it: its replacement reads its checkpoint across the link
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    mark_lost(str(lost), 1, 0)
+    link = ("--link", "20mbit:50ms", "--tune-link", "off", "--checkpoint-every", "3")
     first, proc = _train_at_once(
-        (clean, ("--checkpoint-every", "3"), None),
-        (restarted, ("--checkpoint-every", "3", "--max-restarts", "1"), "1:10"),
+        (clean, link, None),
+        (restarted, (*link, "--max-restarts", "1"), "1:10"),
+        lost=str(lost),
     )
     assert first.returncode == 0, first.stderr[-3000:]
     assert ABORT not in first.stderr
@@ -94,6 +108,13 @@ def test_restart_after_a_killed_worker_ends_as_a_run_without_the_fault(tmp_path:
     resumes = [r for r in read_records(restarted) if r["kind"] == "resume"]
     assert [(r["step"], r["restart"]) for r in resumes] in ([(9, 1)], [(6, 1)]), resumes
     assert_same_run(clean, restarted, resumed_at=[resumes[0]["step"]])
+    # the lost rank waited for the link's latency and its file's bytes at 20 Mbit/s; rank 0 read
+    # its own disk
+    (note,) = (json.loads(p.read_text()) for p in lost.glob("attempt1.rank*.json"))
+    folder = dict(complete_checkpoints(restarted))[resumes[0]["step"]]
+    assert note["rank"] == 1 and note["bytes"] == os.path.getsize(rank_file(folder, 1))
+    assert note["link_s"] == pytest.approx(0.05 + 8 * note["bytes"] / 20e6)
+    assert note["waited_s"] >= note["link_s"]
     # tokens/s counts the whole job: the steps redone after the restart and the restart itself
     summary = read_summary(restarted)
     lost = summary["lost_to_restarts_s"]

@@ -86,6 +86,11 @@ class ChaosSpec:
     """Goodput over slow links instead of the targeted faults
     (:func:`lowcomm.bench.chaos_links.run_link_chaos`): per link and algorithm, the fault-free,
     MTBF and checkpoint-restart runs of the job chosen for it."""
+    lost_state: str = "link"
+    """Where the checkpoint-restart runs of ``links`` get a killed worker's state back:
+    ``link`` (a kill loses the worker's machine and its disk, as a killed elastic replica
+    loses its state: the replacement reads its checkpoint file across the emulated link, and
+    the group waits for it) or ``local`` (its own disk, as a process restarted in place)."""
     soak: float | None = None
     """Minutes of the soak instead (:func:`lowcomm.bench.soak.run_soak`); its link: the first
     of ``links`` (default 100mbit)."""
@@ -119,6 +124,8 @@ class ChaosSpec:
                 raise ValueError("--links: give at least one link (e.g. 100mbit,10mbit)")
             for link in self.links:
                 EmulatedLink.parse(link)  # (a bad one names itself)
+        if self.lost_state not in ("link", "local"):
+            raise ValueError(f"--lost-state must be link or local, got {self.lost_state!r}")
         if self.soak is not None and not 0 < self.soak <= SOAK_MAX_MINUTES:
             raise ValueError(
                 f"--soak must be more than 0 and at most {SOAK_MAX_MINUTES:g} minutes, got "

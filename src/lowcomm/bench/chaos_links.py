@@ -20,23 +20,49 @@ from typing import Any
 
 from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, run_elastic, survived, train_config, versus
 from lowcomm.train.elastic import read_replica_records
+from lowcomm.train.faults import LOST_STATE_ENV, mark_lost
 
 __all__ = ["format_link_chaos", "run_link_chaos"]
 
 logger = logging.getLogger(__name__)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 class _WorkerKiller:
     """The MTBF loop of a fixed group (the checkpoint-restart runs): once the job has trained
     ``ready_steps`` steps (the warm start and two rounds, where the elastic loop starts),
     SIGKILL one worker of the latest attempt, chosen at random (seeded), every ``period_s``
-    seconds; the launcher then restarts the whole group from the last checkpoint. A thread,
-    stopped by :meth:`stop`."""
+    seconds; the launcher then restarts the whole group from the last checkpoint. With
+    ``lost`` (a :data:`~lowcomm.train.faults.LOST_STATE_ENV` folder) each kill loses the
+    worker's machine: the next attempt's worker of that rank fetches its checkpoint over the
+    link. A thread, stopped by :meth:`stop`."""
 
     def __init__(
-        self, out: str, pids: str, period_s: float, seed: int, ready_steps: int, deadline: float
+        self,
+        out: str,
+        pids: str,
+        period_s: float,
+        seed: int,
+        ready_steps: int,
+        deadline: float,
+        *,
+        lost: str | None = None,
     ) -> None:
-        self.out, self.pids, self.period_s = out, pids, period_s
+        self.out, self.pids, self.period_s, self.lost = out, pids, period_s, lost
         self.rng = random.Random(seed)
         self.ready_steps, self.deadline = ready_steps, deadline
         self.kills: list[dict[str, Any]] = []
@@ -53,14 +79,17 @@ class _WorkerKiller:
         ]
         return max(steps, default=0)
 
-    def _latest(self) -> dict[int, int]:
-        """rank -> pid of the latest attempt's workers."""
+    def _latest(self) -> tuple[int, dict[int, int]]:
+        """The latest attempt, and rank -> pid of its workers that run."""
         found: dict[int, dict[int, int]] = {}
         for name in os.listdir(self.pids):
             rank, attempt = name.removeprefix("rank").split(".attempt")
             with open(os.path.join(self.pids, name), encoding="utf-8") as f:
                 found.setdefault(int(attempt), {})[int(rank)] = int(f.read().strip() or 0)
-        return found[max(found)] if found else {}
+        if not found:
+            return 0, {}
+        latest = max(found)
+        return latest, {r: pid for r, pid in found[latest].items() if pid > 0 and _alive(pid)}
 
     def _loop(self) -> None:
         last = None
@@ -71,15 +100,17 @@ class _WorkerKiller:
                 last = time.time()
             if time.time() - last < self.period_s:
                 continue
-            last = time.time()
-            workers = self._latest()
-            if not workers:
+            attempt, workers = self._latest()
+            if not workers:  # between two attempts: the next kill when the group runs again
                 continue
+            last = time.time()
             rank = self.rng.choice(sorted(workers))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(workers[rank], signal.SIGKILL)
-                self.kills.append({"time_s": last - self._t0, "rank": rank})
+                self.kills.append({"time_s": last - self._t0, "rank": rank, "attempt": attempt})
                 logger.info("chaos: SIGKILL to rank %d at %.1f s", rank, last - self._t0)
+                if self.lost is not None:
+                    mark_lost(self.lost, rank, attempt)
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,16 +150,27 @@ def _run_fixed(
     error = None
     killer = None
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="lowcomm-pids-") as pids:
-        before = os.environ.get(PID_DIR_ENV)
-        os.environ[PID_DIR_ENV] = pids
+    fetched: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        pids = stack.enter_context(tempfile.TemporaryDirectory(prefix="lowcomm-pids-"))
+        # a kill loses the worker's machine: its replacement's checkpoint crosses the link
+        lost = (
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="lowcomm-lost-"))
+            if kill and spec.lost_state == "link" and cfg.link is not None
+            else None
+        )
+        env = {PID_DIR_ENV: pids, LOST_STATE_ENV: lost}
+        before = {k: os.environ.get(k) for k in env}
+        for k, v in env.items():
+            if v is not None:
+                os.environ[k] = v
         try:
             if kill:
                 # the first kill where the elastic MTBF loop's comes: every replica two
                 # syncs past the warm start
                 ready = cfg.sync_warmup_steps() + 2 * cfg.sync_every
                 killer = _WorkerKiller(
-                    out, pids, spec.mtbf, spec.seed, ready, t0 + spec.run_timeout_s
+                    out, pids, spec.mtbf, spec.seed, ready, t0 + spec.run_timeout_s, lost=lost
                 )
             summary = launch(cfg)
         except WorkerFailed as e:
@@ -136,10 +178,13 @@ def _run_fixed(
         finally:
             if killer is not None:
                 killer.stop()
-            if before is None:
-                os.environ.pop(PID_DIR_ENV, None)
-            else:
-                os.environ[PID_DIR_ENV] = before
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            if lost is not None:
+                fetched = _fetched(lost)
     wall = time.time() - t0
     tokens = (summary or {}).get("tokens")
     return {
@@ -155,7 +200,23 @@ def _run_fixed(
         "faults": len(killer.kills) if killer is not None else 0,
         "chaos": killer.kills if killer is not None else [],
         "checkpoint_every": cfg.checkpoint_every,
+        "lost_state": (spec.lost_state if cfg.link is not None else "local") if kill else None,
+        "heal_bytes": [f["bytes"] for f in fetched],
+        "heal_transfer_s": [f["waited_s"] for f in fetched],
     }
+
+
+def _fetched(folder: str) -> list[dict[str, Any]]:
+    """What the checkpoint-restart run's replacements fetched over the link, attempt by attempt
+    (:func:`lowcomm.train.faults.fetch_lost_state`'s notes)."""
+    notes = []
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                note = json.load(f)
+            note["attempt"] = int(name.split(".")[0].removeprefix("attempt"))
+            notes.append(note)
+    return sorted(notes, key=lambda n: (n["attempt"], n["rank"]))
 
 
 def run_link_chaos(
@@ -167,7 +228,9 @@ def run_link_chaos(
     replica SIGKILLed every ``mtbf`` seconds (a process spinning on a killed replica's core
     until it is back: on a shared machine the others would otherwise run faster without it),
     and the same job as a fixed group with the same settings, recovering by checkpoint-restart
-    (a checkpoint every round; a worker SIGKILLed every ``mtbf`` seconds). Goodput: tokens that
+    (a checkpoint every round; a worker SIGKILLed every ``mtbf`` seconds, its machine lost with
+    it where ``spec.lost_state`` is ``link``: its replacement reads its checkpoint file across
+    the link). Goodput: tokens that
     reached the model over the run's wall time (start-up and recovery included), against the
     ceiling."""
     from lowcomm.runfiles import write_json, write_text
@@ -244,8 +307,8 @@ def format_link_chaos(results: dict[str, Any]) -> str:
         f"No-sync ceiling (`--algo none`): {num(top, ',.0f')} tokens/s.",
         "",
         "| link | algorithm | run | survived | goodput (tokens/s) | of the ceiling | of "
-        "fault-free | val loss | vs fault-free | faults | kill to healed (s) | heal (MB) | heal "
-        "transfer (s) | settings |",
+        "fault-free | val loss | vs fault-free | faults | kill to healed (s) | state over the "
+        "link (MB) | its transfer (s) | settings |",
         "|" + " --- |" * 14,
     ]
     for run in runs:
@@ -273,4 +336,31 @@ def format_link_chaos(results: dict[str, Any]) -> str:
             f"{f'{min(moved):.1f}-{max(moved):.1f}' if moved else '-'} | "
             f"{settings or 'the defaults'} |"
         )
+    lines.append("")
+    lines += _versus_restart(runs)
     return "\n".join(lines)
+
+
+def _versus_restart(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per link and algorithm: the elastic job's goodput under the kills over the
+    checkpoint-restart run's, and where that run's killed workers got their state back."""
+    lines = []
+    for ckpt in runs:
+        if not ckpt["kind"].endswith("-checkpoint-restart") or not ckpt.get("goodput"):
+            continue
+        tag = ckpt["kind"].removesuffix("-checkpoint-restart")
+        mtbf = next(
+            (r for r in runs if r["kind"] == f"{tag}-mtbf" and r["algo"] == ckpt["algo"]), None
+        )
+        if mtbf is None or not mtbf.get("goodput"):
+            continue
+        where = {
+            "link": "each killed worker's machine lost, its checkpoint read across the link",
+            "local": "each killed worker restarted on its own disk",
+        }.get(ckpt.get("lost_state") or "", "")
+        lines.append(
+            f"{ckpt['link']}, {ckpt['algo']}: under the kills the elastic job has "
+            f"{mtbf['goodput'] / ckpt['goodput']:.2f} times the goodput of checkpoint-restart"
+            + (f" ({where})." if where else ".")
+        )
+    return lines

@@ -63,6 +63,10 @@ class BenchFlags:
     for none)"""
     targeted_steps: int | None = flag(None, metavar="N")
     """--chaos: inner steps of the jobs with one targeted fault (default 240)"""
+    lost_state: str | None = flag(None, metavar="link|local")
+    """--chaos --links: where the checkpoint-restart run gets a killed worker's state back: link
+    (default: the kill loses its machine, and its replacement reads its checkpoint across the
+    link, as a killed elastic replica heals over it) or local (its own disk)"""
     soak: float | None = flag(None, metavar="MINUTES")
     """--chaos: a soak instead: the first of --algos over the first of --links (default
     100mbit) for MINUTES while replicas die and are started at random (kill 0.4, start 0.6 per
@@ -239,7 +243,7 @@ _BALANCE_KEYS |= {"n_layer", "n_embd", "n_head", "corpus"}
 _SWITCHES: tuple[str, ...] = ("quick", "convergence", "balance", "cost_model", "long", "reuse")
 _SWITCHES += ("overwrite", "chaos", "codec_only", "ddp_parity_only")
 _CHAOS_KEYS = {"algos", "workers", "steps", "targeted_steps", "mtbf", "faults", "seed", "out"}
-_CHAOS_KEYS |= {"data", "links", "soak"}
+_CHAOS_KEYS |= {"data", "links", "soak", "lost_state"}
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -295,6 +299,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
     if values.get("faults") == ["none"]:
         values["faults"] = []
     spec = ChaosSpec(**values)
+    if "lost_state" in values and spec.links is None:
+        raise ValueError("--lost-state is a setting of the checkpoint-restart runs: give --links")
     results_path = os.path.join(spec.out, "results.json")
     if os.path.exists(results_path) and not args.overwrite:
         raise ValueError(

@@ -80,6 +80,7 @@ __all__ = [
     "newest_intact",
     "load_rank_state",
     "publish",
+    "rank_file",
     "read_manifest",
     "run_folder_of",
     "truncate_metrics",
@@ -304,7 +305,7 @@ def damage(folder: str) -> str | None:
         return f"its {MANIFEST} names no world size"
     sizes, digests = manifest.get("sizes"), manifest.get("digests")
     for rank in range(world):
-        path = _rank_file(folder, rank)
+        path = rank_file(folder, rank)
         name = os.path.basename(path)
         if not os.path.isfile(path):
             return f"{name} is missing"
@@ -328,7 +329,8 @@ def _check_files(folder: str) -> None:
         raise ConfigError("resume", f"checkpoint {folder!r} is damaged: {why}; {_earlier(folder)}")
 
 
-def _rank_file(folder: str, rank: int) -> str:
+def rank_file(folder: str, rank: int) -> str:
+    """The file of ``rank``'s state in the checkpoint ``folder``."""
     return os.path.join(folder, f"rank-{rank}.pt")
 
 
@@ -341,7 +343,7 @@ def write_rank_state(out: str, step: int, rank: int, state: dict[str, Any]) -> N
     Every rank calls it, then a barrier, then rank 0 calls :func:`publish`."""
     folder = _partial_folder(out, step)
     os.makedirs(folder, exist_ok=True)
-    save_checkpoint(_rank_file(folder, rank), {"format": FORMAT, **state})
+    save_checkpoint(rank_file(folder, rank), {"format": FORMAT, **state})
 
 
 def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
@@ -349,7 +351,7 @@ def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
     and keep the newest ``keep`` complete checkpoints. Returns the checkpoint's folder."""
     partial = _partial_folder(out, step)
     world = int(manifest["world_size"])
-    missing = [r for r in range(world) if not os.path.isfile(_rank_file(partial, r))]
+    missing = [r for r in range(world) if not os.path.isfile(rank_file(partial, r))]
     if missing:
         raise RuntimeError(
             f"checkpoint of step {step}: the files of ranks {missing} are not in {partial!r}; "
@@ -360,10 +362,10 @@ def publish(out: str, step: int, manifest: dict[str, Any], *, keep: int) -> str:
         {
             "format": FORMAT,
             "step": step,
-            "files": [os.path.basename(_rank_file(partial, r)) for r in range(world)],
+            "files": [os.path.basename(rank_file(partial, r)) for r in range(world)],
             # checked before a resume starts any worker: a damaged file is refused up front
-            "sizes": [os.path.getsize(_rank_file(partial, r)) for r in range(world)],
-            "digests": [_digest(_rank_file(partial, r)) for r in range(world)],
+            "sizes": [os.path.getsize(rank_file(partial, r)) for r in range(world)],
+            "digests": [_digest(rank_file(partial, r)) for r in range(world)],
             "written": time.time(),
             "torch": torch.__version__,
             **manifest,
@@ -404,7 +406,7 @@ def discard_after(out: str, step: int) -> None:
 
 def load_rank_state(folder: str, rank: int, world_size: int) -> dict[str, Any]:
     """This rank's part of the checkpoint in ``folder`` (``torch.load(weights_only=True)``)."""
-    path = _rank_file(folder, rank)
+    path = rank_file(folder, rank)
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {folder!r} has no file for rank {rank}")
     hint = _earlier(folder)

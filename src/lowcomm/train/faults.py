@@ -8,6 +8,7 @@ clean and the tests can check that it recovers.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,9 +24,12 @@ __all__ = [
     "ELASTIC_MODES",
     "FAULT_ENV",
     "FAULT_MODES",
+    "LOST_STATE_ENV",
     "die_as_donor",
     "fault_point",
+    "fetch_lost_state",
     "inject_fault",
+    "mark_lost",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,64 @@ FAULT_MODES = ("kill", "exit", "hang", "raise", "nan", "sync", "donor")
 ELASTIC_MODES = ("sync", "donor")
 """The MODEs an elastic replica arms itself (:meth:`lowcomm.train.elastic.ElasticReplica.arm`)
 rather than the loop injecting them after a step."""
+
+
+LOST_STATE_ENV = "LOWCOMM_LOST_STATE"
+"""For benchmarks and tests: a folder in which a file ``attempt<N>`` lists, one a line, the ranks
+whose machine was lost before attempt N of the worker group (:func:`mark_lost`), its local disk
+with it. Under ``--link`` such a rank's replacement reads its checkpoint file across the link
+from where the run's checkpoints are kept: before the group resumes it waits as long as the
+link takes to carry the file (:func:`fetch_lost_state`), as a killed elastic replica waits for
+its heal from a peer. Without the variable, or without ``--link``, a restarted worker reads its
+own disk, as a process restarted on the same machine does. Not a user setting."""
+
+
+def mark_lost(folder: str, rank: int, attempt: int) -> None:
+    """Record in ``folder`` (:data:`LOST_STATE_ENV`) that ``rank``'s machine was lost while the
+    worker group ran its attempt ``attempt``: the next attempt's ``rank`` fetches its state."""
+    with open(os.path.join(folder, f"attempt{attempt + 1}"), "a", encoding="utf-8") as f:
+        f.write(f"{rank}\n")
+
+
+def _lost(folder: str, rank: int, attempt: int) -> bool:
+    try:
+        with open(os.path.join(folder, f"attempt{attempt}"), encoding="utf-8") as f:
+            return str(rank) in f.read().split()
+    except FileNotFoundError:
+        return False
+
+
+def fetch_lost_state(path: str, rank: int, link: str | None) -> dict[str, Any] | None:
+    """Carry the checkpoint file ``path`` of ``rank`` across ``link`` if :data:`LOST_STATE_ENV`
+    says this rank's machine was lost before this attempt: wait for the link's latency and the
+    file's bytes at its bandwidth, and note ``{"rank", "bytes", "link_s", "waited_s"}`` next to
+    the list as ``attempt<N>.rank<r>.json``. ``None`` (no wait) otherwise."""
+    folder = os.environ.get(LOST_STATE_ENV)
+    now = group_attempt()
+    if not folder or link is None or now == 0 or not _lost(folder, rank, now):
+        return None
+    from lowcomm.link import EmulatedLink, wait_until
+
+    size = os.path.getsize(path)
+    t0 = time.monotonic()
+    done = EmulatedLink.parse(link).model().schedule(t0, size)
+    wait_until(done)
+    fetched = {
+        "rank": rank,
+        "bytes": size,
+        "link_s": done - t0,
+        "waited_s": time.monotonic() - t0,
+    }
+    logger.info(
+        "rank %d's machine was lost: its checkpoint (%.1f MB) came over the %s link in %.1f s",
+        rank,
+        size / 1e6,
+        link,
+        fetched["waited_s"],
+    )
+    with open(os.path.join(folder, f"attempt{now}.rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(fetched, f)
+    return fetched
 
 
 def fault_point(rank: int, *, attempt: int | None = None) -> tuple[int, str] | None:

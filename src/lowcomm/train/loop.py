@@ -83,7 +83,7 @@ from lowcomm.runfiles import plot_losses, save_checkpoint, write_json
 from lowcomm.train.ceiling import Ceiling
 from lowcomm.train.config import TrainConfig
 from lowcomm.train.failures import attempt
-from lowcomm.train.faults import FAULT_ENV
+from lowcomm.train.faults import FAULT_ENV, fetch_lost_state
 from lowcomm.train.instruments import Instruments
 from lowcomm.train.metrics import CHECKPOINT_NOTE
 from lowcomm.train.model import build_gpt, inner_optimizer, zero_optimizer
@@ -236,6 +236,8 @@ class _Job:
         rank, world = topology.rank, topology.world
         self.source = resume_source(cfg, rank, world)
         state = ckpt.load_rank_state(self.source, rank, world) if self.source else None
+        if self.source is not None:  # (a benchmark's lost machine: its file crosses the link)
+            fetch_lost_state(ckpt.rank_file(self.source, rank), rank, cfg.link)
         self.state = state
         self.start = int(state["step"]) if state is not None else 0
         if topology.is_main:
