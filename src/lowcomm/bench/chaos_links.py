@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, run_elastic, survived, train_config, versus
 from lowcomm.train.elastic import read_replica_records
@@ -159,11 +160,8 @@ def _run_fixed(
             if kill and spec.lost_state == "link" and cfg.link is not None
             else None
         )
-        env = {PID_DIR_ENV: pids, LOST_STATE_ENV: lost}
-        before = {k: os.environ.get(k) for k in env}
-        for k, v in env.items():
-            if v is not None:
-                os.environ[k] = v
+        env = {PID_DIR_ENV: pids, **({LOST_STATE_ENV: lost} if lost is not None else {})}
+        stack.enter_context(mock.patch.dict(os.environ, env))  # (restored on the way out)
         try:
             if kill:
                 # the first kill where the elastic MTBF loop's comes: every replica two
@@ -178,11 +176,6 @@ def _run_fixed(
         finally:
             if killer is not None:
                 killer.stop()
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
             if lost is not None:
                 fetched = _fetched(lost)
     wall = time.time() - t0
@@ -200,7 +193,7 @@ def _run_fixed(
         "faults": len(killer.kills) if killer is not None else 0,
         "chaos": killer.kills if killer is not None else [],
         "checkpoint_every": cfg.checkpoint_every,
-        "lost_state": (spec.lost_state if cfg.link is not None else "local") if kill else None,
+        "lost_state": ("link" if lost is not None else "local") if kill else None,
         "heal_bytes": [f["bytes"] for f in fetched],
         "heal_transfer_s": [f["waited_s"] for f in fetched],
     }

@@ -80,15 +80,15 @@ def _lost(folder: str, rank: int, attempt: int) -> bool:
         return False
 
 
-def fetch_lost_state(path: str, rank: int, link: str | None) -> dict[str, Any] | None:
+def fetch_lost_state(path: str, rank: int, link: str | None) -> None:
     """Carry the checkpoint file ``path`` of ``rank`` across ``link`` if :data:`LOST_STATE_ENV`
     says this rank's machine was lost before this attempt: wait for the link's latency and the
     file's bytes at its bandwidth, and note ``{"rank", "bytes", "link_s", "waited_s"}`` next to
-    the list as ``attempt<N>.rank<r>.json``. ``None`` (no wait) otherwise."""
+    the list as ``attempt<N>.rank<r>.json``. Nothing (no wait) otherwise."""
     folder = os.environ.get(LOST_STATE_ENV)
     now = group_attempt()
     if not folder or link is None or now == 0 or not _lost(folder, rank, now):
-        return None
+        return
     from lowcomm.link import EmulatedLink, wait_until
 
     size = os.path.getsize(path)
@@ -110,7 +110,6 @@ def fetch_lost_state(path: str, rank: int, link: str | None) -> dict[str, Any] |
     )
     with open(os.path.join(folder, f"attempt{now}.rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(fetched, f)
-    return fetched
 
 
 def fault_point(rank: int, *, attempt: int | None = None) -> tuple[int, str] | None:
