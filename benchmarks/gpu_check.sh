@@ -222,10 +222,9 @@ if row.get("tokens_per_s") is not None:
     same = ""
     if not row["run"].startswith("none"):
         same = f", replicas identical: {row.get('replicas_identical')}"
-    print(
-        f"   {row['tokens_per_s']:,.0f} tokens/s, {row.get('backend')}, "
-        f"val {row.get('val_loss_final'):.3f}{same}"
-    )
+    val = row.get("val_loss_final")  # none in the summary of a run stopped early
+    val = "-" if val is None else f"{val:.3f}"
+    print(f"   {row['tokens_per_s']:,.0f} tokens/s, {row.get('backend')}, val {val}{same}")
 sys.exit(0 if ok else 1)
 EOF
 }

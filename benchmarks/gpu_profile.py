@@ -108,7 +108,11 @@ def main(kinds: list[str], steps: int = 48) -> None:
 
         top = [
             (e.key, e.count, round(e.self_cpu_time_total / 1e3, 1))
-            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+        ]
+        top_device = [
+            (e.key[:60], e.count, round(e.self_device_time_total / 1e3, 2))
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]
         ]
         if algo is not None:
             algo.finish()
@@ -119,6 +123,7 @@ def main(kinds: list[str], steps: int = 48) -> None:
             "host_reads": count("aten::_local_scalar_dense"),
             "launches": count(*LAUNCHES),
             "top_self_cpu_ms": top,
+            "top_self_device_ms": top_device,
         }
 
     base = None

@@ -668,3 +668,4 @@ def test_gpu_profile_runs_on_the_cpu(single_rank_group: None, capsys: Any) -> No
     co2 = rows["co2:compression=int4"]
     assert "error" not in co2 and co2["ms_per_step"] > 0 and co2["of_none"] > 0
     assert co2["host_reads"] == rows["none"]["host_reads"]  # the sync reads nothing back
+    assert all(len(row) == 3 for row in co2["top_self_device_ms"])  # (key, count, ms)
