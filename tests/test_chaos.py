@@ -423,6 +423,38 @@ def test_the_link_table_sets_every_run_against_one_ceiling_and_its_fault_free_ru
     )
 
 
+def test_the_default_job_is_an_entry_of_algos_whose_algorithm_the_link_chooses(
+    tmp_path: Path,
+) -> None:
+    from lowcomm.bench.chaos import JOB, train_config
+    from lowcomm.bench.chaos_links import _kills_from
+
+    spec = ChaosSpec(algos=[JOB, "sparseloco"], links=["10mbit"], out=str(tmp_path))
+    job = train_config(spec, JOB, 960, str(tmp_path / "job"), link="10mbit")
+    given = train_config(spec, "sparseloco", 960, str(tmp_path / "given"), link="10mbit")
+    # the default job: no algorithm given, so the link may switch it (as `lowcomm train
+    # --fault-tolerance --link 10mbit` does); one given stays
+    assert job.algo_from_link and job.fault_tolerance and job.algo == "co2"
+    assert not given.algo_from_link and given.algo == "sparseloco"
+    fixed = train_config(spec, JOB, 960, str(tmp_path / "fixed"), fault_tolerance=False)
+    assert fixed.algo_from_link and not fixed.fault_tolerance
+    # the kills of its checkpoint-restart run start where the elastic run's did: after the
+    # warm start and two syncs of the settings the elastic job ran with (its first replica's)
+    folder = tmp_path / "runs" / "job-10mbit-fault-free"
+    assert _kills_from(str(folder)) is None  # (no run there)
+    summary = folder / "replicas" / "replica_0" / "summary.json"
+    summary.parent.mkdir(parents=True)
+    for record, ready in [
+        ({"sync_every": 12, "early_rounds": {"steps": 360, "sync_every": 6}}, 12),
+        ({"sync_every": 12, "sync_warmup": {"steps": 240, "compression": "int8"}}, 264),
+        ({"sync_every": 12, "sync_warmup": None, "early_rounds": None}, 24),
+    ]:
+        summary.write_text(json.dumps(record))
+        assert _kills_from(str(folder)) == ready
+    with pytest.raises(ValueError, match="or job"):
+        ChaosSpec(algos=["jobs"])
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -2,7 +2,8 @@
 --fault-tolerance``) on this machine while replicas are killed, stalled and kept away, against the
 same job fault-free in the same run.
 
-For every algorithm of the spec:
+For every algorithm of the spec (``job``: the default job, no ``--algo``, whose algorithm and
+settings are chosen from its link as ``lowcomm train`` without ``--algo`` chooses them):
 
 * **fault-free** — the job with no fault: the reference;
 * **mtbf** — the same job while one random running replica is SIGKILLed every ``mtbf`` seconds
@@ -49,9 +50,21 @@ from typing import Any
 from lowcomm.registry import ELASTIC
 from lowcomm.train.elastic import HEARTBEAT_TIMEOUT_S, RunningReplica, read_replica_records
 
-__all__ = ["CHAOS_KINDS", "ChaosSpec", "MtbfLoop", "Spinners", "format_chaos", "run_chaos"]
+__all__ = [
+    "CHAOS_KINDS",
+    "JOB",
+    "ChaosSpec",
+    "MtbfLoop",
+    "Spinners",
+    "format_chaos",
+    "run_chaos",
+]
 
 logger = logging.getLogger(__name__)
+
+JOB = "job"
+"""The default job in ``algos``: ``lowcomm train`` without ``--algo`` (CO2, or the algorithm its
+link makes faster to DDP's loss, with the settings chosen for that link)."""
 
 CHAOS_KINDS = ("sync", "donor", "stall", "below-min", "never-returns")
 """The targeted faults (module docstring)."""
@@ -96,11 +109,12 @@ class ChaosSpec:
     of ``links`` (default 100mbit)."""
 
     def __post_init__(self) -> None:
-        unknown = [a for a in self.algos if a not in ELASTIC]
+        unknown = [a for a in self.algos if a not in ELASTIC and a != JOB]
         if not self.algos or unknown:
             raise ValueError(
                 f"--algos: {unknown[0] if unknown else '(none)'!r} does not run elastic; use "
-                f"some of {', '.join(ELASTIC)}"
+                f"some of {', '.join(ELASTIC)}, or {JOB} (the default job, its algorithm "
+                "chosen from its link)"
             )
         wrong = [k for k in self.faults if k not in CHAOS_KINDS]
         if wrong:
@@ -311,10 +325,12 @@ class Targeted(ChaosSchedule):
 
 
 def train_config(spec: ChaosSpec, algo: str, steps: int, out: str, **extra: Any) -> Any:
+    """The resolved ``TrainConfig`` of the chaos run of ``algo`` (:data:`JOB`: no algorithm
+    given) in ``out``, elastic unless ``extra`` says otherwise."""
     from lowcomm.train.config import config_from_dict
 
     values: dict[str, Any] = {
-        "algo": algo,
+        **({} if algo == JOB else {"algo": algo}),  # (the default job: none given)
         "fault_tolerance": True,
         "workers": spec.workers,
         "steps": steps,

@@ -19,7 +19,15 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
-from lowcomm.bench.chaos import ChaosSpec, MtbfLoop, run_elastic, survived, train_config, versus
+from lowcomm.bench.chaos import (
+    JOB,
+    ChaosSpec,
+    MtbfLoop,
+    run_elastic,
+    survived,
+    train_config,
+    versus,
+)
 from lowcomm.train.elastic import read_replica_records
 from lowcomm.train.faults import LOST_STATE_ENV, mark_lost
 
@@ -125,12 +133,13 @@ def _run_fixed(
     *,
     progress: Callable[[str], None],
     kill: bool = False,
+    ready_steps: int | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """One run of the job as a fixed group (no fault tolerance): the ceiling (``algo`` none),
-    or the checkpoint-restart run (``kill``: a worker SIGKILLed every ``mtbf`` seconds, the
-    whole group restarted from its last checkpoint, as a job without --fault-tolerance
-    recovers)."""
+    or the checkpoint-restart run (``kill``: a worker SIGKILLed every ``mtbf`` seconds once
+    ``ready_steps`` are trained (default: the warm start and two rounds of ``cfg``), the whole
+    group restarted from its last checkpoint, as a job without --fault-tolerance recovers)."""
     import tempfile
 
     from lowcomm.train.errors import WorkerFailed
@@ -166,7 +175,9 @@ def _run_fixed(
             if kill:
                 # the first kill where the elastic MTBF loop's comes: every replica two
                 # syncs past the warm start
-                ready = cfg.sync_warmup_steps() + 2 * cfg.sync_every
+                ready = ready_steps
+                if ready is None:
+                    ready = cfg.sync_warmup_steps() + 2 * cfg.sync_every
                 killer = _WorkerKiller(
                     out, pids, spec.mtbf, spec.seed, ready, t0 + spec.run_timeout_s, lost=lost
                 )
@@ -196,6 +207,7 @@ def _run_fixed(
         "lost_state": ("link" if lost is not None else "local") if kill else None,
         "heal_bytes": [f["bytes"] for f in fetched],
         "heal_transfer_s": [f["waited_s"] for f in fetched],
+        "settings": _tuned_settings(out),  # (what it chose from its link, if it chose)
     }
 
 
@@ -248,22 +260,28 @@ def run_link_chaos(
                 max_restarts=1000,
                 link=link,
             )
-            tuned = _tuned_settings(os.path.join(spec.out, "runs", f"{algo}-{tag}-fault-free"))
+            folder = os.path.join(spec.out, "runs", f"{algo}-{tag}-fault-free")
+            tuned = _tuned_settings(folder)
+            # the default job without --fault-tolerance: as a user would run it, its settings
+            # chosen from the link by itself; an algorithm: the elastic job's settings, given
+            given = {} if algo == JOB else {"tune_link": "off", **tuned}
             ckpt = _run_fixed(
                 spec,
                 algo,
                 f"{tag}-checkpoint-restart",
                 progress=progress,
                 kill=True,
+                ready_steps=_kills_from(folder),
                 link=link,
-                tune_link="off",
-                **tuned,
+                **given,
             )
             for run in (ref, mtbf, ckpt):
                 run["link"] = link
                 if run.get("goodput") is None and run.get("tokens_trained"):
                     run["goodput"] = run["tokens_trained"] / run["wall_s"]
-                run["settings"] = tuned
+            ref["settings"] = mtbf["settings"] = tuned
+            if algo != JOB:
+                ckpt["settings"] = tuned
             runs += [ref, versus(mtbf, ref), versus(ckpt, ref)]
     # the ceiling again, at the end: the faster of the two (the machine is shared)
     again = _run_fixed(spec, "none", "ceiling-end", progress=progress)
@@ -275,6 +293,22 @@ def run_link_chaos(
     write_json(os.path.join(spec.out, "results.json"), results)
     write_text(os.path.join(spec.out, "chaos.md"), format_link_chaos(results) + "\n")
     return results
+
+
+def _kills_from(out: str) -> int | None:
+    """The step from which the elastic run in ``out`` was under kills: its warm start and two
+    syncs (the elastic MTBF loop's start), read from its first replica's summary (the settings
+    it ran with, after the link's); ``None`` where it has none."""
+    try:
+        path = os.path.join(out, "replicas", "replica_0", "summary.json")
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    warm = (summary.get("sync_warmup") or {}).get("steps") or 0
+    early = summary.get("early_rounds") or {}
+    every = early.get("sync_every") or summary.get("sync_every")
+    return None if not every else int(warm) + 2 * int(every)
 
 
 def _tuned_settings(out: str) -> dict[str, Any]:
