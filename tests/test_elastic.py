@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,74 @@ def test_fewer_replicas_than_min_replicas_wait_saying_so_then_fail_naming_why(
     text = f"{info.value} {info.value.__cause__}"
     assert "no quorum after" in text and "fewer replicas are alive than a sync needs" in text
     assert "(min_replicas 2)" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_catching_up_that_is_asked_to_heal_another_does_not_wait_on_its_own_quorum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A replica healed in the background may be torchft's choice of donor before its own
+    # donor's tensors have been applied: it catches up inside the quorum (in torchft's quorum
+    # thread, while its loop waits in start_quorum), then sends. Asking torchft for its rank
+    # there (to restart its compressors) waits for the very quorum that thread computes: a
+    # replica and its joiner waited until the quorum timeout (600 s) while the others' syncs
+    # with them failed. Now the compressors restart once the quorum has returned.
+    import lowcomm
+
+    class Arrived:  # the background part of its own heal, here (what PendingState holds)
+        def __init__(self, state: Any) -> None:
+            self.state = state
+
+        def done(self) -> bool:
+            return True
+
+        def failed(self) -> bool:
+            return False
+
+        def result(self) -> Any:
+            return self.state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with Lighthouse(min_replicas=1, join_timeout_s=0.5) as lighthouse:
+        replica = replica_manager(
+            lighthouse.address, replica_id="replica_0", timeout_s=5, heal="background"
+        )
+        try:
+            algo = lowcomm.DiLoCo(
+                model, inner, sync_every=2, compression="int4", fault_tolerance=replica
+            )
+            for _ in range(4):  # two syncs: past the joining quorum, compressors in use
+                model(torch.randn(2, 4)).sum().backward()
+                inner.step()
+                inner.zero_grad()
+                algo.step()
+            syncs = algo.elastic_syncs
+            assert syncs is not None and syncs.background
+            sent = syncs.heal_state()["background"].state  # what a donor serves
+            compressor = algo.compressors()[0]
+            compressor.residuals[0].fill_(1.0)  # (its own error, to be dropped at the restart)
+            syncs._pending, syncs._missed = Arrived(sent), []
+            assert syncs.catching_up
+            in_quorum = threading.Event()
+            ranks = replica.manager.participating_rank
+
+            def rank() -> Any:  # torchft's waits for the quorum: inside it, forever
+                assert not in_quorum.is_set(), "asked the quorum for its rank inside it"
+                return ranks()
+
+            monkeypatch.setattr(replica.manager, "participating_rank", rank)
+            in_quorum.set()  # the donor's side of a quorum: torchft's thread asks for the state
+            state = syncs.heal_state()
+            in_quorum.clear()
+            assert not syncs.catching_up and "background" in state
+            assert compressor.residuals[0].abs().sum() > 0  # not restarted inside the quorum
+            syncs.quorum()  # the quorum returned: restarted now, with its rank in it
+            assert float(compressor.residuals[0].abs().sum()) == 0.0
+            assert compressor.rank == 0
+        finally:
+            replica.shutdown()
 
 
 def _listening() -> dict[str, str]:

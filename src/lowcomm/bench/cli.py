@@ -51,7 +51,8 @@ class BenchFlags:
     convergence.md, results.json and plots; default out runs/convergence)"""
     chaos: bool = flag(False, keep_default=True)
     """the chaos benchmark instead of the matrix: elastic jobs (--fault-tolerance) of --algos
-    (default co2,diloco,streaming) with --workers replicas (default 4), fault-free and with a
+    (default co2,diloco,streaming; job: the default job, no --algo, its algorithm and settings
+    chosen from the link) with --workers replicas (default 4), fault-free and with a
     replica SIGKILLed every --mtbf seconds (default 30) over --steps (default 960), then
     targeted --faults over --targeted-steps (default 240); with --links, goodput over each link
     instead (fault-free, MTBF and checkpoint-restart runs of the job chosen for the link,

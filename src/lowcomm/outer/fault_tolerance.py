@@ -109,6 +109,9 @@ class ElasticSyncs:
         replica's ``heal_inner``: :data:`lowcomm.elastic.replica.HEAL_INNER`)."""
         self._pending: Any = None
         self._quiet_launch = False
+        self._restart_after_quorum = False
+        """A catch-up completed inside a quorum (this replica was asked to heal another): its
+        compressors restart once that quorum has returned (:meth:`_after_quorum`)."""
         self._missed: list[tuple[AnyFragment, Any, list[torch.Tensor], float | None]] = []
         self.caught_up_at: list[float] = []
         """When each background heal of this replica completed (``time.time()``)."""
@@ -159,6 +162,7 @@ class ElasticSyncs:
         its compressors start as this replica's own: residuals 0 (a donor's are the donor's
         error, not the joiner's) and rounding noise seeded by its rank in the quorum."""
         healed = self.ft.join()
+        self._restart_after_quorum = False
         self._restart_compressors()
         if self.catching_up:
             self.ft.contributing = False
@@ -169,8 +173,7 @@ class ElasticSyncs:
         in it (then it stands where its donor stood, at this same launch, and takes part in it
         without contributing, its compressors restarted as at :meth:`join`)."""
         healed = self.ft.quorum()
-        if healed:
-            self._restart_compressors()
+        self._after_quorum(healed)
         if self.catching_up or self._quiet_launch:
             self.ft.contributing = False
         self._quiet_launch = False
@@ -187,8 +190,8 @@ class ElasticSyncs:
         backward), where a replica healed from a donor inside the warm start computes the
         step's gradient on the donor's parameters: it contributes."""
         healed = self.ft.quorum(warm=True)
+        self._after_quorum(healed)
         if healed:
-            self._restart_compressors()
             engine = self.engine
             self.ft.contributing = before_forward and engine.local_step < engine.warmup
         return healed
@@ -205,6 +208,13 @@ class ElasticSyncs:
             for compressor in compressors:
                 compressor.reset_residuals()
         return ok
+
+    def _after_quorum(self, healed: bool) -> None:
+        """A quorum has returned: restart the compressors where this replica was healed in it,
+        or completed its catch-up inside it (as a donor), with its rank in this quorum."""
+        if healed or self._restart_after_quorum:
+            self._restart_after_quorum = False
+            self._restart_compressors()
 
     def _restart_compressors(self) -> None:
         rank = self.engine.comm.rank
@@ -253,7 +263,10 @@ class ElasticSyncs:
             # and nothing is in flight, then send as any donor does (its own first sync after
             # it goes out without a contribution: it has no progress of its own yet)
             logger.info("asked to heal a replica while catching up: completing the catch-up first")
-            self.complete_heal()
+            # (its compressors restart once this quorum has returned: their rank is this
+            # quorum's, and asking torchft for it here would wait for the very quorum this
+            # thread is computing)
+            self.complete_heal(in_quorum=True)
             self._quiet_launch = True
         engine = self.engine
         warm = engine.local_step < engine.warmup
@@ -310,12 +323,14 @@ class ElasticSyncs:
         if pending is not None and pending.done() and not pending.failed():
             self.complete_heal()  # (a failed one is voted down at the next commit)
 
-    def complete_heal(self) -> None:
+    def complete_heal(self, *, in_quorum: bool = False) -> None:
         """Wait for the background part of this replica's heal (if any), load it — the
         anchor and outer state as its donor had them at the heal, the counters staying this
         replica's — and apply the outer steps of the syncs it took part in since, in order;
-        θ ← the anchor, the compressors restarted. A transfer that failed raises
-        ``RuntimeError`` (the replica cannot go on: restarted, it is healed again)."""
+        θ ← the anchor, the compressors restarted (``in_quorum``: called in torchft's quorum
+        thread, where this replica sends a joiner its state: once that quorum has returned).
+        A transfer that failed raises ``RuntimeError`` (the replica cannot go on: restarted,
+        it is healed again)."""
         if self._pending is None:
             return
         received = self._pending.result()
@@ -331,7 +346,10 @@ class ElasticSyncs:
                 frag.anchor.copy_to(frag.params)
         missed = len(self._missed)
         self._pending, self._missed = None, []
-        self._restart_compressors()
+        if in_quorum:
+            self._restart_after_quorum = True
+        else:
+            self._restart_compressors()
         self.caught_up_at.append(time.time())
         logger.info("caught up: the donor's state arrived; %d missed outer steps applied", missed)
 
