@@ -162,8 +162,7 @@ class ElasticSyncs:
         its compressors start as this replica's own: residuals 0 (a donor's are the donor's
         error, not the joiner's) and rounding noise seeded by its rank in the quorum."""
         healed = self.ft.join()
-        self._restart_after_quorum = False
-        self._restart_compressors()
+        self._after_quorum(True)  # (restarted either way)
         if self.catching_up:
             self.ft.contributing = False
         return healed
