@@ -666,7 +666,7 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
     assert f"tuned to link       {link} (emulated)" in printed.out
     chosen = record["settings"]
     if algo == "sparseloco":  # the heal alone, the rest as given
-        assert summary["algo"] == "sparseloco" and set(chosen) == {"heal"}
+        assert summary["algo"] == "sparseloco" and set(chosen) == {"heal", "heal_inner"}
         assert record["as_given"] == "sparseloco is not tuned" and "replaced" not in record
         assert "the other settings as given (sparseloco is not tuned)" in printed.out
         assert summary["early_rounds"] == {"steps": 12, "sync_every": 2}
@@ -674,7 +674,7 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
         assert "(sync every 4 steps; every 2 for the first 12, elastic)" in printed.out
     elif algo == "co2":
         assert summary["algo"] == "co2" and "replaced" not in record
-        tuned = {"compression", "sync_warmup", "sync_warmup_compression", "heal"}
+        tuned = {"compression", "sync_warmup", "sync_warmup_compression", "heal", "heal_inner"}
         assert chosen and set(chosen) <= tuned
     else:
         assert summary["algo"] == "sparseloco" and record["replaced"]["algo"] == "co2"
@@ -686,8 +686,10 @@ def test_an_elastic_job_on_a_slow_link_takes_one_choice_of_settings_in_every_rep
         assert f"algorithm           {line}" in printed.out
     # the heal, not given, is chosen with them, and the replicas and the Lighthouse take it:
     # blocking on both, the tiny job's syncs (4 ms of compute a step) taking most of the link
-    assert chosen["heal"] == "blocking", record
+    # (with the donor's inner moments: heal_inner not given, chosen with the blocking heal)
+    assert chosen["heal"] == "blocking" and chosen["heal_inner"] == "bf16", record
     assert "of the link" in record["heal_reason"] and "heal blocking" in printed.out
+    assert "heal_inner bf16" in printed.out
     for folder in ("replica_0", "replica_1.1"):  # (the one killed wrote no summary)
         own = json.loads((out / "replicas" / folder / "summary.json").read_text())
         assert own["link_tuning"] == record, folder

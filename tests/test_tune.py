@@ -21,7 +21,7 @@ from lowcomm.compress.codecs import parse_codec
 from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.schedules import sparse_bytes_per_element
 from lowcomm.testing.jobs import tiny_job_args
-from lowcomm.train.config import TrainConfig
+from lowcomm.train.config import ConfigError, TrainConfig
 from lowcomm.train.tuning import TUNED_KEYS, tune_to_link
 from lowcomm.tune.choose import (
     FALLBACK_MARGIN,
@@ -717,6 +717,37 @@ def test_an_elastic_job_heals_in_the_background_where_a_heal_is_long_and_the_lin
     fast = LinkProfile.parse("100mbit", emulated=True)
     assert heal(0.03, 0.01, fast)[0] == "background"
     assert heal(0.03, 0.01, fast, inner="none")[0] == "blocking"
+
+
+def test_a_heal_in_the_background_brings_no_inner_moments_unless_the_job_says() -> None:
+    from lowcomm.train.elastic_config import heal_inner_for
+    from lowcomm.train.tuning import _apply, _heal_settings
+
+    # not given: chosen with the heal (none in the background, bf16 blocking or not given)
+    assert heal_inner_for("background", None) == "none"
+    assert heal_inner_for("blocking", None) == "bf16"
+    assert heal_inner_for(None, None) == "bf16"
+    for own in ("bf16", "none"):  # given: the job's, whatever the heal
+        assert heal_inner_for("background", own) == own
+        assert heal_inner_for("blocking", own) == own
+
+    def cfg(**kw: Any) -> TrainConfig:
+        base = {"algo": "sparseloco", "fault_tolerance": True, "link": "10mbit", "workers": 4}
+        return TrainConfig(**{**base, **kw})
+
+    assert cfg().heal_inner is None
+    # the heal chosen from the link brings its inner state with it into the record...
+    assert _heal_settings(cfg(), "background") == {"heal": "background", "heal_inner": "none"}
+    assert _heal_settings(cfg(), "blocking") == {"heal": "blocking", "heal_inner": "bf16"}
+    assert _heal_settings(cfg(heal_inner="bf16"), "background") == {"heal": "background"}
+    # ...which the job takes, unless it gave its own (a record saved by an earlier run too)
+    record = {"settings": {"heal": "background", "heal_inner": "none", "overlap": 2}}
+    tuned = _apply(cfg(), record)
+    assert (tuned.heal, tuned.heal_inner, tuned.value("overlap")) == ("background", "none", 2)
+    kept = _apply(cfg(heal="blocking", heal_inner="bf16"), record)
+    assert (kept.heal, kept.heal_inner, kept.value("overlap")) == ("blocking", "bf16", 2)
+    with pytest.raises(ConfigError, match="heal_inner must be one of bf16, none, got 'fp8'"):
+        cfg(heal_inner="fp8")
 
 
 def test_an_elastic_job_whose_settings_are_not_tuned_still_chooses_its_heal() -> None:

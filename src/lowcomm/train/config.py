@@ -311,10 +311,12 @@ class TrainConfig:
     risks). Not given: chosen with the settings from the link (background where a blocking heal
     would hold every replica for more than a round and the syncs leave the link mostly idle,
     :func:`lowcomm.train.tuning.choose_heal`), else blocking."""
-    heal_inner: str = "bf16"
+    heal_inner: str | None = None
     """With fault_tolerance: what of its donor's inner optimizer state a replica healed past the
     warm start receives: bf16 (the donor's moments in bf16) or none (its inner optimizer starts
-    afresh: a heal a third smaller on the default job)."""
+    afresh: a heal a third smaller on the default job). Not given: chosen with the heal, none
+    for a heal in the background and bf16 for a blocking one
+    (:func:`lowcomm.train.elastic_config.heal_inner_for`)."""
 
     @property
     def world_size(self) -> int:

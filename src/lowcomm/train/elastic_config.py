@@ -9,7 +9,21 @@ from typing import Any
 from lowcomm.elastic.replica import DROPPED_RESIDUAL, HEAL_INNER, HEALS
 from lowcomm.train.errors import ConfigError, check_int, check_string
 
-__all__ = ["check_elastic_overlap", "check_fault_tolerance"]
+__all__ = ["check_elastic_overlap", "check_fault_tolerance", "heal_inner_for"]
+
+
+def heal_inner_for(heal: str | None, heal_inner: str | None) -> str:
+    """What of its donor's inner optimizer state a healed replica receives: ``heal_inner`` where
+    it is given, else chosen with the heal (``heal``; not given: blocking): ``none`` for a heal
+    in the background, ``bf16`` for a blocking one. In the background a returning replica
+    trains nothing until its transfer has arrived, which shares the link with the syncs, so
+    the smaller heal brings it back sooner; on the default job over 10 Mbit/s, two kill
+    schedules kept 89% of the fault-free goodput with ``none`` against 82-86% with ``bf16``, its
+    loss no further from fault-free (docs/fault-tolerance.md). A blocking heal, which every
+    replica waits for, was mixed between the two, and keeps the donor's moments."""
+    if heal_inner is not None:
+        return heal_inner
+    return "none" if heal == "background" else "bf16"
 
 
 def check_fault_tolerance(cfg: Any) -> None:
@@ -24,7 +38,7 @@ def check_fault_tolerance(cfg: Any) -> None:
         )
     if cfg.heal is not None and cfg.heal not in HEALS:
         raise ConfigError("heal", f"must be one of {', '.join(HEALS)}, got {cfg.heal!r}")
-    if cfg.heal_inner not in HEAL_INNER:
+    if cfg.heal_inner is not None and cfg.heal_inner not in HEAL_INNER:
         raise ConfigError(
             "heal_inner", f"must be one of {', '.join(HEAL_INNER)}, got {cfg.heal_inner!r}"
         )

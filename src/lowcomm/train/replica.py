@@ -19,6 +19,7 @@ import torch
 from lowcomm.guard import checksum
 from lowcomm.link import EmulatedLink
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.elastic_config import heal_inner_for
 from lowcomm.train.nodes import node_link
 
 __all__ = ["ATTEMPT_ENV", "ElasticReplica", "replica_generator", "replica_index"]
@@ -110,7 +111,7 @@ class ElasticReplica:
             link=link,
             dropped_residual=cfg.dropped_residual,
             heal=cfg.heal or "blocking",
-            heal_inner=cfg.heal_inner,
+            heal_inner=heal_inner_for(cfg.heal, cfg.heal_inner),
             **group,
         )
         self.steps_trained = 0

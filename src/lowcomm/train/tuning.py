@@ -48,6 +48,7 @@ from torch import nn
 from lowcomm.device import collective_device, synchronize
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
+from lowcomm.train.elastic_config import heal_inner_for
 from lowcomm.train.outer_keys import sync_codec
 from lowcomm.train.topology import Topology
 from lowcomm.tune.choose import EARLY_KEYS, LinkProfile, choose_algorithm, choose_sync_settings
@@ -335,7 +336,7 @@ def tune_to_link(
                 link=profile,
                 heal_inner=cfg.heal_inner,
             )
-            record[0]["settings"] = {**record[0]["settings"], "heal": heal}
+            record[0]["settings"] = {**record[0]["settings"], **_heal_settings(cfg, heal)}
             record[0]["heal_reason"] = why
     dist.broadcast_object_list(record, src=0)
     tuned = _apply(cfg, record[0])
@@ -406,7 +407,7 @@ def _heal_only(
         link=profile,
         heal_inner=cfg.heal_inner,
     )
-    record["settings"] = {"heal": heal}
+    record["settings"] = _heal_settings(cfg, heal)
     record["heal_reason"] = why
     from lowcomm.train.report import describe_choice
 
@@ -415,19 +416,25 @@ def _heal_only(
 
 
 def choose_heal(
-    record: dict[str, Any], *, sync_every: int, parameters: int, link: LinkProfile, heal_inner: str
+    record: dict[str, Any],
+    *,
+    sync_every: int,
+    parameters: int,
+    link: LinkProfile,
+    heal_inner: str | None,
 ) -> tuple[str, str]:
     """How an elastic job that did not give ``heal`` heals a replica that joins past the warm
     start, from the settings chosen for its link (``record``: a ``link_tuning`` record, its
     predicted ``step_s`` and a round's ``sync_s``), and why: ``background`` where a blocking heal
     would hold every replica for more than a round (its transfer, at least the anchor in fp32
-    and, with ``heal_inner`` bf16, the inner moments in bf16: 8 bytes a parameter, over
-    ``link``) and the syncs take at most :data:`HEAL_BACKGROUND_SHARE` of the link (the
-    transfer then has most of it to itself); else ``blocking``, which every replica waits for
-    but which never shares the link."""
+    and, unless ``heal_inner`` is none, the inner moments in bf16, as a blocking heal whose
+    ``heal_inner`` is not given carries them: 8 bytes a parameter, over ``link``) and the syncs
+    take at most :data:`HEAL_BACKGROUND_SHARE` of the link (the transfer then has most of it to
+    itself); else ``blocking``, which every replica waits for but which never shares the
+    link."""
     round_s = float(record["step_s"]) * sync_every
     share = float(record["sync_s"]) / round_s if round_s > 0 else 1.0
-    words = 2 if heal_inner == "bf16" else 1
+    words = 1 if heal_inner == "none" else 2
     heal_s = link.latency_s + 8.0 * 4 * words * parameters / link.bandwidth_bps
     if heal_s > round_s and share <= HEAL_BACKGROUND_SHARE:
         return "background", (
@@ -441,6 +448,19 @@ def choose_heal(
         else f"a heal takes {heal_s:.3g} s, at most a round ({round_s:.3g} s)"
     )
     return "blocking", why
+
+
+HEAL_KEYS = ("heal", "heal_inner")
+"""The elastic settings chosen with the link's where the job does not give them."""
+
+
+def _heal_settings(cfg: TrainConfig, heal: str) -> dict[str, str]:
+    """The settings a heal chosen from the link (``heal``) brings: the heal, and what of the
+    donor's inner optimizer state it carries where the job did not say
+    (:func:`lowcomm.train.elastic_config.heal_inner_for`)."""
+    if cfg.heal_inner is not None:
+        return {"heal": heal}
+    return {"heal": heal, "heal_inner": heal_inner_for(heal, None)}
 
 
 def _describe(settings: dict[str, Any]) -> str:
@@ -476,7 +496,9 @@ def _fallbacks(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
 
 def _apply(cfg: TrainConfig, record: dict[str, Any]) -> TrainConfig:
     chosen = record.get("settings", {})
-    settings = {k: v for k, v in chosen.items() if k in TUNED_KEYS or k in ("algo", "heal")}
+    settings = {k: v for k, v in chosen.items() if k in TUNED_KEYS or k == "algo"}
+    # a heal the job gives is its own (a record saved by an earlier run does not override it)
+    settings.update({k: chosen[k] for k in HEAL_KEYS if k in chosen and getattr(cfg, k) is None})
     try:
         return cfg.replace(**settings)
     except ConfigError as e:
