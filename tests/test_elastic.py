@@ -521,15 +521,16 @@ def _committed_anchors(out: Path, *folders: str) -> dict[int, set[str]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("heal_inner", ["bf16", "none"])
+@pytest.mark.parametrize("heal_inner", ["bf16", None], ids=["bf16", "not-given"])
 def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
-    tmp_path: Path, monkeypatch: Any, capsys: Any, heal_inner: str
+    tmp_path: Path, monkeypatch: Any, capsys: Any, heal_inner: str | None
 ) -> None:
     # replica 1 is SIGKILLed after step 10 (mid-round: syncs at 4, 8, 12, ...); it is started
     # again alone; with --min-replicas 2 the other waits for it at the next sync, where it is
     # healed and both go on; over an emulated link of 8 Mbit/s, its syncs and its heal take
-    # what the link takes
-    link = ("--link", "8mbit:20ms", "--heal", "background", "--heal-inner", heal_inner)
+    # what the link takes. --heal-inner not given: chosen with the heal in the background, none
+    inner = () if heal_inner is None else ("--heal-inner", heal_inner)
+    link = ("--link", "8mbit:20ms", "--heal", "background", *inner)
     out, printed = _kill_one_and_train(
         tmp_path, monkeypatch, capsys, "1:10:kill", "--workers", "2", *link
     )
@@ -580,12 +581,13 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     heal_bytes = own["heal_bytes_received"]
     assert heal_bytes > 0 and donor["elastic"]["heal_bytes_sent"] == heal_bytes
     # past the warm start a heal carries the anchor in fp32 and the inner AdamW's two moments
-    # in bf16, 2 words a parameter (none of them with --heal-inner none: the joiner's AdamW
-    # starts afresh), and DiLoCo's outer momentum in fp32 once it has a buffer (not at the
-    # first sync after the warm start, step 12), with small tensors' framing; not the
-    # parameters themselves, fp32 moments or the error-feedback residuals (each one word more)
+    # in bf16, 2 words a parameter (none of them with --heal-inner none, as a heal in the
+    # background chooses where it is not given: the joiner's AdamW starts afresh), and
+    # DiLoCo's outer momentum in fp32 once it has a buffer (not at the first sync after the
+    # warm start, step 12), with small tensors' framing; not the parameters themselves, fp32
+    # moments or the error-feedback residuals (each one word more)
     params = json.loads((out / "replicas" / "replica_0" / "summary.json").read_text())["parameters"]
-    words = (2 if healed["step"] == 12 else 3) - (1 if heal_inner == "none" else 0)
+    words = (2 if healed["step"] == 12 else 3) - (0 if heal_inner == "bf16" else 1)
     assert words <= heal_bytes / (4 * params) < words + 0.5, heal_bytes / (4 * params)
     (took,) = own["heal_transfer_s"]
     assert took >= 0.02 + 8 * heal_bytes / 8e6
