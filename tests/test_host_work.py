@@ -9,8 +9,9 @@ group (the codecs, error feedback and collectives run as in a world of two):
 * (a) the ``step()`` calls of a whole round, its launch and apply included, contain no
   ``aten::_local_scalar_dense``, ``aten::item``, ``aten::nonzero`` or ``aten::lift_fresh`` (a
   tensor made from host data, copied to the device and waited for there) event, for every outer
-  algorithm of the registry, every codec, the warm start (fp32 and through a codec) and DeMo's
-  step. The guards' verdicts are decided on the device and read from host memory
+  algorithm of the registry, every codec, the warm start (fp32 and through a codec; at the
+  optimizer's step and during backward, as ``lowcomm train`` runs it) and DeMo's step. The
+  guards' verdicts are decided on the device and read from host memory
   (:class:`lowcomm.guard.HostFlags`): a copy queued on the device, no ``.item()``;
 * (b) the number of aten operations lowcomm dispatches in a round's ``step()`` calls does not
   grow with the number of parameter tensors: a model of 4 tensors against one of 64 with the
@@ -124,6 +125,34 @@ def _warm_events(model: torch.nn.ParameterList, compression: str | None) -> list
     return list(prof.events())
 
 
+def _warm_backward_events(model: torch.nn.ParameterList, compression: str | None) -> list[Any]:
+    """The events of one warm-start step that overlaps backward, as ``lowcomm train`` runs it
+    (:meth:`lowcomm.OuterAlgorithm.warm_start_during_backward`): backward, whose gradients'
+    hooks launch the means a bucket at a time, the optimizer's step, which waits for them, and
+    ``step()``."""
+    algo = _build("co2", model, sync_warmup=8, sync_warmup_compression=compression)
+    algo.warm_start_during_backward(bucket_cap_mb=0.01, first_bucket_mb=0.004)
+    g = torch.Generator().manual_seed(1)
+    targets = [torch.randn(p.shape, generator=g) for p in model]
+
+    def backward() -> None:
+        sum(((p - t) ** 2).sum() for p, t in zip(model, targets)).backward()
+
+    for _ in range(2):
+        backward()
+        algo.inner.step()
+        algo.inner.zero_grad()
+        algo.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        backward()
+        launched = [b.handle is not None for b in algo.warm.buckets]
+        algo.inner.step()
+        algo.step()
+    # (every bucket went out during backward: the launches are in these events)
+    assert len(launched) > 2 and all(launched), launched
+    return list(prof.events())
+
+
 def host_reads(events: list[Any]) -> dict[str, list[str]]:
     """Each host read among ``events``, with the calls it was made under."""
     out: dict[str, list[str]] = collections.defaultdict(list)
@@ -180,6 +209,14 @@ def test_a_round_reads_nothing_back_from_the_device(name: str, codec: str | None
 def test_the_warm_start_reads_nothing_back_but_its_verdict(compression: str | None) -> None:
     reads = host_reads(_warm_events(_model(16), compression))
     assert not reads, f"warm start ({compression}): host reads: {reads}"
+
+
+@pytest.mark.parametrize("compression", [None, "int8", "int2"])
+def test_the_warm_start_during_backward_reads_nothing_back_but_its_verdict(
+    compression: str | None,
+) -> None:
+    reads = host_reads(_warm_backward_events(_model(16), compression))
+    assert not reads, f"warm start during backward ({compression}): host reads: {reads}"
 
 
 def test_demo_steps_without_host_reads() -> None:
@@ -270,3 +307,21 @@ def test_the_checks_see_a_read_put_back_on_the_launch_path(
         model = _model(tensors)
         counts.append(top_level_ops(_round_events(_build("diloco", model), model)))
     assert counts[1] > counts[0]
+
+
+def test_the_check_sees_a_read_in_a_launch_during_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read put back into the bucket launch that a gradient's hook makes during backward is
+    seen, though autograd runs it."""
+    from lowcomm.outer.warm import WarmStart
+
+    launch = WarmStart._launch
+
+    def reading(self: WarmStart, bucket: Any) -> None:
+        launch(self, bucket)
+        bucket.buf.buffers[0].abs().max().item()
+
+    monkeypatch.setattr(WarmStart, "_launch", reading)
+    reads = host_reads(_warm_backward_events(_model(16), "int8"))
+    # (one a bucket, each inside the hook of the gradient that completed it)
+    chains = reads.get("aten::_local_scalar_dense", [])
+    assert chains and all("AccumulateGrad" in chain for chain in chains), reads
