@@ -570,6 +570,8 @@ def test_lowcomm_train_restarts_a_killed_replica_alone_and_heals_it(
     assert summary["tokens_trained"] == 2 * 16 * steps, (summary["tokens_trained"], steps)
     own = json.loads((out / "replicas" / "replica_1.1" / "summary.json").read_text())["elastic"]
     assert own["first_step"] == healed["step"] and own["heals"]
+    # (its summary says how it was healed: --heal-inner not given, none with the background)
+    assert (own["heal"], own["heal_inner"]) == ("background", heal_inner or "none")
     # every committed sync's anchor, as each process recorded it: one checksum per sync (6
     # syncs after the job's warm start of 8 steps)
     anchors = _committed_anchors(out, "replica_0", "replica_1", "replica_1.1")

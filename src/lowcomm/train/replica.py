@@ -237,6 +237,10 @@ class ElasticReplica:
             "heal_times": list(self.heal_times),
             "ready_at": self.ready_at,
             "participants": list(ft.participants),
+            # how it is healed past the warm start, as given or chosen (heal_inner not given:
+            # with the heal, lowcomm.train.elastic_config.heal_inner_for)
+            "heal": self.replica.heal,
+            "heal_inner": self.replica.heal_inner,
             # what its heals carried (as a joiner and as a donor) and how long each one it
             # received took, from asking to loading (over the emulated link: what it takes)
             "heal_bytes_received": self.replica.transport.received_bytes,
