@@ -359,6 +359,9 @@ def test_the_lighthouse_waits_for_a_heal_over_the_link_before_leaving_a_late_rep
         return join_timeout(config_from_dict({"fault_tolerance": True, **values}, source="t"))
 
     assert timeout() == JOIN_TIMEOUT_S == timeout(link="10mbit", heal="background")
+    # (LocalSGD heals blocking whatever its heal says: its anchor is the average itself)
+    blocking = timeout(link="10mbit", algo="localsgd")
+    assert timeout(link="10mbit", algo="localsgd", heal="background") == blocking > JOIN_TIMEOUT_S
     heal_bytes = 4 * 5 * (12 * 4 * 128**2 + (256 + 64) * 128)  # context 64
     assert timeout(link="10mbit") == pytest.approx(2.0 + 2 * (0.030 + 8 * heal_bytes / 10e6))
     assert timeout(link="100mbit") < timeout(link="10mbit") < 60.0

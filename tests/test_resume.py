@@ -119,6 +119,20 @@ def _one_error_line(capsys: Any) -> str:
     return lines[0]
 
 
+def test_a_checkpoint_resumes_whatever_heal_it_was_written_with() -> None:
+    # how a later heal moves the state is not the state: a checkpoint written with heal
+    # blocking and heal_inner bf16 (values every checkpoint held before the job chose them)
+    # resumes a run that gives neither, or gives others
+    cfg = TrainConfig()
+    saved = {**cfg.to_dict(), "heal": "blocking", "heal_inner": "bf16"}
+    assert (cfg.heal, cfg.heal_inner) == (None, None)
+    assert ckpt.config_difference(saved, cfg) is None
+    other = cfg.replace(heal="background", heal_inner="none")
+    assert ckpt.config_difference(saved, other) is None
+    # (the training's own settings still count)
+    assert ckpt.config_difference({**saved, "seed": 1}, cfg) == ("seed", 1, 0)
+
+
 @pytest.mark.timeout(240)
 def test_resume_refuses_other_settings_naming_the_difference(
     reference: Callable[[str], str], capsys: Any, tmp_path: Any

@@ -750,6 +750,33 @@ def test_a_heal_in_the_background_brings_no_inner_moments_unless_the_job_says() 
         cfg(heal_inner="fp8")
 
 
+def test_a_heal_that_cannot_go_in_the_background_is_chosen_blocking_with_the_moments() -> None:
+    from lowcomm.train.elastic_config import heal_of, why_blocking
+    from lowcomm.train.tuning import _heal_choice
+
+    def cfg(**kw: Any) -> TrainConfig:
+        base = {"algo": "sparseloco", "fault_tolerance": True, "link": "10mbit", "workers": 4}
+        return TrainConfig(**{**base, **kw})
+
+    # a replica of several processes, or LocalSGD (its anchor is the average itself), heals
+    # blocking whatever its heal says: so is it chosen, with the donor's moments
+    groups = cfg(nodes=2, procs_per_node=2, workers=None)
+    local = cfg(algo="localsgd")
+    assert why_blocking(cfg()) is None and heal_of(cfg(heal="background")) == "background"
+    assert heal_of(groups.replace(heal="background")) == "blocking"
+    assert heal_of(local.replace(heal="background")) == "blocking"
+    assert heal_of(cfg()) == "blocking"  # (not given: blocking)
+    link = LinkProfile.parse("10mbit", emulated=True)
+    params = sum(torch.Size(s).numel() for s in SHAPES)
+    record = {"step_s": 0.216, "sync_s": 0.069}  # (a heal longer than a round, an idle link)
+    kw = {"sync_every": 12, "parameters": params, "link": link}
+    assert _heal_choice(cfg(), record, **kw)[0] == {"heal": "background", "heal_inner": "none"}
+    for job, why in ((groups, "a replica of 2 processes"), (local, "localsgd keeps no outer")):
+        settings, reason = _heal_choice(job, record, **kw)
+        assert settings == {"heal": "blocking", "heal_inner": "bf16"}, job.algo
+        assert "more than a round" in reason and f"but {why}" in reason, reason
+
+
 def test_an_elastic_job_whose_settings_are_not_tuned_still_chooses_its_heal() -> None:
     from lowcomm.train.tuning import heals_from_link, why_untuned
     from lowcomm.tune.choose import price_as_given

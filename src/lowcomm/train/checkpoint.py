@@ -118,6 +118,8 @@ RESUME_FREE_KEYS = frozenset(
         "busy_wait",
         "max_restarts",
         "collective_timeout",
+        "heal",  # (how a later heal moves the state, not the state: a resumed job may heal
+        "heal_inner",  # otherwise; checkpoints written before these were chosen hold values)
     }
 )
 """Settings that may differ between a checkpoint and the run resuming from it: they change what

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from lowcomm.procs.forkserver import ForkedCommand, start_method
 from lowcomm.train.config import TrainConfig
+from lowcomm.train.elastic_config import heal_of
 from lowcomm.train.replica import ATTEMPT_ENV, ElasticReplica, replica_generator, replica_index
 from lowcomm.train.report import format_elastic_summary
 
@@ -72,13 +73,14 @@ momentum alone without it) and the inner AdamW's two moments in bf16 (what
 
 def join_timeout(cfg: TrainConfig) -> float:
     """The Lighthouse's join timeout for ``cfg``: :data:`JOIN_TIMEOUT_S`, plus, over an
-    emulated link with heals that block (``heal`` blocking, or replicas of several processes),
+    emulated link with heals that block (``heal`` blocking, replicas of several processes, or
+    LocalSGD: :func:`lowcomm.train.elastic_config.heal_of`),
     twice the time a heal takes on it. A donor's link then carries the heal before its next
     collectives, so the donor and its joiner reach the next sync that much after the others; a
     quorum that went on without them would leave them behind, to be healed again — each heal
     delaying its own donor in turn. A heal in the background (``heal`` background) delays no
     one."""
-    if cfg.link is None or (cfg.heal == "background" and cfg.procs_per_replica == 1):
+    if cfg.link is None or heal_of(cfg) == "background":
         return JOIN_TIMEOUT_S
     from lowcomm.link import EmulatedLink
     from lowcomm.train.nodes import node_link

@@ -9,7 +9,13 @@ from typing import Any
 from lowcomm.elastic.replica import DROPPED_RESIDUAL, HEAL_INNER, HEALS
 from lowcomm.train.errors import ConfigError, check_int, check_string
 
-__all__ = ["check_elastic_overlap", "check_fault_tolerance", "heal_inner_for"]
+__all__ = [
+    "check_elastic_overlap",
+    "check_fault_tolerance",
+    "heal_inner_for",
+    "heal_of",
+    "why_blocking",
+]
 
 
 def heal_inner_for(heal: str | None, heal_inner: str | None) -> str:
@@ -24,6 +30,29 @@ def heal_inner_for(heal: str | None, heal_inner: str | None) -> str:
     if heal_inner is not None:
         return heal_inner
     return "none" if heal == "background" else "bf16"
+
+
+def why_blocking(cfg: Any) -> str | None:
+    """Why a heal past the warm start cannot reach a replica of the elastic job ``cfg`` in the
+    background, whatever its ``heal`` says, or ``None`` where it can: a replica of several
+    processes (they must take one θ at one sync, their transfers would arrive at different
+    ones) or an algorithm that keeps no outer state beside its anchor (LocalSGD: the anchor is
+    the average itself) heals blocking."""
+    from lowcomm.registry import REGISTRY
+
+    if cfg.procs_per_replica > 1:
+        return f"a replica of {cfg.procs_per_replica} processes heals blocking"
+    cls = REGISTRY[cfg.algo].cls
+    if cls is not None and getattr(cls, "_averages_params", False):
+        return f"{cfg.algo} keeps no outer state beside its anchor: its heals block"
+    return None
+
+
+def heal_of(cfg: Any) -> str:
+    """The heal a replica of the elastic job ``cfg`` receives past the warm start: its
+    ``heal`` (not given: blocking), blocking where :func:`why_blocking` says so."""
+    heal = cfg.heal or "blocking"
+    return "blocking" if heal == "background" and why_blocking(cfg) is not None else heal
 
 
 def check_fault_tolerance(cfg: Any) -> None:

@@ -19,7 +19,7 @@ import torch
 from lowcomm.guard import checksum
 from lowcomm.link import EmulatedLink
 from lowcomm.train.config import TrainConfig
-from lowcomm.train.elastic_config import heal_inner_for
+from lowcomm.train.elastic_config import heal_inner_for, heal_of
 from lowcomm.train.nodes import node_link
 
 __all__ = ["ATTEMPT_ENV", "ElasticReplica", "replica_generator", "replica_index"]
@@ -111,7 +111,7 @@ class ElasticReplica:
             link=link,
             dropped_residual=cfg.dropped_residual,
             heal=cfg.heal or "blocking",
-            heal_inner=heal_inner_for(cfg.heal, cfg.heal_inner),
+            heal_inner=heal_inner_for(heal_of(cfg), cfg.heal_inner),
             **group,
         )
         self.steps_trained = 0
@@ -238,8 +238,8 @@ class ElasticReplica:
             "ready_at": self.ready_at,
             "participants": list(ft.participants),
             # how it is healed past the warm start, as given or chosen (heal_inner not given:
-            # with the heal, lowcomm.train.elastic_config.heal_inner_for)
-            "heal": self.replica.heal,
+            # with the heal, lowcomm.train.elastic_config.heal_inner_for), as it runs
+            "heal": heal_of(self.cfg),
             "heal_inner": self.replica.heal_inner,
             # what its heals carried (as a joiner and as a donor) and how long each one it
             # received took, from asking to loading (over the emulated link: what it takes)

@@ -48,7 +48,7 @@ from torch import nn
 from lowcomm.device import collective_device, synchronize
 from lowcomm.registry import REGISTRY
 from lowcomm.train.config import ConfigError, TrainConfig
-from lowcomm.train.elastic_config import heal_inner_for
+from lowcomm.train.elastic_config import heal_inner_for, why_blocking
 from lowcomm.train.outer_keys import sync_codec
 from lowcomm.train.topology import Topology
 from lowcomm.tune.choose import EARLY_KEYS, LinkProfile, choose_algorithm, choose_sync_settings
@@ -329,14 +329,14 @@ def tune_to_link(
                 if switch is None
                 else fallbacks[switch.settings["algo"]]["sync_every"]
             )
-            heal, why = choose_heal(
+            heal, why = _heal_choice(
+                cfg,
                 record[0],
                 sync_every=int(h),
                 parameters=sum(math.prod(s) for s in shapes),
                 link=profile,
-                heal_inner=cfg.heal_inner,
             )
-            record[0]["settings"] = {**record[0]["settings"], **_heal_settings(cfg, heal)}
+            record[0]["settings"] = {**record[0]["settings"], **heal}
             record[0]["heal_reason"] = why
     dist.broadcast_object_list(record, src=0)
     tuned = _apply(cfg, record[0])
@@ -373,8 +373,8 @@ def _heal_only(
     """The heal of an elastic job whose other settings are kept as given (``untuned``: why):
     its step timed as a tuned job's is, its round's syncs priced on the link with its own
     settings (:func:`lowcomm.tune.choose.price_as_given`), then :func:`choose_heal`. The
-    record holds ``{"heal": ...}`` as its only setting and ``as_given``: why the rest is
-    not tuned."""
+    record holds the heal (``heal``, and ``heal_inner`` where the job did not give it) as its
+    only settings and ``as_given``: why the rest is not tuned."""
     from lowcomm.tune.choose import price_as_given
 
     profile = _profile(cfg, topology, None)
@@ -400,14 +400,14 @@ def _heal_only(
         "sync_s": timing.comm_s * cfg.sync_every,
         "as_given": untuned,
     }
-    heal, why = choose_heal(
+    heal, why = _heal_choice(
+        cfg,
         record,
         sync_every=cfg.sync_every,
         parameters=sum(math.prod(s) for s in shapes),
         link=profile,
-        heal_inner=cfg.heal_inner,
     )
-    record["settings"] = _heal_settings(cfg, heal)
+    record["settings"] = heal
     record["heal_reason"] = why
     from lowcomm.train.report import describe_choice
 
@@ -452,6 +452,21 @@ def choose_heal(
 
 HEAL_KEYS = ("heal", "heal_inner")
 """The elastic settings chosen with the link's where the job does not give them."""
+
+
+def _heal_choice(
+    cfg: TrainConfig, record: dict[str, Any], *, sync_every: int, parameters: int, link: LinkProfile
+) -> tuple[dict[str, str], str]:
+    """The heal settings of the elastic job ``cfg`` chosen from its link (:func:`choose_heal`;
+    blocking where a heal cannot reach its replicas in the background:
+    :func:`lowcomm.train.elastic_config.why_blocking`) and why."""
+    heal, why = choose_heal(
+        record, sync_every=sync_every, parameters=parameters, link=link, heal_inner=cfg.heal_inner
+    )
+    blocked = why_blocking(cfg) if heal == "background" else None
+    if blocked is not None:
+        heal, why = "blocking", f"{why}, but {blocked}"
+    return _heal_settings(cfg, heal), why
 
 
 def _heal_settings(cfg: TrainConfig, heal: str) -> dict[str, str]:
