@@ -23,10 +23,10 @@ def heal_inner_for(heal: str | None, heal_inner: str | None) -> str:
     it is given, else chosen with the heal (``heal``; not given: blocking): ``none`` for a heal
     in the background, ``bf16`` for a blocking one. In the background a returning replica
     trains nothing until its transfer has arrived, which shares the link with the syncs, so
-    the smaller heal brings it back sooner; on the default job over 10 Mbit/s, two kill
-    schedules kept 89% of the fault-free goodput with ``none`` against 82-86% with ``bf16``, its
-    loss no further from fault-free (docs/fault-tolerance.md). A blocking heal, which every
-    replica waits for, was mixed between the two, and keeps the donor's moments."""
+    the smaller heal brings it back sooner: in every paired run of docs/fault-tolerance.md it
+    kept at least the fault-free goodput share of ``bf16``, its loss no further from it. A
+    blocking heal, which every replica waits for, was mixed between the two, and keeps the
+    donor's moments. ``heal`` is the heal as it runs (:func:`heal_of`)."""
     if heal_inner is not None:
         return heal_inner
     return "none" if heal == "background" else "bf16"
